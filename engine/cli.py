@@ -3,7 +3,9 @@
 Subcommands:
 
 - ``fp8lab e4m3``: print the 256-code E4M3 table;
-- ``fp8lab e4m3 X [X ...]``: encode numbers to E4M3 and show code, bits, value and rounding error.
+- ``fp8lab e4m3 X [X ...]``: encode numbers to E4M3 and show code, bits, value and rounding error;
+- checkpoint commands (``quantize``, ``inspect``, ``make-tiny``): ``engine.checkpoint_commands``;
+- ``fp8lab generate``: ``engine.generate_command``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import sys
 import numpy as np
 
 from reference import e4m3
+
+from . import checkpoint_commands, generate_command
 
 
 def _print_table(out) -> None:
@@ -61,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="overflow gives NaN (as torch/ml_dtypes casts) instead of saturating to +-448",
     )
     p.set_defaults(handler=_e4m3_command)
+    checkpoint_commands.register(sub)
+    generate_command.register(sub)
     return parser
 
 

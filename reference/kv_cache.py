@@ -28,9 +28,9 @@ def quantize_kv(x) -> tuple[np.ndarray, np.ndarray]:
     """
     x32 = as_float("x", x, np.float32)
     if x32.ndim < 1:
-        raise ValueError(f"x: expected shape [..., head_dim], got a scalar")
+        raise ValueError("x: expected shape [..., head_dim], got a scalar")
     require_finite("x", x32)
-    amax = np.max(np.abs(x32), axis=-1) if x32.shape[-1] else np.zeros(x32.shape[:-1], np.float32)
+    amax = np.max(np.abs(x32), axis=-1, initial=0)
     scales = np.where(amax == 0, np.float32(1), amax / np.float32(e4m3.MAX)).astype(np.float32)
     return e4m3.encode(x32 / scales[..., None], saturate=True), scales
 
