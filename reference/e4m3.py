@@ -61,7 +61,7 @@ def decode(codes) -> np.ndarray:
 
 
 def encode(x, saturate: bool = True) -> np.ndarray:
-    """Encode floats (any float dtype, any shape) to E4M3 codes (uint8), round to nearest, ties to even.
+    """Encode numbers (any float or integer dtype, any shape) to E4M3 codes (uint8), round to nearest, ties to even.
 
     ``saturate=True`` maps magnitudes that round above 448 (and +-inf) to +-448;
     ``saturate=False`` maps them to the NaN code of their sign, as ``torch`` and ``ml_dtypes`` do.
@@ -70,7 +70,8 @@ def encode(x, saturate: bool = True) -> np.ndarray:
     The input is widened to float64 (exact for float16/bfloat16/float32), so it is rounded
     exactly once.
     """
-    v = as_float("x", x, np.float64)
+    v = np.asarray(x)
+    v = as_float("x", v.astype(np.float64) if v.dtype.kind in "iu" else v, np.float64)
     sign = np.signbit(v)
     a = np.abs(v)
     finite = np.isfinite(a)
@@ -102,9 +103,7 @@ def round_trip(x, saturate: bool = True) -> np.ndarray:
 
 def code_class(code: int) -> str:
     """Name the kind of one code: ``'zero'``, ``'subnormal'``, ``'normal'`` or ``'nan'``."""
-    c = int(code)
-    if not 0 <= c <= 255:
-        raise ValueError(f"code: expected an E4M3 code in 0..255, got {code!r}")
+    c = int(as_codes("code", code))
     exponent, mantissa = (c >> 3) & 0xF, c & 0x7
     if exponent == 15 and mantissa == 7:
         return "nan"
@@ -123,7 +122,7 @@ CODES.setflags(write=False)
 
 def bits_string(code: int) -> str:
     """The bit fields of one code as ``'S.EEEE.MMM'``, e.g. ``bits_string(0x7E) == '0.1111.110'``."""
-    c = int(code)
+    c = int(as_codes("code", code))
     return f"{c >> 7:01b}.{(c >> 3) & 0xF:04b}.{c & 7:03b}"
 
 

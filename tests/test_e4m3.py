@@ -14,8 +14,26 @@ ALL_CODES = np.arange(256, dtype=np.uint8)
 
 
 def oracle_encode(x) -> np.ndarray:
-    """ml_dtypes' cast (round to nearest even, overflow to NaN), as codes."""
-    return np.asarray(x).astype(ORACLE).view(np.uint8)
+    """ml_dtypes' cast (round to nearest even, overflow to NaN), as codes.
+
+    ml_dtypes 0.6 casts float64 through float32, rounding twice, so float64 inputs must be
+    float32-representable here; ``test_float64_is_rounded_once`` covers the rest.
+    """
+    x = np.asarray(x)
+    if x.dtype == np.float64:
+        assert np.array_equal(x.astype(np.float32).astype(np.float64), x, equal_nan=True)
+    return x.astype(ORACLE).view(np.uint8)
+
+
+def nearest_code_brute_force(x: float) -> int:
+    """The E4M3 code nearest to a finite |x| <= 448 by search over all finite codes; ties to the
+    even mantissa (even code). Independent of both encoders."""
+    finite = np.array(fst.NON_NAN_CODES)
+    values = e4m3.VALUES[finite].astype(np.float64)
+    distance = np.abs(values - x)
+    best = finite[distance == distance.min()]
+    best = best[np.signbit(e4m3.VALUES[best]) == np.signbit(x)]  # +0 and -0 are both at distance |x|
+    return int(best[best % 2 == 0][0]) if best.size > 1 else int(best[0])
 
 
 def oracle_encode_saturating(x) -> np.ndarray:
@@ -70,7 +88,23 @@ def test_encode_matches_ml_dtypes_on_dense_random_floats(rng, dtype):
     assert same_codes(e4m3.encode(x, saturate=True), oracle_encode_saturating(x))
 
 
+def test_float64_is_rounded_once(rng):
+    """float64 inputs a hair above or below a tie round to the nearer side, not to the tie's even side."""
+    midpoints = fst._midpoints()
+    midpoints = midpoints[midpoints <= e4m3.MAX]
+    for sign in (1.0, -1.0):
+        for nudge in (1 + 2.0**-40, 1 - 2.0**-40, 1.0):
+            x = sign * midpoints * nudge
+            got = e4m3.encode(x, saturate=True)
+            expected = [nearest_code_brute_force(v) for v in x]
+            assert got.tolist() == expected
+    assert e4m3.encode(464 * (1 + 2.0**-40), saturate=False) == 0x7F
+    assert e4m3.encode(2.0**-10 + 1e-12) == 0x01
+
+
 def _dense_samples(rng, midpoints, dtype):
+    if dtype == np.float64:  # float32-representable, see oracle_encode; then widened
+        return _dense_samples(rng, midpoints, np.float32).astype(np.float64)
     return np.concatenate([
         rng.standard_normal(20000) * 10.0 ** rng.uniform(-4, 3.5, 20000),
         rng.uniform(-2 * e4m3.MIN_NORMAL, 2 * e4m3.MIN_NORMAL, 5000),  # subnormals
@@ -125,6 +159,7 @@ def test_bad_input_is_rejected_with_a_clear_message():
     with pytest.raises(ValueError, match="0..255"):
         e4m3.decode(np.array([1, 256]))
     with pytest.raises(ValueError, match="x: expected a float array"):
-        e4m3.encode(np.array([1, 2], np.int32))
+        e4m3.encode(np.array(["1"]))
+    assert e4m3.encode(464) == 0x7E  # integers are numbers too
     with pytest.raises(ValueError, match="0..255"):
         e4m3.code_class(300)
