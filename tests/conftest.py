@@ -5,15 +5,30 @@ Profiles (choose with ``pytest --hypothesis-profile=NAME``; ``ci`` is the defaul
 - ``ci``: fast and reproducible (derandomized), for the CPU-only run on every submission;
 - ``nightly``: thorough, randomized, many examples, for a long run on a big machine.
 
-Tests marked ``gpu`` run only where numba-cuda sees an NVIDIA GPU and skip cleanly elsewhere.
+Tests marked ``gpu`` run only where numba-cuda sees an NVIDIA GPU and skip cleanly elsewhere;
+tests marked ``cudasim`` run kernels in Numba's CUDA simulator, which this file switches on when
+there is no GPU.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
-import pytest
-from hypothesis import HealthCheck, settings
+
+def _nvidia_gpu_present() -> bool:
+    """A cheap look for an NVIDIA driver, without importing numba."""
+    return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
+
+
+# Numba reads NUMBA_ENABLE_CUDASIM once, when it is first imported: decide before any test module
+# imports it. Without a GPU the kernels run in the CUDA simulator; with one, on the GPU (run
+# `NUMBA_ENABLE_CUDASIM=1 pytest -m cudasim` there for the simulator tests).
+if "NUMBA_ENABLE_CUDASIM" not in os.environ and not _nvidia_gpu_present():
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci",
@@ -50,6 +65,11 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU visible to numba-cuda")
         for item in gpu_items:
             item.add_marker(skip)
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        skip = pytest.mark.skip(reason="simulator test; run with NUMBA_ENABLE_CUDASIM=1")
+        for item in items:
+            if "cudasim" in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture

@@ -1,0 +1,76 @@
+"""Bit reinterpretation inside kernels, the same calls on a GPU and in the CUDA simulator.
+
+Kernels that place E4M3 bits into BF16/F16/F32 patterns need to read an integer as a float
+without conversion. On a GPU these are LLVM ``bitcast`` intrinsics (free: no instruction) and
+``cvt`` for F16; in the simulator, where kernels are plain Python, they are NumPy views.
+
+- ``u32_as_f32(u)``, ``f32_as_u32(x)``: uint32 <-> float32 bit patterns;
+- ``bf16_bits_to_f32(h)``: a BF16 pattern (low 16 bits of ``h``) as float32 (exact);
+- ``f16_bits_to_f32(h)``: an F16 pattern (low 16 bits of ``h``) as float32 (exact);
+- ``f32_to_bf16_bits(x)``: float32 to BF16 bits, round to nearest even (finite inputs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import config, cuda
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+
+if SIMULATOR:
+
+    def u32_as_f32(u):
+        return np.uint32(int(u) & 0xFFFFFFFF).view(np.float32)
+
+    def f32_as_u32(x):
+        return np.float32(x).view(np.uint32)
+
+    def f16_bits_to_f32(h):
+        return np.float32(np.uint16(int(h) & 0xFFFF).view(np.float16))
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import libdevice
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def _bitcast_u32_to_f32(typingctx, u):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return types.float32(types.uint32), codegen
+
+    @intrinsic
+    def _bitcast_f32_to_u32(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return types.uint32(types.float32), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def u32_as_f32(u):
+        return _bitcast_u32_to_f32(types.uint32(u))
+
+    @cuda.jit(device=True, inline=True)
+    def f32_as_u32(x):
+        return _bitcast_f32_to_u32(types.float32(x))
+
+    @cuda.jit(device=True, inline=True)
+    def f16_bits_to_f32(h):
+        # libdevice's __nv_half2float: one cvt.f32.f16, exact for every F16 value
+        return libdevice.half2float(types.int16(h & 0xFFFF))
+
+
+@cuda.jit(device=True, inline=True)
+def bf16_bits_to_f32(h):
+    """A BF16 pattern is the high half of a float32 pattern."""
+    return u32_as_f32((h & 0xFFFF) << 16)
+
+
+@cuda.jit(device=True, inline=True)
+def f32_to_bf16_bits(x):
+    """Round float32 to BF16 (nearest, ties to even) and return the 16-bit pattern."""
+    u = f32_as_u32(x)
+    rounding = 0x7FFF + ((u >> 16) & 1)
+    return ((u + rounding) >> 16) & 0xFFFF
