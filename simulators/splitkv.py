@@ -1,0 +1,373 @@
+"""How split-kv flash decoding computes paged decode attention, modelled in vectorized NumPy.
+
+What it computes (the contract of ``reference.attention.paged_decode``): for each sequence and
+query head ``h``, softmax attention of the new token's query over the sequence's ``L`` cached
+tokens, reading kv head ``h // (num_heads // num_kv_heads)`` (GQA), with an optional ALiBi bias
+``slope_h * (j - (L - 1))``. A sequence of length 0 gives a zero row.
+
+How (the schedule a CUDA kernel follows, and this model reproduces in float32, operation by
+operation):
+
+- **Grid** ``(num_seqs, num_heads, num_splits)``: one CTA of 4 warps per sequence, query head and
+  *shard*. ``shard_bounds`` cuts ``[0, L)`` into ``num_splits`` ranges of whole KV blocks (the last
+  ones may be empty). ``choose_num_splits`` is the ``"auto"`` heuristic.
+- **Warps**: a shard's tokens are dealt to its 4 warps round-robin by token (``warp_tokens``): warp
+  ``w`` takes ``start + w, start + w + 4, ...``. Each warp walks its tokens in increasing order.
+- **Log2 domain**: ``scale_log2 = softmax_scale * log2(e)`` (float64 on the host, rounded once to
+  float32) is folded into the query once, ``q2 = q * scale_log2`` (float32), so a score is already a
+  base-2 exponent and ``exp2`` (one GPU instruction) replaces ``exp``. ALiBi slopes are folded the
+  same way: ``slope2 = slope * float32(log2(e))``.
+- **Score of token j** (every lane of the warp works on it): lane ``L`` owns the ``E = ceil(D / 32)``
+  consecutive elements ``[L E, (L + 1) E)`` of the head (``lane_elements``; for D = 128 and an FP8
+  cache that is one 32-bit load of 4 codes per lane, one 128-byte load per warp). Each lane forms
+  ``part = fma(q2[d], k[d], part)`` over its elements in order from 0, a butterfly
+  ``part += shfl_xor(part, off)`` for ``off = 16, 8, 4, 2, 1`` gives every lane the dot product,
+  then ``s = dot * k_scale[j]`` (the per-token FP8 scale is applied once to the dot, not per
+  element; a float cache has no scale) and, with ALiBi, ``s = fma(slope2, float32(j - (L - 1)), s)``.
+  ``k[d]`` is the exact float32 value of the code (or of the float cache entry).
+- **Online softmax per warp** (state ``m = -inf, l = 0, acc = 0``), per token::
+
+      m_new = max(m, s);  corr = exp2(m - m_new);  p = exp2(s - m_new)
+      l   = fma(l, corr, p)
+      acc = fma(p * v_scale[j], v[d], acc[d] * corr)     for each element d (the lane's own)
+      m   = m_new
+
+- **Merge** (``merge_partials``; the same rule joins the 4 warps of a CTA, in warp order, and the
+  shards of a sequence, in shard order): ``m* = max m_i``, ``w_i = exp2(m_i - m*)`` (0 where
+  ``m_i = -inf``), ``l = sum w_i l_i``, ``acc = sum w_i acc_i`` as float32 fma chains from 0. A shard
+  writes its partial ``(m, l, acc)``, *not* normalized. An empty warp or shard is the neutral
+  element ``(-inf, 0, 0)``: it contributes weight 0 and leaves ``m*`` alone.
+- **Combine** (``combine_partials``, one more small kernel): merge the shards, then
+  ``out = acc / l`` (float32 division); ``l = 0`` (length 0) gives a zero row, never NaN.
+
+``np.exp2`` on float32 is not correctly rounded (here within 2 ulp), and neither is CUDA's
+``exp2f``/``ex2.approx``: the two differ in the last bits, so GPU results are checked against this
+model (or the reference) with an error bound, not bit for bit. NumPy's float32 ``exp2`` may also
+differ between CPUs (SIMD paths). Every other operation above is a correctly rounded float32
+operation (``fma`` via ``simulators.gemv_simt.fma_f32``), reproducible anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference import e4m3, kv_cache
+from reference._checks import as_float, as_index, require_ndim, require_shape
+
+from .gemv_simt import BUTTERFLY_OFFSETS, WARP_SIZE, fma_f32
+
+NUM_WARPS = 4
+"""Warps per CTA; a shard's tokens are dealt to them round-robin."""
+MAX_AUTO_SPLITS = 8
+NUM_SMS = 132
+"""Streaming multiprocessors of an H100 SXM / H200: the default GPU of the ``auto`` heuristic."""
+LOG2E = math.log2(math.e)
+
+
+# ---------------------------------------------------------------------------- the work decomposition
+
+
+def shard_bounds(seq_len: int, num_splits: int, block_size: int) -> np.ndarray:
+    """Token ranges ``[start, end)`` of the ``num_splits`` shards of a sequence, shape ``[num_splits, 2]``.
+
+    Shards are made of whole KV blocks: each takes ``ceil(num_blocks / num_splits)`` blocks, so
+    only the last non-empty shard may end inside a block (at ``seq_len``), and trailing shards may
+    be empty (``start == end == seq_len``). Together they partition ``[0, seq_len)`` in order.
+    """
+    seq_len, num_splits, block_size = int(seq_len), int(num_splits), int(block_size)
+    if seq_len < 0 or num_splits < 1 or block_size < 1:
+        raise ValueError(
+            f"shard_bounds: need seq_len >= 0, num_splits >= 1, block_size >= 1, got {seq_len}, {num_splits}, {block_size}"
+        )
+    num_blocks = -(-seq_len // block_size)
+    tokens_per_shard = -(-num_blocks // num_splits) * block_size
+    edges = np.minimum(np.arange(num_splits + 1) * tokens_per_shard, seq_len)
+    return np.stack([edges[:-1], edges[1:]], axis=1)
+
+
+def warp_tokens(start: int, end: int, warp: int, num_warps: int = NUM_WARPS) -> np.ndarray:
+    """The tokens of shard ``[start, end)`` that ``warp`` processes, in its order: round-robin by token.
+
+    Dealing single tokens (not blocks or contiguous ranges) keeps the 4 warps within one token of
+    each other even in short shards, and a step of the 4 warps reads 4 neighbouring tokens.
+    """
+    return np.arange(start + warp, end, num_warps)
+
+
+def lane_elements(head_dim: int) -> np.ndarray:
+    """``idx[L, e]``: the head element lane ``L`` owns as its ``e``-th, or -1 (``[32, ceil(D/32)]``).
+
+    Lane ``L`` owns ``[L E, (L + 1) E)`` with ``E = ceil(D / 32)``; for ``D < 32`` lanes ``D..31`` own
+    nothing. Each element is owned by exactly one lane.
+    """
+    per_lane = max(1, -(-int(head_dim) // WARP_SIZE))
+    idx = np.arange(WARP_SIZE * per_lane).reshape(WARP_SIZE, per_lane)
+    return np.where(idx < head_dim, idx, -1)
+
+
+def choose_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int = NUM_SMS,
+                      block_size: int = 16) -> int:
+    """The ``"auto"`` split count: split the KV only when the grid alone would leave SMs idle.
+
+    Decode attention is memory bound, so the goal is one CTA per SM. The grid without splitting
+    has ``num_seqs * num_heads`` CTAs (pass the kv head count for a kernel that runs one CTA per kv
+    head). The answer is the largest ``s`` with ``grid * s <= num_sms`` (one wave, no partial second
+    wave), at most ``MAX_AUTO_SPLITS`` = 8 (more shards cost more combine traffic than they gain), at
+    most the number of KV blocks of the longest sequence (a shard with no work is waste), and at
+    least 1. It is 1 whenever ``grid * 2 > num_sms``, in particular when the grid fills the GPU.
+    """
+    grid = int(num_seqs) * int(num_heads)
+    if grid <= 0:
+        return 1
+    blocks_of_work = -(-int(max_seq_len) // int(block_size))
+    return int(max(1, min(MAX_AUTO_SPLITS, int(num_sms) // grid, blocks_of_work)))
+
+
+# ---------------------------------------------------------------------------- partials and their merge
+
+
+@dataclass(frozen=True)
+class Partials:
+    """What the split-kv kernel writes before the combine: one ``(m, l, acc)`` per shard.
+
+    ``m``, ``l``: float32 ``[num_seqs, num_heads, num_splits]`` (running max in the log2 domain, sum
+    of ``exp2(s - m)``); ``acc``: float32 ``[num_seqs, num_heads, num_splits, head_dim]``, not
+    normalized; ``bounds``: int ``[num_seqs, num_splits, 2]``, each shard's token range.
+    Empty shards hold the neutral element ``(-inf, 0, 0)``.
+    """
+
+    m: np.ndarray
+    l: np.ndarray
+    acc: np.ndarray
+    bounds: np.ndarray
+
+    def shard_outputs(self) -> np.ndarray:
+        """Each shard's own normalized output ``acc / l`` (zeros for empty shards)."""
+        return _normalize(self.l, self.acc)
+
+
+def neutral_partial(head_dim: int) -> tuple[np.float32, np.float32, np.ndarray]:
+    """The neutral element ``(-inf, 0, zeros(head_dim))``: merging it in changes nothing."""
+    return np.float32(-np.inf), np.float32(0), np.zeros(head_dim, dtype=np.float32)
+
+
+def merge_weights(m: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarray]:
+    """``(m*, w)``: ``m* = max m_i`` along ``axis`` and ``w_i = exp2(m_i - m*)``, 0 where ``m_i = -inf``.
+
+    The guard matters when every ``m_i`` is ``-inf`` (nothing to attend to): ``-inf - -inf`` is NaN.
+    """
+    m_star = np.max(m, axis=axis, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        w = np.where(m == -np.inf, np.float32(0), np.exp2(m - m_star))
+    return np.squeeze(m_star, axis=axis), w.astype(np.float32)
+
+
+def merge_partials(m, l, acc, axis: int = -1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge partials along ``axis`` of ``m`` and ``l`` (``acc`` has one more, last, axis).
+
+    ``l = sum w_i l_i`` and ``acc = sum w_i acc_i`` as float32 fma chains from 0, in index order.
+    """
+    m, l, acc = (np.asarray(x, dtype=np.float32) for x in (m, l, acc))
+    axis = axis % m.ndim
+    m_star, w = merge_weights(m, axis)
+    l_sum = np.zeros(m_star.shape, dtype=np.float32)
+    acc_sum = np.zeros(m_star.shape + acc.shape[-1:], dtype=np.float32)
+    for i in range(m.shape[axis]):
+        w_i = np.take(w, i, axis=axis)
+        l_sum = fma_f32(w_i, np.take(l, i, axis=axis), l_sum)
+        acc_sum = fma_f32(w_i[..., None], np.take(acc, i, axis=axis), acc_sum)
+    return m_star, l_sum, acc_sum
+
+
+def _normalize(l: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """``acc / l`` (float32 division), and zeros where ``l == 0``."""
+    safe_l = np.where(l > 0, l, np.float32(1))[..., None]
+    return np.where((l > 0)[..., None], acc / safe_l, np.float32(0)).astype(np.float32)
+
+
+def combine_partials(m, l, acc) -> np.ndarray:
+    """The combine step: merge the shards (last axis of ``m``, ``l``) and normalize: ``acc / l``.
+
+    ``m``, ``l``: ``[..., num_splits]``; ``acc``: ``[..., num_splits, head_dim]``; returns float32
+    ``[..., head_dim]``. All shards empty (``l = 0``): a zero row.
+    """
+    _, l_sum, acc_sum = merge_partials(m, l, acc, axis=-1)
+    return _normalize(l_sum, acc_sum)
+
+
+# ---------------------------------------------------------------------------- inside one CTA
+
+
+def warp_scores(q2_lanes: np.ndarray, k_lanes: np.ndarray, k_scale: np.ndarray) -> np.ndarray:
+    """Scores in the log2 domain: per-lane fma chains, the butterfly, then ``* k_scale``.
+
+    ``q2_lanes``, ``k_lanes``: ``[..., 32, E]`` (broadcastable; lanes' elements, 0 where a lane owns
+    none); ``k_scale``: ``[...]``. Returns float32 ``[...]``.
+    """
+    shape = np.broadcast_shapes(q2_lanes.shape, k_lanes.shape)[:-1]
+    part = np.zeros(shape, dtype=np.float32)
+    for e in range(q2_lanes.shape[-1]):
+        part = fma_f32(q2_lanes[..., e], k_lanes[..., e], part)
+    lanes = np.arange(WARP_SIZE)
+    for off in BUTTERFLY_OFFSETS:
+        part = part + part[..., lanes ^ off]
+    return part[..., 0] * k_scale  # every lane has the same dot; a float cache passes k_scale = 1
+
+
+def online_softmax_step(state, s, v, v_scale, active):
+    """One token of every warp's online softmax; ``state = (m, l, acc)`` float32, returns the new one.
+
+    ``s``, ``v_scale``, ``m``, ``l``: ``[...]``; ``v``, ``acc``: ``[..., D]``. Where ``active`` is False
+    (the warp has no token this step) the state is left as it is.
+    """
+    m, l, acc = state
+    with np.errstate(invalid="ignore"):  # inactive warps may hold -inf - -inf; they are masked below
+        m_new = np.maximum(m, s)
+        corr = np.exp2(m - m_new)  # 0 on a warp's first token (m = -inf)
+        p = np.exp2(s - m_new)
+        l_new = fma_f32(l, corr, p)
+        acc_new = fma_f32((p * v_scale)[..., None], v, acc * corr[..., None])
+    return (np.where(active, m_new, m), np.where(active, l_new, l), np.where(active[..., None], acc_new, acc))
+
+
+# ---------------------------------------------------------------------------- the entry points
+
+
+def shard_partials(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale: float, k_scale=None, v_scale=None,
+                   alibi_slopes=None, num_splits="auto") -> Partials:
+    """Run the split-kv kernel and return its per-shard partials (before the combine).
+
+    Arguments as ``paged_decode``. All sequences, heads, shards and warps advance together, one
+    token per warp per step; the loop runs over steps (the longest warp's token count).
+    """
+    q32, tables, lens, slopes = _checked_arguments(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale,
+                                                   alibi_slopes)
+    num_seqs, num_heads, head_dim = q32.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    splits = _resolve_num_splits(num_splits, num_seqs, num_heads, lens, block_size)
+    bounds = np.array([shard_bounds(length, splits, block_size) for length in lens], np.int64).reshape(num_seqs, splits, 2)
+
+    # Axes of the work: [seq, kv_head, group, shard, warp (, lane, element)]; query head = kv_head * group + g.
+    scale_log2 = np.float32(float(softmax_scale) * LOG2E)  # float64 product, rounded once
+    q2 = (q32 * scale_log2).reshape(num_seqs, num_kv_heads, group, 1, 1, head_dim)
+    lanes = lane_elements(head_dim)
+    q2_lanes = _to_lanes(q2, lanes)
+    slope2 = None if slopes is None else (slopes * np.float32(LOG2E)).reshape(1, num_kv_heads, group, 1, 1)
+
+    state_shape = (num_seqs, num_kv_heads, group, splits, NUM_WARPS)
+    state = (np.full(state_shape, -np.inf, np.float32), np.zeros(state_shape, np.float32),
+             np.zeros(state_shape + (head_dim,), np.float32))
+    starts, ends = bounds[..., 0], bounds[..., 1]
+    warp = np.arange(NUM_WARPS)
+    steps = int(np.max(-(-(ends - starts) // NUM_WARPS), initial=0))
+    for step in range(steps):
+        token = starts[..., None] + warp + NUM_WARPS * step  # [seq, shard, warp]
+        active = token < ends[..., None]
+        k, ks = _gather_tokens(k_cache, k_scale, tables, token, active)  # [seq, kv, shard, warp(, D)]
+        v, vs = _gather_tokens(v_cache, v_scale, tables, token, active)
+        s = warp_scores(q2_lanes, _to_lanes(k[:, :, None], lanes), ks[:, :, None])
+        if slope2 is not None:
+            distance = (token - (lens[:, None, None] - 1)).astype(np.float32)[:, None, None]
+            s = fma_f32(slope2, distance, s)
+        state = online_softmax_step(state, s, v[:, :, None], vs[:, :, None], active[:, None, None])
+
+    m, l, acc = merge_partials(*state, axis=4)  # the 4 warps of each CTA, in warp order
+    heads = (num_seqs, num_heads, splits)
+    return Partials(m.reshape(heads), l.reshape(heads), acc.reshape(heads + (head_dim,)), bounds)
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale: float, k_scale=None, v_scale=None,
+                 alibi_slopes=None, num_splits="auto") -> np.ndarray:
+    """Split-kv decode attention, as the kernel computes it: float32 ``[num_seqs, num_heads, head_dim]``.
+
+    Arguments as ``reference.attention.paged_decode`` (FP8 caches of uint8 codes need float32
+    ``k_scale``, ``v_scale`` ``[num_blocks, num_kv_heads, block_size]``), plus ``num_splits``: a
+    positive int, or ``"auto"`` for ``choose_num_splits`` on this batch (``num_sms = 132``).
+    """
+    partials = shard_partials(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale,
+                              alibi_slopes, num_splits)
+    return combine_partials(partials.m, partials.l, partials.acc)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _to_lanes(x: np.ndarray, lanes: np.ndarray) -> np.ndarray:
+    """``x[..., D]`` as ``[..., 32, E]`` in the lanes' ownership (0 where a lane owns nothing)."""
+    return np.where(lanes >= 0, np.take(x, np.maximum(lanes, 0), axis=-1), np.float32(0)).astype(np.float32)
+
+
+def _gather_tokens(cache, scales, tables, token, active):
+    """Values ``[seq, kv_head, shard, warp, D]`` and scales ``[seq, kv_head, shard, warp]`` of ``token``.
+
+    FP8 codes become their exact float32 values; a float cache gets scale 1 (multiplying by 1 is
+    exact, so this is the kernel variant without a scale). Inactive slots read as 0 with scale 1:
+    they are masked out of the state anyway, and this keeps padded table entries (-1) out of it.
+    """
+    block_size = cache.shape[2]
+    position = np.where(active, token, 0)
+    table_column = np.minimum(position // block_size, tables.shape[1] - 1)
+    block = np.where(active, np.take_along_axis(tables, table_column.reshape(len(tables), -1), axis=1)
+                     .reshape(token.shape), 0)
+    offset = position % block_size
+    raw = cache[block, :, offset, :]  # [seq, shard, warp, kv_head, D]
+    if kv_cache.is_fp8(cache):
+        values = np.take(e4m3.VALUES, raw)
+        token_scales = scales[block, :, offset]
+    else:
+        values = raw.astype(np.float32)
+        token_scales = np.ones(raw.shape[:-1], dtype=np.float32)
+    values = np.where(active[..., None, None], values, np.float32(0))
+    token_scales = np.where(active[..., None], token_scales, np.float32(1))
+    return values.transpose(0, 3, 1, 2, 4), token_scales.transpose(0, 3, 1, 2)
+
+
+def _resolve_num_splits(num_splits, num_seqs, num_heads, lens, block_size) -> int:
+    if isinstance(num_splits, str):
+        if num_splits != "auto":
+            raise ValueError(f"num_splits: expected a positive int or 'auto', got {num_splits!r}")
+        return choose_num_splits(num_seqs, num_heads, int(np.max(lens, initial=0)), block_size=block_size)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 1:
+        raise ValueError(f"num_splits: expected a positive int or 'auto', got {num_splits!r}")
+    return int(num_splits)
+
+
+def _checked_arguments(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes):
+    q32 = as_float("q", q, np.float32)
+    require_ndim("q", q32, 3, "[num_seqs, num_heads, head_dim]")
+    num_seqs, num_heads, head_dim = q32.shape
+    kv_cache.check_cache(k_cache, k_scale, "k_cache")
+    kv_cache.check_cache(v_cache, v_scale, "v_cache")
+    require_shape("v_cache", v_cache, k_cache.shape)
+    num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"k_cache: head_dim {cache_head_dim} does not match q's head_dim {head_dim}")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) for GQA")
+    tables = as_index("block_tables", block_tables)
+    require_ndim("block_tables", tables, 2, "[num_seqs, max_blocks_per_seq]")
+    require_shape("block_tables", tables, (num_seqs, tables.shape[1]))
+    lens = as_index("seq_lens", seq_lens)
+    require_shape("seq_lens", lens, (num_seqs,))
+    if lens.size and lens.min() < 0:
+        raise ValueError(f"seq_lens: expected lengths >= 0, got {lens.min()}")
+    needed = -(-lens // block_size)
+    if needed.size and needed.max() > tables.shape[1]:
+        raise ValueError(f"block_tables: a sequence of {lens.max()} tokens needs {needed.max()} blocks of "
+                         f"{block_size}, the table has {tables.shape[1]} columns")
+    for i, n_used in enumerate(needed):  # only the blocks a sequence uses must be valid ids
+        used = tables[i, :n_used]
+        if used.size and (used.min() < 0 or used.max() >= num_blocks):
+            raise ValueError(f"block_tables: block ids must lie in [0, {num_blocks}), sequence {i} has "
+                             f"{used.min()}..{used.max()}")
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = as_float("alibi_slopes", alibi_slopes, np.float32)
+        require_shape("alibi_slopes", slopes, (num_heads,))
+    if tables.shape[1] == 0:  # no columns at all (every length 0): give the gather something to read
+        tables = np.zeros((num_seqs, 1), dtype=np.int64)
+    return q32, tables, lens, slopes
