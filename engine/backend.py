@@ -1,0 +1,218 @@
+"""The operators the Qwen3 model is written against, and the reference backend that implements them.
+
+The model (``engine.model``) never does FP8 math itself: every linear, norm, rotary embedding,
+KV cache write and attention goes through a ``Backend``. ``ReferenceBackend`` runs them with
+``reference/`` on the CPU; a GPU kernel backend implements the same methods and plugs in
+without touching the model.
+
+Contract (all activations are float32 NumPy arrays on the host; ``T`` = tokens in the batch):
+
+===================================  =========================================================
+``prepare_linear(weight, scale_inv,  once at load: turn a checkpoint weight (FP8 codes ``[N, K]``
+block)``                             + ``scale_inv`` + ``(BN, BK)``, or a float ``[N, K]``) into
+                                     whatever ``linear`` consumes
+``linear(x, prepared)``              ``x[..., K] -> [..., N]``: ``x @ W^T`` with W8A16 numerics,
+                                     ``W = decode(q) * scale_inv[n // BN, k // BK]``
+``embedding(table, ids)``            rows of the embedding table
+``rms_norm(x, weight, eps)``         over the last axis: ``weight * x / sqrt(mean(x^2) + eps)``
+``rope(x, positions, theta)``        NeoX-style rotary embedding of ``x[T, heads, head_dim]``
+``silu_mul(gate, up)``               ``silu(gate) * up`` (SwiGLU)
+``allocate_kv_cache(...)``           per-layer paged caches (``engine.kv_manager.LayerKVCache``)
+``write_kv(cache, k, v, slots)``     ``k, v[T, kv_heads, head_dim]`` into their slots (FP8: with
+                                     the per (token, kv head) scales of ``reference.kv_cache``)
+``decode_attention(q, cache,         one query token per sequence (``q[S, heads, head_dim]``),
+block_tables, context_lens, scale)`` the last of its ``context_len`` cached tokens; GQA
+``prefill_attention(q, cache,        causal attention of each sequence's new tokens over all its
+query_lens, block_tables,            cached tokens (a prefix from earlier chunks + the new ones,
+context_lens, scale)``               already written): ``q[sum(query_lens), heads, head_dim]``
+===================================  =========================================================
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference import attention as ref_attention
+from reference import blockwise
+from reference import kv_cache as ref_kv
+
+from .kv_manager import LayerKVCache, allocate_kv_cache, round_to_bf16
+
+
+class Backend(ABC):
+    """The operators of a Qwen3 forward pass (see the module docstring for shapes and meaning)."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def prepare_linear(self, weight: np.ndarray, scale_inv: np.ndarray | None = None, block=None): ...
+
+    @abstractmethod
+    def linear(self, x: np.ndarray, prepared) -> np.ndarray: ...
+
+    @abstractmethod
+    def embedding(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray: ...
+
+    @abstractmethod
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray: ...
+
+    @abstractmethod
+    def rope(self, x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray: ...
+
+    @abstractmethod
+    def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray: ...
+
+    @abstractmethod
+    def allocate_kv_cache(self, num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_cache_dtype): ...
+
+    @abstractmethod
+    def write_kv(self, cache: LayerKVCache, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def decode_attention(self, q, cache: LayerKVCache, block_tables, context_lens, scale: float) -> np.ndarray: ...
+
+    @abstractmethod
+    def prefill_attention(self, q, cache: LayerKVCache, query_lens, block_tables, context_lens, scale: float): ...
+
+
+@dataclass(frozen=True)
+class PreparedLinear:
+    """A weight ready for ``ReferenceBackend.linear``.
+
+    ``weight`` is the float32 ``[N, K]`` matrix the GEMM multiplies by: for an FP8 weight it is
+    ``reference.blockwise.dequantize(codes, scale_inv, block)``, computed once at load (the
+    per-layer dequantized cache), or ``None`` when the backend dequantizes on every call to save
+    memory. ``codes``, ``scale_inv`` and ``block`` keep the FP8 form (``None`` for float weights).
+    """
+
+    weight: np.ndarray | None
+    codes: np.ndarray | None = None
+    scale_inv: np.ndarray | None = None
+    block: tuple[int, int] | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.codes is not None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes if self.is_fp8 else self.weight).shape
+
+
+def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """``cos``, ``sin`` ``[T, head_dim // 2]`` (float32) of the angles ``position * theta^(-2i / head_dim)``.
+
+    The angles are computed in float64 and rounded once; transformers computes them in float32,
+    which differs by about ``position * 2^-24`` radians.
+    """
+    inv_freq = float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+class ReferenceBackend(Backend):
+    """CPU backend: FP8 math by ``reference/``, dense math in float32 NumPy.
+
+    - ``linear``: W8A16; the FP8 weight is dequantized with ``reference.blockwise.dequantize``
+      (``decode(q) * scale_inv`` rounded to float32, once per weight unless
+      ``dequantize_once=False``), then one float32 BLAS GEMM. Against the float64 oracle
+      ``blockwise.gemm`` the error is within float32 GEMM rounding (tested in
+      ``tests/test_model.py``). Results are not batch-invariant in the last bit: BLAS uses a
+      different kernel for one row than for many.
+    - KV cache writes and attention: ``reference.kv_cache.write`` (FP8 quantization per token and
+      kv head), ``reference.attention.paged_decode`` and ``reference.attention.prefill`` over the
+      gathered, dequantized cache (both in float64).
+    """
+
+    name = "reference"
+
+    def __init__(self, dequantize_once: bool = True):
+        self.dequantize_once = dequantize_once
+
+    # -- dense operators
+
+    def prepare_linear(self, weight, scale_inv=None, block=None) -> PreparedLinear:
+        weight = np.asarray(weight)
+        if scale_inv is None:
+            if weight.dtype == np.uint8:
+                raise ValueError("prepare_linear: FP8 codes (uint8) need their scale_inv")
+            return PreparedLinear(weight=np.ascontiguousarray(weight, dtype=np.float32))
+        if block is None:
+            raise ValueError("prepare_linear: an FP8 weight needs its (block_n, block_k)")
+        block = (int(block[0]), int(block[1]))
+        scale_inv = blockwise.checked_scales(scale_inv, weight.shape, block)
+        nan_codes = blockwise.nan_code_positions(weight)
+        if len(nan_codes):
+            raise ValueError(f"prepare_linear: the FP8 weight holds {len(nan_codes)} NaN codes, "
+                             f"e.g. at {tuple(int(i) for i in nan_codes[0])}")
+        dense = blockwise.dequantize(weight, scale_inv, block) if self.dequantize_once else None
+        return PreparedLinear(weight=dense, codes=weight, scale_inv=scale_inv, block=block)
+
+    def linear(self, x, prepared: PreparedLinear) -> np.ndarray:
+        w = prepared.weight
+        if w is None:
+            w = blockwise.dequantize(prepared.codes, prepared.scale_inv, prepared.block)
+        return np.matmul(x.astype(np.float32, copy=False), w.T)
+
+    def embedding(self, table, ids) -> np.ndarray:
+        return np.asarray(table, dtype=np.float32)[np.asarray(ids, dtype=np.int64)]
+
+    def rms_norm(self, x, weight, eps) -> np.ndarray:
+        # Qwen3RMSNorm: normalize in float32, then multiply by the weight
+        x = x.astype(np.float32, copy=False)
+        variance = np.mean(x * x, axis=-1, keepdims=True)
+        return weight * (x / np.sqrt(variance + np.float32(eps)))
+
+    def rope(self, x, positions, theta) -> np.ndarray:
+        # NeoX style: dimension i rotates with dimension i + head_dim / 2 (not with i + 1)
+        half = x.shape[-1] // 2
+        cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    def silu_mul(self, gate, up) -> np.ndarray:
+        # exp(-gate) overflows to inf for gate < -88 (silu -> -0) and underflows for large gate: both fine
+        with np.errstate(over="ignore", under="ignore"):
+            return gate / (np.float32(1) + np.exp(-gate)) * up
+
+    # -- paged KV cache and attention
+
+    def allocate_kv_cache(self, num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_cache_dtype):
+        return allocate_kv_cache(num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_cache_dtype)
+
+    def write_kv(self, cache: LayerKVCache, k, v, slot_mapping) -> None:
+        if cache.kv_cache_dtype == "bf16":
+            k, v = round_to_bf16(k), round_to_bf16(v)
+        ref_kv.write(cache.k, cache.k_scale, k, slot_mapping)
+        ref_kv.write(cache.v, cache.v_scale, v, slot_mapping)
+
+    def decode_attention(self, q, cache: LayerKVCache, block_tables, context_lens, scale) -> np.ndarray:
+        return ref_attention.paged_decode(q, cache.k, cache.v, block_tables, context_lens, scale,
+                                          k_scale=cache.k_scale, v_scale=cache.v_scale)
+
+    def prefill_attention(self, q, cache: LayerKVCache, query_lens, block_tables, context_lens, scale) -> np.ndarray:
+        out = np.empty(q.shape, dtype=np.float32)
+        start = 0
+        for n, table, context_len in zip(query_lens, block_tables, context_lens):
+            n, context_len = int(n), int(context_len)
+            # gather-dequantize the sequence's pages, then causal attention of its n new tokens
+            k = ref_kv.gather(cache.k, cache.k_scale, table, context_len)
+            v = ref_kv.gather(cache.v, cache.v_scale, table, context_len)
+            out[start : start + n] = ref_attention.prefill(q[start : start + n], k, v, scale)
+            start += n
+        return out
+
+
+BACKENDS = {"reference": ReferenceBackend}
+
+
+def get_backend(name: str) -> Backend:
+    """A backend by its command-line name (``reference``)."""
+    try:
+        return BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; available: {', '.join(sorted(BACKENDS))}") from None

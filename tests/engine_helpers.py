@@ -1,0 +1,151 @@
+"""Shared helpers for the engine tests: tiny seeded random Qwen3 models built in memory, runs of
+the model over a paged cache, and a byte-level fake tokenizer.
+
+The random weights are scaled so that activations stay O(1) (projections ``N(0, 1/K)``, norms
+near 1, embeddings ``N(0, 1)``): logits then spread over a few units, so greedy tokens mean
+something when two runs are compared.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+
+import numpy as np
+
+from engine.config import FP8QuantConfig, Qwen3Config
+from engine.kv_manager import KVCacheManager
+from engine.layout import expected_tensors, is_fp8_projection, projection_shapes
+from engine.model import Qwen3Model, make_batch
+from reference import blockwise
+
+BYTE_VOCAB = 256
+EOS_ID = 256
+VOCAB = 272  # 256 bytes + specials, a multiple of 16
+
+
+def tiny_config(fp8: bool = True, tie: bool = False, block=(32, 32), **overrides) -> Qwen3Config:
+    """A 2-layer Qwen3 with GQA (4 query heads, 2 kv heads). With ``block = (32, 32)`` the
+    intermediate size 80 leaves partial edge blocks in the FP8 weights."""
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                  rope_theta=10_000.0, max_position_embeddings=512, tie_word_embeddings=tie,
+                  eos_token_id=EOS_ID, torch_dtype="float32")
+    fields.update(overrides)
+    quant = FP8QuantConfig(weight_block_size=tuple(block)) if fp8 else None
+    return Qwen3Config(**fields, quantization=quant)
+
+
+def float_config(config: Qwen3Config) -> Qwen3Config:
+    """The same architecture with every projection stored as floats."""
+    return dataclasses.replace(config, quantization=None)
+
+
+def random_float_tensors(config: Qwen3Config, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Every tensor of ``config`` as float32 (projections unquantized), seeded random."""
+    tensors = {}
+    for name, spec in expected_tensors(float_config(config)).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = (1.0 + 0.2 * rng.standard_normal(spec.shape)).astype(np.float32)
+        elif name == "model.embed_tokens.weight":
+            tensors[name] = rng.standard_normal(spec.shape).astype(np.float32)
+        else:  # projections and lm_head: N(0, 1/K)
+            tensors[name] = (rng.standard_normal(spec.shape) / np.sqrt(spec.shape[1])).astype(np.float32)
+    return tensors
+
+
+def quantize_tensors(config: Qwen3Config, float_tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Checkpoint-style tensors: each FP8 projection as uint8 codes + float32 ``weight_scale_inv``."""
+    tensors = dict(float_tensors)
+    for name in projection_shapes(config):
+        if is_fp8_projection(config, name):
+            q, s = blockwise.quantize(float_tensors[name + ".weight"], config.quantization.weight_block_size)
+            tensors[name + ".weight"], tensors[name + ".weight_scale_inv"] = q, s
+    return tensors
+
+
+def dequantized_tensors(config: Qwen3Config, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Float tensors of a checkpoint: FP8 projections replaced by ``decode(q) * scale_inv`` (float32)."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        if t.dtype == np.uint8:
+            out[name] = blockwise.dequantize(t, tensors[name + "_scale_inv"], config.quantization.weight_block_size)
+        else:
+            out[name] = t
+    return out
+
+
+def random_model(config: Qwen3Config, seed: int = 0, backend=None) -> tuple[Qwen3Model, dict[str, np.ndarray]]:
+    """A model with seeded random weights (quantized when ``config`` is FP8) and its checkpoint tensors."""
+    tensors = quantize_tensors(config, random_float_tensors(config, np.random.default_rng(seed)))
+    return Qwen3Model(config, tensors, backend), tensors
+
+
+class Runner:
+    """A model with its own paged cache, for feeding sequences chunk by chunk in tests."""
+
+    def __init__(self, model: Qwen3Model, kv_cache_dtype: str = "fp32", num_blocks: int = 64, block_size: int = 4):
+        self.model = model
+        self.manager = KVCacheManager(num_blocks, block_size)
+        self.cache = model.allocate_kv_cache(num_blocks, block_size, kv_cache_dtype)
+
+    def step(self, chunks: list[tuple[object, list[int]]], all_logits: bool = False) -> np.ndarray:
+        """One forward over ``(sequence id, new tokens)`` chunks; new ids are added on first use."""
+        for seq, _ in chunks:
+            if seq not in self.manager.sequences:
+                self.manager.add_sequence(seq)
+        return self.model.forward(make_batch(self.manager, chunks), self.cache, all_logits=all_logits)
+
+
+def prefill_logits(model: Qwen3Model, tokens, kv_cache_dtype: str = "fp32", block_size: int = 4) -> np.ndarray:
+    """Logits ``[T, vocab]`` of every position from one prefill of ``tokens``."""
+    return Runner(model, kv_cache_dtype, block_size=block_size).step([("s", list(tokens))], all_logits=True)
+
+
+def stepwise_logits(model: Qwen3Model, tokens, chunk_sizes=None, kv_cache_dtype: str = "fp32", block_size: int = 4) -> np.ndarray:
+    """Logits ``[T, vocab]`` of every position, feeding ``tokens`` in chunks (default: one token at a time)."""
+    tokens = list(tokens)
+    chunk_sizes = chunk_sizes or [1] * len(tokens)
+    assert sum(chunk_sizes) == len(tokens)
+    runner, rows, start = Runner(model, kv_cache_dtype, block_size=block_size), [], 0
+    for n in chunk_sizes:
+        rows.append(runner.step([("s", tokens[start : start + n])], all_logits=True))
+        start += n
+    return np.concatenate(rows)
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """``||got - want|| / ||want||``; NaN anywhere gives inf (NaN never passes a bound)."""
+    if not (np.all(np.isfinite(got)) and np.all(np.isfinite(want))):
+        return float("inf")
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want.astype(np.float64)))
+
+
+# ---------------------------------------------------------------------------- a fake tokenizer
+
+
+class FakeTokenizer:
+    """Byte-level: ids 0..255 are bytes, 256 is ``<eos>``, the rest of the vocab are silent specials."""
+
+    eos_token_ids = (EOS_ID,)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < BYTE_VOCAB).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages) -> str:
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+
+
+class FakeStreamDecoder:
+    """Emits complete UTF-8 text as bytes arrive (an incomplete tail waits for its next byte)."""
+
+    def __init__(self, tokenizer: FakeTokenizer):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._decoder.decode(bytes([token_id])) if token_id < BYTE_VOCAB else ""

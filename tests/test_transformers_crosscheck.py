@@ -1,0 +1,92 @@
+"""The independent oracle for the Qwen3 forward: transformers' ``Qwen3ForCausalLM`` in float32.
+
+Skipped cleanly without torch and transformers (they are not fp8lab dependencies). A tiny
+Qwen3 is built in transformers from the config fp8lab writes (``Qwen3Config.to_dict``) and the
+same random tensors: for an FP8 model, transformers gets the dequantized weights
+``decode(q) * scale_inv`` as float32, which are exactly the matrices our W8A16 linear uses.
+
+Bound: ``||ours - theirs|| / ||theirs|| <= 1e-5`` over all logits. Both run in float32; they
+differ in summation order, in the RoPE angles (float64 here, float32 there: about
+``position * 2^-24`` radians) and in attention (float64 here, float32 there). Measured: about
+3.5e-7.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from engine.generate import Generator  # noqa: E402
+from engine.model import Qwen3Model  # noqa: E402
+
+from engine_helpers import (  # noqa: E402
+    FakeStreamDecoder, FakeTokenizer, dequantized_tensors, float_config, prefill_logits, random_model, rel_err,
+    stepwise_logits, tiny_config,
+)
+
+BOUND = 1e-5
+
+
+def hf_model(config, float_tensors: dict[str, np.ndarray]):
+    """``Qwen3ForCausalLM`` in float32 (eager attention) with our float tensors loaded."""
+    hf_config = transformers.Qwen3Config(**float_config(config).to_dict())
+    hf_config._attn_implementation = "eager"
+    model = transformers.Qwen3ForCausalLM(hf_config).to(torch.float32).eval()
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in float_tensors.items()}, strict=False)
+    # a tied lm_head is the embedding, not a tensor of its own
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    return model
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("tie", [False, True])
+def test_prefill_and_decode_logits_match_transformers(fp8, tie):
+    config = tiny_config(fp8=fp8, tie=tie)
+    ours, tensors = random_model(config, seed=21 + 2 * fp8 + tie)
+    theirs = hf_model(config, dequantized_tensors(config, tensors) if fp8 else tensors)
+    tokens = _tokens(5, 40)
+    want = hf_logits(theirs, tokens)
+    assert np.all(np.isfinite(want))
+    assert rel_err(prefill_logits(ours, tokens), want) <= BOUND
+    assert rel_err(stepwise_logits(ours, tokens, chunk_sizes=[17, 1, 1, 9, 1, 11]), want) <= BOUND
+
+
+def test_greedy_generation_matches_transformers():
+    config = tiny_config()
+    ours, tensors = random_model(config, seed=30)
+    theirs = hf_model(config, dequantized_tensors(config, tensors))
+    prompt = _tokens(9, 12)
+    tokens = list(prompt)
+    for _ in range(12):  # plain greedy loop over transformers' full forward
+        tokens.append(int(np.argmax(hf_logits(theirs, tokens)[-1])))
+    gen = Generator(ours, FakeTokenizer(), kv_cache_dtype="fp32", block_size=4, stop_token_ids=(),
+                    stream_decoder=FakeStreamDecoder)
+    (result,) = gen.generate([prompt], max_new_tokens=12).results
+    assert result.token_ids == tokens[len(prompt):]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("engine.tiny") is None, reason="the checkpoint I/O half is not there yet")
+def test_the_tiny_bf16_checkpoint_matches_transformers():
+    from engine.checkpoint import load_checkpoint
+    from engine.tiny import default_model_dir
+
+    model_dir = default_model_dir(fp8=False)
+    ours = Qwen3Model.from_checkpoint(load_checkpoint(model_dir))
+    theirs = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens = _tokens(3, 32)
+    tokens = [t % ours.config.vocab_size for t in tokens]
+    assert rel_err(prefill_logits(ours, tokens), hf_logits(theirs, tokens)) <= BOUND
