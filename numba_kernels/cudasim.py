@@ -122,8 +122,12 @@ def _check_missing_lanes(op: str, mask: int, warp: int, rendezvous: _Rendezvous,
             )
 
 
-def _exchange(op: str, mask: int, value) -> dict[int, object]:
-    """Deposit ``value`` for this lane in the collective named by ``mask``; return every lane's value."""
+def exchange(op: str, mask: int, value) -> dict[int, object]:
+    """Deposit ``value`` for this lane in the collective named by ``mask``; return every lane's value.
+
+    The building block of every intrinsic here, and of warp-collective twins of linked device
+    functions (the tensor-core ``mma`` in ``numba_kernels.mma``); ``op`` names the caller in errors.
+    """
     thread = _current_thread()
     warp, lane = divmod(thread.thread_id, WARP_SIZE)
     lanes = _lanes_of(mask, warp, _block_size(thread), op)
@@ -158,7 +162,7 @@ def _lane() -> int:
 
 
 def _shuffle(op: str, mask: int, value, source: int, in_range: bool):
-    values = _exchange(op, mask, value)
+    values = exchange(op, mask, value)
     if not in_range:
         return value  # shfl_up/down past the warp's edge: the lane keeps its own value
     if source not in values:
@@ -190,23 +194,23 @@ def shfl_xor_sync(mask, value, lane_mask):
 
 def syncwarp(mask=FULL_MASK):
     """Wait until every lane of ``mask`` has arrived."""
-    _exchange("syncwarp", mask, None)
+    exchange("syncwarp", mask, None)
 
 
 def ballot_sync(mask, predicate):
     """Bit ``i`` set where lane ``i`` of ``mask`` has a true predicate."""
-    values = _exchange("ballot_sync", mask, bool(predicate))
+    values = exchange("ballot_sync", mask, bool(predicate))
     return sum(1 << lane for lane, p in values.items() if p)
 
 
 def any_sync(mask, predicate):
     """True if the predicate holds in any lane of ``mask``."""
-    return any(_exchange("any_sync", mask, bool(predicate)).values())
+    return any(exchange("any_sync", mask, bool(predicate)).values())
 
 
 def all_sync(mask, predicate):
     """True if the predicate holds in every lane of ``mask``."""
-    return all(_exchange("all_sync", mask, bool(predicate)).values())
+    return all(exchange("all_sync", mask, bool(predicate)).values())
 
 
 def activemask():

@@ -45,3 +45,24 @@ def run_compiled(source: str) -> subprocess.CompletedProcess:
 def test_toolkit_compiles_to_sm90_ptx():
     result = run_compiled(TOOLKIT_KERNEL)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+MMA_KERNEL = r'''
+from numba import cuda
+from numba_kernels.mma import mma_bf16, mma_f16
+
+def calls_mma(a, b, c, d):
+    lane = cuda.threadIdx.x
+    r = mma_bf16(a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3], b[lane, 0], b[lane, 1], c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3])
+    s = mma_f16(a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3], b[lane, 0], b[lane, 1], r[0], r[1], r[2], r[3])
+    d[lane, 0] = s[0]
+
+ptx, _ = cuda.compile_ptx(calls_mma, "void(uint32[:, :], uint32[:, :], float32[:, :], float32[:, :])", cc=(9, 0))
+assert "mma_m16n8k16_bf16" in ptx and "mma_m16n8k16_f16" in ptx
+print("ok")
+'''
+
+
+def test_mma_helper_calls_compile_to_sm90_ptx():
+    result = run_compiled(MMA_KERNEL)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
