@@ -1,4 +1,7 @@
 """The Qwen3-FP8 engine: checkpoint I/O, tokenizer, model, paged KV cache, generation, command line.
 
-For now it holds only the ``fp8lab`` command line (``engine.cli``); the model arrives with its issue.
+Read in this order: ``config`` and ``layout`` (what a checkpoint holds), ``checkpoint`` and
+``safetensors_io`` (reading and writing it), ``tokenizer``, ``backend`` (the operators, with the
+NumPy reference backend), ``model`` (the Qwen3 forward), ``kv_manager`` (the paged cache),
+``sampling`` and ``generate``; ``cli`` is the ``fp8lab`` command line and ``tiny`` the embedded model.
 """

@@ -27,6 +27,13 @@ def _nvidia_gpu_present() -> bool:
 if "NUMBA_ENABLE_CUDASIM" not in os.environ and not _nvidia_gpu_present():
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
+# The embedded tiny model is built on first use into $FP8LAB_CACHE: give the test session its own
+# folder, so that tests never read (or write) a user's cache.
+if "FP8LAB_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["FP8LAB_CACHE"] = tempfile.mkdtemp(prefix="fp8lab-test-cache-")
+
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
