@@ -6,7 +6,8 @@ Python thread but has no warp-level intrinsics. ``install()`` adds them to the s
 runs unchanged on a GPU and in the simulator:
 
 - ``shfl_sync``, ``shfl_up_sync``, ``shfl_down_sync``, ``shfl_xor_sync`` (width 32);
-- ``syncwarp``, ``ballot_sync``, ``any_sync``, ``all_sync``, ``activemask`` (for converged code).
+- ``syncwarp``, ``ballot_sync``, ``any_sync``, ``all_sync``, ``activemask`` (for converged code);
+- and it replaces the simulator's ``fma`` (two roundings) by a fused one (one rounding).
 
 How a collective works here: each lane named in ``mask`` deposits its value in a rendezvous
 keyed by ``(warp, mask, n)``, where ``n`` counts that lane's earlier collectives with the same
@@ -238,6 +239,22 @@ WARP_INTRINSICS = {
 }
 
 
+def fma(a, b, c):
+    """``cuda.fma`` with one rounding, as the hardware's FFMA does.
+
+    The stock simulator computes ``a * b + c`` in two roundings, so a kernel's float32 fma chains
+    would not match the simulators bit for bit. float32 operands go through the exact emulation
+    of ``simulators``; float64 ones fall back to two roundings (no float64 kernel relies on it).
+    """
+    import numpy as np
+
+    if all(isinstance(x, np.float32) for x in (a, b, c)):
+        from simulators.fma import fma_f32
+
+        return np.float32(fma_f32(a, b, c))
+    return a * b + c
+
+
 def install() -> bool:
     """Add the warp intrinsics to the simulator's fake ``cuda`` module; True if the simulator is on."""
     from numba import config
@@ -249,6 +266,7 @@ def install() -> bool:
     for name, fn in WARP_INTRINSICS.items():
         if not hasattr(kernelapi.FakeCUDAModule, name):
             setattr(kernelapi.FakeCUDAModule, name, staticmethod(fn))
+    kernelapi.FakeCUDAModule.fma = staticmethod(fma)
     if not getattr(kernel.BlockThread, "_fp8lab_registered", False):
         original_init = kernel.BlockThread.__init__
 

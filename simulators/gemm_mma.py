@@ -26,7 +26,7 @@ kernel (in the CUDA simulator) can be checked against it bit for bit:
    ``* 2^-8`` (F16).
 5. **Promotion**: ``c_fin = fma(s, c_part, c_fin)`` with the folded block scale
    ``s = scale_inv[n // BN, k // BK] * 2^120`` (or ``2^8``) in float32: one float32 rounding
-   (``fma_float32``). Requires ``BN % 8 == 0`` (an n8 tile lies in one scale block, so a warp
+   (``simulators.fma.fma_f32``). Requires ``BN % 8 == 0`` (an n8 tile lies in one scale block, so a warp
    uses one scale per chunk), ``BK % 128 == 0`` (a chunk lies in one scale block) and
    ``K % 128 == 0``.
 
@@ -61,6 +61,7 @@ from reference import blockwise
 from reference._checks import as_block, ceil_div
 
 from . import bit_placement, mma
+from .fma import fma_f32
 
 WARPS_PER_CTA = 4
 CTA_N = WARPS_PER_CTA * mma.MMA_N
@@ -130,41 +131,6 @@ def chunk_order(num_chunks: int) -> list[tuple[int, int]]:
     iteration. The chunks are still consumed in ascending order, which is all the numerics see.
     """
     return [(chunk, chunk % 2) for chunk in range(num_chunks)]
-
-
-# ---------------------------------------------------------------------------- float32 fma
-
-
-def fma_float32(a, b, c) -> np.ndarray:
-    """``fmaf(a, b, c)``: ``a * b + c`` with a single rounding to float32 (ties to even).
-
-    Emulation in float64: the product of two float32 is exact (24 + 24 = 48 significant bits, and
-    float64 has 53), but the float64 *sum* ``a * b + c`` can round, and rounding a second time to
-    float32 can then land on the wrong side of a float32 tie. Example: ``a = 2665 * 2^-54``,
-    ``b = 402905`` (``2665 * 402905 = 2^30 + 1``), ``c = 1``: the exact result is
-    ``1 + 2^-24 + 2^-54``, float64 rounds it to the float32 tie ``1 + 2^-24``, which goes to
-    ``1`` (even); fmaf gives ``1 + 2^-23``. So "compute in float64, then round" is *not* an fma.
-
-    The fix is *round to odd*: compute the float64 sum together with its exact rounding error
-    (Knuth's TwoSum); if that error is nonzero, truncate toward zero and set the last bit. A
-    float64 rounded to odd, rounded to float32, is the correctly rounded float32 (float64 has more
-    than 24 + 2 bits). Non-finite inputs give what float64 gives.
-    """
-    a64, b64, c64 = (np.asarray(x, dtype=np.float32).astype(np.float64) for x in (a, b, c))
-    product = a64 * b64  # exact
-    total = product + c64  # rounded to float64 ...
-    c_in_total = total - product  # ... TwoSum: total + error == product + c exactly
-    error = (product - (total - c_in_total)) + (c64 - c_in_total)
-    inexact = (error != 0) & np.isfinite(total)
-    # total was rounded away from zero iff the error points back toward zero.
-    rounded_away = inexact & (np.signbit(error) != np.signbit(total))
-    bits = np.atleast_1d(total).view(np.int64).copy()
-    bits[np.atleast_1d(rounded_away)] -= 1  # one float64 ulp toward zero (sign-magnitude bits)
-    bits[np.atleast_1d(inexact)] |= 1  # the sticky "something was dropped" bit
-    return bits.view(np.float64).astype(np.float32).reshape(np.shape(total))
-
-
-# ---------------------------------------------------------------------------- argument checks
 
 
 def _check_arguments(a, q, scale_inv, block, m_blocks: int, activation: str):
@@ -285,7 +251,7 @@ def gemm_mma(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, *, m_blocks: int = 
 
         # Promotion: one fma per accumulator element with the warp's folded block scale.
         s = scale_per_tile[None, :, chunk, None, None]
-        c_fin = fma_float32(s, c_part, c_fin)
+        c_fin = fma_f32(s, c_part, c_fin)
 
     out_tiles = mma.store_c(c_fin)  # [m16 tiles, n8 tiles, 16, 8]
     out = out_tiles.swapaxes(1, 2).reshape(schedule.m_padded, schedule.n_padded)

@@ -31,16 +31,7 @@ How (the schedule a CUDA kernel follows, and this model reproduces bit for bit):
 Requirements (``ValueError`` otherwise): ``1 <= M <= 16``, ``K`` a positive multiple of 128 (a
 lane's 16-byte load is then aligned and never straddles the row end), ``BK`` a multiple of 128.
 
-Exact fused multiply-add in NumPy (``fma_f32``): NumPy has no fma. ``float32(float64(a*b) + c)``
-is *not* one: the product is exact in float64 (24 + 24 bits <= 53), but the sum is rounded to
-float64 and then again to float32, and the two roundings can differ from one. Example:
-``fma(641, 6700417, 2^56)`` is ``2^56 + 2^33`` (the exact value ``2^56 + 2^32 + 1`` lies just above
-the float32 midpoint ``2^56 + 2^32``) but float64 drops the ``+ 1`` and the tie then rounds to even,
-``2^56``. x86's 80-bit ``np.longdouble`` (64-bit mantissa) fails the same way, e.g. for
-``fma(2693665, 1632737, 2^66)`` (``2693665 * 1632737 = 2^42 + 1``). So ``fma_f32`` rounds the
-float64 sum once, and where that sum is a float32 tie (the only case where the second rounding
-can go wrong) it recomputes with an error-free transformation (TwoSum) and round-to-odd
-(Boldo & Melquiond, "Emulation of FMA and correctly rounded sums", IEEE TC 2008).
+The float32 fused multiply-adds are ``simulators.fma.fma_f32`` (NumPy has no fma).
 
 Fast path of the 16-product chain: when the activations have at most 20 significant bits (every
 bf16 or f16 value, widened) the product ``a * w`` (w has 4 significant bits) is exact in float32,
@@ -55,6 +46,8 @@ import numpy as np
 from reference import blockwise
 from reference._checks import as_block, as_codes, as_float
 
+from .fma import fma_f32
+
 WARP_SIZE = 32
 BYTES_PER_LANE = 16
 """One 128-bit load per lane per step: 16 FP8 codes."""
@@ -67,63 +60,6 @@ M_TILES = (1, 2, 4, 8, 16)
 BUTTERFLY_OFFSETS = (16, 8, 4, 2, 1)
 F16_PLACEMENT_SCALE = 2.0**8
 """The F16 bit placement yields ``decode(c) / 2^8``; the block scale is multiplied by this instead."""
-
-
-# ---------------------------------------------------------------------------- exact float32 fma
-
-_F32_TIE_MASK = np.int64(0x1FFFFFFF)  # the 29 float64 mantissa bits that float32 drops
-_F32_TIE_BITS = np.int64(0x10000000)  # ... equal to exactly one half of a float32 ulp
-_F32_SMALLEST_NORMAL = 2.0**-126
-
-
-def fma_f32_round_to_odd(a, b, c) -> np.ndarray:
-    """``fma(a, b, c)`` in float32 with one rounding, the slow and obviously correct way.
-
-    The float64 product of two float32 numbers is exact. TwoSum gives the float64 sum ``total``
-    and its exact error ``err`` (``total + err == a*b + c`` exactly). Rounding ``total`` *to odd*
-    when ``err != 0`` (step one float64 ulp towards the exact value if the last bit is even) keeps
-    "above / below / on a float32 midpoint" intact, so the final float64 -> float32 rounding is
-    the correct single rounding (round-to-odd suffices because 53 >= 24 + 2).
-    """
-    a64, b64, c64 = (np.asarray(x, dtype=np.float64) for x in (a, b, c))
-    product = a64 * b64  # exact
-    total = product + c64
-    c_part = total - product  # TwoSum (Knuth): err is exactly (product + c) - total
-    err = (product - (total - c_part)) + (c64 - c_part)
-    bits = np.asarray(total, dtype=np.float64).view(np.int64)
-    inexact_and_even = (err != 0) & np.isfinite(err) & ((bits & 1) == 0)
-    towards_larger_magnitude = (err > 0) == (total > 0)
-    step = np.where(towards_larger_magnitude, 1, -1) * inexact_and_even
-    with np.errstate(over="ignore"):
-        return (bits + step).view(np.float64).astype(np.float32)
-
-
-def fma_f32(a, b, c) -> np.ndarray:
-    """Fused multiply-add of float32 arrays (broadcast together), rounded once: ``fl32(a*b + c)``.
-
-    ``float32(float64(a*b) + c)`` double-rounds; it is wrong only where the float64 sum lands
-    exactly on a float32 midpoint (or in float32's subnormal range, where midpoints sit elsewhere):
-    between the float64 sum and the exact value lies no other float64 number, hence no midpoint.
-    (A float64 sum of 0 is exact: the float32 product is never below 2^-298, a normal float64.)
-    Those rare elements are recomputed by ``fma_f32_round_to_odd``.
-    """
-    a32, b32, c32 = (np.asarray(x, dtype=np.float32) for x in (a, b, c))
-    if a32.ndim == b32.ndim == c32.ndim == 0:  # scalars: as 1-element arrays, so they can be indexed
-        return fma_f32(a32.reshape(1), b32, c32)[0]
-    total = np.multiply(a32, b32, dtype=np.float64)
-    total += c32
-    with np.errstate(over="ignore"):
-        result = total.astype(np.float32)
-    bits = total.view(np.int64)
-    suspect = (bits & _F32_TIE_MASK) == _F32_TIE_BITS
-    suspect |= (np.abs(total) < _F32_SMALLEST_NORMAL) & (total != 0)  # a zero sum is exact
-    suspect &= c32 != 0  # a*b + 0 is the exact product: one rounding (the first fma of every chain)
-    flat = np.flatnonzero(suspect)
-    if flat.size:
-        where = np.unravel_index(flat, total.shape)
-        pick = [np.broadcast_to(x, total.shape)[where] for x in (a32, b32, c32)]
-        result[where] = fma_f32_round_to_odd(*pick)
-    return result
 
 
 # ---------------------------------------------------------------------------- the kernel's data layout

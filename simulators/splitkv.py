@@ -44,7 +44,7 @@ operation):
 ``exp2f``/``ex2.approx``: the two differ in the last bits, so GPU results are checked against this
 model (or the reference) with an error bound, not bit for bit. NumPy's float32 ``exp2`` may also
 differ between CPUs (SIMD paths). Every other operation above is a correctly rounded float32
-operation (``fma`` via ``simulators.gemv_simt.fma_f32``), reproducible anywhere.
+operation (``fma`` via ``simulators.fma.fma_f32``), reproducible anywhere.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ import numpy as np
 from reference import e4m3, kv_cache
 from reference._checks import as_float, as_index, require_ndim, require_shape
 
-from .gemv_simt import BUTTERFLY_OFFSETS, WARP_SIZE, fma_f32
+from .fma import fma_f32
+from .gemv_simt import BUTTERFLY_OFFSETS, WARP_SIZE
 
 NUM_WARPS = 4
 """Warps per CTA; a shard's tokens are dealt to them round-robin."""

@@ -167,3 +167,19 @@ def test_bf16_and_f32_bit_helpers(rng):
     assert [bits.u32_as_f32(int(b)) for b in x[:50].view(np.uint32)] == x[:50].tolist()
     rounded = np.array([bits.f32_to_bf16_bits(v) for v in x], np.uint32)
     np.testing.assert_array_equal(rounded, x.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@cuda.jit
+def fused(a, b, c, out):
+    i = cuda.threadIdx.x
+    out[i] = cuda.fma(a[i], b[i], c[i])
+
+
+def test_fma_rounds_once():
+    """fma(641, 6700417, 2^56) = 2^56 + 2^33; two roundings would give 2^56."""
+    a = np.array([641, 2665 * 2.0**-54], np.float32)
+    b = np.array([6700417, 402905], np.float32)
+    c = np.array([2.0**56, 1.0], np.float32)
+    out = np.zeros(2, np.float32)
+    fused[1, 2](a, b, c, out)
+    assert out.tolist() == [2.0**56 + 2.0**33, 1 + 2.0**-23]

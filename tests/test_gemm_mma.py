@@ -14,6 +14,7 @@ from reference import strategies as fst
 from simulators import bit_placement as bp
 from simulators import gemm_mma as G
 from simulators import mma
+from simulators.fma import fma_f32
 
 U32 = 2.0**-24
 FORMATS = st.sampled_from(bp.FORMATS)
@@ -147,7 +148,7 @@ def walk_the_schedule(a_bits, q, scale_inv, block, m_blocks, fmt):
                             s = np.float32(scale_inv[n0 // bn, chunk * 128 // bk]) * np.float32(2.0 ** bp.EXPONENT_OFFSET[fmt])
                         else:
                             s = np.float32(0)
-                        c_fin = G.fma_float32(s, c_part, c_fin)
+                        c_fin = fma_f32(s, c_part, c_fin)
                     tile = mma.store_c(c_fin)
                     row_count = min(16, m - 16 * m_tile)  # outputs past the end are not stored
                     col_count = min(8, n - 8 * n_tile)
@@ -194,8 +195,8 @@ def test_fma_float32_rounds_once():
     a, b, c = np.float32(2665 * 2.0**-54), np.float32(402905), np.float32(1)
     naive = np.float32(np.float64(a) * np.float64(b) + np.float64(c))
     assert naive == 1.0  # double rounding lands on the tie and goes to even
-    assert G.fma_float32(a, b, c) == np.float32(1 + 2.0**-23)
-    assert G.fma_float32(a, -b, -c) == np.float32(-(1 + 2.0**-23))
+    assert fma_f32(a, b, c) == np.float32(1 + 2.0**-23)
+    assert fma_f32(a, -b, -c) == np.float32(-(1 + 2.0**-23))
 
 
 def round_to_float32(x: Fraction) -> float:
@@ -221,7 +222,7 @@ def test_fma_float32_against_exact_rationals(rng):
     b = (rng.standard_normal(size) * np.ldexp(1.0, rng.integers(-70, 70, size))).astype(np.float32)
     c = (rng.standard_normal(size) * np.ldexp(1.0, rng.integers(-140, 100, size))).astype(np.float32)
     c[::3] = -(a[::3] * b[::3])  # near-cancellation
-    got = G.fma_float32(a, b, c)
+    got = fma_f32(a, b, c)
     expected = [round_to_float32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))) for x, y, z in zip(a, b, c)]
     assert np.array_equal(got, np.array(expected, dtype=np.float32))
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from reference import blockwise, e4m3
 from simulators import gemv_simt as gs
+from simulators import fma
 
 U = 2.0**-24
 
@@ -42,14 +43,14 @@ def test_fma_f32_where_double_rounding_fails():
     a, b, c = np.float32(641), np.float32(6700417), np.float32(2.0**56)
     naive = np.float32(np.float64(a) * np.float64(b) + np.float64(c))
     assert naive == 2.0**56  # float64 drops the +1, then the tie rounds to even
-    assert gs.fma_f32(a, b, c) == gs.fma_f32_round_to_odd(a, b, c) == 2.0**56 + 2.0**33
+    assert fma.fma_f32(a, b, c) == fma.fma_f32_round_to_odd(a, b, c) == 2.0**56 + 2.0**33
     # 2693665 * 1632737 = 2^42 + 1: too far down even for an 80-bit long double
     a, b, c = np.float32(2693665), np.float32(1632737), np.float32(2.0**66)
     assert 2693665 * 1632737 == 2**42 + 1
-    assert gs.fma_f32(a, b, c) == 2.0**66 + 2.0**43 == exact_fma_f32(a, b, c)
+    assert fma.fma_f32(a, b, c) == 2.0**66 + 2.0**43 == exact_fma_f32(a, b, c)
     # the same below a midpoint, and with signs flipped
-    assert gs.fma_f32(np.float32(-641), b := np.float32(6700417), np.float32(-(2.0**56))) == -(2.0**56 + 2.0**33)
-    assert gs.fma_f32(np.float32(641), np.float32(-6700417), np.float32(2.0**56)) == 2.0**56 - 2.0**32
+    assert fma.fma_f32(np.float32(-641), b := np.float32(6700417), np.float32(-(2.0**56))) == -(2.0**56 + 2.0**33)
+    assert fma.fma_f32(np.float32(641), np.float32(-6700417), np.float32(2.0**56)) == 2.0**56 - 2.0**32
     assert np.float32(2.0**56 - 2.0**32) == exact_fma_f32(641, -6700417, 2.0**56)
     assert b == 6700417
 
@@ -100,11 +101,11 @@ def adversarial_fma_inputs(rng, n: int):
 
 def test_fma_f32_rounds_once(rng):
     a, b, c = adversarial_fma_inputs(rng, 6000)
-    got = gs.fma_f32(a, b, c)
+    got = fma.fma_f32(a, b, c)
     expected = np.array([exact_fma_f32(*abc) for abc in zip(a, b, c)], dtype=np.float32)
     assert got.dtype == np.float32 and np.all(np.isfinite(got))
     assert np.array_equal(got, expected)
-    assert np.array_equal(gs.fma_f32_round_to_odd(a, b, c), expected)
+    assert np.array_equal(fma.fma_f32_round_to_odd(a, b, c), expected)
     naive = (a.astype(np.float64) * b + c).astype(np.float32)
     assert np.count_nonzero(naive != expected) > 100  # the traps do catch double rounding
 
@@ -113,9 +114,9 @@ def test_fma_f32_broadcasts(rng):
     a = rng.standard_normal((3, 1, 5)).astype(np.float32)
     b = rng.standard_normal((4, 1)).astype(np.float32)
     c = rng.standard_normal(5).astype(np.float32)
-    got = gs.fma_f32(a, b, c)
+    got = fma.fma_f32(a, b, c)
     assert got.shape == (3, 4, 5)
-    expected = gs.fma_f32_round_to_odd(*np.broadcast_arrays(a, b, c))
+    expected = fma.fma_f32_round_to_odd(*np.broadcast_arrays(a, b, c))
     assert np.array_equal(got, expected)
 
 
@@ -253,9 +254,9 @@ def gemv_by_hand(a, q, scale_inv, block) -> np.ndarray:
                     w = gs.placed_weights(q[col, k0 : k0 + 16])
                     part = np.float32(0)
                     for i in range(16):
-                        part = gs.fma_f32(a[row, k0 + i], w[i], part)
+                        part = fma.fma_f32(a[row, k0 + i], w[i], part)
                     s = np.float32(scale_inv[col // bn, k0 // bk]) * np.float32(256)
-                    acc[lane] = gs.fma_f32(s, part, acc[lane])
+                    acc[lane] = fma.fma_f32(s, part, acc[lane])
             for off in (16, 8, 4, 2, 1):
                 acc = np.array([acc[lane] + acc[lane ^ off] for lane in range(32)], dtype=np.float32)
             out[row, col] = acc[0]

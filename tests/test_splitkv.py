@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 
 from reference import attention, kv_cache
 from reference import strategies as fst
-from simulators import gemv_simt, splitkv as sk
+from simulators import fma as fma_module
+from simulators import splitkv as sk
 
 U = 2.0**-24
 EXP2_ULPS = 4
@@ -272,7 +273,7 @@ def test_fp8_and_float_caches_agree_on_the_same_values(rng):
 
 def merge_by_hand(partials, head_dim: int):
     """The merge rule on a list of scalar partials ``(m, l, acc)``, in list order."""
-    fma = gemv_simt.fma_f32
+    fma = fma_module.fma_f32
     m_star = max(m for m, _, _ in partials)
     l, acc = np.float32(0), np.zeros(head_dim, np.float32)
     for m, l_i, acc_i in partials:
@@ -283,7 +284,7 @@ def merge_by_hand(partials, head_dim: int):
 
 def decode_by_hand(data, slopes, num_splits: int) -> np.ndarray:
     """The kernel's loops written out for one (sequence, head) at a time, scalar fmas and all."""
-    fma = gemv_simt.fma_f32
+    fma = fma_module.fma_f32
     num_seqs, num_heads, head_dim = data.q.shape
     num_kv_heads, block_size = data.k_cache.shape[1], data.k_cache.shape[2]
     scale_log2 = np.float32(data.softmax_scale * sk.LOG2E)
