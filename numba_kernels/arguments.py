@@ -1,0 +1,102 @@
+"""Argument checks for the FP8 weight kernels, done on the host before anything is launched.
+
+The kernels accept NumPy arrays (copied to the device by Numba; in the CUDA simulator that is the
+normal case), Numba device arrays, and any object with ``__cuda_array_interface__`` (torch, CuPy).
+Every problem is a ``ValueError`` naming the argument, what was expected and what was given, and
+nothing is launched on a bad call.
+
+Formats (by dtype):
+
+- activations ``a[M, K]``: ``uint16``/``int16`` = BF16 bit patterns (view a torch bfloat16 tensor
+  as ``torch.int16``: torch does not export bfloat16 through the array interface), ``float16`` =
+  F16, ``float32`` (SIMT GEMV only; the tensor-core path needs 16-bit operands);
+- weights ``q[N, K]``: ``uint8`` E4M3 codes, C-contiguous; ``scale_inv``: ``float32``
+  ``[ceil(N/BN), ceil(K/BK)]``;
+- output ``out[M, N]``: ``float32``, ``float16`` or ``uint16`` (BF16 patterns, round to nearest even).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+K_MULTIPLE = 128
+"""Every kernel walks K in 128-wide chunks (one block scale per chunk)."""
+
+ACTIVATION_FORMATS = {np.dtype(np.uint16): "bf16", np.dtype(np.int16): "bf16", np.dtype(np.float16): "f16",
+                      np.dtype(np.float32): "f32"}
+OUTPUT_FORMATS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16",
+                  np.dtype(np.int16): "bf16"}
+
+
+def as_kernel_array(name: str, x):
+    """NumPy and device arrays pass through; ``__cuda_array_interface__`` objects become device arrays."""
+    if isinstance(x, np.ndarray) or hasattr(x, "copy_to_host"):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cuda.as_cuda_array(x)
+    raise ValueError(f"{name}: expected a NumPy array, a Numba device array or a __cuda_array_interface__ object, "
+                     f"got {type(x).__name__}")
+
+
+def _require(name: str, x, dtype_names: str, ok: bool):
+    if not ok:
+        raise ValueError(f"{name}: expected {dtype_names}, got shape {tuple(x.shape)} dtype {x.dtype}")
+
+
+def _require_c_contiguous(name: str, x):
+    contiguous = x.flags["C_CONTIGUOUS"] if isinstance(x, np.ndarray) else x.is_c_contiguous()
+    if not contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous (row-major) array, got strides {x.strides}")
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    """A checked ``out[M, N] = a[M, K] @ dequantize(q, scale_inv)^T`` call."""
+
+    a: object
+    q: object
+    scale_inv: object
+    out: object
+    m: int
+    n: int
+    k: int
+    block: tuple[int, int]
+    activation: str  # "bf16", "f16" or "f32"
+    output: str  # "f32", "f16" or "bf16"
+
+
+def check_gemm(a, q, scale_inv, out, block, *, kernel: str, activations=("bf16", "f16", "f32"),
+               block_n_multiple: int = 1) -> GemmProblem:
+    """Check a W8A16 GEMM call for the kernel named ``kernel``; return the problem, arrays converted."""
+    a, q, scale_inv, out = (as_kernel_array(n, x) for n, x in (("a", a), ("q", q), ("scale_inv", scale_inv), ("out", out)))
+    try:
+        bn, bk = (int(b) for b in block)
+    except (TypeError, ValueError):
+        raise ValueError(f"block: expected a pair (block_n, block_k), got {block!r}") from None
+    _require("q", q, "uint8 E4M3 codes [N, K]", q.ndim == 2 and q.dtype == np.uint8)
+    _require_c_contiguous("q", q)
+    n, k = q.shape
+    if k == 0 or k % K_MULTIPLE:
+        raise ValueError(f"q: {kernel} needs K to be a positive multiple of {K_MULTIPLE}, got K = {k}")
+    if bk <= 0 or bk % K_MULTIPLE:
+        raise ValueError(f"block: {kernel} needs block_k to be a multiple of {K_MULTIPLE}, got {bk}")
+    if bn <= 0 or bn % block_n_multiple:
+        raise ValueError(f"block: {kernel} needs block_n to be a positive multiple of {block_n_multiple}, got {bn}")
+    expected_scales = (-(-n // bn), -(-k // bk))
+    _require("scale_inv", scale_inv, f"float32 [{expected_scales[0]}, {expected_scales[1]}] for block {(bn, bk)}",
+             tuple(scale_inv.shape) == expected_scales and scale_inv.dtype == np.float32)
+    _require_c_contiguous("scale_inv", scale_inv)
+    activation = ACTIVATION_FORMATS.get(np.dtype(a.dtype))
+    allowed = " / ".join(f for f in ("bf16 (uint16)", "f16 (float16)", "f32 (float32)") if f.split()[0] in activations)
+    _require("a", a, f"activations [M, {k}] of {allowed}", a.ndim == 2 and a.shape[1] == k and activation in activations)
+    _require_c_contiguous("a", a)
+    m = a.shape[0]
+    if m == 0:
+        raise ValueError("a: expected at least one row (M >= 1), got M = 0")
+    output = OUTPUT_FORMATS.get(np.dtype(out.dtype))
+    _require("out", out, f"[{m}, {n}] of float32, float16 or uint16 (BF16)", tuple(out.shape) == (m, n) and output is not None)
+    _require_c_contiguous("out", out)
+    return GemmProblem(a, q, scale_inv, out, m, n, k, (bn, bk), activation, output)
