@@ -80,7 +80,9 @@ def _block_threads(manager) -> dict[int, threading.Thread]:
 
 
 def _exited(thread: threading.Thread) -> bool:
-    return thread.ident is not None and not thread.is_alive()
+    # Not ``thread.ident``: Python sets it before the thread counts as started, so a lane still
+    # starting up would look exited.
+    return thread._started.is_set() and not thread.is_alive()
 
 
 def _warp_state(thread) -> _WarpState:

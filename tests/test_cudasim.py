@@ -183,3 +183,16 @@ def test_fma_rounds_once():
     out = np.zeros(2, np.float32)
     fused[1, 2](a, b, c, out)
     assert out.tolist() == [2.0**56 + 2.0**33, 1 + 2.0**-23]
+
+
+@cuda.jit
+def many_lanes_shuffle_at_once(out):
+    out[cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x] = cuda.shfl_xor_sync(FULL, cuda.threadIdx.x, 1)
+
+
+def test_lanes_still_starting_are_not_taken_for_exited():
+    """Regression: a lane whose thread was created but not yet started once looked 'exited'."""
+    out = np.zeros(512, np.int64)
+    for _ in range(10):
+        many_lanes_shuffle_at_once[2, 256](out)
+    assert np.array_equal(out, np.tile(np.arange(256) ^ 1, 2))
