@@ -3,7 +3,7 @@
 Run on an NVIDIA GPU with torch installed (the peer); writes a Markdown table and a roofline
 plot into the output folder (default ``bench/``) and prints the table::
 
-    python bench/gemm.py [--out DIR] [--quick]
+    python bench/gemm.py [--out DIR] [--batches 1,2,4,8] [--paths simt,mma]
 
 For each Qwen3-8B projection shape (N, K) and batch M it
 
@@ -53,7 +53,7 @@ def relative_error(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
-def bench_shape(m, n, k, rng, torch, copy_tb_s, paths):
+def bench_shape(m, n, k, rng, torch, paths):
     from numba import cuda
 
     from reference import blockwise
@@ -80,14 +80,12 @@ def bench_shape(m, n, k, rng, torch, copy_tb_s, paths):
     w_bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, copies // 2))]
     from timing import torch_time_us
 
-    ref_t = torch.nn.functional.linear(a_bf16, w_bf16[0]).float()
     cublas_us = torch_time_us(lambda i: torch.nn.functional.linear(a_bf16, w_bf16[i % len(w_bf16)]))
-    del ref_t
     return rows, cublas_us
 
 
-class Path_:
-    """A kernel path: how to call it and for which M."""
+class KernelPath:
+    """A kernel path of the benchmark: how to call it (``call(a, q, s, out, stream)``) and for which M."""
 
     def __init__(self, call, accepts):
         self.call, self.accepts = call, accepts
@@ -96,20 +94,25 @@ class Path_:
         return self.call(*args, **kwargs)
 
 
-def kernel_paths():
-    from numba_kernels.gemm_mma import gemm_mma
-    from numba_kernels.gemv_simt import gemv_simt
+def kernel_paths(names):
+    """The requested paths (``simt``, ``mma``)."""
+    paths = {}
+    if "simt" in names:
+        from numba_kernels.gemv_simt import gemv_simt
 
-    return {
-        "simt": Path_(lambda a, q, s, o, stream: gemv_simt(a, q, s, o, stream=stream), lambda m: m <= 16),
-        "mma": Path_(lambda a, q, s, o, stream: gemm_mma(a, q, s, o, stream=stream), lambda m: True),
-    }
+        paths["simt"] = KernelPath(lambda a, q, s, o, stream: gemv_simt(a, q, s, o, stream=stream), lambda m: m <= 16)
+    if "mma" in names:
+        from numba_kernels.gemm_mma import gemm_mma
+
+        paths["mma"] = KernelPath(lambda a, q, s, o, stream: gemm_mma(a, q, s, o, stream=stream), lambda m: True)
+    return paths
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
-    parser.add_argument("--quick", action="store_true", help="M in {1, 16} only")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated M values")
+    parser.add_argument("--paths", default="simt,mma", help="comma-separated kernel paths: simt, mma")
     args = parser.parse_args(argv)
     import torch
 
@@ -117,12 +120,12 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(2026)
     copy_tb_s = copy_bandwidth_tb_s()
-    paths = kernel_paths()
-    batches = [1, 16] if args.quick else BATCHES
+    paths = kernel_paths(args.paths.split(","))
+    batches = [int(m) for m in args.batches.split(",")]
     lines = [
         f"### FP8 GEMM, {datetime.date.today()}, {torch.cuda.get_device_name()}",
         "",
-        f"Command: `python bench/gemm.py`. Copy bandwidth (read + write): {copy_tb_s:.2f} TB/s. "
+        f"Command: `python bench/gemm.py {' '.join(argv if argv is not None else sys.argv[1:])}`. Copy bandwidth (read + write): {copy_tb_s:.2f} TB/s. "
         "Times are CUDA-graph replays (ours) and CUDA events (cuBLAS BF16 via torch), medians, weights rotated past the L2.",
         "",
         "| N x K | M | path | us | rel. err | FP8 weight TB/s | % of copy BW | cuBLAS BF16 us | ratio to cuBLAS |",
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
     points = []
     for n, k in SHAPES:
         for m in batches:
-            rows, cublas_us = bench_shape(m, n, k, rng, torch, copy_tb_s, paths)
+            rows, cublas_us = bench_shape(m, n, k, rng, torch, paths)
             for name, us, err in rows:
                 tb_s = n * k / (us * 1e-6) / 1e12
                 lines.append(

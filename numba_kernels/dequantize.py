@@ -201,17 +201,18 @@ def check_dequantize(q, scale_inv, out, block):
     return q, scale_inv, out, (bn, bk), output
 
 
-def dequantize(q, scale_inv, out, block=(128, 128)):
+def dequantize(q, scale_inv, out, block=(128, 128), stream=0):
     """Write ``decode(q[n, k]) * scale_inv[n // BN, k // BK]`` into ``out`` (float32, float16 or
     uint16/int16 BF16 bits), rounded once from the float32 product; returns ``out``.
 
     ``q``: uint8 E4M3 codes ``[N, K]`` (``K`` a multiple of 4); ``scale_inv``: float32
     ``[ceil(N/BN), ceil(K/BK)]``; arrays may be NumPy, Numba device arrays or any
-    ``__cuda_array_interface__`` object. Bad arguments raise ``ValueError``; nothing is launched.
-    NaN codes give finite values (see the module docstring).
+    ``__cuda_array_interface__`` object; ``stream``: where to enqueue the launch (0: the default
+    stream). Bad arguments raise ``ValueError``; nothing is launched. NaN codes give finite values
+    (see the module docstring).
     """
     q, scale_inv, out, (bn, bk), output = check_dequantize(q, scale_inv, out, block)
     launch = dequantize_launch_info(*q.shape)
     kernel = dequantize_kernel(output, bn, bk)
-    kernel[launch.grid, launch.block](q.view(np.uint32), scale_inv, output_bits_view(out, output))
+    kernel[launch.grid, launch.block, stream](q.view(np.uint32), scale_inv, output_bits_view(out, output))
     return out

@@ -291,7 +291,7 @@ def _require_load_alignment(name: str, x):
                          f"{LOAD_ALIGNMENT}-byte boundary, got address 0x{address:x}")
 
 
-def gemv_simt(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta=WARPS_PER_CTA):
+def gemv_simt(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta=WARPS_PER_CTA, stream=0):
     """``out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]``, float32
     accumulation in the order of ``simulators.gemv_simt``; returns ``out``.
 
@@ -299,7 +299,9 @@ def gemv_simt(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta
     ``q``: uint8 E4M3 codes ``[N, K]``; ``scale_inv``: float32 ``[ceil(N/BN), ceil(K/BK)]``;
     ``out``: ``[M, N]`` float32, float16 or BF16 bits (uint16/int16); ``block = (BN, BK)``;
     ``m_tile``: rows sharing each weight load (1, 2, 4, 8, 16; None: all rows in one tile);
-    ``warps_per_cta``: columns per CTA (a tuning knob; the result does not depend on it).
+    ``warps_per_cta``: columns per CTA (a tuning knob; the result does not depend on it);
+    ``stream``: where to enqueue the launch (a Numba stream, or a ``cuda.core`` GraphBuilder
+    to capture it into a CUDA graph; 0 is the default stream).
     Arrays may be NumPy, Numba device arrays or ``__cuda_array_interface__`` objects. Bad arguments
     raise ``ValueError`` and nothing is launched. NaN weight codes are read as finite (+-480 * scale).
     """
@@ -309,6 +311,6 @@ def gemv_simt(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta
         _require_load_alignment(name, getattr(problem, name))
     bn, bk = problem.block
     kernel = gemv_simt_kernel(launch.m_tile, problem.activation, problem.output, bn, bk, launch.warps_per_cta)
-    kernel[launch.grid, launch.block](problem.a.view(np.uint32), problem.q.view(np.uint32), problem.scale_inv,
+    kernel[launch.grid, launch.block, stream](problem.a.view(np.uint32), problem.q.view(np.uint32), problem.scale_inv,
                                       output_bits_view(problem.out, problem.output), problem.m, problem.n, problem.k)
     return out
