@@ -107,6 +107,10 @@ def _block_size(thread) -> int:
     return x * y * z
 
 
+def _barriers_passed(thread) -> int:
+    return getattr(thread, "barriers_passed", 0)
+
+
 def _check_missing_lanes(op: str, mask: int, warp: int, rendezvous: _Rendezvous, manager) -> None:
     """Raise if a lane that has not arrived never can: it exited or waits at syncthreads."""
     threads = _block_threads(manager)
@@ -118,7 +122,10 @@ def _check_missing_lanes(op: str, mask: int, warp: int, rendezvous: _Rendezvous,
             continue  # not started yet
         if _exited(t):
             raise RuntimeError(f"{op}: lane {lane} of warp {warp} is named in mask 0x{mask:08x} but exited without arriving")
-        if getattr(t, "syncthreads_blocked", False):
+        # A lane blocked at a barrier the caller has already passed is merely not released yet
+        # (the simulator's BlockManager releases threads one by one): only a barrier the caller
+        # has not passed is a deadlock.
+        if getattr(t, "syncthreads_blocked", False) and _barriers_passed(t) >= _barriers_passed(_current_thread()):
             raise RuntimeError(
                 f"{op}: lane {lane} of warp {warp} is named in mask 0x{mask:08x} but waits at syncthreads "
                 "(a deadlock on the GPU)"
@@ -269,6 +276,15 @@ def install() -> bool:
         if not hasattr(kernelapi.FakeCUDAModule, name):
             setattr(kernelapi.FakeCUDAModule, name, staticmethod(fn))
     kernelapi.FakeCUDAModule.fma = staticmethod(fma)
+    if not getattr(kernel.BlockThread, "_fp8lab_counts_barriers", False):
+        original_syncthreads = kernel.BlockThread.syncthreads
+
+        def counting_syncthreads(self):
+            original_syncthreads(self)
+            self.barriers_passed = _barriers_passed(self) + 1
+
+        kernel.BlockThread.syncthreads = counting_syncthreads
+        kernel.BlockThread._fp8lab_counts_barriers = True
     if not getattr(kernel.BlockThread, "_fp8lab_registered", False):
         original_init = kernel.BlockThread.__init__
 

@@ -196,3 +196,27 @@ def test_lanes_still_starting_are_not_taken_for_exited():
     for _ in range(10):
         many_lanes_shuffle_at_once[2, 256](out)
     assert np.array_equal(out, np.tile(np.arange(256) ^ 1, 2))
+
+
+@cuda.jit
+def barrier_then_shuffle(out):
+    cuda.syncthreads()
+    out[cuda.threadIdx.x] = cuda.shfl_xor_sync(FULL, cuda.threadIdx.x, 1)
+
+
+def test_lanes_not_yet_released_from_a_passed_barrier_are_not_a_deadlock(monkeypatch):
+    """Regression: the simulator releases a barrier's threads one by one; a lane that passed it
+    must wait for a neighbour still being released, not report a deadlock."""
+    import threading
+    import time
+
+    original_set = threading.Event.set
+
+    def slow_set(self):
+        time.sleep(0.002)
+        original_set(self)
+
+    monkeypatch.setattr(threading.Event, "set", slow_set)
+    out = np.zeros(64, np.int64)
+    barrier_then_shuffle[1, 64](out)
+    assert np.array_equal(out, np.arange(64) ^ 1)
