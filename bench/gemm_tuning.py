@@ -1,0 +1,96 @@
+"""Sweep the launch knobs of the FP8 weight kernels on the GPU; the knobs never change a result bit.
+
+    python bench/gemm_tuning.py [--out DIR]
+
+For each Qwen3-8B shape and a few M it validates every variant against ``reference.blockwise.gemm``
+and times it with CUDA-graph replay (``bench/timing.py``), weights rotated past the L2. It prints
+and writes ``gemm_tuning.md``: the best variant per (path, shape, M), which is how the defaults in
+``numba_kernels/gemv_simt.py`` and ``numba_kernels/gemm_mma.py`` and the SIMT/mma threshold of
+``numba_kernels/fp8_gemm.py`` are chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gemm import L2_BYTES, SHAPES, random_problem, relative_error  # noqa: E402
+
+KNOBS = {
+    "simt": {"warps_per_cta": (4, 8), "chunks_per_iteration": (1, 2, 4)},
+    "mma": {"warps_per_cta": (1, 2, 4), "stages": (2, 3, 4)},
+}
+BATCHES = {"simt": (1, 4, 8), "mma": (16, 32)}
+
+
+def variants(kernel, path):
+    """Every combination of the knobs the kernel accepts (a knob it lacks is left out)."""
+    accepted = inspect.signature(kernel).parameters
+    knobs = {name: values for name, values in KNOBS[path].items() if name in accepted}
+    names = list(knobs)
+    for values in itertools.product(*(knobs[n] for n in names)):
+        yield dict(zip(names, values))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "bench")
+    args = parser.parse_args(argv)
+    import torch
+    from numba import cuda
+
+    from numba_kernels.gemm_mma import gemm_mma
+    from numba_kernels.gemv_simt import gemv_simt
+    from reference import blockwise
+    from timing import graph_time_us, torch_time_us
+
+    kernels = {"simt": gemv_simt, "mma": gemm_mma}
+    rng = np.random.default_rng(7)
+    lines = ["| N x K | M | path | best knobs | best us | default us | worst us | cuBLAS BF16 us |", "|---|---|---|---|---|---|---|---|"]
+    for (n, k), path in itertools.product(SHAPES, kernels):
+        kernel = kernels[path]
+        for m in BATCHES[path]:
+            q, s, a_bf16, a_rounded = random_problem(rng, m, n, k, torch)
+            ref = blockwise.gemm(a_rounded, q, s)
+            copies = max(2, int(np.ceil(3 * L2_BYTES / (n * k))))
+            q_dev = [cuda.to_device(q) for _ in range(copies)]
+            s_dev = cuda.to_device(s)
+            a_dev = cuda.as_cuda_array(a_bf16.view(torch.int16))
+            out = cuda.device_array((m, n), np.float32)
+            timings = []
+            for knobs in [{}] + list(variants(kernel, path)):
+                out.copy_to_device(np.full((m, n), np.nan, np.float32))
+                kernel(a_dev, q_dev[0], s_dev, out, **knobs)
+                cuda.synchronize()
+                err = relative_error(out.copy_to_host(), ref)
+                if not err < 1e-5:
+                    print(f"INVALID {path} {n}x{k} M={m} {knobs}: rel. err {err}", flush=True)
+                    continue
+                us = graph_time_us(lambda i, stream: kernel(a_dev, q_dev[i % copies], s_dev, out, stream=stream, **knobs))
+                timings.append((us, knobs))
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            ws = [w] + [torch.randn_like(w) for _ in range(max(1, copies // 2 - 1))]
+            cublas = torch_time_us(lambda i: torch.nn.functional.linear(a_bf16, ws[i % len(ws)]))
+            default_us = timings[0][0]
+            best_us, best = min(timings[1:] or timings, key=lambda t: t[0])
+            worst_us = max(t[0] for t in timings)
+            lines.append(f"| {n} x {k} | {m} | {path} | {best} | {best_us:.1f} | {default_us:.1f} | {worst_us:.1f} | {cublas:.1f} |")
+            print(lines[-1], flush=True)
+    table = "\n".join(lines) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gemm_tuning.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
