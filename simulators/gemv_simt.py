@@ -46,7 +46,7 @@ import numpy as np
 from reference import blockwise
 from reference._checks import as_block, as_codes, as_float
 
-from .fma import fma_f32
+from .fma import _F32_SMALLEST_NORMAL, _F32_TIE_BITS, _F32_TIE_MASK, fma_f32
 
 WARP_SIZE = 32
 BYTES_PER_LANE = 16
@@ -116,10 +116,14 @@ def chunk_scales(scale_inv, n: int, k: int, block) -> np.ndarray:
     """``s[n, c] = scale_inv[n // BN, 16 c // BK] * 2^8`` (float32): the promotion scale of every
     16-wide chunk ``c`` of row ``n``, with the bit placement's ``2^8`` folded in (exact)."""
     bn, bk = block
-    s = blockwise.checked_scales(scale_inv, (n, k), (bn, bk))
+    s = blockwise.checked_scales(scale_inv, (n, k), (bn, bk))[np.arange(n) // bn]
     chunk_k = np.arange(0, k, BYTES_PER_LANE)
-    per_chunk = s[np.arange(n) // bn][:, chunk_k // bk]
-    return per_chunk * np.float32(F16_PLACEMENT_SCALE)
+    if bk % (8 * BYTES_PER_LANE):
+        return s[:, chunk_k // bk] * np.float32(F16_PLACEMENT_SCALE)
+    # BK a multiple of 128 (as the kernel requires): 8 neighbouring chunks share a scale, so look up
+    # one per 8 and repeat it (a quarter of the time of looking up every chunk's).
+    per_8_chunks = s[:, chunk_k[::8] // bk] * np.float32(F16_PLACEMENT_SCALE)
+    return np.repeat(per_8_chunks, 8, axis=1)[:, : chunk_k.size]
 
 
 # ---------------------------------------------------------------------------- the arithmetic
@@ -148,14 +152,19 @@ def lane_partials(a_chunks: np.ndarray, w_chunks: np.ndarray, exact_products: bo
     """
     rows, cols, chunks = a_chunks.shape[1], w_chunks.shape[1], a_chunks.shape[2]
     part = np.zeros((rows, cols, chunks), dtype=np.float32)
-    product = np.empty_like(part)
+    if exact_products:
+        product = np.empty_like(part)
+        for i in range(BYTES_PER_LANE):
+            np.multiply(a_chunks[i][:, None, :], w_chunks[i][None, :, :], out=product)  # exact, so the add
+            part += product  # below is the fma's one rounding
+        return part
+    # The placed weights are E4M3 values times 2^-8 (at most 4 significant bits, |w| in [2^-17, 1.875]
+    # or 0), which lets _fma_f32_into skip most of its tests.
+    scratch = _Scratch(part.shape)
+    bound = float(np.max(np.abs(a_chunks), initial=0)) * _PLACED_MAX
+    may_be_tiny = _smallest_nonzero_magnitude(a_chunks) * _PLACED_SMALLEST < 2.0**-125
     for i in range(BYTES_PER_LANE):
-        a_i, w_i = a_chunks[i][:, None, :], w_chunks[i][None, :, :]
-        if exact_products:
-            np.multiply(a_i, w_i, out=product)  # exact, so the add below is the fma's one rounding
-            part += product
-        else:
-            part = fma_f32(a_i, w_i, part)
+        _fma_f32_into(a_chunks[i][:, None, :], w_chunks[i][None, :, :], part, part, scratch, bound, may_be_tiny)
     return part
 
 
@@ -167,10 +176,14 @@ def promote_partials(part: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """
     rows, cols, chunks = part.shape
     acc = np.zeros((rows, cols, WARP_SIZE), dtype=np.float32)
+    scratch = None
     for first in range(0, chunks, WARP_SIZE):
         active = min(WARP_SIZE, chunks - first)  # lanes 0 .. active-1 have bytes this step
+        lanes = acc[..., :active]
+        if scratch is None or scratch.total.shape != lanes.shape:  # the first step, and a shorter last one
+            scratch = _Scratch(lanes.shape)
         step_chunks = slice(first, first + active)
-        acc[..., :active] = fma_f32(scales[None, :, step_chunks], part[..., step_chunks], acc[..., :active])
+        _fma_f32_into(scales[None, :, step_chunks], part[..., step_chunks], lanes, lanes, scratch)
     return acc
 
 
@@ -186,10 +199,136 @@ def butterfly_sum(acc: np.ndarray) -> np.ndarray:
     return acc
 
 
+# ---------------------------------------------------------------------------- exact fma on large arrays
+
+
+class _Scratch:
+    """Work arrays for ``_fma_f32_into`` on arrays of one shape, allocated once and reused every step
+    (fresh large temporaries would cost more than the arithmetic)."""
+
+    def __init__(self, shape):
+        self.total = np.empty(shape, np.float64)
+        self.bits = np.empty(shape, np.uint32)
+
+
+def _fma_f32_into(a, b, c, out: np.ndarray, scratch: _Scratch, fp8_bound: float | None = None,
+                  may_be_tiny: bool = True) -> None:
+    """``out[...] = fma_f32(a, b, c)``, the same bits, in fewer passes over large arrays.
+
+    ``fma_f32``'s own method: ``a * b`` is exact in float64 (both are float32 values), the sum is
+    rounded once to float64, then to float32. That second rounding is the fma's unless the float64
+    sum was inexact *and* is a float32 tie or lies in float32's subnormal range. Here the ties and
+    tiny sums are only suspects: TwoSum tells which of them are inexact, and ``fma_f32`` recomputes
+    just those (exact sums are often ties in these chains, and round once, correctly). ``c`` and
+    ``out`` are float32 arrays of the result's shape; ``out`` may be ``a`` or ``c``.
+
+    What the caller knows saves the search for suspects:
+
+    - ``fp8_bound``: ``b`` holds E4M3 values (at most 4 significant bits) and ``|a * b| <= fp8_bound``.
+      Then ``a * b`` has at most 28 significant bits, and an inexact float64 sum can only be a
+      float32 tie if ``c`` vanished in it (sum == ``a * b``, ``0 < |c| <= 2^-53 |a * b|``): any other
+      inexact sum needs a gap of over 24 bits between the terms, which keeps it at least one float64
+      ulp from every float32 midpoint (``tests/test_gemv_simt.py`` checks this on adversarial cases).
+      So no tie needs checking when every nonzero ``|c|`` exceeds ``2^-53 fp8_bound`` (one reduction).
+    - ``may_be_tiny=False``: every nonzero ``|a * b| >= 2^-125``. An inexact float64 sum has one term
+      below half the other, so it is then at least ``2^-126``: not subnormal.
+    """
+    total = scratch.total
+    np.multiply(a, b, out=total, dtype=np.float64)  # (dtype: float32 inputs would be multiplied in float32)
+    total += c
+    suspect = None
+    if fp8_bound is None or _smallest_nonzero_magnitude(c, scratch.bits) * 2.0**53 <= fp8_bound:
+        suspect = (total.view(np.int64) & _F32_TIE_MASK) == _F32_TIE_BITS
+    if may_be_tiny:
+        tiny = np.abs(total) < _F32_SMALLEST_NORMAL
+        suspect = tiny if suspect is None else suspect | tiny
+    redo = None
+    if suspect is not None and suspect.any():
+        where = np.unravel_index(np.flatnonzero(suspect), suspect.shape)  # (np.nonzero is slow on n-d masks)
+        a_, b_, c_ = (np.broadcast_to(x, total.shape)[where] for x in (a, b, c))
+        product, rounded = np.multiply(a_, b_, dtype=np.float64), total[where]
+        c_part = rounded - product  # TwoSum (Knuth): the float64 sum's exact error is zero iff it is exact
+        inexact = (product - (rounded - c_part)) + (c_ - c_part) != 0
+        if inexact.any():
+            where = tuple(w[inexact] for w in where)
+            redo = fma_f32(a_[inexact], b_[inexact], c_[inexact])
+    np.copyto(out, total, casting="same_kind")
+    if redo is not None:
+        out[where] = redo
+
+
+def _smallest_nonzero_magnitude(x: np.ndarray, bits: np.ndarray | None = None) -> float:
+    """The smallest nonzero ``|x|`` of a float32 array (``inf`` if there is none); ``bits``: uint32
+    scratch of ``x``'s shape (allocated if not given).
+
+    The bits of a float32 order as its magnitude does within each sign: as uint32 the smallest is
+    the smallest ``x >= 0``, as int32 (negatives first) the negative nearest zero. Two reductions, no
+    writes, unless a zero hides the answer: then ``bits(x) - 1`` with the sign bit cleared maps
+    ``+-0`` to the largest value and every other ``x`` to ``bits(|x|) - 1``. (NaN bits exceed inf's.)
+    """
+    nonnegative = int(x.view(np.uint32).min(initial=0xFFFFFFFF))
+    negative = int(x.view(np.int32).min(initial=0)) + 2**31
+    if nonnegative not in (0, 0x80000000) and negative not in (0, 2**31):  # no +0, no -0
+        smallest = min(nonnegative if nonnegative < 0x80000000 else 0xFFFFFFFF,
+                       negative if negative < 2**31 else 0xFFFFFFFF)
+    else:
+        bits = np.empty(x.shape, np.uint32) if bits is None else bits
+        np.subtract(x.view(np.uint32), np.uint32(1), out=bits)
+        np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=bits)
+        smallest = int(bits.min(initial=0x7FFFFFFF)) + 1
+    return np.inf if smallest >= 0x7F800000 else float(np.uint32(smallest).view(np.float32))
+
+
 # ---------------------------------------------------------------------------- the entry point
 
-_TILE_ELEMENTS = 1 << 17  # partials per (row tile x column tile) block: keeps the work in cache
+_TILE_COLUMN_BYTES = 1 << 17
+"""About this many weight bytes decoded at a time (a column tile): the tile's arrays stay in cache."""
+_PROMOTE_LANES = 1 << 16
+"""About this many (row, column, lane) running sums promoted at a time."""
 _PLACED_VALUES = placed_weights(np.arange(256, dtype=np.uint8))  # code -> placed float32, a lookup table
+_PLACED_MAX = float(np.max(_PLACED_VALUES))  # 1.875 (the NaN codes' 480 * 2^-8)
+_PLACED_SMALLEST = float(np.min(np.abs(_PLACED_VALUES[_PLACED_VALUES != 0])))  # 2^-17
+
+
+def _pair_table(values: np.ndarray) -> np.ndarray:
+    """``table[x]``: the two placed float32 values of the two codes stored in the uint16 ``x``, as one
+    8-byte item (uint64, so that nothing treats the bits as a number). Decoding through it moves two
+    weights per lookup, half the lookups of the 256-entry table. The table is built from ``x``'s
+    bytes in memory order, so it matches ``q.view(np.uint16)`` on any byte order."""
+    code_pairs = np.arange(65536, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    return np.ascontiguousarray(values[code_pairs]).view(np.uint64).reshape(-1)
+
+
+_PLACED_PAIRS = _pair_table(_PLACED_VALUES)  # 65536 x 8 bytes = 512 KiB
+
+
+def _placed_pairs(codes: np.ndarray, index: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """The placed weights of ``codes [cols, K]`` as a view ``w[i // 2, i % 2, n, c] = placed(codes[n, 16 c + i])``.
+
+    Codes ``i`` and ``i + 1`` of a lane are neighbours in memory: one lookup of their uint16 in
+    ``_PLACED_PAIRS`` gives both values. ``index`` (intp) and ``pairs`` (uint64) are scratch arrays
+    ``[8, cols, K / 16]``; the returned float32 view points into ``pairs``.
+    """
+    cols, k = codes.shape
+    by_pair = codes.view(np.uint16).reshape(cols, k // BYTES_PER_LANE, BYTES_PER_LANE // 2).transpose(2, 0, 1)
+    np.copyto(index, by_pair)  # (np.take would allocate this conversion itself, every call)
+    np.take(_PLACED_PAIRS, index, out=pairs, mode="wrap")  # ("wrap": no bounds check; a uint16 is < 65536)
+    return pairs.view(np.float32).reshape(pairs.shape + (2,)).transpose(0, 3, 1, 2)
+
+
+def _lane_partials_one_row(a_row: np.ndarray, w_pairs: np.ndarray, out: np.ndarray, products: np.ndarray) -> None:
+    """``lane_partials`` for one row with exact products, reading the decoded pairs where they are.
+
+    ``a_row``: ``[16, 1, chunks]``; ``w_pairs``: ``_placed_pairs``'s view; ``out``: ``[1, cols, chunks]``;
+    ``products``: float32 scratch ``[16, cols, chunks]``. All 16 products come from one multiply (which
+    also splits the pairs, the copy the other path makes first), then the partial adds them in ``k``
+    order from 0 (``0 + x`` turns ``-0`` into ``+0``, as the chain does).
+    """
+    chunks = a_row.shape[-1]
+    np.multiply(a_row.reshape(8, 2, 1, chunks), w_pairs, out=products.reshape(w_pairs.shape))
+    np.add(products[0], np.float32(0), out=out[0])
+    for i in range(1, BYTES_PER_LANE):
+        out[0] += products[i]
 
 
 def gemv_simt(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, m_tile: int = 8) -> np.ndarray:
@@ -198,28 +337,55 @@ def gemv_simt(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, m_tile: int = 8) -
     ``a``: float ``[M, K]`` with ``1 <= M <= 16`` (rounded to float32); ``q``: uint8 E4M3 codes
     ``[N, K]``; ``scale_inv``: ``[ceil(N/BN), ceil(K/BK)]``; ``block = (BN, BK)``; ``m_tile``: rows
     sharing each weight load (1, 2, 4, 8 or 16). Returns what lane 0 of warp ``n`` stores, bit for bit.
+
+    Vectorized as the kernel's lanes are independent: every weight is decoded once (a column tile
+    at a time, shared by all rows), each lane's 16-product chain runs for all (row, column, chunk)
+    at once, and the promotions and the butterfly run over all columns at once.
     """
     a32, codes, (bn, bk), m_tile = _check_arguments(a, q, block, m_tile)
     m, k = a32.shape
     n = codes.shape[0]
     chunks = k // BYTES_PER_LANE
-    scales = chunk_scales(scale_inv, n, k, (bn, bk))
-    # Element i of every lane's 16, contiguous over chunks: a as [16, M, chunks], q as [16, N, chunks].
+    # Element i of every lane's 16, contiguous over chunks: a as [16, M, chunks], per row tile.
     a_by_element = a32.reshape(m, chunks, BYTES_PER_LANE).transpose(2, 0, 1)
-    q_by_element = codes.reshape(n, chunks, BYTES_PER_LANE).transpose(2, 0, 1)
     tiles = [(rows, np.ascontiguousarray(a_by_element[:, rows, :])) for rows in row_tiles(m, m_tile)]
     exact_products = [products_fit_float32(a_tile) for _, a_tile in tiles]
 
-    out = np.empty((m, n), dtype=np.float32)
-    cols_per_tile = max(1, _TILE_ELEMENTS // (min(m, m_tile) * chunks))
+    part = np.empty((m, n, chunks), np.float32)  # every lane's partial of every chunk
+    cols_per_tile = max(1, _TILE_COLUMN_BYTES // k)
+    w_tile = np.empty(0)
     for col0 in range(0, n, cols_per_tile):  # column tiles only keep the work in cache
         cols = slice(col0, min(col0 + cols_per_tile, n))
-        w_tile = np.take(_PLACED_VALUES, np.ascontiguousarray(q_by_element[:, cols, :]))
+        if w_tile.shape[1:2] != (cols.stop - cols.start,):  # the first tile, and a shorter last one
+            w_tile = np.empty((BYTES_PER_LANE, cols.stop - cols.start, chunks), np.float32)
+            products = np.empty_like(w_tile)
+            index, pairs = (np.empty((BYTES_PER_LANE // 2,) + w_tile.shape[1:], t) for t in (np.intp, np.uint64))
+        w_pairs = _placed_pairs(codes[cols], index, pairs)
+        if any(rows.stop - rows.start > 1 or not exact for (rows, _), exact in zip(tiles, exact_products)):
+            np.copyto(w_tile.reshape(w_pairs.shape), w_pairs)  # element i of every lane, contiguous
         for (rows, a_tile), exact in zip(tiles, exact_products):
-            part = lane_partials(a_tile, w_tile, exact)
-            acc = promote_partials(part, scales[cols])
-            out[rows, cols] = butterfly_sum(acc)[..., 0]  # lane 0 stores
+            if rows.stop - rows.start == 1 and exact:
+                _lane_partials_one_row(a_tile, w_pairs, part[rows, cols], products)
+            else:
+                part[rows, cols] = lane_partials(a_tile, w_tile, exact)
+    scales = chunk_scales(scale_inv, n, k, (bn, bk))
+    out = np.empty((m, n), np.float32)
+    cols_per_block = max(1, _PROMOTE_LANES // (m * WARP_SIZE))
+    for col0 in range(0, n, cols_per_block):  # column blocks only keep the promotions in cache
+        cols = slice(col0, min(col0 + cols_per_block, n))
+        out[:, cols] = _butterfly_lane0(promote_partials(part[:, cols], scales[cols]))
     return out
+
+
+def _butterfly_lane0(acc: np.ndarray) -> np.ndarray:
+    """``butterfly_sum(acc)[..., 0]``, the value lane 0 stores, with only the additions it depends on.
+
+    After ``off = 16`` lane ``L < 16`` holds ``acc[L] + acc[L + 16]``; lane 0 then needs lanes 0..7 of
+    that, and so on: five halvings of the lane axis, each two contiguous halves added.
+    """
+    for half in BUTTERFLY_OFFSETS:
+        acc = acc[..., :half] + acc[..., half : 2 * half]
+    return acc[..., 0]
 
 
 def _check_k(k) -> int:

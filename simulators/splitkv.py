@@ -45,6 +45,11 @@ operation):
 model (or the reference) with an error bound, not bit for bit. NumPy's float32 ``exp2`` may also
 differ between CPUs (SIMD paths). Every other operation above is a correctly rounded float32
 operation (``fma`` via ``simulators.fma.fma_f32``), reproducible anywhere.
+
+Two formulations give the same bits: ``shard_partials_by_step`` runs the schedule as written, one
+token per warp per step; ``shard_partials`` (what ``paged_decode`` uses) computes every token's
+score at once, the running max as a cumulative maximum, and steps only through the ``l`` and
+``acc`` fma chains, which are truly sequential (see its docstring).
 """
 
 from __future__ import annotations
@@ -57,8 +62,8 @@ import numpy as np
 from reference import e4m3, kv_cache
 from reference._checks import as_float, as_index, require_ndim, require_shape
 
-from .fma import fma_f32
-from .gemv_simt import BUTTERFLY_OFFSETS, WARP_SIZE
+from .fma import fma_f32, fma_f32_round_to_odd
+from .gemv_simt import BUTTERFLY_OFFSETS, WARP_SIZE, _fma_f32_into, _Scratch, _smallest_nonzero_magnitude
 
 NUM_WARPS = 4
 """Warps per CTA; a shard's tokens are dealt to them round-robin."""
@@ -241,8 +246,48 @@ def shard_partials(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale: f
                    alibi_slopes=None, num_splits="auto") -> Partials:
     """Run the split-kv kernel and return its per-shard partials (before the combine).
 
-    Arguments as ``paged_decode``. All sequences, heads, shards and warps advance together, one
-    token per warp per step; the loop runs over steps (the longest warp's token count).
+    Arguments as ``paged_decode``. The same float32 operations as the step-by-step model
+    (``shard_partials_by_step``: all warps advance one token per step), bit for bit, in fewer and
+    larger NumPy operations:
+
+    1. **Scores** (``_scores``): a token's score depends on no other token, so all of them are
+       computed at once, one 128-token tile at a time.
+    2. **Softmax weights** (``_softmax_weights``): the running max ``m`` of each warp is a cumulative
+       maximum over its tokens (``np.maximum.accumulate``, exact), so every ``corr`` and ``p`` is
+       known before any sum is formed.
+    3. **Running sums** (``_running_sums``): only the ``l`` and ``acc`` fma chains are sequential; they
+       advance one step for every (sequence, head, shard, warp, element) at once.
+    """
+    q32, tables, lens, slopes = _checked_arguments(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale,
+                                                   alibi_slopes)
+    num_seqs, num_heads, head_dim = q32.shape
+    block_size = k_cache.shape[2]
+    splits = _resolve_num_splits(num_splits, num_seqs, num_heads, lens, block_size)
+    bounds = np.array([shard_bounds(length, splits, block_size) for length in lens], np.int64).reshape(num_seqs, splits, 2)
+    slots = _Slots(bounds, tables, block_size)
+
+    scale_log2 = np.float32(float(softmax_scale) * LOG2E)  # float64 product, rounded once
+    scores = _scores(q32 * scale_log2, k_cache, k_scale, slots)  # [seq, kv, g, shard, step, warp]
+    if slopes is not None:
+        num_kv_heads = k_cache.shape[1]
+        slope2 = (slopes * np.float32(LOG2E)).reshape(1, num_kv_heads, -1, 1, 1, 1)
+        distance = (slots.token - (lens[:, None, None, None] - 1)).astype(np.float32)[:, None, None]
+        scores = fma_f32(slope2, distance, scores)
+    m, corr, p = _softmax_weights(scores, slots.active)
+    l, acc = _running_sums(corr, p, v_cache, v_scale, slots)
+
+    m, l, acc = merge_partials(m, l, acc, axis=4)  # the 4 warps of each CTA, in warp order
+    heads = (num_seqs, num_heads, splits)
+    return Partials(m.reshape(heads), l.reshape(heads), acc.reshape(heads + (head_dim,)), bounds)
+
+
+def shard_partials_by_step(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale: float, k_scale=None,
+                           v_scale=None, alibi_slopes=None, num_splits="auto") -> Partials:
+    """``shard_partials`` as the kernel runs it: one token per warp per step, all warps at once.
+
+    The plain statement of the schedule (``warp_scores`` and ``online_softmax_step`` every step; the
+    loop runs over the longest warp's token count), kept to read and to test ``shard_partials``
+    against: both give the same bits. It is several times slower.
     """
     q32, tables, lens, slopes = _checked_arguments(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale,
                                                    alibi_slopes)
@@ -292,6 +337,185 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale: flo
     partials = shard_partials(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale,
                               alibi_slopes, num_splits)
     return combine_partials(partials.m, partials.l, partials.acc)
+
+
+# ---------------------------------------------------------------------------- the vectorized model
+
+_SCORE_TILE = 1 << 16
+"""About this many (lane, query head, token) products per score tile: its float64 arrays stay in cache."""
+_VALUE_STEPS = 8
+"""Steps of V gathered and decoded at a time by ``_running_sums``."""
+_FP8_VALUES64 = e4m3.VALUES.astype(np.float64)  # code -> exact value (NaN codes -> NaN), a lookup table
+_FP8_SMALLEST = float(np.min(np.abs(e4m3.VALUES[(e4m3.VALUES != 0) & np.isfinite(e4m3.VALUES)])))  # 2^-9
+_FP8_MAX = float(np.nanmax(e4m3.VALUES))  # 448
+
+
+class _Slots:
+    """Which token every warp reads at every step: arrays ``[seq, shard, step, warp]``.
+
+    ``token = start + warp + 4 step`` (round-robin); ``active`` where ``token < end``; ``block`` and
+    ``offset`` locate the token in the paged cache (block 0, offset 0 where inactive, never read as data).
+    """
+
+    def __init__(self, bounds, tables, block_size: int):
+        starts, ends = bounds[..., 0, None, None], bounds[..., 1, None, None]  # [seq, shard, 1, 1]
+        self.steps = int(np.max(-(-(ends - starts) // NUM_WARPS), initial=0))
+        self.token = starts + NUM_WARPS * np.arange(self.steps)[:, None] + np.arange(NUM_WARPS)
+        self.active = self.token < ends
+        position = np.where(self.active, self.token, 0)
+        column = np.minimum(position // block_size, tables.shape[1] - 1).reshape(len(tables), -1)
+        self.block = np.where(self.active, np.take_along_axis(tables, column, axis=1).reshape(self.token.shape), 0)
+        self.offset = position % block_size
+
+
+def _gather_codes(cache, block, offset, active) -> np.ndarray:
+    """The cache entries (codes or floats) ``[..., kv_head, head_dim]`` of the tokens at ``(block, offset)``,
+    0 for inactive tokens (an unused slot may hold NaN; code 0 is +0)."""
+    raw = cache[block, :, offset, :]
+    raw[~active] = 0
+    return raw
+
+
+def _decode(raw, out: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``out[...] =`` the exact float64 values of gathered cache entries, laid out as ``raw`` is indexed
+    (``raw`` may be a transposed view). FP8 codes go through a 256-entry table, floats are rounded to
+    float32 first (as the step-by-step model does). ``index``: an intp array of ``out``'s shape.
+
+    (The codes are copied into ``index`` first because ``np.take`` would otherwise allocate that
+    conversion anew each call; ``mode="wrap"`` skips the bounds check, codes are < 256 anyway.)
+    """
+    if raw.dtype == np.uint8:
+        np.copyto(index, raw)
+        return np.take(_FP8_VALUES64, index, out=out, mode="wrap")
+    np.copyto(out, raw.astype(np.float32))
+    return out
+
+
+def _gather_scales(cache, scales, block, offset, active) -> np.ndarray:
+    """The float32 per-token scales ``[..., kv_head]``: 1 for a float cache and for inactive tokens."""
+    if not kv_cache.is_fp8(cache):
+        return np.ones(block.shape + cache.shape[1:2], np.float32)
+    return np.where(active[..., None], scales[block, :, offset], np.float32(1))
+
+
+def _scores(q2, k_cache, k_scale, slots: _Slots) -> np.ndarray:
+    """The log2-domain score of every slot: float32 ``[seq, kv_head, g, shard, step, warp]``.
+
+    ``warp_scores`` for all slots at once, per sequence, kv head and tile of tokens: lane ``L``'s
+    chain over its ``E`` elements ``part = fma(q2[d], k[d], part)`` from ``part = 0``, the butterfly,
+    then ``* k_scale``. The arrays are laid out ``[lane, g, token]``: the products broadcast ``q2``
+    over the tokens (long inner loops) and ``k`` over the query heads of a GQA group (each key is
+    decoded once), and each butterfly step adds two contiguous halves of the lane axis.
+    """
+    num_seqs, num_heads, head_dim = q2.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    per_lane = lane_elements(head_dim).shape[1]
+    width = WARP_SIZE * per_lane  # head_dim padded with elements no lane owns (value 0)
+    grid = slots.token.shape  # [seq, shard, step, warp]
+    num_slots = int(np.prod(grid[1:]))
+    scores = np.empty((num_seqs, num_kv_heads, group, num_slots), np.float32)
+
+    # q2 by element and lane: [seq, kv, E, lane, g, 1], float64 (exact)
+    q_lanes = np.zeros((num_seqs, num_heads, width))
+    q_lanes[..., :head_dim] = q2
+    q_lanes = q_lanes.reshape(num_seqs, num_kv_heads, group, WARP_SIZE, per_lane).transpose(0, 1, 4, 3, 2)[..., None]
+    fp8 = kv_cache.is_fp8(k_cache)
+    fp8_bound = float(np.max(np.abs(q2), initial=0)) * _FP8_MAX if fp8 else None
+    may_be_tiny = not fp8 or _smallest_nonzero_magnitude(q2) * _FP8_SMALLEST < 2.0**-125  # see _fma_f32_into
+
+    tile = max(1, _SCORE_TILE // (WARP_SIZE * group))
+    for seq in range(num_seqs):
+        block, offset, active = (x[seq].reshape(-1) for x in (slots.block, slots.offset, slots.active))
+        for first in range(0, num_slots, tile):
+            tokens = slice(first, min(first + tile, num_slots))
+            raw = _gather_codes(k_cache, block[tokens], offset[tokens], active[tokens])  # [T, kv, D]
+            if width > head_dim:
+                raw = np.concatenate([raw, np.zeros(raw.shape[:2] + (width - head_dim,), raw.dtype)], axis=2)
+            k_scales = _gather_scales(k_cache, k_scale, block[tokens], offset[tokens], active[tokens])
+            count = raw.shape[0]
+            shape = (WARP_SIZE, group, count)
+            k_lanes, k_index = np.empty((per_lane, WARP_SIZE, count)), np.empty((per_lane, WARP_SIZE, count), np.intp)
+            part, scratch = np.empty(shape, np.float32), _Scratch(shape)
+            for kv in range(num_kv_heads):
+                _decode(raw[:, kv].reshape(count, WARP_SIZE, per_lane).transpose(2, 1, 0), k_lanes, k_index)
+                for e in range(per_lane):
+                    q_e, k_e = q_lanes[seq, kv, e], k_lanes[e][:, None, :]
+                    if e == 0:  # fma(q, k, +0): the exact product + 0 (turns -0 into +0), rounded once to float32
+                        np.multiply(q_e, k_e, out=scratch.total)
+                        np.add(scratch.total, 0.0, out=part, casting="same_kind")
+                    else:
+                        _fma_f32_into(q_e, k_e, part, part, scratch, fp8_bound, may_be_tiny)
+                for half in (16, 8, 4, 2, 1):  # the butterfly as lane 0 sees it: lanes L and L + half
+                    part[:half] += part[half : 2 * half]
+                np.multiply(part[0], k_scales[:, kv], out=scores[seq, kv, :, tokens])
+    return scores.reshape((num_seqs, num_kv_heads, group) + grid[1:])
+
+
+def _softmax_weights(scores, active):
+    """``(m, corr, p)`` of every warp step, from the scores ``[seq, kv, g, shard, step, warp]``.
+
+    ``m`` (after the last step, ``[seq, kv, g, shard, warp]``) is the running max; ``corr[step] =
+    exp2(m_before - m_after)`` and ``p[step] = exp2(s - m_after)`` are laid out step first,
+    ``[step, seq, kv, g, shard, warp]``. Where a warp has no token, ``corr = 1`` and ``p = -0``: the
+    fmas of ``_running_sums`` then leave ``l`` and ``acc`` as they are (``x * 1 + -0`` is ``x``, even
+    for ``x = +0``), as the step-by-step model's ``np.where(active, ...)`` does.
+    """
+    active = active[:, None, None]
+    scores = np.where(active, scores, np.float32(-np.inf))  # an idle step never raises the max
+    m_after = np.maximum.accumulate(scores, axis=4)
+    m_before = np.concatenate([np.full_like(m_after[..., :1, :], -np.inf), m_after[..., :-1, :]], axis=4)
+    with np.errstate(invalid="ignore"):  # idle steps of an empty warp: -inf - -inf; replaced below
+        corr = np.where(active, np.exp2(m_before - m_after), np.float32(1))
+        p = np.where(active, np.exp2(scores - m_after), np.float32(-0.0))
+    m = m_after[..., -1, :] if scores.shape[4] else np.full(scores.shape[:4] + scores.shape[5:], -np.inf, np.float32)
+    return m, np.moveaxis(corr, 4, 0).copy(), np.moveaxis(p, 4, 0).copy()
+
+
+def _running_sums(corr, p, v_cache, v_scale, slots: _Slots):
+    """Each warp's ``l`` and ``acc`` after its last token, from the weights of ``_softmax_weights``.
+
+    Per step, for every (sequence, head, shard, warp) at once: ``l = fma(l, corr, p)`` and
+    ``acc = fma(p * v_scale, v, acc * corr)`` (the float32 ``acc * corr`` first, as in the kernel).
+    Returns ``l [seq, kv, g, shard, warp]`` and ``acc [..., head_dim]``.
+    """
+    steps, num_seqs, num_kv_heads, group, splits, _ = p.shape
+    head_dim = v_cache.shape[-1]
+    state = (num_seqs, num_kv_heads, group, splits, NUM_WARPS)
+    l = np.zeros(state, np.float32)
+    acc = np.zeros(state + (head_dim,), np.float32)
+    l_rows, acc_rows = l.reshape(-1), acc.reshape(-1, head_dim)  # views: one row per (sequence, head, shard, warp)
+    scratch = _Scratch(acc.shape)
+
+    # p * v_scale of every step, [step, seq, kv, g, shard, warp]: -0 on idle steps (p = -0, scale 1)
+    v_scales = _gather_scales(v_cache, v_scale, slots.block, slots.offset, slots.active)  # [seq, shard, step, warp, kv]
+    pv = p * v_scales.transpose(2, 0, 4, 1, 3)[:, :, :, None]
+    fp8 = kv_cache.is_fp8(v_cache)
+    fp8_bounds = np.max(np.abs(pv), axis=(1, 2, 3, 4, 5), initial=0) * _FP8_MAX if fp8 else [None] * steps
+    may_be_tiny = not fp8 or _smallest_nonzero_magnitude(pv) * _FP8_SMALLEST < 2.0**-125  # see _fma_f32_into
+    pv = pv.astype(np.float64)[..., None]
+
+    v_values = v_index = np.empty(0)
+    for first in range(0, steps, _VALUE_STEPS):
+        chunk = slice(first, min(first + _VALUE_STEPS, steps))
+        raw = _gather_codes(v_cache, slots.block[:, :, chunk], slots.offset[:, :, chunk], slots.active[:, :, chunk])
+        raw = raw.transpose(2, 0, 4, 1, 3, 5)  # [step, seq, kv, shard, warp, D]
+        if v_values.shape != raw.shape:  # (the last chunk may be shorter)
+            v_values, v_index = np.empty(raw.shape), np.empty(raw.shape, np.intp)
+        v = _decode(raw, v_values, v_index)[:, :, :, None]  # [step, seq, kv, 1 (g), shard, warp, D]
+        for step in range(chunk.start, chunk.stop):
+            # Only the rows whose max moved have corr != 1; elsewhere x * 1 = x exactly, so there
+            # l = fma(l, 1, p) is the float32 sum l + p and acc * corr is acc.
+            corr_rows, p_rows = corr[step].reshape(-1), p[step].reshape(-1)
+            rows = np.flatnonzero(corr_rows != 1)
+            if rows.size:  # (a few rows: fma_f32's always-exact path is the cheapest call)
+                l_moved = fma_f32_round_to_odd(l_rows[rows], corr_rows[rows], p_rows[rows])
+            np.add(l, p[step], out=l)
+            if rows.size:
+                l_rows[rows] = l_moved
+                acc_rows[rows] *= corr_rows[rows, None]
+            _fma_f32_into(pv[step], v[step - chunk.start], acc, acc, scratch, fp8_bounds[step], may_be_tiny)
+    return l, acc
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -372,3 +596,13 @@ def _checked_arguments(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_s
     if tables.shape[1] == 0:  # no columns at all (every length 0): give the gather something to read
         tables = np.zeros((num_seqs, 1), dtype=np.int64)
     return q32, tables, lens, slopes
+
+
+def exp2_f32(x) -> np.float32:
+    """``2^x`` of one float32 through the same NumPy loop as the arrays above (for kernels in the CUDA simulator).
+
+    ``numba_kernels.mathops.exp2`` calls this in simulator mode, so a kernel matches this model bit
+    for bit. It evaluates a contiguous 1-element array rather than a scalar so that NumPy takes the
+    same (SIMD) inner loop as for the model's arrays.
+    """
+    return np.exp2(np.array([x], dtype=np.float32))[0]

@@ -317,3 +317,124 @@ def test_mismatched_arguments_raise(rng):
         gs.gemv_simt(a, q.astype(np.float32), ones)
     with pytest.raises(ValueError, match="K"):
         gs.lane_byte_map(100)
+
+
+# ---------------------------------------------------------------------------- the vectorized model's shortcuts
+
+
+def gemv_from_the_public_steps(a, q, scale_inv, block, m_tile) -> np.ndarray:
+    """The model composed plainly from its public steps: decode every weight, ``lane_partials``,
+    ``promote_partials``, ``butterfly_sum``, row tile by row tile (what ``gemv_simt`` computes in tiles,
+    with a pair table and one multiply per single-row tile)."""
+    m, k = a.shape
+    n, chunks = q.shape[0], k // 16
+    w_chunks = gs.placed_weights(q).reshape(n, chunks, 16).transpose(2, 0, 1)
+    scales = gs.chunk_scales(scale_inv, n, k, block)
+    out = np.empty((m, n), np.float32)
+    for rows in gs.row_tiles(m, m_tile):
+        a_chunks = np.ascontiguousarray(a.astype(np.float32).reshape(m, chunks, 16).transpose(2, 0, 1)[:, rows])
+        part = gs.lane_partials(a_chunks, w_chunks, gs.products_fit_float32(a_chunks))
+        out[rows] = gs.butterfly_sum(gs.promote_partials(part, scales))[..., 0]
+    return out
+
+
+@given(gemv_problems(exact=False), st.sampled_from(["f32", "bf16", "mixed", "zeros"]), st.integers(1, 40))
+def test_equals_the_public_steps_bit_for_bit(problem, activations, n):
+    a, _, _, block, m_tile = problem
+    rng = np.random.default_rng(n)
+    m, k = a.shape
+    q = rng.integers(0, 256, size=(n, k), dtype=np.uint8)  # every code, NaN codes included (placed as finite)
+    scale_inv = rng.uniform(1e-3, 1.0, size=blockwise.scale_shape((n, k), block)).astype(np.float32)
+    if activations == "bf16":  # the exact-product path
+        a = (a.view(np.uint32) & 0xFFFF0000).view(np.float32)
+    if activations == "mixed":  # even rows bf16, odd rows float32: row tiles take different paths
+        a = np.where(np.arange(m)[:, None] % 2 == 0, (a.view(np.uint32) & 0xFFFF0000).view(np.float32), a)
+    if activations == "zeros":  # signed zeros: the chain's 0 + (-0) = +0
+        a = np.where(rng.random(a.shape) < 0.5, np.float32(-0.0), a)
+    for tile in (1, m_tile):
+        got = gs.gemv_simt(a, q, scale_inv, block, m_tile=tile)
+        expected = gemv_from_the_public_steps(a, q, scale_inv, block, tile)
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+def test_pair_table_decodes_every_pair_of_codes():
+    codes = np.arange(65536, dtype=np.uint16).view(np.uint8).reshape(-1, 2)  # every pair, as stored in memory
+    pairs = gs._PLACED_PAIRS.view(np.float32).reshape(-1, 2)
+    assert np.array_equal(pairs.view(np.uint32), gs.placed_weights(codes).view(np.uint32))
+
+
+@pytest.mark.parametrize("may_be_tiny", [True, False])
+def test_fma_f32_into_rounds_once(rng, may_be_tiny):
+    a, b, c = adversarial_fma_inputs(rng, 6000)
+    if not may_be_tiny:  # the caller's promise: every nonzero |a * b| >= 2^-125
+        product = np.abs(a.astype(np.float64) * b)
+        keep = (product == 0) | (product >= 2.0**-125)
+        a, b, c = a[keep], b[keep], c[keep]
+    expected = fma.fma_f32(a, b, c)
+    for out_is in ("new", "a", "c"):
+        out = {"new": np.empty_like(c), "a": a.copy(), "c": c.copy()}[out_is]
+        args = (out if out_is == "a" else a, b, out if out_is == "c" else c)
+        gs._fma_f32_into(*args, out, gs._Scratch(c.shape), may_be_tiny=may_be_tiny)
+        assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))
+
+
+def fp8_fma_traps(rng, n: int):
+    """float32 a, E4M3 values b and float32 c whose float64 sums often round onto float32 midpoints:
+    short mantissas, c at and around half an ulp of the product, and tiny c below a float64 ulp."""
+    values = e4m3.VALUES[np.isfinite(e4m3.VALUES)].astype(np.float32)
+    a = (rng.standard_normal(n) * 2.0 ** rng.integers(-30, 30, n)).astype(np.float32)
+    short = rng.random(n) < 0.5  # fewer significant bits: more exact products on a midpoint
+    a_bits = a.view(np.uint32)
+    a_bits[short] &= (np.uint32(0xFFFFFFFF) << rng.integers(0, 23, short.sum()).astype(np.uint32))
+    b = rng.choice(values, n)
+    product = a.astype(np.float64) * b
+    half_ulp = np.abs(product.astype(np.float32)).astype(np.float64) * 2.0**-24
+    kind = rng.integers(0, 4, n)
+    c = product * 2.0 ** rng.integers(-70, 70, n) * rng.choice([-1, 1], n)
+    near_half = half_ulp * rng.choice([0.5, 0.25, -0.5, -0.25, 1, -1], n) * (1 + rng.integers(-3, 4, n) * 2.0**-20)
+    c = np.where(kind == 1, near_half, c)
+    c = np.where(kind == 2, np.abs(product) * 2.0 ** rng.integers(-80, -50, n) * rng.choice([-1, 1], n), c)
+    c = np.where(kind == 3, rng.standard_normal(n) * 2.0 ** rng.integers(-60, 60, n), c)
+    return a, b, c.astype(np.float32)
+
+
+def test_fp8_factor_double_roundings_need_a_vanishing_addend(rng):
+    """The fact behind ``_fma_f32_into``'s ``fp8_bound``: with one factor an E4M3 value, every float64
+    sum whose float32 rounding is wrong equals the product itself (the addend vanished in it)."""
+    wrong = 0
+    for _ in range(4):
+        a, b, c = fp8_fma_traps(rng, 1 << 18)
+        product = a.astype(np.float64) * b
+        total = product + c
+        with np.errstate(over="ignore"):
+            bad = (total.astype(np.float32) != fma.fma_f32_round_to_odd(a, b, c)) & (np.abs(total) >= 2.0**-126)
+        assert np.all(total[bad] == product[bad])
+        assert np.all(np.abs(c[bad]) <= np.abs(product[bad]) * 2.0**-53)
+        wrong += np.count_nonzero(bad)
+    assert wrong > 1000  # the traps do make double rounding go wrong
+
+
+def test_fma_f32_into_with_an_fp8_factor(rng):
+    a, b, c = fp8_fma_traps(rng, 1 << 16)
+    keep = np.isfinite(a.astype(np.float64) * b + c)
+    a, b, c = a[keep], b[keep], c[keep]
+    expected = fma.fma_f32(a, b, c)
+    bound = float(np.max(np.abs(a.astype(np.float64) * b)))
+    out = np.empty_like(c)
+    gs._fma_f32_into(a, b, c, out, gs._Scratch(c.shape), fp8_bound=bound)
+    assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))
+    # the same data, with the addends held back from vanishing: the bound check lets it skip the test
+    big_c = np.where(np.abs(c) < bound * 2.0**-40, np.float32(bound), c).astype(np.float32)
+    gs._fma_f32_into(a, b, big_c, out, gs._Scratch(c.shape), fp8_bound=bound)
+    assert np.array_equal(out.view(np.uint32), fma.fma_f32(a, b, big_c).view(np.uint32))
+
+
+def test_smallest_nonzero_magnitude(rng):
+    for _ in range(300):
+        x = (rng.standard_normal(40) * 2.0 ** rng.integers(-149, 127, 40)).astype(np.float32)
+        x[rng.random(40) < 0.1] = rng.choice([0.0, -0.0])
+        if rng.random() < 0.3:
+            x = np.abs(x) * np.float32(rng.choice([-1, 1]))
+        nonzero = np.abs(x[x != 0])
+        expected = float(nonzero.min()) if nonzero.size else np.inf
+        assert gs._smallest_nonzero_magnitude(x, np.empty(x.shape, np.uint32)) == expected

@@ -360,3 +360,42 @@ def test_bad_arguments_raise(rng):
         sk.paged_decode(data.q, data.k_cache, data.v_cache, data.block_tables[:, :1], *args[4:])
     with pytest.raises(ValueError, match="shard_bounds"):
         sk.shard_bounds(10, 0, 16)
+
+
+# ---------------------------------------------------------------------------- the vectorized model
+
+
+def assert_same_partials(got, expected):
+    for name in ("m", "l", "acc"):
+        x, y = getattr(got, name), getattr(expected, name)
+        assert x.dtype == y.dtype == np.float32 and np.array_equal(x.view(np.uint32), y.view(np.uint32)), name
+    assert np.array_equal(got.bounds, expected.bounds)
+
+
+@given(
+    layout=fst.paged_kv_layouts(max_seqs=3, max_seq_len=48),
+    num_splits=st.one_of(st.just("auto"), st.integers(1, 8)),
+    fp8=st.booleans(),
+    alibi=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+    q_scale=st.sampled_from([1.0, 2.0**-40, 2.0**-100, 2.0**20]),  # tiny and huge scores too
+)
+def test_equals_the_step_by_step_model_bit_for_bit(layout, num_splits, fp8, alibi, seed, q_scale):
+    rng = np.random.default_rng(seed)
+    data = layout.random_data(rng, fp8=fp8)
+    q = (data.q * np.float32(q_scale)).astype(np.float32)
+    slopes = random_slopes(rng, layout.num_heads) if alibi else None
+    args = (q,) + data.decode_args()[1:]
+    assert_same_partials(sk.shard_partials(*args, alibi_slopes=slopes, num_splits=num_splits),
+                         sk.shard_partials_by_step(*args, alibi_slopes=slopes, num_splits=num_splits))
+
+
+def test_equals_the_step_by_step_model_on_long_sequences(rng):
+    """Hundreds of steps, several score tiles and value chunks, GQA 4, head_dim 128 (E = 4) and 40 (E = 2)."""
+    for head_dim, fp8 in ((128, True), (40, False)):
+        lens = np.array([700, 0, 333], np.int32)
+        tables = rng.permutation(3 * 44).reshape(3, 44).astype(np.int32)
+        data = fst.PagedKVLayout(8, 2, head_dim, 16, 3 * 44, tables, lens).random_data(rng, fp8=fp8)
+        for num_splits in (1, 3):
+            assert_same_partials(sk.shard_partials(*data.decode_args(), num_splits=num_splits),
+                                 sk.shard_partials_by_step(*data.decode_args(), num_splits=num_splits))
