@@ -138,7 +138,7 @@ def main(argv=None) -> int:
                 f"| {row[2] / row[5]:.2f} | {row[2] / sdpa:.2f} | {row[4] / row[2]:.2f}x | {errors['fp8']:.1e} / {errors['bf16']:.1e} |"
             )
             print(lines[-1], flush=True)
-            del fp8, bf16, k_t, v_t
+
     table = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attention_results.md").write_text(table)

@@ -30,7 +30,6 @@ import argparse  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from dataclasses import astuple  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -89,7 +88,11 @@ def splitkv_case(rng, num_seqs: int, seq_len: int, num_heads=32, num_kv_heads=8,
     assert np.all(np.isfinite(out)) and rel < 1e-5, f"splitkv does not validate: relative error {rel:.2e}"
     splits = splitkv.choose_num_splits(num_seqs, num_heads, seq_len, block_size=block_size)
     macs = 2 * num_seqs * num_heads * seq_len * head_dim
-    by_step = lambda: splitkv.combine_partials(*astuple(splitkv.shard_partials_by_step(*data.decode_args()))[:3])  # noqa: E731
+
+    def by_step():  # the plain step-by-step model, then the same combine
+        partials = splitkv.shard_partials_by_step(*data.decode_args())
+        return splitkv.combine_partials(partials.m, partials.l, partials.acc)
+
     return (lambda: splitkv.paged_decode(*data.decode_args())), by_step, macs, rel, splits
 
 

@@ -46,7 +46,7 @@ import numpy as np
 from reference import blockwise
 from reference._checks import as_block, as_codes, as_float
 
-from .fma import _F32_SMALLEST_NORMAL, _F32_TIE_BITS, _F32_TIE_MASK, fma_f32
+from .fma import FmaScratch, fma_f32_into, smallest_nonzero_magnitude
 
 WARP_SIZE = 32
 BYTES_PER_LANE = 16
@@ -159,12 +159,12 @@ def lane_partials(a_chunks: np.ndarray, w_chunks: np.ndarray, exact_products: bo
             part += product  # below is the fma's one rounding
         return part
     # The placed weights are E4M3 values times 2^-8 (at most 4 significant bits, |w| in [2^-17, 1.875]
-    # or 0), which lets _fma_f32_into skip most of its tests.
-    scratch = _Scratch(part.shape)
+    # or 0), which lets fma_f32_into skip most of its tests.
+    scratch = FmaScratch(part.shape)
     bound = float(np.max(np.abs(a_chunks), initial=0)) * _PLACED_MAX
-    may_be_tiny = _smallest_nonzero_magnitude(a_chunks) * _PLACED_SMALLEST < 2.0**-125
+    may_be_tiny = smallest_nonzero_magnitude(a_chunks) * _PLACED_SMALLEST < 2.0**-125
     for i in range(BYTES_PER_LANE):
-        _fma_f32_into(a_chunks[i][:, None, :], w_chunks[i][None, :, :], part, part, scratch, bound, may_be_tiny)
+        fma_f32_into(a_chunks[i][:, None, :], w_chunks[i][None, :, :], part, part, scratch, bound, may_be_tiny)
     return part
 
 
@@ -181,9 +181,9 @@ def promote_partials(part: np.ndarray, scales: np.ndarray) -> np.ndarray:
         active = min(WARP_SIZE, chunks - first)  # lanes 0 .. active-1 have bytes this step
         lanes = acc[..., :active]
         if scratch is None or scratch.total.shape != lanes.shape:  # the first step, and a shorter last one
-            scratch = _Scratch(lanes.shape)
+            scratch = FmaScratch(lanes.shape)
         step_chunks = slice(first, first + active)
-        _fma_f32_into(scales[None, :, step_chunks], part[..., step_chunks], lanes, lanes, scratch)
+        fma_f32_into(scales[None, :, step_chunks], part[..., step_chunks], lanes, lanes, scratch)
     return acc
 
 
@@ -197,86 +197,6 @@ def butterfly_sum(acc: np.ndarray) -> np.ndarray:
     for off in BUTTERFLY_OFFSETS:
         acc = acc + acc[..., lanes ^ off]
     return acc
-
-
-# ---------------------------------------------------------------------------- exact fma on large arrays
-
-
-class _Scratch:
-    """Work arrays for ``_fma_f32_into`` on arrays of one shape, allocated once and reused every step
-    (fresh large temporaries would cost more than the arithmetic)."""
-
-    def __init__(self, shape):
-        self.total = np.empty(shape, np.float64)
-        self.bits = np.empty(shape, np.uint32)
-
-
-def _fma_f32_into(a, b, c, out: np.ndarray, scratch: _Scratch, fp8_bound: float | None = None,
-                  may_be_tiny: bool = True) -> None:
-    """``out[...] = fma_f32(a, b, c)``, the same bits, in fewer passes over large arrays.
-
-    ``fma_f32``'s own method: ``a * b`` is exact in float64 (both are float32 values), the sum is
-    rounded once to float64, then to float32. That second rounding is the fma's unless the float64
-    sum was inexact *and* is a float32 tie or lies in float32's subnormal range. Here the ties and
-    tiny sums are only suspects: TwoSum tells which of them are inexact, and ``fma_f32`` recomputes
-    just those (exact sums are often ties in these chains, and round once, correctly). ``c`` and
-    ``out`` are float32 arrays of the result's shape; ``out`` may be ``a`` or ``c``.
-
-    What the caller knows saves the search for suspects:
-
-    - ``fp8_bound``: ``b`` holds E4M3 values (at most 4 significant bits) and ``|a * b| <= fp8_bound``.
-      Then ``a * b`` has at most 28 significant bits, and an inexact float64 sum can only be a
-      float32 tie if ``c`` vanished in it (sum == ``a * b``, ``0 < |c| <= 2^-53 |a * b|``): any other
-      inexact sum needs a gap of over 24 bits between the terms, which keeps it at least one float64
-      ulp from every float32 midpoint (``tests/test_gemv_simt.py`` checks this on adversarial cases).
-      So no tie needs checking when every nonzero ``|c|`` exceeds ``2^-53 fp8_bound`` (one reduction).
-    - ``may_be_tiny=False``: every nonzero ``|a * b| >= 2^-125``. An inexact float64 sum has one term
-      below half the other, so it is then at least ``2^-126``: not subnormal.
-    """
-    total = scratch.total
-    np.multiply(a, b, out=total, dtype=np.float64)  # (dtype: float32 inputs would be multiplied in float32)
-    total += c
-    suspect = None
-    if fp8_bound is None or _smallest_nonzero_magnitude(c, scratch.bits) * 2.0**53 <= fp8_bound:
-        suspect = (total.view(np.int64) & _F32_TIE_MASK) == _F32_TIE_BITS
-    if may_be_tiny:
-        tiny = np.abs(total) < _F32_SMALLEST_NORMAL
-        suspect = tiny if suspect is None else suspect | tiny
-    redo = None
-    if suspect is not None and suspect.any():
-        where = np.unravel_index(np.flatnonzero(suspect), suspect.shape)  # (np.nonzero is slow on n-d masks)
-        a_, b_, c_ = (np.broadcast_to(x, total.shape)[where] for x in (a, b, c))
-        product, rounded = np.multiply(a_, b_, dtype=np.float64), total[where]
-        c_part = rounded - product  # TwoSum (Knuth): the float64 sum's exact error is zero iff it is exact
-        inexact = (product - (rounded - c_part)) + (c_ - c_part) != 0
-        if inexact.any():
-            where = tuple(w[inexact] for w in where)
-            redo = fma_f32(a_[inexact], b_[inexact], c_[inexact])
-    np.copyto(out, total, casting="same_kind")
-    if redo is not None:
-        out[where] = redo
-
-
-def _smallest_nonzero_magnitude(x: np.ndarray, bits: np.ndarray | None = None) -> float:
-    """The smallest nonzero ``|x|`` of a float32 array (``inf`` if there is none); ``bits``: uint32
-    scratch of ``x``'s shape (allocated if not given).
-
-    The bits of a float32 order as its magnitude does within each sign: as uint32 the smallest is
-    the smallest ``x >= 0``, as int32 (negatives first) the negative nearest zero. Two reductions, no
-    writes, unless a zero hides the answer: then ``bits(x) - 1`` with the sign bit cleared maps
-    ``+-0`` to the largest value and every other ``x`` to ``bits(|x|) - 1``. (NaN bits exceed inf's.)
-    """
-    nonnegative = int(x.view(np.uint32).min(initial=0xFFFFFFFF))
-    negative = int(x.view(np.int32).min(initial=0)) + 2**31
-    if nonnegative not in (0, 0x80000000) and negative not in (0, 2**31):  # no +0, no -0
-        smallest = min(nonnegative if nonnegative < 0x80000000 else 0xFFFFFFFF,
-                       negative if negative < 2**31 else 0xFFFFFFFF)
-    else:
-        bits = np.empty(x.shape, np.uint32) if bits is None else bits
-        np.subtract(x.view(np.uint32), np.uint32(1), out=bits)
-        np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=bits)
-        smallest = int(bits.min(initial=0x7FFFFFFF)) + 1
-    return np.inf if smallest >= 0x7F800000 else float(np.uint32(smallest).view(np.float32))
 
 
 # ---------------------------------------------------------------------------- the entry point

@@ -62,8 +62,8 @@ import numpy as np
 from reference import e4m3, kv_cache
 from reference._checks import as_float, as_index, require_ndim, require_shape
 
-from .fma import fma_f32, fma_f32_round_to_odd
-from .gemv_simt import BUTTERFLY_OFFSETS, WARP_SIZE, _fma_f32_into, _Scratch, _smallest_nonzero_magnitude
+from .fma import FmaScratch, fma_f32, fma_f32_into, fma_f32_round_to_odd, smallest_nonzero_magnitude
+from .gemv_simt import BUTTERFLY_OFFSETS, WARP_SIZE
 
 NUM_WARPS = 4
 """Warps per CTA; a shard's tokens are dealt to them round-robin."""
@@ -422,7 +422,7 @@ def _scores(q2, k_cache, k_scale, slots: _Slots) -> np.ndarray:
     q_lanes = q_lanes.reshape(num_seqs, num_kv_heads, group, WARP_SIZE, per_lane).transpose(0, 1, 4, 3, 2)[..., None]
     fp8 = kv_cache.is_fp8(k_cache)
     fp8_bound = float(np.max(np.abs(q2), initial=0)) * _FP8_MAX if fp8 else None
-    may_be_tiny = not fp8 or _smallest_nonzero_magnitude(q2) * _FP8_SMALLEST < 2.0**-125  # see _fma_f32_into
+    may_be_tiny = not fp8 or smallest_nonzero_magnitude(q2) * _FP8_SMALLEST < 2.0**-125  # see fma_f32_into
 
     tile = max(1, _SCORE_TILE // (WARP_SIZE * group))
     for seq in range(num_seqs):
@@ -436,7 +436,7 @@ def _scores(q2, k_cache, k_scale, slots: _Slots) -> np.ndarray:
             count = raw.shape[0]
             shape = (WARP_SIZE, group, count)
             k_lanes, k_index = np.empty((per_lane, WARP_SIZE, count)), np.empty((per_lane, WARP_SIZE, count), np.intp)
-            part, scratch = np.empty(shape, np.float32), _Scratch(shape)
+            part, scratch = np.empty(shape, np.float32), FmaScratch(shape)
             for kv in range(num_kv_heads):
                 _decode(raw[:, kv].reshape(count, WARP_SIZE, per_lane).transpose(2, 1, 0), k_lanes, k_index)
                 for e in range(per_lane):
@@ -445,7 +445,7 @@ def _scores(q2, k_cache, k_scale, slots: _Slots) -> np.ndarray:
                         np.multiply(q_e, k_e, out=scratch.total)
                         np.add(scratch.total, 0.0, out=part, casting="same_kind")
                     else:
-                        _fma_f32_into(q_e, k_e, part, part, scratch, fp8_bound, may_be_tiny)
+                        fma_f32_into(q_e, k_e, part, part, scratch, fp8_bound, may_be_tiny)
                 for half in (16, 8, 4, 2, 1):  # the butterfly as lane 0 sees it: lanes L and L + half
                     part[:half] += part[half : 2 * half]
                 np.multiply(part[0], k_scales[:, kv], out=scores[seq, kv, :, tokens])
@@ -485,14 +485,14 @@ def _running_sums(corr, p, v_cache, v_scale, slots: _Slots):
     l = np.zeros(state, np.float32)
     acc = np.zeros(state + (head_dim,), np.float32)
     l_rows, acc_rows = l.reshape(-1), acc.reshape(-1, head_dim)  # views: one row per (sequence, head, shard, warp)
-    scratch = _Scratch(acc.shape)
+    scratch = FmaScratch(acc.shape)
 
     # p * v_scale of every step, [step, seq, kv, g, shard, warp]: -0 on idle steps (p = -0, scale 1)
     v_scales = _gather_scales(v_cache, v_scale, slots.block, slots.offset, slots.active)  # [seq, shard, step, warp, kv]
     pv = p * v_scales.transpose(2, 0, 4, 1, 3)[:, :, :, None]
     fp8 = kv_cache.is_fp8(v_cache)
     fp8_bounds = np.max(np.abs(pv), axis=(1, 2, 3, 4, 5), initial=0) * _FP8_MAX if fp8 else [None] * steps
-    may_be_tiny = not fp8 or _smallest_nonzero_magnitude(pv) * _FP8_SMALLEST < 2.0**-125  # see _fma_f32_into
+    may_be_tiny = not fp8 or smallest_nonzero_magnitude(pv) * _FP8_SMALLEST < 2.0**-125  # see fma_f32_into
     pv = pv.astype(np.float64)[..., None]
 
     v_values = v_index = np.empty(0)
@@ -514,7 +514,7 @@ def _running_sums(corr, p, v_cache, v_scale, slots: _Slots):
             if rows.size:
                 l_rows[rows] = l_moved
                 acc_rows[rows] *= corr_rows[rows, None]
-            _fma_f32_into(pv[step], v[step - chunk.start], acc, acc, scratch, fp8_bounds[step], may_be_tiny)
+            fma_f32_into(pv[step], v[step - chunk.start], acc, acc, scratch, fp8_bounds[step], may_be_tiny)
     return l, acc
 
 

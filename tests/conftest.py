@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def rng(request) -> "np.random.Generator":
+def rng(request):
     """A NumPy generator seeded from the test's name: fresh per test, reproducible across runs."""
     import zlib
 

@@ -4,7 +4,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
 
 from reference import e4m3
 from reference import strategies as fst

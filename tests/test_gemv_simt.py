@@ -374,7 +374,7 @@ def test_fma_f32_into_rounds_once(rng, may_be_tiny):
     for out_is in ("new", "a", "c"):
         out = {"new": np.empty_like(c), "a": a.copy(), "c": c.copy()}[out_is]
         args = (out if out_is == "a" else a, b, out if out_is == "c" else c)
-        gs._fma_f32_into(*args, out, gs._Scratch(c.shape), may_be_tiny=may_be_tiny)
+        fma.fma_f32_into(*args, out, fma.FmaScratch(c.shape), may_be_tiny=may_be_tiny)
         assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))
 
 
@@ -399,7 +399,7 @@ def fp8_fma_traps(rng, n: int):
 
 
 def test_fp8_factor_double_roundings_need_a_vanishing_addend(rng):
-    """The fact behind ``_fma_f32_into``'s ``fp8_bound``: with one factor an E4M3 value, every float64
+    """The fact behind ``fma_f32_into``'s ``fp8_bound``: with one factor an E4M3 value, every float64
     sum whose float32 rounding is wrong equals the product itself (the addend vanished in it)."""
     wrong = 0
     for _ in range(4):
@@ -421,11 +421,11 @@ def test_fma_f32_into_with_an_fp8_factor(rng):
     expected = fma.fma_f32(a, b, c)
     bound = float(np.max(np.abs(a.astype(np.float64) * b)))
     out = np.empty_like(c)
-    gs._fma_f32_into(a, b, c, out, gs._Scratch(c.shape), fp8_bound=bound)
+    fma.fma_f32_into(a, b, c, out, fma.FmaScratch(c.shape), fp8_bound=bound)
     assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))
     # the same data, with the addends held back from vanishing: the bound check lets it skip the test
     big_c = np.where(np.abs(c) < bound * 2.0**-40, np.float32(bound), c).astype(np.float32)
-    gs._fma_f32_into(a, b, big_c, out, gs._Scratch(c.shape), fp8_bound=bound)
+    fma.fma_f32_into(a, b, big_c, out, fma.FmaScratch(c.shape), fp8_bound=bound)
     assert np.array_equal(out.view(np.uint32), fma.fma_f32(a, b, big_c).view(np.uint32))
 
 
@@ -437,4 +437,4 @@ def test_smallest_nonzero_magnitude(rng):
             x = np.abs(x) * np.float32(rng.choice([-1, 1]))
         nonzero = np.abs(x[x != 0])
         expected = float(nonzero.min()) if nonzero.size else np.inf
-        assert gs._smallest_nonzero_magnitude(x, np.empty(x.shape, np.uint32)) == expected
+        assert fma.smallest_nonzero_magnitude(x, np.empty(x.shape, np.uint32)) == expected

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import e4m3, kv_cache
+from reference import kv_cache
 from reference import strategies as fst
 
 
