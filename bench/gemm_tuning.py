@@ -25,20 +25,20 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gemm import L2_BYTES, SHAPES, random_problem, relative_error  # noqa: E402
 
-KNOBS = {
-    "simt": {"warps_per_cta": (4, 8), "chunks_per_iteration": (1, 2, 4)},
-    "mma": {"warps_per_cta": (1, 2, 4), "stages": (2, 3, 4)},
+VARIANTS = {
+    "simt": [dict(warps_per_cta=w, chunks_per_iteration=c) for w in (4, 8) for c in (1, 2, 4)],
+    "mma": [dict(warps_per_cta=4, n8_tiles_per_warp=1, stages=st) for st in (2, 4, 6, 8)]
+    + [dict(warps_per_cta=4, n8_tiles_per_warp=2, stages=st) for st in (3, 5)]
+    + [dict(warps_per_cta=2, n8_tiles_per_warp=t, stages=8) for t in (1, 2)]
+    + [dict(warps_per_cta=1, n8_tiles_per_warp=1, stages=8)],
 }
 BATCHES = {"simt": (1, 4, 8), "mma": (16, 32)}
 
 
 def variants(kernel, path):
-    """Every combination of the knobs the kernel accepts (a knob it lacks is left out)."""
+    """The sweep's knob settings that the kernel accepts (an unknown knob drops the setting)."""
     accepted = inspect.signature(kernel).parameters
-    knobs = {name: values for name, values in KNOBS[path].items() if name in accepted}
-    names = list(knobs)
-    for values in itertools.product(*(knobs[n] for n in names)):
-        yield dict(zip(names, values))
+    return [v for v in VARIANTS[path] if all(name in accepted for name in v)]
 
 
 def main(argv=None) -> int:

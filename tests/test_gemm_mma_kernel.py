@@ -1,17 +1,20 @@
 """numba_kernels.gemm_mma, the tensor-core FP8 GEMM kernel.
 
 - In the CUDA simulator (``cudasim``): bit for bit ``simulators.gemm_mma.gemm_mma`` (the kernel's
-  float32 operations in the model's order), every output written (outputs poisoned with NaN),
+  float32 operations in the model's order) for every tiling (warps per CTA, n8 tiles per warp,
+  pipeline stages, m16 tiles per warp), every output written (outputs poisoned with NaN),
   ``reference.blockwise.gemm`` within the simulator's stated bound, bad calls raise ``ValueError``
-  before anything is launched. Shapes stay tiny: the simulator runs each of a CTA's 128 threads
-  as a Python thread.
+  before anything is launched. Shapes stay tiny: the simulator runs each thread of a CTA as a
+  Python thread, and ``cp.async`` copies land as late as the hardware may land them.
 - On a GPU (``gpu``): real sizes against ``reference.blockwise.gemm`` by relative error, with the
   bound built from the GPU error budget in ``simulators.gemm_mma``'s docstring, on fresh random
-  inputs each run; integer-valued inputs with power-of-two scales bit for bit the simulator.
+  inputs each run; integer-valued inputs with power-of-two scales bit for bit the simulator; both
+  over several tilings, including stage counts past the 48 KiB shared-memory default.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -19,7 +22,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from numba import cuda
+
 import numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from numba_kernels import cp_async
 from numba_kernels import gemm_mma as kernel
 from reference import blockwise, e4m3
 from reference import strategies as fst
@@ -116,7 +122,6 @@ def with_output_rounding(bound, ref, output):
 
 
 def test_constants_are_the_simulators():
-    assert kernel.CTA_N == model.CTA_N and kernel.WARPS_PER_CTA == model.WARPS_PER_CTA
     assert kernel.K_CHUNK == model.K_CHUNK and kernel.K_STEPS_PER_CHUNK == model.K_STEPS_PER_CHUNK
     assert kernel.M_BLOCKS_CHOICES == model.M_BLOCKS_CHOICES
     assert kernel.BLOCK_N_MULTIPLE == model.BLOCK_N_MULTIPLE
@@ -128,13 +133,63 @@ def test_constants_are_the_simulators():
 @pytest.mark.parametrize(
     "m, n, k, m_blocks", [(1, 8, 128, 1), (33, 100, 384, 2), (17, 24576, 4096, 1), (64, 6144, 4096, 2)]
 )
-def test_launch_info_is_the_simulators_grid(m, n, k, m_blocks):
-    launch = kernel.launch_info(m, n, k, m_blocks)
+def test_four_warps_of_one_n8_tile_is_the_simulators_grid(m, n, k, m_blocks):
+    launch = kernel.launch_info(m, n, k, m_blocks, warps_per_cta=model.WARPS_PER_CTA, n8_tiles_per_warp=1)
     assert launch.grid == model.Schedule(m=m, n=n, k=k, m_blocks=m_blocks).grid
     assert launch.block == (128,)
-    # two buffers of (M_TILE rows x 272 bytes + 32 weight rows x 136 bytes), under the 48 KiB default
-    assert launch.shared_bytes == 2 * (16 * m_blocks * 272 + 32 * 136) == {1: 17408, 2: 26112}[m_blocks]
-    assert launch.shared_bytes <= 48 * 1024
+
+
+TILINGS = [kernel.Tiling(*t) for t in itertools.product(kernel.M_BLOCKS_CHOICES, kernel.WARPS_PER_CTA_CHOICES,
+                                                       kernel.N8_TILES_PER_WARP_CHOICES, kernel.STAGES_CHOICES)]
+
+
+def test_launch_info_for_every_tiling():
+    m, n, k = 37, 1000, 1024
+    for t in TILINGS:
+        launch = kernel.launch_info(m, n, k, t.m_blocks, warps_per_cta=t.warps_per_cta,
+                                    n8_tiles_per_warp=t.n8_tiles_per_warp, stages=t.stages)
+        cta_n = 8 * t.warps_per_cta * t.n8_tiles_per_warp
+        assert launch.tiling == t
+        assert launch.grid == (-(-n // cta_n), -(-m // (16 * t.m_blocks)))
+        assert launch.block == (32 * t.warps_per_cta,)
+        # per stage: M_TILE rows of 272 bytes, CTA_N weight rows of 144, a float32 scale per n8 tile
+        stage = 16 * t.m_blocks * 272 + cta_n * 144 + 16 * -(-(cta_n // 8) * 4 // 16)
+        assert launch.shared_bytes == t.stages * stage <= kernel.MAX_SHARED_PER_CTA
+        assert stage % 16 == 0  # every stage, row and copy 16-byte aligned
+        # the 16-byte copies divide evenly among the threads
+        assert (16 * t.m_blocks * 16) % (32 * t.warps_per_cta) == 0 and (cta_n * 8) % (32 * t.warps_per_cta) == 0
+    assert kernel.A_ROW_BYTES % 16 == 0 and kernel.B_ROW_BYTES % 16 == 0
+
+
+@pytest.mark.parametrize(
+    "m, n, k, expected",
+    [
+        # (m_blocks, warps_per_cta, n8_tiles_per_warp, stages): the widest CTA that still gives
+        # ~every SM a CTA; enough stages for ~32 KiB of weights in flight per SM
+        (16, 4096, 4096, (1, 4, 1, 8)),  # 128 CTAs: one per SM, 8 stages (72 KiB)
+        (16, 4096, 12288, (1, 4, 1, 8)),
+        (1, 6144, 4096, (1, 4, 1, 5)),  # 192 CTAs: two per SM
+        (16, 24576, 4096, (1, 4, 2, 3)),  # 384 CTAs of 64 columns: three per SM
+        (32, 4096, 4096, (2, 4, 1, 8)),
+        (32, 24576, 4096, (2, 4, 2, 3)),
+        (8, 1024, 4096, (1, 1, 1, 8)),  # small N: one-warp CTAs
+        (4096, 4096, 4096, (2, 4, 2, 2)),  # many waves: no deep pipeline needed
+        (1, 8, 256, (1, 1, 1, 3)),  # never more stages than chunks + 1
+    ],
+)
+def test_default_tilings(m, n, k, expected):
+    tiling = kernel.choose_tiling(m, n, k)
+    assert tiling == kernel.Tiling(*expected)
+    ctas = kernel.launch_info(m, n, k).grid
+    per_sm = min(-(-ctas[0] * ctas[1] // kernel.SM_COUNT), kernel.MAX_CTAS_PER_SM_COUNTED)
+    assert per_sm * (tiling.shared_bytes + 1024) <= kernel.SHARED_PER_SM
+
+
+def test_given_knobs_are_kept_and_the_rest_defaulted():
+    assert kernel.choose_tiling(16, 4096, 4096, warps_per_cta=2) == kernel.Tiling(1, 2, 2, 8)
+    assert kernel.choose_tiling(16, 4096, 4096, n8_tiles_per_warp=2).n8_tiles_per_warp == 2
+    assert kernel.choose_tiling(16, 4096, 4096, stages=3) == kernel.Tiling(1, 4, 1, 3)
+    assert kernel.choose_tiling(16, 4096, 4096, m_blocks=2) == kernel.Tiling(2, 4, 1, 8)
 
 
 def test_padded_rows_make_fragment_loads_conflict_free():
@@ -154,8 +209,10 @@ def test_padded_rows_make_fragment_loads_conflict_free():
 
 def test_choose_m_blocks_and_launch_limits():
     assert [kernel.choose_m_blocks(m) for m in (1, 16, 17, 4096)] == [1, 1, 2, 2]
-    with pytest.raises(ValueError, match="m_blocks"):
-        kernel.launch_info(4, 8, 128, 3)
+    for knob, value in [("m_blocks", 3), ("warps_per_cta", 3), ("warps_per_cta", 8), ("n8_tiles_per_warp", 4),
+                        ("stages", 1), ("stages", 9)]:
+        with pytest.raises(ValueError, match=knob):
+            kernel.launch_info(4, 8, 128, **{knob: value})
     with pytest.raises(ValueError, match="M tiles"):
         kernel.launch_info(16 * 65535 + 1, 8, 128, 1)
     with pytest.raises(ValueError, match="multiple of 128"):
@@ -196,25 +253,72 @@ def test_bit_for_bit_the_simulator(m, n, k, m_blocks, fmt, output, block, rng):
     assert np.any(ref != 0) and np.all(np.abs(values - ref) <= bound)
 
 
+TILING_CASES = [
+    # (warps_per_cta, n8_tiles_per_warp, stages, m_blocks), m, n, activation, output, block: every
+    # (warps_per_cta, stages) pair and every (warps_per_cta, n8_tiles_per_warp) pair, both
+    # m_blocks; K = 128 (stages + 1), so the ring wraps around and the last iterations commit
+    # empty groups; M tails (rows zero-filled), N tails (a partial n8 tile; tiles wholly past N,
+    # whose scale copy is a zero fill, in a second CTA); scale blocks of one and two chunks.
+    # Sizes kept small: the simulator runs ~0.4 s per n8 tile, chunk and m16 tile.
+    ((1, 1, 2, 2), 19, 13, "bf16", "f32", (8, 128)),
+    ((1, 2, 3, 1), 5, 21, "f16", "bf16", (8, 256)),
+    ((1, 1, 4, 1), 3, 5, "bf16", "f16", (16, 128)),
+    ((2, 1, 2, 1), 5, 13, "f16", "f32", (8, 128)),
+    ((2, 2, 3, 1), 5, 29, "bf16", "f32", (8, 256)),
+    ((2, 1, 4, 2), 19, 13, "bf16", "bf16-int16", (8, 128)),
+    ((4, 2, 2, 1), 2, 61, "f16", "f32", (16, 256)),
+    ((4, 1, 3, 1), 5, 29, "bf16", "f16", (8, 128)),
+    ((4, 1, 4, 1), 1, 29, "f16", "f32", (8, 256)),
+]
+
+
 @pytest.mark.cudasim
-@settings(max_examples=4)  # each example simulates 1 to 4 CTAs of 128 Python threads
+@pytest.mark.parametrize("knobs, m, n, fmt, output, block", TILING_CASES)
+def test_bit_for_bit_the_simulator_for_every_tiling(knobs, m, n, fmt, output, block, rng):
+    warps, n8_tiles, stages, m_blocks = knobs
+    k = 128 * (stages + 1)
+    a = activations(rng.standard_normal((m, k)).astype(np.float32), fmt, int16=output == "bf16-int16")
+    q, scale_inv = random_weights(rng, n, k, block)
+    out = poisoned_output(m, n, output)
+    kernel.gemm_mma(a, q, scale_inv, out, block, m_blocks=m_blocks, warps_per_cta=warps, n8_tiles_per_warp=n8_tiles,
+                    stages=stages)
+    modelled = model.gemm_mma(a.view(np.uint16), q, scale_inv, block, m_blocks=m_blocks, activation=fmt)
+    assert np.all(np.isfinite(output_values(out, output))), "an output was not written (still NaN)"
+    assert np.array_equal(out.view(np.uint8), expected_bits(modelled, base_format(output)).view(np.uint8))
+
+
+def test_tiling_cases_cover_every_pair():
+    knobs = [case[0] for case in TILING_CASES]
+    assert {(w, s) for w, _, s, _ in knobs} == set(itertools.product(kernel.WARPS_PER_CTA_CHOICES, (2, 3, 4)))
+    assert {(w, t) for w, t, _, _ in knobs} == set(itertools.product(kernel.WARPS_PER_CTA_CHOICES,
+                                                                     kernel.N8_TILES_PER_WARP_CHOICES))
+    assert {mb for *_, mb in knobs} == set(kernel.M_BLOCKS_CHOICES)
+
+
+@pytest.mark.cudasim
+@settings(max_examples=4)  # each example simulates 1 to 10 CTAs of 32 to 128 Python threads
 @given(
     m=st.integers(1, 20),
     n=st.integers(1, 40),
-    chunks=st.integers(1, 2),
+    chunks=st.integers(1, 3),
     fmt=st.sampled_from(bp.FORMATS),
     m_blocks=st.sampled_from([None, 1, 2]),
+    warps=st.sampled_from([None, *kernel.WARPS_PER_CTA_CHOICES]),
+    n8_tiles=st.sampled_from([None, *kernel.N8_TILES_PER_WARP_CHOICES]),
+    stages=st.sampled_from([None, 2, 3, 4]),
     output=st.sampled_from(sorted(OUTPUT_DTYPES)),
     block=st.tuples(st.sampled_from([8, 24, 128]), st.sampled_from([128, 256])),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_bit_for_bit_the_simulator_property(m, n, chunks, fmt, m_blocks, output, block, seed):
+def test_bit_for_bit_the_simulator_property(m, n, chunks, fmt, m_blocks, warps, n8_tiles, stages, output, block,
+                                            seed):
     rng = np.random.default_rng(seed)
     k = 128 * chunks
     a = activations(rng.standard_normal((m, k)).astype(np.float32), fmt, int16=seed % 2 == 1)
     q, scale_inv = random_weights(rng, n, k, block)
     out = poisoned_output(m, n, output)
-    kernel.gemm_mma(a, q, scale_inv, out, block, m_blocks=m_blocks)
+    kernel.gemm_mma(a, q, scale_inv, out, block, m_blocks=m_blocks, warps_per_cta=warps, n8_tiles_per_warp=n8_tiles,
+                    stages=stages)
     modelled = model.gemm_mma(a.view(np.uint16), q, scale_inv, block, m_blocks=m_blocks or 1, activation=fmt)
     assert np.all(np.isfinite(output_values(out, output)))
     assert np.array_equal(out.view(np.uint8), expected_bits(modelled, base_format(output)).view(np.uint8))
@@ -244,6 +348,31 @@ def test_place_code_pair_is_the_simulators(fmt, rng):
     pairs = np.concatenate([codes, codes << 8, codes | (codes[::-1] << 8), random_pairs])
     got = np.array([kernel.place_code_pair(p, kernel.PLACEMENT_SHIFT[fmt]) for p in pairs], dtype=np.uint32)
     assert np.array_equal(got, bp.place_code_pair(pairs, fmt))
+
+
+def _copies_in_two_groups(source, seen):
+    shared = cuda.shared.array(4, np.uint64)
+    for i in range(4):
+        shared[i] = 7
+    cp_async.copy_16_cg(shared, 0, source, 0, 0, 16)
+    cp_async.commit_group()
+    cp_async.copy_16_ca(shared, 2, source, 1, 0, 0)  # zero fill: nothing read
+    cp_async.commit_group()
+    seen[0] = shared[0]  # not landed yet
+    cp_async.wait_group_function(1)()
+    seen[1], seen[2] = shared[1], shared[2]  # the first group landed, the second not
+    cp_async.wait_group_function(0)()
+    seen[3], seen[4] = shared[2], shared[3]
+
+
+@pytest.mark.cudasim
+def test_cp_async_twin_lands_copies_at_the_wait():
+    """The simulator's cp.async lands a group only when a wait requires it (the latest moment a
+    GPU may), so a kernel that reads a stage before waiting for it fails here; zero fill too."""
+    source = np.array([[11, 12], [13, 14]], dtype=np.uint64)
+    seen = np.zeros(5, dtype=np.uint64)
+    cuda.jit(_copies_in_two_groups)[1, 1](source, seen)
+    assert seen.tolist() == [7, 12, 7, 0, 0]
 
 
 @pytest.fixture
@@ -288,9 +417,9 @@ def test_bad_calls_raise_before_any_launch(change, message, no_launch, rng):
 
 def test_misaligned_device_data_is_refused():
     class Misaligned:
-        __cuda_array_interface__ = {"data": (0x1001, False), "shape": (4, 128), "typestr": "|u1", "version": 3}
+        __cuda_array_interface__ = {"data": (0x1008, False), "shape": (4, 128), "typestr": "|u1", "version": 3}
 
-    with pytest.raises(ValueError, match="8-byte aligned"):
+    with pytest.raises(ValueError, match="16-byte aligned"):  # 8-byte aligned is not enough for cp.async
         kernel._as_words("q", Misaligned(), np.uint64)
 
 
@@ -314,26 +443,58 @@ def fresh_rng():
     return np.random.default_rng(seed), seed
 
 
-def run_on_gpu(a, q, scale_inv, block, m_blocks, output):
+def run_on_gpu(a, q, scale_inv, block, m_blocks, output, **knobs):
     """Device arrays in, output poisoned on the device, launched on a stream of its own, result copied back."""
-    from numba import cuda
-
     m, n = a.shape[0], q.shape[0]
     d_out = cuda.to_device(poisoned_output(m, n, output))
     stream = cuda.stream()
     kernel.gemm_mma(cuda.to_device(a), cuda.to_device(q), cuda.to_device(scale_inv), d_out, block, m_blocks=m_blocks,
-                    stream=stream)
+                    stream=stream, **knobs)
     stream.synchronize()
     return d_out.copy_to_host()
+
+
+GPU_TILINGS = [
+    # non-default knobs (warps_per_cta, n8_tiles_per_warp, stages): every CTA width, shallow and
+    # deep pipelines (8 stages of 32 rows x 64 columns: 140 KiB of shared memory, past the 48 KiB
+    # default), one knob given and the others defaulted
+    dict(warps_per_cta=1, n8_tiles_per_warp=1, stages=4),
+    dict(warps_per_cta=1, n8_tiles_per_warp=2, stages=2),
+    dict(warps_per_cta=2, n8_tiles_per_warp=2, stages=3),
+    dict(warps_per_cta=4, n8_tiles_per_warp=2, stages=8),
+    dict(warps_per_cta=2),
+    dict(stages=6),
+]
+
+
+def tiling_id(knobs):
+    return ",".join(f"{name.split('_')[0]}={value}" for name, value in knobs.items())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k, m_blocks, fmt, output, block", GPU_CASES)
 def test_gpu_against_the_oracle_within_the_gpu_budget(m, n, k, m_blocks, fmt, output, block):
+    check_gpu_against_the_oracle(m, n, k, m_blocks, fmt, output, block)
+
+
+TILING_SHAPES = [(16, 4096, 12288, 1, "bf16", "f32", (128, 128)), (33, 12290, 2048, 2, "f16", "bf16", (64, 256))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m, n, k, m_blocks, fmt, output, block, knobs",
+    [(*TILING_SHAPES[i % 2], knobs) for i, knobs in enumerate(GPU_TILINGS)],
+    ids=[tiling_id(knobs) for knobs in GPU_TILINGS],
+)
+def test_gpu_tilings_against_the_oracle(m, n, k, m_blocks, fmt, output, block, knobs):
+    check_gpu_against_the_oracle(m, n, k, m_blocks, fmt, output, block, **knobs)
+
+
+def check_gpu_against_the_oracle(m, n, k, m_blocks, fmt, output, block, **knobs):
     rng, seed = fresh_rng()
     a = activations(rng.standard_normal((m, k)).astype(np.float32), fmt, int16=output == "bf16-int16")
     q, scale_inv = random_weights(rng, n, k, block, scale=1e-3)
-    out = run_on_gpu(a, q, scale_inv, block, m_blocks, output)
+    out = run_on_gpu(a, q, scale_inv, block, m_blocks, output, **knobs)
 
     values = output_values(out, output)
     unwritten = np.argwhere(~np.isfinite(values))
@@ -346,12 +507,17 @@ def test_gpu_against_the_oracle_within_the_gpu_budget(m, n, k, m_blocks, fmt, ou
     assert error <= bound, f"seed {seed}: relative error {error:.3g} > bound {bound:.3g}"
 
 
+INTEGER_SHAPES = [(33, 1000, 1024, 2, "bf16"), (16, 4096, 512, 1, "f16"), (64, 257, 384, 1, "bf16"),
+                  (9, 2056, 2048, 2, "f16")]
+INTEGER_CASES = [(*shape, {}) for shape in INTEGER_SHAPES] + [
+    (*INTEGER_SHAPES[i % len(INTEGER_SHAPES)], knobs) for i, knobs in enumerate(GPU_TILINGS)
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "m, n, k, m_blocks, fmt",
-    [(33, 1000, 1024, 2, "bf16"), (16, 4096, 512, 1, "f16"), (64, 257, 384, 1, "bf16"), (9, 2056, 2048, 2, "f16")],
-)
-def test_gpu_bit_for_bit_the_simulator_on_integer_data(m, n, k, m_blocks, fmt):
+@pytest.mark.parametrize("m, n, k, m_blocks, fmt, knobs", INTEGER_CASES,
+                         ids=[f"{case[:5]}-{tiling_id(case[5]) or 'default'}" for case in INTEGER_CASES])
+def test_gpu_bit_for_bit_the_simulator_on_integer_data(m, n, k, m_blocks, fmt, knobs):
     """Small integer activations, codes of magnitude <= 4 and power-of-two scales: every
     intermediate is exact in float32 (see tests/test_gemm_mma.py), so the tensor cores' rounding
     cannot show and the GPU must equal the simulator, and the oracle, bit for bit."""
@@ -360,7 +526,7 @@ def test_gpu_bit_for_bit_the_simulator_on_integer_data(m, n, k, m_blocks, fmt):
     a = activations(rng.integers(-4, 5, size=(m, k)).astype(np.float32), fmt)
     q = rng.choice(SMALL_CODES, size=(n, k))
     scale_inv = np.ldexp(1.0, rng.integers(-1, 2, size=blockwise.scale_shape((n, k), block))).astype(np.float32)
-    out = run_on_gpu(a, q, scale_inv, block, m_blocks, "f32")
+    out = run_on_gpu(a, q, scale_inv, block, m_blocks, "f32", **knobs)
     modelled = model.gemm_mma(a.view(np.uint16), q, scale_inv, block, m_blocks=m_blocks, activation=fmt)
     assert np.all(np.isfinite(out)) and np.any(out != 0), f"seed {seed}"
     assert np.array_equal(out, modelled), f"seed {seed}"
