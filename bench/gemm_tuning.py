@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gemm import L2_BYTES, SHAPES, random_problem, relative_error  # noqa: E402
 
 VARIANTS = {
-    "simt": [dict(warps_per_cta=w, chunks_per_iteration=c) for w in (4, 8) for c in (1, 2, 4)],
+    "simt": [dict(warps_per_cta=w, chunks_per_iteration=c) for w in (4, 8) for c in (1, 2, 4)]
+    + [dict(warps_per_cta=4, chunks_per_iteration=2, columns_per_warp=2)],
     "mma": [dict(warps_per_cta=4, n8_tiles_per_warp=1, stages=st) for st in (2, 4, 6, 8)]
     + [dict(warps_per_cta=4, n8_tiles_per_warp=2, stages=st) for st in (3, 5)]
     + [dict(warps_per_cta=2, n8_tiles_per_warp=t, stages=8) for t in (1, 2)]

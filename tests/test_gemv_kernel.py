@@ -1,11 +1,13 @@
 """numba_kernels.gemv_simt: the SIMT decode GEMV kernel against simulators.gemv_simt and reference.
 
 - CUDA simulator (marker ``cudasim``, tiny shapes): bit for bit equal to ``simulators.gemv_simt``
-  for every ``M_TILE``, activation format and output format, with tails in M (partial row tiles),
-  N (partial CTAs) and K (a partial warp step, partial K blocks); within the simulator's float32
-  bound of ``reference.blockwise.gemm``; outputs poisoned before launch and every element checked
-  written; bad arguments raise ``ValueError`` before anything is launched.
-- GPU (marker ``gpu``, Qwen3-8B sizes): fresh random inputs each run, poisoned outputs, against
+  for every ``chunks_per_iteration`` x ``columns_per_warp`` pair (each with a different activation
+  format, CTA size and row tile), every output format, with tails in M (partial row tiles), N
+  (partial CTAs, warps with clamped columns, warps with no column) and K (a partial warp step,
+  empty steps in the last group, odd and even group counts, partial K blocks); within the
+  simulator's float32 bound of ``reference.blockwise.gemm``; outputs poisoned before launch and
+  every element checked written; bad arguments raise ``ValueError`` before anything is launched.
+- GPU (marker ``gpu``, Qwen3-8B sizes, default and tuned knobs): fresh random inputs each run, poisoned outputs, against
   ``reference.blockwise.gemm`` by ``||out - ref|| / ||ref||`` and element by element within the
   float32 bound, and bit for bit against ``simulators.gemv_simt`` (the kernel's float32 operations
   are the simulator's, so the GPU must match it exactly).
@@ -95,11 +97,14 @@ def float32_bound(a32, q, scale_inv, block) -> np.ndarray:
     return (gamma(22 + simulator.num_steps(k)) + k * 2.0**-52) * magnitude
 
 
-def check_against_simulator_and_reference(a32, q, scale_inv, block, m_tile, out_fmt, out, label=""):
-    """The checks every launch gets: all written, bit-exact vs the simulator, within the bound."""
+def check_against_simulator_and_reference(a32, q, scale_inv, block, out_fmt, out, label=""):
+    """The checks every launch gets: all written, bit-exact vs the simulator, within the bound.
+
+    The simulator's own row tile is left at its default: no tile changes a bit (the kernel's
+    knobs do not either, which is what these checks show)."""
     got32 = as_float32(out, out_fmt)
     assert np.all(np.isfinite(got32)), f"{label}: unwritten (poisoned) or non-finite outputs"
-    expected32 = simulator.gemv_simt(a32, q, scale_inv, block, m_tile=m_tile or 8)
+    expected32 = simulator.gemv_simt(a32, q, scale_inv, block)
     expected = rounded_like(expected32, out_fmt)
     mismatches = np.count_nonzero(np.asarray(out).view(expected.dtype) != expected)
     assert mismatches == 0, f"{label}: {mismatches} outputs differ from simulators.gemv_simt"
@@ -114,14 +119,25 @@ def check_against_simulator_and_reference(a32, q, scale_inv, block, m_tile, out_
 
 
 def test_launch_info():
-    info = gemv_simt_launch_info(1, 4096, 12288)
+    knobs = {"warps_per_cta": 4, "chunks_per_iteration": 2, "columns_per_warp": 1}
+    info = gemv_simt_launch_info(1, 4096, 12288, **knobs)
     assert info.grid == (1024, 1) and info.block == (128,) and info.m_tile == 1 and info.steps == 24
-    info = gemv_simt_launch_info(5, 6, 640)
-    assert info.m_tile == 8 and info.grid == (2, 1) and info.steps == 2
-    info = gemv_simt_launch_info(16, 10, 512, m_tile=4, warps_per_cta=8)
-    assert info.grid == (2, 4) and info.block == (256,) and info.m_tile == 4
-    assert [kernel_module.default_m_tile(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
-    for bad in ({"m": 17}, {"m": 0}, {"m_tile": 3}, {"warps_per_cta": 0}):
+    info = gemv_simt_launch_info(5, 6, 640, **knobs)
+    assert info.m_tile == 5 and info.grid == (2, 1) and info.steps == 2  # default: all rows in one tile
+    info = gemv_simt_launch_info(16, 10, 512, m_tile=4, warps_per_cta=8, chunks_per_iteration=4, columns_per_warp=2)
+    assert info.grid == (1, 4) and info.block == (256,) and info.m_tile == 4 and info.chunks_per_iteration == 4
+    info = gemv_simt_launch_info(3, 4097, 4096, m_tile=2, warps_per_cta=2, columns_per_warp=4)
+    assert info.grid == (513, 2) and info.block == (64,) and info.columns_per_warp == 4
+    for m in range(1, 17):  # the defaults and the tuning candidates are valid knobs, one tile of all rows
+        defaults = kernel_module.default_knobs(m, 4096, 4096)
+        info = gemv_simt_launch_info(m, 4096, 4096)
+        assert info.m_tile == m and info.grid[1] == 1
+        assert all(getattr(info, name) == value for name, value in defaults.items())
+        for knobs in kernel_module.tuning_candidates(m):
+            assert gemv_simt_launch_info(m, 4096, 4096, **knobs).m_tile == m
+    for bad in ({"m": 17}, {"m": 0}, {"m_tile": 0}, {"m_tile": 17}, {"warps_per_cta": 0}, {"warps_per_cta": 33},
+                {"chunks_per_iteration": 3}, {"columns_per_warp": 3}, {"columns_per_warp": 0},
+                {"chunks_per_iteration": 4, "columns_per_warp": 4}, {"m": 9, "columns_per_warp": 4}):
         args = {"m": 2, "n": 4, "k": 128, **bad}
         with pytest.raises(ValueError):
             gemv_simt_launch_info(**args)
@@ -130,20 +146,49 @@ def test_launch_info():
 # ---------------------------------------------------------------------------- CUDA simulator: tiny shapes
 
 
+# Every allowed (chunks_per_iteration, columns_per_warp) pair once (4 x 4 would spill), each with
+# another activation format, CTA size and row tile, so that every format meets every G and every NC.
+# M = 3 rows; N = 5 columns; K = 1152 = 72 chunks, three warp steps of 32, 32 and 8 busy lanes:
+# G = 1 walks 3 groups (an odd count: the loop leaves after its first half), G = 2 walks 2 (the
+# second half-empty), G = 4 one group with an empty step; block (2, 256): partial blocks in N and K.
+KNOB_MATRIX = [  # (chunks_per_iteration, columns_per_warp, activation format, warps_per_cta, m_tile)
+    (1, 1, "bf16", 2, 2),  # two row tiles, the second with a clamped row; the last CTA's warp 1 has no column
+    (1, 2, "f16", 1, 3),
+    (1, 4, "f32", 3, 1),  # three row tiles of one row; warp 1 with column 4 and three clamped ones
+    (2, 1, "f16", 3, 5),  # one tile of 5 rows for M = 3: two clamped rows
+    (2, 2, "f32", 2, 2),  # warp 0 of CTA 1 with column 4 and a clamped one, warp 1 with none
+    (2, 4, "bf16-int16", 1, None),
+    (4, 1, "f32", 1, None),
+    (4, 2, "bf16", 3, 1),
+]
+
+
 @pytest.mark.cudasim
-@pytest.mark.parametrize("m_tile", simulator.M_TILES)
-@pytest.mark.parametrize("act_fmt", ACTIVATION_FORMATS)
-def test_simulated_kernel_equals_the_simulator(rng, m_tile, act_fmt):
-    """Every M_TILE x activation format; M = 2 rows (two tiles of one row for M_TILE = 1, a
-    partial tile otherwise) or 3 for M_TILE = 2 (a full tile and a partial one); N = 5 (two CTAs,
-    the second partial); K = 640 (the second warp step has 8 busy lanes); block (2, 256) (partial
-    blocks in N and K)."""
-    m, n, k, block = (3 if m_tile == 2 else 2), 5, 640, (2, 256)
+@pytest.mark.parametrize("group, columns, act_fmt, warps, m_tile", KNOB_MATRIX)
+def test_simulated_kernel_knobs_equal_the_simulator(rng, group, columns, act_fmt, warps, m_tile):
+    m, n, k, block = 3, 5, 1152, (2, 256)
     a, q, scale_inv = random_problem(rng, m, n, k, block)
     a_in, a32 = activations(a, act_fmt)
     out = poisoned_output((m, n), "f32")
-    gemv_simt(a_in, q, scale_inv, out, block, m_tile=m_tile)
-    check_against_simulator_and_reference(a32, q, scale_inv, block, m_tile, "f32", out, f"M_TILE {m_tile}")
+    knobs = {"m_tile": m_tile, "warps_per_cta": warps, "chunks_per_iteration": group, "columns_per_warp": columns}
+    gemv_simt(a_in, q, scale_inv, out, block, **knobs)
+    check_against_simulator_and_reference(a32, q, scale_inv, block, "f32", out, f"{act_fmt} {knobs}")
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("m, n, k, knobs", [
+    (2, 3, 4736, {"chunks_per_iteration": 4, "columns_per_warp": 2, "warps_per_cta": 2}),  # 10 steps: 3 groups
+    (2, 3, 4736, {"chunks_per_iteration": 2, "columns_per_warp": 1, "warps_per_cta": 1}),  # 5 groups
+    (9, 3, 256, {}),  # the default knobs for M = 9: one tile of 9 rows
+])
+def test_simulated_kernel_long_rows_and_many_rows(rng, m, n, k, knobs):
+    """The group loop through several rounds (the last group partly empty), and a tall tile."""
+    block = (2, 128)
+    a, q, scale_inv = random_problem(rng, m, n, k, block)
+    a_in, a32 = activations(a, "bf16")
+    out = poisoned_output((m, n), "f32")
+    gemv_simt(a_in, q, scale_inv, out, block, **knobs)
+    check_against_simulator_and_reference(a32, q, scale_inv, block, "f32", out, str(knobs))
 
 
 @pytest.mark.cudasim
@@ -158,33 +203,36 @@ def test_simulated_kernel_output_formats(rng, out_fmt):
     if out_fmt == "bf16-int16":
         out = out.view(np.int16)
     gemv_simt(a_in, q, scale_inv, out, block)
-    check_against_simulator_and_reference(a32, q, scale_inv, block, None, fmt, out, out_fmt)
+    check_against_simulator_and_reference(a32, q, scale_inv, block, fmt, out, out_fmt)
 
 
 @st.composite
 def tiny_problems(draw):
-    """Shapes with tails everywhere, any block, any formats, seeded random data."""
+    """Shapes with tails everywhere, any block, any formats, any knobs, seeded random data."""
     m = draw(st.integers(1, 3))
     n = draw(st.integers(1, 9))
     k = draw(st.sampled_from([128, 256, 640]))
     block = (draw(st.integers(1, n + 2)), draw(st.sampled_from([128, 256])))
-    m_tile = draw(st.sampled_from((None,) + simulator.M_TILES))
+    columns = draw(st.sampled_from((None,) + kernel_module.COLUMNS_PER_WARP))
+    groups = [g for g in kernel_module.CHUNKS_PER_ITERATION if g * (columns or 2) <= kernel_module.MAX_GROUP_SLOTS]
+    knobs = {"m_tile": draw(st.sampled_from((None, 1, 2, 4))), "warps_per_cta": draw(st.sampled_from((None, 1, 2, 3))),
+             "chunks_per_iteration": draw(st.sampled_from([None] + groups)), "columns_per_warp": columns}
     act_fmt = draw(st.sampled_from(ACTIVATION_FORMATS + ("bf16-int16",)))
     out_fmt = draw(st.sampled_from(OUTPUT_FORMATS))
     seed = draw(st.integers(0, 2**32 - 1))
-    return m, n, k, block, m_tile, act_fmt, out_fmt, seed
+    return m, n, k, block, knobs, act_fmt, out_fmt, seed
 
 
 @pytest.mark.cudasim
 @settings(max_examples=6)
 @given(tiny_problems())
 def test_simulated_kernel_on_random_shapes(problem):
-    m, n, k, block, m_tile, act_fmt, out_fmt, seed = problem
+    m, n, k, block, knobs, act_fmt, out_fmt, seed = problem
     a, q, scale_inv = random_problem(np.random.default_rng(seed), m, n, k, block)
     a_in, a32 = activations(a, act_fmt)
     out = poisoned_output((m, n), out_fmt)
-    gemv_simt(a_in, q, scale_inv, out, block, m_tile=m_tile)
-    check_against_simulator_and_reference(a32, q, scale_inv, block, m_tile, out_fmt, out, str(problem))
+    gemv_simt(a_in, q, scale_inv, out, block, **knobs)
+    check_against_simulator_and_reference(a32, q, scale_inv, block, out_fmt, out, str(problem))
 
 
 @pytest.mark.cudasim
@@ -259,8 +307,9 @@ def test_bad_arguments_raise_before_launch(rng, no_launch, change, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"m_tile": 3}, "m_tile"), ({"block": (128, 192)}, "block_k"), ({"block": (0, 128)}, "block_n"),
-    ({"warps_per_cta": 40}, "warps_per_cta"),
+    ({"m_tile": 17}, "m_tile"), ({"block": (128, 192)}, "block_k"), ({"block": (0, 128)}, "block_n"),
+    ({"warps_per_cta": 40}, "warps_per_cta"), ({"chunks_per_iteration": 3}, "chunks_per_iteration"),
+    ({"columns_per_warp": 8}, "columns_per_warp"),
 ])
 def test_bad_options_raise_before_launch(rng, no_launch, kwargs, message):
     a, q, scale_inv, out = good_arguments(rng)
@@ -276,7 +325,7 @@ GPU_SHAPES = [  # (M, N, K): Qwen3-8B projections, with tails in M (partial row 
 ]
 
 
-def run_on_gpu(m, n, k, act_fmt, out_fmt, m_tile=None):
+def run_on_gpu(m, n, k, act_fmt, out_fmt, **knobs):
     """Fresh random inputs (the seed goes into any failure message), device arrays, a poisoned
     output; the result checked against the simulator and the reference."""
     from numba import cuda
@@ -287,9 +336,9 @@ def run_on_gpu(m, n, k, act_fmt, out_fmt, m_tile=None):
     a, q, scale_inv = random_problem(rng, m, n, k, block)
     a_in, a32 = activations(a, act_fmt)
     out = cuda.to_device(poisoned_output((m, n), out_fmt))
-    gemv_simt(cuda.to_device(a_in), cuda.to_device(q), cuda.to_device(scale_inv), out, block, m_tile=m_tile)
-    check_against_simulator_and_reference(a32, q, scale_inv, block, m_tile, out_fmt, out.copy_to_host(),
-                                          f"seed {seed}, M={m} N={n} K={k} {act_fmt}->{out_fmt} M_TILE={m_tile}")
+    gemv_simt(cuda.to_device(a_in), cuda.to_device(q), cuda.to_device(scale_inv), out, block, **knobs)
+    check_against_simulator_and_reference(a32, q, scale_inv, block, out_fmt, out.copy_to_host(),
+                                          f"seed {seed}, M={m} N={n} K={k} {act_fmt}->{out_fmt} {knobs}")
 
 
 @pytest.mark.gpu
@@ -307,10 +356,19 @@ def test_gpu_float32_activations(m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m_tile", simulator.M_TILES)
-def test_gpu_every_m_tile(m_tile):
+@pytest.mark.parametrize("m_tile", (1, 2, 4, 5, 8, 16))
+def test_gpu_row_tiles(m_tile):
     """M = 13 rows (partial tiles for every M_TILE but 1), K with a partial last warp step."""
-    run_on_gpu(13, 2048, 4096 + 512 + 128, "bf16", "f32", m_tile)
+    run_on_gpu(13, 2048, 4096 + 512 + 128, "bf16", "f32", m_tile=m_tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group, columns, act_fmt, warps, m_tile", KNOB_MATRIX)
+def test_gpu_knobs(group, columns, act_fmt, warps, m_tile):
+    """The simulator's knob matrix at a real K: N = 1027 (partial CTAs, clamped columns; small, as
+    float32 activations make the simulator emulate every fma), K with a partial last warp step, M = 3."""
+    knobs = {"m_tile": m_tile, "warps_per_cta": warps, "chunks_per_iteration": group, "columns_per_warp": columns}
+    run_on_gpu(3, 1027, 4096 + 512 + 128, act_fmt, "bf16", **knobs)
 
 
 @pytest.mark.gpu

@@ -66,3 +66,261 @@ print("ok")
 def test_mma_helper_calls_compile_to_sm90_ptx():
     result = run_compiled(MMA_KERNEL)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+GEMM_MMA_KERNELS = r'''
+import re, sys
+from numba.cuda import compiler
+from numba_kernels import gemm_mma as G
+
+try:  # link-time optimization as numba-cuda does it on a GPU (nvJitLink through cuda.core)
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+except ImportError:
+    Linker = None
+
+
+def variants():
+    # every (m_blocks, warps_per_cta, n8_tiles_per_warp) with stages 2, 3, 4 in turn (so every
+    # (warps, stages) pair too), BF16 -> float32; the deepest pipelines; the other formats once
+    shapes = [(mb, w, t) for mb in G.M_BLOCKS_CHOICES for w in G.WARPS_PER_CTA_CHOICES
+              for t in G.N8_TILES_PER_WARP_CHOICES]
+    tilings = [G.Tiling(*shape, (2, 3, 4)[i % 3]) for i, shape in enumerate(shapes)]
+    tilings += [G.Tiling(1, 4, 1, 8), G.Tiling(2, 4, 2, 8)]
+    formats = [(a, o) for a in ("bf16", "f16") for o in ("f32", "f16", "bf16")]
+    return [(t, "bf16", "f32") for t in tilings] + [(G.Tiling(1, 4, 1, 4), a, o) for a, o in formats[1:]]
+
+
+def lto_link(objects, output):
+    linker = Linker(*objects, options=LinkerOptions(arch="sm_90", link_time_optimization=True, ptx=output == "ptx",
+                                                    verbose=output == "cubin"))
+    code = linker.link(output).code
+    return (code.decode().replace("\0", "") if output == "ptx" else code), linker.get_info_log()
+
+
+part, parts = int(sys.argv[1]), int(sys.argv[2])
+for tiling, activation, output in variants()[part::parts]:
+    name = f"{tuple(tiling)} {activation} -> {output}"
+    fn, sig = G.kernel_function(tiling, activation, output), G.kernel_signature(output)
+    codes, _ = compiler.compile_all(fn, sig, device=False, abi="numba", cc=(9, 0), output="ltoir",
+                                    launch_bounds=G.launch_bounds(tiling))
+    if Linker is None:  # typed and compiled to LTO-IR is all that can be checked here
+        continue
+    ptx, _ = lto_link([ObjectCode.from_ltoir(c) if isinstance(c, bytes) else c for c in codes], "ptx")
+    # the mma helper inlined (no call, no local memory); cp.async copies of 16 bytes (A through L1,
+    # B through L2 only) and 4 (the scales), one commit per chunk, the wait for stages - 2 groups,
+    # one barrier; float32 only; the CTA size as launch bound
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{activation}.{activation}.f32" in ptx, name
+    assert "mma_m16n8k16" not in ptx and ".local" not in ptx, name
+    for needle in ("cp.async.ca.shared.global [s], [g], 16,", "cp.async.cg.shared.global [s], [g], 16,",
+                   "cp.async.ca.shared.global [s], [g], 4,", "cp.async.commit_group;",
+                   f"cp.async.wait_group {tiling.stages - 2};", "bar.sync", "fma.rn.f32", f".maxntid {tiling.threads}",
+                   ".minnctapersm 1"):
+        assert needle in ptx, (name, needle)
+    assert ".f64" not in ptx, name
+    _, log = lto_link([ObjectCode.from_ltoir(c) if isinstance(c, bytes) else c for c in codes], "cubin")
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, (name, log)
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    print(f"{name}: {registers} registers, {tiling.shared_bytes} bytes shared")
+print("ok")
+'''
+
+
+def test_gemm_mma_kernels_compile_to_sm90_ptx():
+    """Variants of numba_kernels.gemm_mma (every CTA shape, stages 2 to 8, every format pair):
+    typed and compiled for sm_90; after link-time optimization (as on a GPU) the mma helper inlined,
+    cp.async copies of the right widths, no local memory, no float64, no spills (registers
+    printed). Two compiler processes at a time."""
+    parts = 2
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
+    processes = [subprocess.Popen([sys.executable, "-c", GEMM_MMA_KERNELS, str(i), str(parts)], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(parts)]
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0 and stdout.strip().endswith("ok"), stderr[-3000:]
+        print(stdout)
+
+
+SHARED_OPT_IN = r'''
+import numpy as np
+from numba.cuda.cudadrv import driver as cuda_driver
+from numba_kernels import gemm_mma as G
+
+calls, compiled = [], []
+cuda_driver.driver.cuKernelSetAttribute = lambda *args: calls.append(args)  # no GPU here: record the calls
+
+
+class Device:
+    id = 3
+
+
+class Function:
+    handle, device = "kernel handle", Device()
+
+
+function = Function()
+
+
+class Compiled:
+    class library:
+        get_cufunc = staticmethod(lambda: function)
+
+
+class Dispatcher:
+    typeof_pyval = staticmethod(lambda value: type(value).__name__)
+
+    def compile(self, argtypes):
+        compiled.append(argtypes)
+        return Compiled()
+
+
+args = (np.zeros(2), np.uint32(3))
+G._allow_shared_memory(Dispatcher(), args, 48 * 1024)  # the default: nothing to do
+assert calls == [] and compiled == []
+G._allow_shared_memory(Dispatcher(), args, 72 * 1024)
+attribute = cuda_driver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+assert calls == [(attribute, 72 * 1024, "kernel handle", 3)] and compiled == [("ndarray", "uint32")], (calls, compiled)
+G._allow_shared_memory(Dispatcher(), args, 60 * 1024)  # already allowed
+G._allow_shared_memory(Dispatcher(), args, 100 * 1024)
+assert [c[1] for c in calls] == [72 * 1024, 100 * 1024], calls
+print("ok")
+'''
+
+
+def test_gemm_mma_opts_in_to_large_shared_memory():
+    """More than 48 KiB of dynamic shared memory: the kernel compiled for the call's argument types
+    gets CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES once per size increase (driver call recorded:
+    no GPU here; the GPU tests launch such tilings)."""
+    result = run_compiled(SHARED_OPT_IN)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+FP8_WEIGHT_KERNELS = r'''
+from numba import cuda
+from numba_kernels.dequantize import dequantize_kernel
+from numba_kernels.gemv_simt import M_TILES, gemv_simt_kernel
+
+ARRAY = {"f32": "float32", "f16": "float16", "bf16": "uint16"}
+
+
+def ptxas_report(ptx):
+    """ptxas's resource lines (registers, spills) through nvJitLink, where it is installed."""
+    try:
+        from cuda.bindings import nvjitlink
+    except ImportError:
+        return None
+    handle = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
+    data = ptx.encode()
+    nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
+    nvjitlink.complete(handle)
+    log = bytearray(nvjitlink.get_info_log_size(handle))
+    nvjitlink.get_info_log(handle, log)
+    nvjitlink.destroy(handle)
+    return log.decode(errors="replace")
+
+
+def check_resources(name, ptx):
+    assert ".local" not in ptx, f"{name}: local memory (arrays not promoted to registers)"
+    report = ptxas_report(ptx)
+    if report is not None:
+        assert "0 bytes spill stores" in report, f"{name}: {report}"
+        print(name, [line.split(":", 1)[1].strip() for line in report.splitlines() if "Used" in line])
+
+
+variants = [(m_tile, "bf16", "f32") for m_tile in M_TILES] + [(1, "f16", "f16"), (2, "f32", "bf16")]
+for m_tile, activation, output in variants:
+    kernel = gemv_simt_kernel(m_tile, activation, output, 128, 128)
+    signature = (f"void(uint32[:, ::1], uint32[:, ::1], float32[:, ::1], {ARRAY[output]}[:, ::1], "
+                 "int64, int64, int64)")
+    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+    name = f"gemv_simt M_TILE={m_tile} {activation}->{output}"
+    assert ".target sm_90" in ptx
+    assert "ld.global.nc.v4.u32" in ptx, f"{name}: no 128-bit load of the codes"
+    # unrolled: 16 products and one promotion per row, a 5-step butterfly per row
+    assert ptx.count("fma.rn.f32") == 17 * m_tile, name
+    assert ptx.count("shfl.sync.bfly.b32") == 5 * m_tile, name
+    check_resources(name, ptx)
+
+for output in ("f32", "f16", "bf16"):
+    kernel = dequantize_kernel(output, 128, 128)
+    signature = f"void(uint32[:, ::1], float32[:, ::1], {ARRAY[output]}[:, ::1])"
+    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+    name = f"dequantize ->{output}"
+    assert "ld.global.u32" in ptx or "ld.global.nc.u32" in ptx, f"{name}: codes not loaded 4 at a time"
+    assert "cvt.f32.f16" in ptx and "shfl" not in ptx, name
+    check_resources(name, ptx)
+print("ok")
+'''
+
+
+def test_fp8_weight_kernels_compile_to_sm90_ptx():
+    """Every M_TILE of the SIMT GEMV (and each activation/output format) and the dequantize kernel:
+    128-bit loads of the codes, unrolled fma chains, the butterfly, registers only (no local
+    memory, and no spills where nvJitLink can run ptxas)."""
+    result = run_compiled(FP8_WEIGHT_KERNELS)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    print(result.stdout)
+
+
+# ---------------------------------------------------------------------------- KV cache write and split-kv decode
+
+KV_KERNELS = r'''
+import re, sys
+from numba import cuda
+from numba_kernels import kv_cache, splitkv
+
+
+def ptxas_report(ptx):
+    """ptxas's resource report through nvJitLink, where it is installed (as for the FP8 weight kernels)."""
+    try:
+        from cuda.bindings import nvjitlink
+    except ImportError:
+        return None
+    handle = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
+    data = ptx.encode()
+    nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
+    nvjitlink.complete(handle)
+    log = bytearray(nvjitlink.get_info_log_size(handle))
+    nvjitlink.get_info_log(handle, log)
+    nvjitlink.destroy(handle)
+    return log.decode(errors="replace")
+
+
+part, parts = int(sys.argv[1]), int(sys.argv[2])
+variants = kv_cache.kernel_variants() + splitkv.kernel_variants()
+for name, function, signature in variants[part::parts]:
+    ptx, _ = cuda.compile_ptx(function, signature, cc=(9, 0))
+    assert ".target sm_90" in ptx, name
+    assert ".local" not in ptx, name  # every per-lane array lives in registers
+    assert ".f64" not in ptx, name  # float32 throughout
+    if name.startswith("cache_write") and "fp8" in name:
+        assert "shfl.sync.bfly.b32" in ptx and "div.rn.f32" in ptx, name  # amax butterfly; x / scale correctly rounded
+    if name.startswith("split"):
+        assert "shfl.sync.bfly.b32" in ptx and "ex2.approx.f32" in ptx and "fma.rn.f32" in ptx, name
+        layout = splitkv.lane_layout(name[6:name.index(",")], int(name[name.index("=") + 1 : -1]))
+        if layout.cache_format != "f32":  # a lane's share of a row is read as whole words of this width
+            width = {1: "u8", 2: "u16", 4: "u32"}[layout.word_bytes]
+            assert re.search(r"ld\.global(\.nc)?\." + width + r"\b", ptx), (name, width)
+    if name == "combine":
+        assert "ex2.approx.f32" in ptx and "div.rn.f32" in ptx, name
+    if name.startswith("split") and not any(f"head_dim={d}]" in name for d in (64, 128, 256)):
+        continue  # ptxas takes seconds per split kernel: its report for the common head sizes only
+    report = ptxas_report(ptx)
+    if report is not None:
+        assert "0 bytes spill stores" in report, f"{name}: {report}"
+        print(name, [line.split(":", 1)[1].strip() for line in report.splitlines() if "Used" in line])
+print("ok")
+'''
+
+
+def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx():
+    """Every variant: 9 cache writes (input x cache format), 24 split kernels (3 cache formats x 8 head sizes),
+    the combine: no local memory, no float64, the expected load widths; no spills where nvJitLink can run
+    ptxas. Two compiler processes at a time (each split variant takes 1-2 s)."""
+    parts = 2
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
+    processes = [subprocess.Popen([sys.executable, "-c", KV_KERNELS, str(i), str(parts)], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(parts)]
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0 and stdout.strip().endswith("ok"), stderr[-3000:]
+        print(stdout)
