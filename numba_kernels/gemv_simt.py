@@ -46,7 +46,19 @@ Launch shape (``gemv_simt_launch_info``): CTAs of ``warps_per_cta`` warps (defau
 ``columns_per_warp`` columns; grid ``(ceil(N / (warps_per_cta * columns_per_warp)), ceil(M / m_tile))``.
 The warps of a CTA share nothing but the activations (which L1 caches), so a small CTA costs
 nothing and keeps the grid fine-grained, which shortens the last, partial wave. The defaults
-(``default_knobs``) come from an H200 sweep (``bench/gemm_tuning.py``).
+(``default_knobs``) are a first guess from the SASS until an H200 sweep of ``tuning_candidates``
+(``bench/gemm_tuning.py``) picks them.
+
+Instructions per (column, 16-byte chunk) in the loop's SASS (sm_90, BF16 in; the measured first
+version: 127 at M = 1, 404 at M = 8): about 44 decode 16 codes (7 integer operations and 4
+``HADD2.F32`` per 4 codes; byte spreading with ``prmt`` needs as many), 17 ``FFMA`` per row, 16
+widen a row's BF16 activations (``/ NC``), and a few load, address and loop instructions. Here:
+96 (G = 1), 94 (G = 2), 82 (NC = 2), 80 (G = 2, NC = 2), 75 (NC = 4) at M = 1; 359, 289 (NC = 2),
+260 (NC = 4) at M = 8. Considered and left out: activations widened once per CTA into shared
+memory as float32 (saves the widening too, but doubles the bytes read per activation, needs a
+barrier, and fits 48 KB only for M <= 2; columns per warp save as much for every M), and the
+hardware ``cvt.rn.f16x2.e4m3x2`` decode (two codes per instruction, but NaN codes would become NaN
+instead of the finite values the simulator defines).
 
 Checked against ``simulators.gemv_simt`` bit for bit (CUDA simulator and GPU) and against
 ``reference.blockwise.gemm`` by relative error (``tests/test_gemv_kernel.py``).
@@ -397,12 +409,13 @@ class GemvLaunch:
 def default_knobs(m: int, n: int, k: int) -> dict:
     """The knobs ``gemv_simt`` uses when none are given, for ``a[M, K] @ q[N, K]^T``.
 
-    All ``M`` rows in one tile (every weight byte read once). The rest is a first guess from the
-    SASS (instructions per chunk, registers) until an H200 sweep of ``tuning_candidates`` decides:
-    two columns per warp (the activations loaded and widened once for both), two chunks per group
-    where the registers allow it (M <= 2).
+    All ``M`` rows in one tile (every weight byte read once); two columns per warp (the activations
+    loaded and widened once for both); one chunk per group. Measured on an H200
+    (``bench/gemm_tuning.py``, ``bench/RESULTS.md``): at M = 1, 8-warp CTAs beat 4-warp ones on all
+    four Qwen3-8B shapes (e.g. 8.7 against 10.7 us at 6144 x 4096) and two chunks per group bought
+    nothing; from M = 4 on, 4 and 8 warps were within noise and 4 won at 24576 x 4096, M = 8.
     """
-    return {"m_tile": int(m), "warps_per_cta": WARPS_PER_CTA, "chunks_per_iteration": 2 if m <= 2 else 1,
+    return {"m_tile": int(m), "warps_per_cta": 8 if m <= 2 else WARPS_PER_CTA, "chunks_per_iteration": 1,
             "columns_per_warp": 2}
 
 
@@ -434,7 +447,8 @@ def gemv_simt_launch_info(m: int, n: int, k: int, m_tile: int | None = None, war
         raise ValueError(f"a: the SIMT GEMV handles 1 <= M <= {MAX_ROWS} rows, got M = {m}")
     given = {"m_tile": m_tile, "warps_per_cta": warps_per_cta, "chunks_per_iteration": chunks_per_iteration,
              "columns_per_warp": columns_per_warp}
-    knobs = {name: (default if given[name] is None else given[name]) for name, default in default_knobs(m, n, k).items()}
+    knobs = {name: (default if given[name] is None else given[name])
+             for name, default in default_knobs(m, n, k).items()}
     if knobs["m_tile"] not in M_TILES:
         raise ValueError(f"m_tile: expected 1 to {MAX_ROWS} or None, got {m_tile!r}")
     if knobs["warps_per_cta"] not in range(1, MAX_WARPS_PER_CTA + 1):
@@ -450,6 +464,7 @@ def gemv_simt_launch_info(m: int, n: int, k: int, m_tile: int | None = None, war
     if knobs["columns_per_warp"] * knobs["m_tile"] > MAX_ACCUMULATORS:
         raise ValueError(f"columns_per_warp x m_tile: at most {MAX_ACCUMULATORS} accumulators per lane (registers), "
                          f"got {knobs['columns_per_warp']} x {knobs['m_tile']}")
+    knobs = {name: int(value) for name, value in knobs.items()}  # (compile-time constants of the kernel)
     columns_per_cta = knobs["warps_per_cta"] * knobs["columns_per_warp"]
     grid = (-(-n // columns_per_cta), -(-m // knobs["m_tile"]))
     return GemvLaunch(grid=grid, block=(knobs["warps_per_cta"] * WARP_SIZE,), steps=-(-k // K_PER_STEP), **knobs)
