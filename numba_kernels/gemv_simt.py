@@ -46,8 +46,8 @@ Launch shape (``gemv_simt_launch_info``): CTAs of ``warps_per_cta`` warps (defau
 ``columns_per_warp`` columns; grid ``(ceil(N / (warps_per_cta * columns_per_warp)), ceil(M / m_tile))``.
 The warps of a CTA share nothing but the activations (which L1 caches), so a small CTA costs
 nothing and keeps the grid fine-grained, which shortens the last, partial wave. The defaults
-(``default_knobs``) are a first guess from the SASS until an H200 sweep of ``tuning_candidates``
-(``bench/gemm_tuning.py``) picks them.
+(``default_knobs``) come from an H200 sweep (``bench/gemm_tuning.py``, ``bench/RESULTS.md``);
+``tuning_candidates`` lists the knob sets worth timing per M.
 
 Instructions per (column, 16-byte chunk) in the loop's SASS (sm_90, BF16 in; the measured first
 version: 127 at M = 1, 404 at M = 8): about 44 decode 16 codes (7 integer operations and 4

@@ -177,8 +177,9 @@ def test_simulated_kernel_knobs_equal_the_simulator(rng, group, columns, act_fmt
 
 @pytest.mark.cudasim
 @pytest.mark.parametrize("m, n, k, knobs", [
-    (2, 3, 4736, {"chunks_per_iteration": 4, "columns_per_warp": 2, "warps_per_cta": 2}),  # 10 steps: 3 groups
-    (2, 3, 4736, {"chunks_per_iteration": 2, "columns_per_warp": 1, "warps_per_cta": 1}),  # 5 groups
+    # K = 2688: 168 chunks, 6 warp steps (the last with 8 busy lanes)
+    (2, 3, 2688, {"chunks_per_iteration": 4, "columns_per_warp": 2, "warps_per_cta": 2}),  # 2 groups, 2 empty steps
+    (2, 3, 2688, {"chunks_per_iteration": 2, "columns_per_warp": 1, "warps_per_cta": 1}),  # 3 groups: 2 rounds
     (9, 3, 256, {}),  # the default knobs for M = 9: one tile of 9 rows
 ])
 def test_simulated_kernel_long_rows_and_many_rows(rng, m, n, k, knobs):

@@ -195,9 +195,10 @@ def test_gemm_mma_opts_in_to_large_shared_memory():
 
 
 FP8_WEIGHT_KERNELS = r'''
+import re, sys
 from numba import cuda
 from numba_kernels.dequantize import dequantize_kernel
-from numba_kernels.gemv_simt import M_TILES, gemv_simt_kernel
+from numba_kernels.gemv_simt import WORDS_PER_CHUNK, gemv_simt_kernel, tuning_candidates
 
 ARRAY = {"f32": "float32", "f16": "float16", "bf16": "uint16"}
 
@@ -226,39 +227,60 @@ def check_resources(name, ptx):
         print(name, [line.split(":", 1)[1].strip() for line in report.splitlines() if "Used" in line])
 
 
-variants = [(m_tile, "bf16", "f32") for m_tile in M_TILES] + [(1, "f16", "f16"), (2, "f32", "bf16")]
-for m_tile, activation, output in variants:
-    kernel = gemv_simt_kernel(m_tile, activation, output, 128, 128)
-    signature = (f"void(uint32[:, ::1], uint32[:, ::1], float32[:, ::1], {ARRAY[output]}[:, ::1], "
-                 "int64, int64, int64)")
+# The SIMT GEMV: the sweep's candidates for M = 1, 4 and 8 (BF16 in, float32 out), the other
+# activation and output formats, tall tiles. (m_tile, activation, output, warps, group, columns)
+gemv_variants = [(c["m_tile"], "bf16", "f32", c["warps_per_cta"], c["chunks_per_iteration"], c["columns_per_warp"])
+                 for m in (1, 4, 8) for c in tuning_candidates(m)]
+gemv_variants = list({v[:3] + v[4:]: v for v in reversed(gemv_variants)}.values())  # CTA size changes no code
+gemv_variants += [(3, "f16", "f16", 2, 2, 2), (2, "f32", "bf16", 4, 4, 2), (1, "f32", "f32", 4, 2, 4),
+                  (16, "bf16", "bf16", 4, 1, 2), (16, "f16", "f32", 4, 2, 1)]
+part, parts = int(sys.argv[1]), int(sys.argv[2])
+for m_tile, activation, output, warps, group, columns in gemv_variants[part::parts]:
+    kernel = gemv_simt_kernel(m_tile, activation, output, 128, 128, warps, group, columns)
+    signature = f"void(uint32[::1], uint32[::1], float32[::1], {ARRAY[output]}[:, ::1], int64, int64, int64)"
     ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
-    name = f"gemv_simt M_TILE={m_tile} {activation}->{output}"
-    assert ".target sm_90" in ptx
-    assert "ld.global.nc.v4.u32" in ptx, f"{name}: no 128-bit load of the codes"
-    # unrolled: 16 products and one promotion per row, a 5-step butterfly per row
-    assert ptx.count("fma.rn.f32") == 17 * m_tile, name
-    assert ptx.count("shfl.sync.bfly.b32") == 5 * m_tile, name
+    name = f"gemv_simt M_TILE={m_tile} {activation}->{output} warps={warps} G={group} NC={columns}"
+    assert ".target sm_90" in ptx, name
+    # 128-bit loads: the codes of every (chunk, column) of a group, in the prologue and in each of
+    # the loop's two halves, and the activations of every (chunk, row) in the two halves
+    codes = 3 * group * columns
+    activations = 2 * group * m_tile * WORDS_PER_CHUNK[activation] // 4
+    wide_loads = len(re.findall(r"ld\.global\.nc\.v4\.[uf]32", ptx))  # (float32 activations: .f32)
+    assert wide_loads == codes + activations, (name, wide_loads)
+    # unrolled: per (chunk, row, column) 16 products and a promotion, twice (the loop's two halves);
+    # a 5-step butterfly per (row, column)
+    assert ptx.count("fma.rn.f32") == 2 * group * m_tile * columns * 17, (name, ptx.count("fma.rn.f32"))
+    assert ptx.count("shfl.sync.bfly.b32") == 5 * m_tile * columns, name
+    # 32-bit index arithmetic: no division or remainder instruction, nothing in float64
+    assert not re.search(r"\b(div|rem)\.[su]", ptx) and ".f64" not in ptx, name
     check_resources(name, ptx)
 
-for output in ("f32", "f16", "bf16"):
-    kernel = dequantize_kernel(output, 128, 128)
-    signature = f"void(uint32[:, ::1], float32[:, ::1], {ARRAY[output]}[:, ::1])"
-    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
-    name = f"dequantize ->{output}"
-    assert "ld.global.u32" in ptx or "ld.global.nc.u32" in ptx, f"{name}: codes not loaded 4 at a time"
-    assert "cvt.f32.f16" in ptx and "shfl" not in ptx, name
-    check_resources(name, ptx)
+if part == 0:
+    for output in ("f32", "f16", "bf16"):
+        kernel = dequantize_kernel(output, 128, 128)
+        signature = f"void(uint32[:, ::1], float32[:, ::1], {ARRAY[output]}[:, ::1])"
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+        name = f"dequantize ->{output}"
+        assert "ld.global.u32" in ptx or "ld.global.nc.u32" in ptx, f"{name}: codes not loaded 4 at a time"
+        assert "cvt.f32.f16" in ptx and "shfl" not in ptx, name
+        check_resources(name, ptx)
 print("ok")
 '''
 
 
 def test_fp8_weight_kernels_compile_to_sm90_ptx():
-    """Every M_TILE of the SIMT GEMV (and each activation/output format) and the dequantize kernel:
-    128-bit loads of the codes, unrolled fma chains, the butterfly, registers only (no local
-    memory, and no spills where nvJitLink can run ptxas)."""
-    result = run_compiled(FP8_WEIGHT_KERNELS)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
-    print(result.stdout)
+    """The SIMT GEMV's tuning candidates (every knob), each activation and output format, and the
+    dequantize kernel: 128-bit loads of codes and activations, unrolled fma chains, the butterfly,
+    32-bit index arithmetic, registers only (no local memory, and no spills where nvJitLink can run
+    ptxas; the registers per variant are printed). Two compiler processes at a time."""
+    parts = 2
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
+    processes = [subprocess.Popen([sys.executable, "-c", FP8_WEIGHT_KERNELS, str(i), str(parts)], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(parts)]
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0 and stdout.strip().endswith("ok"), stderr[-3000:]
+        print(stdout)
 
 
 # ---------------------------------------------------------------------------- KV cache write and split-kv decode
