@@ -53,7 +53,12 @@ def relative_error(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
-def bench_shape(m, n, k, rng, torch, paths):
+def device_problem(m, n, k, rng, torch):
+    """A random problem on the GPU: ``(a_bf16, a_dev, q_devs, s_dev, out_dev, ref)``.
+
+    ``q_devs`` holds enough copies of the weights to exceed the L2 three times over, for timing
+    loops to rotate through; ``ref`` is the float64 oracle on the BF16-rounded activations.
+    """
     from numba import cuda
 
     from reference import blockwise
@@ -61,10 +66,16 @@ def bench_shape(m, n, k, rng, torch, paths):
     q, s, a_bf16, a_rounded = random_problem(rng, m, n, k, torch)
     ref = blockwise.gemm(a_rounded, q, s)
     copies = max(2, int(np.ceil(3 * L2_BYTES / (n * k))))
-    q_dev = [cuda.to_device(q) for _ in range(copies)]
-    s_dev = cuda.to_device(s)
+    q_devs = [cuda.to_device(q) for _ in range(copies)]
     a_dev = cuda.as_cuda_array(a_bf16.view(torch.int16))
-    out_dev = cuda.device_array((m, n), np.float32)
+    return a_bf16, a_dev, q_devs, cuda.to_device(s), cuda.device_array((m, n), np.float32), ref
+
+
+def bench_shape(m, n, k, rng, torch, paths):
+    from numba import cuda
+
+    a_bf16, a_dev, q_dev, s_dev, out_dev, ref = device_problem(m, n, k, rng, torch)
+    copies = len(q_dev)
     rows = []
     for name, fn in paths.items():
         if not fn.accepts(m):

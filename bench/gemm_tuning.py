@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gemm import L2_BYTES, SHAPES, random_problem, relative_error  # noqa: E402
+from gemm import SHAPES, device_problem, relative_error  # noqa: E402
 
 VARIANTS = {
     "simt": [dict(warps_per_cta=w, chunks_per_iteration=c) for w in (4, 8) for c in (1, 2, 4)]
@@ -51,7 +51,6 @@ def main(argv=None) -> int:
 
     from numba_kernels.gemm_mma import gemm_mma
     from numba_kernels.gemv_simt import gemv_simt
-    from reference import blockwise
     from timing import graph_time_us, torch_time_us
 
     kernels = {"simt": gemv_simt, "mma": gemm_mma}
@@ -60,13 +59,8 @@ def main(argv=None) -> int:
     for (n, k), path in itertools.product(SHAPES, kernels):
         kernel = kernels[path]
         for m in BATCHES[path]:
-            q, s, a_bf16, a_rounded = random_problem(rng, m, n, k, torch)
-            ref = blockwise.gemm(a_rounded, q, s)
-            copies = max(2, int(np.ceil(3 * L2_BYTES / (n * k))))
-            q_dev = [cuda.to_device(q) for _ in range(copies)]
-            s_dev = cuda.to_device(s)
-            a_dev = cuda.as_cuda_array(a_bf16.view(torch.int16))
-            out = cuda.device_array((m, n), np.float32)
+            a_bf16, a_dev, q_dev, s_dev, out, ref = device_problem(m, n, k, rng, torch)
+            copies = len(q_dev)
             timings = []
             for knobs in [{}] + list(variants(kernel, path)):
                 out.copy_to_device(np.full((m, n), np.nan, np.float32))
