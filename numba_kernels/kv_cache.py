@@ -127,6 +127,9 @@ def cache_write_function(input_format: str, cache_format: str):
 
     Arguments: ``k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping`` (a float cache gets
     placeholder scale arrays, never touched). Launch ``[(num_tokens, num_kv_heads), 64]``.
+
+    A slot of -1 is padding (a batch padded to a captured CUDA graph's size) and writes nothing; so
+    does any slot outside the cache, which the host check rejects unless the caller turned it off.
     """
     write_vector = _make_vector_writers(INPUT_LOADERS[input_format])[cache_format]
 
@@ -137,6 +140,8 @@ def cache_write_function(input_format: str, cache_format: str):
         lane = cuda.threadIdx.x % WARP_SIZE
         block_size = k_cache.shape[2]
         slot = slot_mapping[token]
+        if slot < 0 or slot >= k_cache.shape[0] * block_size:
+            return
         block = slot // block_size
         offset = slot % block_size
         if warp == 0:
@@ -238,8 +243,11 @@ class CacheWrite:
     cache_format: str
 
 
-def check_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> CacheWrite:
-    """Every argument check of ``paged_cache_write``; nothing is launched or modified here."""
+def check_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, check_slots=True) -> CacheWrite:
+    """Every argument check of ``paged_cache_write``; nothing is launched or modified here.
+
+    ``check_slots=False`` skips the check of the slot values, which reads ``slot_mapping`` on the host.
+    """
     names = ("k", "v", "k_cache", "v_cache", "slot_mapping")
     k, v, k_cache, v_cache, slot_mapping = (as_kernel_array(n, x) for n, x in zip(names, (k, v, k_cache, v_cache, slot_mapping)))
     k_scale = None if k_scale is None else as_kernel_array("k_scale", k_scale)
@@ -258,26 +266,39 @@ def check_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scal
         if tuple(x.shape) != expected or np.dtype(x.dtype) != np.dtype(k.dtype) or input_format is None:
             reject(name, f"{list(expected)} = [num_tokens, num_kv_heads, head_dim] of float32, float16 or "
                         f"uint16/int16 (BF16 patterns), k and v alike", x)
-    slots = to_host(slot_mapping).astype(np.int64)
-    num_slots = num_blocks * block_size
-    if slots.size and (slots.min() < 0 or slots.max() >= num_slots):
-        raise ValueError(f"slot_mapping: slots must lie in [0, {num_slots}), got {slots.min()}..{slots.max()}")
-    if np.unique(slots).size != slots.size:
-        raise ValueError("slot_mapping: a slot appears more than once in one write (a token would be lost)")
+    if check_slots:
+        _check_slot_values(to_host(slot_mapping).astype(np.int64), num_blocks * block_size)
     return CacheWrite(as_16bit_patterns(k), as_16bit_patterns(v), k_cache, v_cache, k_scale, v_scale, slot_mapping,
                       input_format, cache_format)
 
 
-def paged_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, *, stream=0) -> None:
+def _check_slot_values(slots: np.ndarray, num_slots: int) -> None:
+    """Every slot lies in ``[0, num_slots)`` or is -1 (padding), and no slot appears twice."""
+    used = slots[slots != -1]
+    if used.size and (used.min() < 0 or used.max() >= num_slots):
+        raise ValueError(f"slot_mapping: slots must lie in [0, {num_slots}) (or be -1 for padding), "
+                         f"got {used.min()}..{used.max()}")
+    if np.unique(used).size != used.size:
+        raise ValueError("slot_mapping: a slot appears more than once in one write (a token would be lost)")
+
+
+def paged_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, *, stream=0,
+                      check_slots=True) -> None:
     """Write ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` into the paged caches at ``slot_mapping``, in place.
 
     ``k_cache``, ``v_cache``: ``[num_blocks, num_kv_heads, block_size, head_dim]`` of uint8 (E4M3;
     then ``k_scale``, ``v_scale`` float32 ``[num_blocks, num_kv_heads, block_size]`` are required and
     written too), float32 or uint16 (BF16). Every slot must lie in ``[0, num_blocks * block_size)``
-    and appear once. Arrays: NumPy (copied to the device and back on a GPU), Numba device arrays or
-    ``__cuda_array_interface__`` objects. Raises ``ValueError`` before launching on a bad call.
+    and appear once, or be -1: a padding token, written nowhere. Arrays: NumPy (copied to the device
+    and back on a GPU), Numba device arrays or ``__cuda_array_interface__`` objects. Raises
+    ``ValueError`` before launching on a bad call.
+
+    ``check_slots=False`` (keyword) skips reading ``slot_mapping`` back to check its values (a
+    synchronizing copy for a device array; the way to run inside CUDA-graph capture): the caller
+    vouches for them. The kernel still never writes outside the cache, but a repeated slot is then
+    a race.
     """
-    w = check_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    w = check_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, check_slots)
     if w.slot_mapping.shape[0] == 0:
         return
     fp8 = w.cache_format == "fp8"

@@ -58,22 +58,26 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32, types, uint32, uint64
-from numba.np import numpy_support
 
 from . import mathops
 from .arguments import as_kernel_array
-from .bits import SIMULATOR, bf16_bits_to_f32, u32_as_f32
-from .kv_cache import CACHE_FORMATS, check_cache, on_device, placeholder, reject, require_c_contiguous, to_host
+from .bits import SIMULATOR, u32_as_f32
+from .dequantize import placed_codes
+from .gemv_simt import load_u32x4
+from .kv_cache import check_cache, on_device, placeholder, reject, require_c_contiguous, to_host
 
 WARP_SIZE = 32
 FULL_MASK = 0xFFFFFFFF
-BUTTERFLY_OFFSETS = (16, 8, 4, 2, 1)
 NUM_WARPS = 4
-"""Warps per split-kernel CTA; a shard's tokens are dealt to them round-robin (as ``simulators.splitkv``)."""
+"""Warps per split-kernel CTA."""
 THREADS_PER_CTA = NUM_WARPS * WARP_SIZE
-HEAD_DIMS = tuple(range(WARP_SIZE, 257, WARP_SIZE))
-"""Supported head sizes: every lane owns ``head_dim / 32`` elements, 1 to 8."""
-MAX_AUTO_SPLITS = 8
+ELEMENTS_PER_LANE = 16
+"""Head elements a lane owns (``simulators.splitkv.ELEMENTS_PER_LANE``): 16 FP8 codes are one 128-bit load."""
+HEAD_DIMS = (32, 64, 128, 256)
+"""Supported head sizes: ``head_dim / 16`` lanes read a token, a power of two from 2 to 16."""
+MAX_HEADS_PER_CTA = 4
+MAX_SPLITS_PER_HEAD = 8
+CTAS_PER_SM = 2
 DEFAULT_NUM_SMS = 132
 """SMs of an H100 SXM / H200; used in the CUDA simulator (which has no SM count), as ``simulators.splitkv``."""
 LOG2E = math.log2(math.e)
@@ -81,28 +85,49 @@ LOG2E_F32 = float32(LOG2E)
 """``log2(e)`` rounded once to float32: ALiBi slopes are scaled by it (``slope2 = slope * LOG2E_F32``)."""
 KV_REGISTER_BUDGET = 32
 """Registers of K and V words a lane may hold in flight (one word per register): sets ``tokens_in_flight``."""
-MAX_TOKENS_IN_FLIGHT = 16
-
+WORDS_PER_LOAD = 4
+"""uint32 words of one 128-bit load."""
+LOAD_ALIGNMENT = 16
 CACHE_ELEMENT_BITS = {"fp8": 8, "bf16": 16, "f32": 32}
-WORD_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+VALUE_UNIT = {"fp8": 256.0, "bf16": 1.0, "f32": 1.0}
+"""The decoded cache values are ``value / VALUE_UNIT`` (FP8 codes by F16 bit placement give ``decode(c) * 2^-8``);
+the query and the V weights are multiplied by it instead, which is exact (see ``split_kernel_function``)."""
 
 
-# ---------------------------------------------------------------------------- the "auto" split count
+# ---------------------------------------------------------------------------- the work decomposition
 
 
-def choose_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int = DEFAULT_NUM_SMS,
-                      block_size: int = 16) -> int:
+def lanes_per_token(head_dim: int) -> int:
+    """Lanes that read one token (``simulators.splitkv.lanes_per_token`` for the kernel's head sizes)."""
+    return int(head_dim) // ELEMENTS_PER_LANE
+
+
+def num_slots(head_dim: int) -> int:
+    """Tokens a CTA reads at once, one per group of ``lanes_per_token`` lanes (16 at head_dim 128)."""
+    return NUM_WARPS * (WARP_SIZE // lanes_per_token(head_dim))
+
+
+def heads_per_cta(group: int) -> int:
+    """Query heads per CTA: the largest divisor of the GQA group size that is at most 4
+    (``simulators.splitkv.heads_per_cta``; a test keeps them equal)."""
+    return max(h for h in range(1, MAX_HEADS_PER_CTA + 1) if int(group) % h == 0)
+
+
+def choose_num_splits(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,
+                      num_sms: int = DEFAULT_NUM_SMS, block_size: int = 16) -> int:
     """The ``"auto"`` split count, ``simulators.splitkv.choose_num_splits``'s rule (a test keeps them equal).
 
-    The largest ``s`` with ``num_seqs * num_heads * s <= num_sms`` (one wave of CTAs), at most
-    ``MAX_AUTO_SPLITS``, at most the KV blocks of the longest sequence, at least 1. (``numba_kernels``
-    may import ``simulators`` only in simulator mode, so the rule is written out here.)
+    The largest ``s`` with ``grid * s <= 2 * num_sms`` (``grid = num_seqs * num_heads /
+    heads_per_cta`` CTAs), at most ``8 * heads_per_cta``, at most the KV blocks of the longest
+    sequence, at least 1. (``numba_kernels`` may import ``simulators`` only in simulator mode, so the
+    rule is written out here.)
     """
-    grid = int(num_seqs) * int(num_heads)
+    per_cta = heads_per_cta(int(num_heads) // max(1, int(num_kv_heads)))
+    grid = int(num_seqs) * int(num_heads) // per_cta
     if grid <= 0:
         return 1
     blocks_of_work = -(-int(max_seq_len) // int(block_size))
-    return int(max(1, min(MAX_AUTO_SPLITS, int(num_sms) // grid, blocks_of_work)))
+    return int(max(1, min(MAX_SPLITS_PER_HEAD * per_cta, CTAS_PER_SM * int(num_sms) // grid, blocks_of_work)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,54 +143,63 @@ def device_num_sms() -> int:
 
 @dataclass(frozen=True)
 class LaneLayout:
-    """How lane ``L`` reads its ``elements`` values ``[L E, (L + 1) E)`` of one cache row.
+    """How the slot's lane ``r`` reads its 16 elements ``[16 r, 16 r + 16)`` of one cache row.
 
-    The row is viewed as words of ``word_bytes`` (the widest of 4, 2, 1 bytes that divides the lane's
-    share of the row); the lane loads ``words`` of them, each holding ``per_word`` elements, lowest
-    element in the lowest bits (little endian). ``tokens_in_flight`` is ``U``, the tokens a warp
-    loads before computing (see the module docstring).
+    The lane's share of the row is ``words`` uint32 words (4 for FP8, 8 for BF16, 16 for float32),
+    read as ``words / 4`` 128-bit loads. ``tokens_in_flight`` is ``U``: a slot loads its next ``U``
+    tokens (K and V) before it computes any of them (see the module docstring).
     """
 
     cache_format: str
     head_dim: int
-    elements: int
-    element_bits: int
-    word_bytes: int
     words: int
-    per_word: int
     tokens_in_flight: int
 
+    @property
+    def loads(self) -> int:
+        return self.words // WORDS_PER_LOAD
 
-def lane_layout(cache_format: str, head_dim: int) -> LaneLayout:
+    @property
+    def row_words(self) -> int:
+        return self.words * lanes_per_token(self.head_dim)
+
+
+def lane_layout(cache_format: str, head_dim: int, tokens_in_flight: int | None = None) -> LaneLayout:
     """The ``LaneLayout`` of a cache format (``fp8``, ``bf16``, ``f32``) and a head size in ``HEAD_DIMS``."""
-    elements = head_dim // WARP_SIZE
-    bits = CACHE_ELEMENT_BITS[cache_format]
-    lane_bytes = elements * bits // 8
-    word_bytes = next(w for w in (4, 2, 1) if lane_bytes % w == 0)
-    words = lane_bytes // word_bytes
-    in_flight = max(1, min(MAX_TOKENS_IN_FLIGHT, KV_REGISTER_BUDGET // (2 * words)))  # K and V words
-    return LaneLayout(cache_format, head_dim, elements, bits, word_bytes, words, word_bytes * 8 // bits, in_flight)
+    words = ELEMENTS_PER_LANE * CACHE_ELEMENT_BITS[cache_format] // 32
+    if tokens_in_flight is None:
+        tokens_in_flight = max(1, KV_REGISTER_BUDGET // (2 * words))
+    return LaneLayout(cache_format, head_dim, words, int(tokens_in_flight))
 
 
 @cuda.jit(device=True, inline=True)
-def fp8_element(word, position):
-    """Element ``position`` (0..3) of a word of E4M3 codes, as its exact float32 value (unscaled)."""
-    return mathops.e4m3_decode(word >> (8 * position))
+def fp8_values(words, first, values):
+    """16 E4M3 codes (4 words from ``words[first]``) -> ``values[0:16]``, float32 ``decode(c) * 2^-8``, exact."""
+    for w in range(4):
+        v0, v1, v2, v3 = placed_codes(words[first + w])
+        values[4 * w] = v0
+        values[4 * w + 1] = v1
+        values[4 * w + 2] = v2
+        values[4 * w + 3] = v3
 
 
 @cuda.jit(device=True, inline=True)
-def bf16_element(word, position):
-    """Element ``position`` (0..1) of a word of BF16 patterns, as float32 (exact)."""
-    return bf16_bits_to_f32(word >> (16 * position))
+def bf16_values(words, first, values):
+    """16 BF16 patterns (8 words) -> ``values[0:16]`` as float32 (exact: a BF16 pattern is the top half of one)."""
+    for w in range(8):
+        word = uint32(words[first + w])
+        values[2 * w] = u32_as_f32(word << uint32(16))
+        values[2 * w + 1] = u32_as_f32(word & uint32(0xFFFF0000))
 
 
 @cuda.jit(device=True, inline=True)
-def f32_element(word, position):
-    """A float32 word is its own element."""
-    return u32_as_f32(word)
+def f32_values(words, first, values):
+    """16 float32 words -> ``values[0:16]``."""
+    for w in range(16):
+        values[w] = u32_as_f32(words[first + w])
 
 
-ELEMENT_DECODERS = {"fp8": fp8_element, "bf16": bf16_element, "f32": f32_element}
+VALUE_DECODERS = {"fp8": fp8_values, "bf16": bf16_values, "f32": f32_values}
 
 
 # ---------------------------------------------------------------------------- device functions of the schedule
@@ -182,14 +216,6 @@ def shard_range(seq_len, shard, num_splits, block_size):
     start = min(shard * tokens_per_shard, seq_len)
     end = min(start + tokens_per_shard, seq_len)
     return start, end
-
-
-@cuda.jit(device=True, inline=True)
-def warp_sum(x):
-    """The butterfly: after ``x += shfl_xor(x, off)`` for ``off = 16, 8, 4, 2, 1`` every lane holds the sum."""
-    for offset in BUTTERFLY_OFFSETS:
-        x += cuda.shfl_xor_sync(FULL_MASK, x, offset)
-    return x
 
 
 @cuda.jit(device=True, inline=True)
@@ -215,158 +241,215 @@ def normalized(acc, l):
 # ---------------------------------------------------------------------------- the split kernel
 
 
-def split_kernel_function(cache_format: str, head_dim: int):
-    """The Python source of the split kernel for one cache format and head size.
+def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_in_flight: int | None = None):
+    """The Python source of the split kernel for one cache format, head size and ``heads`` per CTA.
 
     Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
     use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out``. The caches come
-    flat, as 1-D arrays of words (``flat_cache``): the token at ``(block, kv_head, offset)`` is *row*
-    ``(block * num_kv_heads + kv_head) * block_size + offset``, its words are ``row * ROW_WORDS ...``
-    and its scale is ``k_scales[row]``: one index computation per token instead of three 4-D ones. A
-    float cache gets placeholder scale arrays (never read), a call without ALiBi a placeholder
-    ``alibi_slopes`` and ``use_alibi = 0``. Launch ``[(num_seqs, num_heads, num_splits), 128]``.
+    flat, as 1-D arrays of uint32 words (``flat_cache``): the token at ``(block, kv_head, offset)`` is
+    *row* ``(block * num_kv_heads + kv_head) * block_size + offset``, its words are ``row *
+    ROW_WORDS ...`` and its scale is ``k_scales[row]``. A float cache gets placeholder scale arrays
+    (never read), a call without ALiBi a placeholder ``alibi_slopes`` and ``use_alibi = 0``. Launch
+    ``[(num_seqs, num_heads // heads, num_splits), 128]``.
+
+    Exact rescalings: FP8 values are decoded as ``decode(c) * 2^-8`` (two integer instructions and
+    a conversion per pair, no multiply); the query is multiplied by 256 once and each V weight
+    ``p * v_scale`` by 256, both exact (powers of two), and since an fma rounds only once,
+    ``fma(256 q2, k / 256, part)`` is bit for bit ``fma(q2, k, part)``.
     """
-    layout = lane_layout(cache_format, head_dim)
-    E, WORDS, PER_WORD, U = layout.elements, layout.words, layout.per_word, layout.tokens_in_flight
+    layout = lane_layout(cache_format, head_dim, tokens_in_flight)
+    WORDS, LOADS, U, H = layout.words, layout.loads, layout.tokens_in_flight, heads
+    LPT = lanes_per_token(head_dim)
+    TOKENS_PER_WARP = WARP_SIZE // LPT
+    SLOTS = num_slots(head_dim)
+    E = ELEMENTS_PER_LANE
+    HE = H * E
     GROUP_WORDS = U * WORDS  # local array sizes must be plain constants
-    ROW_WORDS = np.uint64(WARP_SIZE * WORDS)  # unsigned, so that word indices stay unsigned
+    UH = U * H
+    ROW_WORDS = np.uint64(layout.row_words)  # unsigned, so that word indices stay unsigned
     HEAD_DIM = head_dim
-    WARPS_TIMES_HEAD_DIM = NUM_WARPS * head_dim
+    MERGE_SIZE = H * SLOTS * head_dim
+    MERGE_STATES = H * SLOTS
     IS_FP8 = cache_format == "fp8"
-    element = ELEMENT_DECODERS[cache_format]
+    UNIT = float32(VALUE_UNIT[cache_format])
+    values_of = VALUE_DECODERS[cache_format]
 
     @cuda.jit(device=True, inline=True)
-    def attend_to_group(count, first, seq_len, m, l, q2, acc, slope2, use_alibi, table, rows_per_block, head_row,
-                        lane_words, block_size, k_words, v_words, k_scales, v_scales):
-        """The warp's tokens ``first, first + 4, ...`` (``count <= U`` of them): load, score, softmax.
+    def load_group(warp_first, end, column, offset, column_step, offset_step, table, rows_per_block, head_row,
+                   lane_words, block_size, k_words, v_words, k_scales, v_scales, k_group, v_group, k_group_scales,
+                   v_group_scales):
+        """Load the slot's next ``U`` tokens (K and V words, scales) before computing any of them.
 
-        Updates ``acc`` in place and returns the new ``(m, l)``. Called with ``count = U`` (a
-        constant) for full groups, so that every ``u < count`` test folds away and the U butterflies
-        of step 2 have no branch between them (they interleave); with the rest for the last group.
+        The slot's token ``u`` is ``warp_first + U-th step + its place in the warp``; inactive ones
+        (past ``end``) load nothing and read as zeros. Returns the block column and offset after them.
         """
-        k_group = cuda.local.array(GROUP_WORDS, uint32)
-        v_group = cuda.local.array(GROUP_WORDS, uint32)
-        k_group_scales = cuda.local.array(U, float32)
-        v_group_scales = cuda.local.array(U, float32)
-        scores = cuda.local.array(U, float32)
-
-        # 1. Load every token before computing any. A token's row is table[column] * rows_per_block +
-        #    head_row + offset, its words start at row * ROW_WORDS and its scale is element row (uint64
-        #    indices: Numba then skips its negative-index wraparound). One division per group; the
-        #    next token is NUM_WARPS positions further.
-        column = first // block_size
-        offset = first % block_size
         for u in range(U):
-            if u < count:
-                row = uint64(table[uint64(column)] * rows_per_block + head_row + offset)
-                for i in range(WORDS):
-                    word = row * ROW_WORDS + uint64(lane_words + i)
-                    k_group[u * WORDS + i] = k_words[word]
-                    v_group[u * WORDS + i] = v_words[word]
+            if warp_first + u * SLOTS < end:
+                row = uint64(table[column] * rows_per_block + head_row + offset)
+                for i in range(LOADS):
+                    word = row * ROW_WORDS + uint64(lane_words + WORDS_PER_LOAD * i)
+                    k0, k1, k2, k3 = load_u32x4(k_words, word)
+                    v0, v1, v2, v3 = load_u32x4(v_words, word)
+                    k_group[u * WORDS + 4 * i] = k0
+                    k_group[u * WORDS + 4 * i + 1] = k1
+                    k_group[u * WORDS + 4 * i + 2] = k2
+                    k_group[u * WORDS + 4 * i + 3] = k3
+                    v_group[u * WORDS + 4 * i] = v0
+                    v_group[u * WORDS + 4 * i + 1] = v1
+                    v_group[u * WORDS + 4 * i + 2] = v2
+                    v_group[u * WORDS + 4 * i + 3] = v3
                 if IS_FP8:
                     k_group_scales[u] = k_scales[row]
                     v_group_scales[u] = v_scales[row]
-            offset += NUM_WARPS
-            while offset >= block_size:
+            else:
+                for i in range(WORDS):
+                    k_group[u * WORDS + i] = uint32(0)
+                    v_group[u * WORDS + i] = uint32(0)
+                k_group_scales[u] = float32(1)
+                v_group_scales[u] = float32(1)
+            column += column_step
+            offset += offset_step
+            if offset >= block_size:
                 offset -= block_size
                 column += 1
+        return column, offset
 
-        # 2. Scores in the log2 domain: the lane's fma chain, the butterfly, the token's scale, ALiBi.
+    @cuda.jit(device=True, inline=True)
+    def group_scores(token0, seq_len, q2, slope2, use_alibi, k_group, k_group_scales, scores):
+        """``scores[u * H + h]``: the log2-domain score of the slot's token ``u`` for head ``h``.
+
+        Every lane of the warp runs this, active slot or not, so that the ``shfl_xor`` butterflies
+        see all 32 lanes (an idle slot's score is never used).
+        """
+        keys = cuda.local.array(E, float32)
         for u in range(U):
-            if u < count:
+            values_of(k_group, u * WORDS, keys)
+            for h in range(H):
                 dot = float32(0)
                 for e in range(E):
-                    dot = cuda.fma(q2[e], element(k_group[u * WORDS + e // PER_WORD], e % PER_WORD), dot)
-                s = warp_sum(dot)
-                if IS_FP8:
-                    s = s * k_group_scales[u]
+                    dot = cuda.fma(q2[h * E + e], keys[e], dot)
+                offset = LPT // 2
+                while offset > 0:  # the butterfly over the slot's lanes
+                    dot += cuda.shfl_xor_sync(FULL_MASK, dot, offset)
+                    offset //= 2
+                s = dot * k_group_scales[u] if IS_FP8 else dot
                 if use_alibi:
-                    s = cuda.fma(slope2, float32(first + NUM_WARPS * u - (seq_len - 1)), s)
-                scores[u] = s
+                    s = cuda.fma(slope2[h], float32(token0 + SLOTS * u - (seq_len - 1)), s)
+                scores[u * H + h] = s
 
-        # 3. The online softmax, one token at a time in token order (the simulator's order).
+    @cuda.jit(device=True, inline=True)
+    def group_softmax(token0, end, scores, v_group, v_group_scales, m, l, acc):
+        """The online softmax of the slot's active tokens, one at a time in token order, for each head.
+
+        ``corr = 1`` when the max did not move (the contract), so the ``exp2`` and the ``acc * corr``
+        multiplications run only when it moves: most tokens cost one ``exp2`` and 16 fmas per head.
+        """
+        values = cuda.local.array(E, float32)
         for u in range(U):
-            if u < count:
-                s = scores[u]
-                m_new = mathops.nan_max(m, s)
-                corr = mathops.exp2(m - m_new)  # 0 on the warp's first token (m = -inf)
-                p = mathops.exp2(s - m_new)
-                l = cuda.fma(l, corr, p)
-                pv = p * v_group_scales[u] if IS_FP8 else p
-                for e in range(E):
-                    acc[e] = cuda.fma(pv, element(v_group[u * WORDS + e // PER_WORD], e % PER_WORD), acc[e] * corr)
-                m = m_new
-        return m, l
+            if token0 + SLOTS * u < end:
+                values_of(v_group, u * WORDS, values)
+                for h in range(H):
+                    s = scores[u * H + h]
+                    m_new = mathops.nan_max(m[h], s)
+                    p = mathops.exp2(s - m_new)
+                    if m_new != m[h]:
+                        corr = mathops.exp2(m[h] - m_new)  # 0 on the slot's first token (m = -inf)
+                        l[h] = cuda.fma(l[h], corr, p)
+                        for e in range(E):
+                            acc[h * E + e] = acc[h * E + e] * corr
+                    else:
+                        l[h] = l[h] + p  # fma(l, 1, p)
+                    pv = p * v_group_scales[u] * UNIT if IS_FP8 else p
+                    for e in range(E):
+                        acc[h * E + e] = cuda.fma(pv, values[e], acc[h * E + e])
+                    m[h] = m_new
 
     def split_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
                      use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out):
         seq = cuda.blockIdx.x
-        head = cuda.blockIdx.y
+        head0 = cuda.blockIdx.y * H
         shard = cuda.blockIdx.z
-        warp = cuda.threadIdx.x // WARP_SIZE
-        lane = cuda.threadIdx.x % WARP_SIZE
+        tid = cuda.threadIdx.x
+        warp = tid // WARP_SIZE
+        lane = tid % WARP_SIZE
+        slot = warp * TOKENS_PER_WARP + lane // LPT
+        r = lane % LPT  # the lane's place in its slot: it owns elements [16 r, 16 r + 16)
         num_heads = q.shape[1]
-        kv_head = head // (num_heads // num_kv_heads)
+        kv_head = head0 // (num_heads // num_kv_heads)
         seq_len = seq_lens[seq]
         start, end = shard_range(seq_len, shard, num_splits, block_size)
 
-        # The query, in the log2 domain, as this lane's E elements; the ALiBi slope likewise.
-        q2 = cuda.local.array(E, float32)
-        for e in range(E):
-            q2[e] = q[seq, head, lane * E + e] * scale_log2
-        slope2 = float32(0)
-        if use_alibi:
-            slope2 = alibi_slopes[head] * LOG2E_F32
+        # The H queries in the log2 domain (times UNIT, exact), as this lane's 16 elements each.
+        q2 = cuda.local.array(HE, float32)
+        slope2 = cuda.local.array(H, float32)
+        m = cuda.local.array(H, float32)
+        l = cuda.local.array(H, float32)
+        acc = cuda.local.array(HE, float32)
+        for h in range(H):
+            for e in range(E):
+                q2[h * E + e] = (q[seq, head0 + h, r * E + e] * scale_log2) * UNIT
+                acc[h * E + e] = float32(0)
+            slope2[h] = alibi_slopes[head0 + h] * LOG2E_F32 if use_alibi else float32(0)
+            m[h] = float32(-math.inf)
+            l[h] = float32(0)
 
-        # This warp's online-softmax state (m, l, acc); acc holds the lane's E elements.
-        m = float32(-math.inf)
-        l = float32(0)
-        acc = cuda.local.array(E, float32)
-        for e in range(E):
-            acc[e] = float32(0)
+        k_group = cuda.local.array(GROUP_WORDS, uint32)
+        v_group = cuda.local.array(GROUP_WORDS, uint32)
+        k_group_scales = cuda.local.array(U, float32)
+        v_group_scales = cuda.local.array(U, float32)
+        scores = cuda.local.array(UH, float32)
 
-        # The warp's tokens start + warp, start + warp + 4, ... in groups of U (see attend_to_group).
+        # The slot's tokens start + slot, start + slot + SLOTS, ...; the warp loops while its first
+        # slot (which has the most tokens) has any, so all 32 lanes reach every shuffle.
         table = block_tables[seq]
         rows_per_block = num_kv_heads * block_size
         head_row = kv_head * block_size
-        lane_words = lane * WORDS
-        first = start + warp
-        while first + NUM_WARPS * (U - 1) < end:  # full groups
-            m, l = attend_to_group(U, first, seq_len, m, l, q2, acc, slope2, use_alibi, table, rows_per_block,
-                                   head_row, lane_words, block_size, k_words, v_words, k_scales, v_scales)
-            first += NUM_WARPS * U
-        if first < end:  # the last group, 1 to U - 1 tokens
-            m, l = attend_to_group((end - first + NUM_WARPS - 1) // NUM_WARPS, first, seq_len, m, l, q2, acc, slope2,
-                                   use_alibi, table, rows_per_block, head_row, lane_words, block_size, k_words,
-                                   v_words, k_scales, v_scales)
+        lane_words = r * WORDS
+        column_step = SLOTS // block_size
+        offset_step = SLOTS % block_size
+        token0 = start + slot
+        warp_first = start + warp * TOKENS_PER_WARP
+        column = token0 // block_size
+        offset = token0 % block_size
+        while warp_first < end:
+            column, offset = load_group(token0, end, column, offset, column_step, offset_step, table,
+                                        rows_per_block, head_row, lane_words, block_size, k_words, v_words,
+                                        k_scales, v_scales, k_group, v_group, k_group_scales, v_group_scales)
+            group_scores(token0, seq_len, q2, slope2, use_alibi, k_group, k_group_scales, scores)
+            group_softmax(token0, end, scores, v_group, v_group_scales, m, l, acc)
+            token0 += SLOTS * U
+            warp_first += SLOTS * U
 
-        # Merge the 4 warps in warp order through shared memory (a warp without tokens is neutral).
-        warp_m = cuda.shared.array(NUM_WARPS, float32)
-        warp_l = cuda.shared.array(NUM_WARPS, float32)
-        warp_acc = cuda.shared.array(WARPS_TIMES_HEAD_DIM, float32)
-        if lane == 0:
-            warp_m[warp] = m
-            warp_l[warp] = l
-        for e in range(E):
-            warp_acc[warp * HEAD_DIM + lane * E + e] = acc[e]
+        # Merge the slots in slot order through shared memory (a slot without tokens is neutral).
+        slot_m = cuda.shared.array(MERGE_STATES, float32)
+        slot_l = cuda.shared.array(MERGE_STATES, float32)
+        slot_acc = cuda.shared.array(MERGE_SIZE, float32)
+        for h in range(H):
+            if r == 0:
+                slot_m[h * SLOTS + slot] = m[h]
+                slot_l[h * SLOTS + slot] = l[h]
+            for e in range(E):
+                slot_acc[(h * SLOTS + slot) * HEAD_DIM + r * E + e] = acc[h * E + e]
         cuda.syncthreads()
-        m_star = warp_m[0]
-        for w in range(1, NUM_WARPS):
-            m_star = mathops.nan_max(m_star, warp_m[w])
-        for d in range(cuda.threadIdx.x, HEAD_DIM, THREADS_PER_CTA):
+        for i in range(tid, H * HEAD_DIM, THREADS_PER_CTA):
+            h = i // HEAD_DIM
+            d = i % HEAD_DIM
+            m_star = slot_m[h * SLOTS]
+            for p in range(1, SLOTS):
+                m_star = mathops.nan_max(m_star, slot_m[h * SLOTS + p])
             l_sum = float32(0)
             acc_sum = float32(0)
-            for w in range(NUM_WARPS):
-                weight = merge_weight(warp_m[w], m_star)
-                l_sum = cuda.fma(weight, warp_l[w], l_sum)
-                acc_sum = cuda.fma(weight, warp_acc[w * HEAD_DIM + d], acc_sum)
+            for p in range(SLOTS):
+                weight = merge_weight(slot_m[h * SLOTS + p], m_star)
+                l_sum = cuda.fma(weight, slot_l[h * SLOTS + p], l_sum)
+                acc_sum = cuda.fma(weight, slot_acc[(h * SLOTS + p) * HEAD_DIM + d], acc_sum)
             if num_splits == 1:
-                out[seq, head, d] = normalized(acc_sum, l_sum)
+                out[seq, head0 + h, d] = normalized(acc_sum, l_sum)
             else:
-                workspace[seq, head, shard, d] = acc_sum
+                workspace[seq, head0 + h, shard, d] = acc_sum
                 if d == 0:
-                    workspace[seq, head, shard, HEAD_DIM] = m_star
-                    workspace[seq, head, shard, HEAD_DIM + 1] = l_sum
+                    workspace[seq, head0 + h, shard, HEAD_DIM] = m_star
+                    workspace[seq, head0 + h, shard, HEAD_DIM + 1] = l_sum
 
     return split_kernel
 
@@ -394,8 +477,8 @@ def combine_kernel(workspace, num_splits, out):
 
 
 @functools.lru_cache(maxsize=None)
-def _split_kernel(cache_format: str, head_dim: int):
-    return cuda.jit(split_kernel_function(cache_format, head_dim))
+def _split_kernel(cache_format: str, head_dim: int, heads: int, tokens_in_flight: int | None = None):
+    return cuda.jit(split_kernel_function(cache_format, head_dim, heads, tokens_in_flight))
 
 
 _combine_kernel = cuda.jit(combine_kernel)
@@ -404,7 +487,7 @@ _combine_kernel = cuda.jit(combine_kernel)
 # ---------------------------------------------------------------------------- host side
 
 
-def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, max_splits: int = MAX_AUTO_SPLITS):
+def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, max_splits: int = MAX_SPLITS_PER_HEAD * MAX_HEADS_PER_CTA):
     """A workspace for ``paged_decode``: float32 ``[num_seqs, num_heads, max_splits, head_dim + 2]``.
 
     Row ``[seq, head, shard]`` receives the shard's ``acc`` (``head_dim`` values), then ``m`` and
@@ -474,7 +557,7 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     if cache_head_dim != head_dim:
         raise ValueError(f"k_cache: head_dim {cache_head_dim} does not match q's head_dim {head_dim}")
     if head_dim not in HEAD_DIMS:
-        raise ValueError(f"q: head_dim must be a multiple of 32 from 32 to 256, got {head_dim}")
+        raise ValueError(f"q: head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) for GQA")
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs or np.dtype(block_tables.dtype).kind not in "iu":
@@ -503,7 +586,7 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     max_seq_len = longest if max_seq_len is None else int(max_seq_len)
 
     if isinstance(num_splits, str) and num_splits == "auto":
-        splits = choose_num_splits(num_seqs, num_heads, max_seq_len, device_num_sms(), block_size)
+        splits = choose_num_splits(num_seqs, num_heads, num_kv_heads, max_seq_len, device_num_sms(), block_size)
     elif isinstance(num_splits, (int, np.integer)) and not isinstance(num_splits, bool) and num_splits >= 1:
         splits = int(num_splits)
     else:
@@ -524,13 +607,14 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
 
 
 def flat_cache(cache, scales):
-    """The cache as one flat array of words (``lane_layout``'s word size) and its scales flattened
-    (None for a float cache); views, no copies."""
+    """The cache as one flat array of uint32 words and its scales flattened (None for a float cache);
+    views, no copies. The kernel reads it with 128-bit loads: on a GPU its address must be 16-byte
+    aligned (a ``ValueError`` otherwise; Numba's and torch's allocations are)."""
     num_blocks, num_kv_heads, block_size, head_dim = cache.shape
-    fmt = CACHE_FORMATS[np.dtype(cache.dtype)]
-    word = WORD_DTYPES[lane_layout(fmt, head_dim).word_bytes]
     num_rows = num_blocks * num_kv_heads * block_size
-    words = cache.reshape(num_rows * head_dim).view(word)
+    words = cache.reshape(num_rows * head_dim).view(np.uint32)
+    if not SIMULATOR and words.__cuda_array_interface__["data"][0] % LOAD_ALIGNMENT:
+        raise ValueError(f"cache: its device address must be {LOAD_ALIGNMENT}-byte aligned for 128-bit loads")
     return words, None if scales is None else scales.reshape(num_rows)
 
 
@@ -540,7 +624,8 @@ def _as_int32(x):
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
-                 alibi_slopes=None, num_splits="auto", workspace=None, *, max_seq_len=None, stream=0):
+                 alibi_slopes=None, num_splits="auto", workspace=None, *, max_seq_len=None, stream=0,
+                 tokens_in_flight=None):
     """Decode attention of one query token per sequence over a paged cache, into ``out``; returns ``out``.
 
     ``q``: float32 ``[num_seqs, num_heads, head_dim]``; ``k_cache``, ``v_cache``: ``[num_blocks,
@@ -552,7 +637,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     ``[num_heads]`` or None.
 
     ``num_splits``: a positive int (any; the workspace must have room), or ``"auto"``
-    (``choose_num_splits`` with this GPU's SM count; at most 8). ``workspace``: see
+    (``choose_num_splits`` with this GPU's SM count; at most 8 per query head). ``workspace``: see
     ``decode_workspace``; allocated per call when None and ``num_splits > 1``.
 
     ``max_seq_len`` (keyword): an upper bound of ``seq_lens``. Without it the values of
@@ -579,8 +664,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     device = [on_device(x, stream) for x in args]
     out_device = on_device(call.out, stream)
     workspace_device = on_device(workspace, stream)
-    kernel = _split_kernel(call.cache_format, head_dim)
-    kernel[(num_seqs, num_heads, call.num_splits), THREADS_PER_CTA, stream](
+    heads = heads_per_cta(num_heads // call.num_kv_heads)
+    kernel = _split_kernel(call.cache_format, head_dim, heads, tokens_in_flight)
+    kernel[(num_seqs, num_heads // heads, call.num_splits), THREADS_PER_CTA, stream](
         *device, int(call.alibi_slopes is not None), call.scale_log2, call.num_kv_heads, call.block_size,
         call.num_splits, workspace_device, out_device)
     if call.num_splits > 1:
@@ -594,19 +680,19 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
 
 
 def kernel_variants():
-    """``(name, python function, numba signature)`` of every decode kernel variant (C-contiguous, int32 indices)."""
+    """``(name, python function, numba signature)`` of the decode kernel variants the PTX check compiles:
+    every (cache format, head size) with 4 heads per CTA, and FP8 at 128 with 1, 2 and 3 (C-contiguous,
+    int32 indices)."""
     f32 = types.float32
-    variants = []
-    for cache_format in ("fp8", "bf16", "f32"):
-        for head_dim in HEAD_DIMS:
-            word = numpy_support.from_dtype(np.dtype(WORD_DTYPES[lane_layout(cache_format, head_dim).word_bytes]))
-            signature = types.void(
-                types.Array(f32, 3, "C"), types.Array(word, 1, "C"), types.Array(word, 1, "C"),
-                types.Array(f32, 1, "C"), types.Array(f32, 1, "C"), types.Array(types.int32, 2, "C"),
-                types.Array(types.int32, 1, "C"), types.Array(f32, 1, "C"), types.int64, f32, types.int64,
-                types.int64, types.int64, types.Array(f32, 4, "C"), types.Array(f32, 3, "C"))
-            variants.append((f"split[{cache_format}, head_dim={head_dim}]", split_kernel_function(cache_format, head_dim),
-                             signature))
+    words = types.Array(types.uint32, 1, "C")
+    signature = types.void(
+        types.Array(f32, 3, "C"), words, words, types.Array(f32, 1, "C"), types.Array(f32, 1, "C"),
+        types.Array(types.int32, 2, "C"), types.Array(types.int32, 1, "C"), types.Array(f32, 1, "C"), types.int64,
+        f32, types.int64, types.int64, types.int64, types.Array(f32, 4, "C"), types.Array(f32, 3, "C"))
+    shapes = [(fmt, head_dim, MAX_HEADS_PER_CTA) for fmt in ("fp8", "bf16", "f32") for head_dim in HEAD_DIMS]
+    shapes += [("fp8", 128, heads) for heads in range(1, MAX_HEADS_PER_CTA)]
+    variants = [(f"split[{fmt}, head_dim={head_dim}, heads={heads}]", split_kernel_function(fmt, head_dim, heads),
+                 signature) for fmt, head_dim, heads in shapes]
     variants.append(("combine", combine_kernel,
                      types.void(types.Array(f32, 4, "C"), types.int64, types.Array(f32, 3, "C"))))
     return variants

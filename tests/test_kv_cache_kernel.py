@@ -222,8 +222,8 @@ BAD_CALLS = [
     ("k shape", dict(k=np.zeros((2, 1, 16), np.float32)), "k: expected \\[2, 1, 32\\]"),
     ("k/v dtypes differ", dict(v=np.zeros((2, 1, 32), np.float16)), "v: expected"),
     ("int inputs", dict(k=np.zeros((2, 1, 32), np.int32), v=np.zeros((2, 1, 32), np.int32)), "k: expected"),
-    ("slot too large", dict(slot_mapping=np.array([0, 8])), "slot_mapping: slots must lie in \\[0, 8\\), got 0..8"),
-    ("negative slot", dict(slot_mapping=np.array([-1, 3])), "slot_mapping: slots must lie in"),
+    ("slot too large", dict(slot_mapping=np.array([0, 8])), "slot_mapping: slots must lie in \\[0, 8\\) \\(or be -1 for padding\\), got 0..8"),
+    ("negative slot", dict(slot_mapping=np.array([-2, 3])), "slot_mapping: slots must lie in"),
     ("repeated slot", dict(slot_mapping=np.array([3, 3])), "slot_mapping: a slot appears more than once"),
     ("slot count", dict(slot_mapping=np.array([1, 2, 3])), "k: expected \\[3, 1, 32\\]"),
     ("float slots", dict(slot_mapping=np.array([0.0, 1.0])), "slot_mapping: expected a 1-D integer array"),
@@ -241,6 +241,34 @@ def test_bad_calls_raise_before_launching(rng, case, change, message):
         kernels.paged_cache_write(**args)
     for name, before in snapshot.items():  # nothing was written: nothing was launched
         np.testing.assert_array_equal(args[name].view(np.uint8), before.view(np.uint8))
+
+
+@pytest.mark.cudasim
+def test_padding_slots_write_nothing(rng):
+    """Slot -1 marks a padding token (a batch padded to a captured graph's size): only the real tokens land."""
+    slots = np.array([5, -1, 2, -1], np.int32)
+    k = rng.standard_normal((4, 1, 32)).astype(np.float32)
+    v = rng.standard_normal((4, 1, 32)).astype(np.float32)
+    for check_slots in (True, False):
+        (k_cache, v_cache), (k_scale, v_scale) = poisoned_caches((2, 1, 4, 32), np.uint8)
+        (k_ref, v_ref), (ks_ref, vs_ref) = poisoned_caches((2, 1, 4, 32), np.uint8)
+        kernels.paged_cache_write(k, v, k_cache, v_cache, slots, k_scale, v_scale, check_slots=check_slots)
+        real = slots >= 0
+        kv_cache.write(k_ref, ks_ref, k[real], slots[real])
+        kv_cache.write(v_ref, vs_ref, v[real], slots[real])
+        for got, expected in ((k_cache, k_ref), (v_cache, v_ref), (k_scale, ks_ref), (v_scale, vs_ref)):
+            np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+
+
+@pytest.mark.cudasim
+def test_unchecked_slots_outside_the_cache_write_nothing(rng):
+    """With the host check off (graph capture), the kernel still never writes outside the cache."""
+    args = good_call(rng)
+    before = {name: np.copy(args[name]) for name in ("k_cache", "v_cache", "k_scale", "v_scale")}
+    args.update(slot_mapping=np.array([8, 1000], np.int32))  # both past the 8 slots
+    kernels.paged_cache_write(**args, check_slots=False)
+    for name, x in before.items():
+        np.testing.assert_array_equal(args[name].view(np.uint8), x.view(np.uint8))
 
 
 @pytest.mark.cudasim

@@ -1,22 +1,22 @@
 """simulators.splitkv against reference.attention.paged_decode, its work split, its combine, and a
-by-hand loop over shards, warps and tokens.
+by-hand loop over shards, slots and tokens.
 
 Error bound (``tolerance``), per sequence and query head, with ``u = 2^-24``,
-``gamma(n) = n u / (1 - n u)``, ``E = ceil(D / 32)`` elements per lane, ``T`` tokens per warp at
-most, ``P`` shards, ``W = 4`` warps and ``V = max |v_jd|`` over the sequence's values:
+``gamma(n) = n u / (1 - n u)``, ``E = 16`` elements per lane, ``T`` tokens per slot at most, ``P``
+shards, ``W`` slots per CTA and ``V = max |v_jd|`` over the sequence's values:
 
 - A score (log2 domain) is off by at most ``delta = gamma(E + 9) * (B + A)``: ``B = max_j sum_d
-  |q_d k_jd| * scale_log2`` covers the query scaling, the lane's E fmas, 5 butterfly additions, the
+  |q_d k_jd| * scale_log2`` covers the query scaling, the lane's E fmas, up to 5 butterfly additions, the
   ``k_scale`` product and the reference's own float32 dequantization; ``A = max_j |slope (j - L + 1)|
   log2(e)`` the ALiBi fma and the slope's float32 rounding.
 - A weight ``2^(s_j - m)`` then carries a relative error of at most ``eta = ln2 * delta +
   (T + 3)(e2 + 2u)``: ``e2 = 4u`` per ``exp2`` (checked below for NumPy's float32 ``exp2``) for the
-  token's own ``p`` and each later rescaling (at most ``T - 1`` in its warp, one warp merge, one
+  token's own ``p`` and each later rescaling (at most ``T - 1`` in its slot, one slot merge, one
   combine), plus the products with those factors. The rounding of the ``exp2`` arguments adds
   ``u |s_j - m|`` to the exponent; since ``2^-x x <= 0.531`` it moves the output by at most
   ``2 ln2 * 0.531 u L V``.
 - Perturbing the weights by ``eta`` moves ``sum w v / sum w`` by at most ``2 eta V / (1 - eta)``; the
-  float32 sums of ``l`` and ``acc`` (two roundings per token, then W warps and P shards) add
+  float32 sums of ``l`` and ``acc`` (two roundings per token, then W slots and P shards) add
   ``2 gamma(2T + W + P + 4) V``; the final division and the reference's float32 output ``3u V``.
 """
 
@@ -54,16 +54,17 @@ def tolerance(data, slopes, num_splits: int) -> np.ndarray:
         k = kv_cache.gather(data.k_cache, data.k_scale, data.block_tables[i], length).astype(np.float64)
         v = kv_cache.gather(data.v_cache, data.v_scale, data.block_tables[i], length).astype(np.float64)
         bounds = sk.shard_bounds(length, num_splits, block_size)
-        tokens_per_warp = int(np.max(-(-(bounds[:, 1] - bounds[:, 0]) // sk.NUM_WARPS)))
+        slots = sk.num_slots(head_dim)
+        tokens_per_slot = int(np.max(-(-(bounds[:, 1] - bounds[:, 0]) // slots)))
         for h in range(num_heads):
             kv = h // group
             b = np.max(np.abs(k[:, kv, :]) @ np.abs(q[i, h])) * scale_log2
             a = 0.0 if slopes is None else abs(float(slopes[h])) * (length - 1) * math.log2(math.e)
-            delta = gamma(-(-head_dim // 32) + 9) * (b + a)
-            eta = math.log(2) * delta + (tokens_per_warp + 3) * (EXP2_ULPS * U + 2 * U)
+            delta = gamma(sk.ELEMENTS_PER_LANE + 9) * (b + a)
+            eta = math.log(2) * delta + (tokens_per_slot + 3) * (EXP2_ULPS * U + 2 * U)
             v_max = np.max(np.abs(v[:, kv, :]))
             relative = (2 * eta / (1 - eta) + 2 * math.log(2) * 0.531 * U * length
-                        + 2 * gamma(2 * tokens_per_warp + sk.NUM_WARPS + num_splits + 4) + 3 * U)
+                        + 2 * gamma(2 * tokens_per_slot + slots + num_splits + 4) + 3 * U)
             tol[i, h] = relative * v_max + length * 2.0**-140
     return tol
 
@@ -100,7 +101,7 @@ def test_auto_splits_match_the_reference(layout, seed):
     data = layout.random_data(np.random.default_rng(seed), fp8=True)
     expected = attention.paged_decode(*data.decode_args())
     got = sk.paged_decode(*data.decode_args())  # num_splits="auto"
-    splits = sk.choose_num_splits(layout.num_seqs, layout.num_heads, int(layout.seq_lens.max()),
+    splits = sk.choose_num_splits(layout.num_seqs, layout.num_heads, layout.num_kv_heads, int(layout.seq_lens.max()),
                                   block_size=layout.block_size)
     assert np.all(np.isfinite(got))
     assert np.all(np.max(np.abs(got - expected), axis=-1, initial=0.0) <= tolerance(data, None, splits))
@@ -149,44 +150,63 @@ def test_shards_partition_the_tokens(seq_len, num_splits, block_size):
         assert np.all(sizes[nonempty[:-1]] == sizes[0])  # equal shards of whole blocks, then the rest
 
 
-@given(start=st.integers(0, 100), size=st.integers(0, 50))
-def test_warps_take_tokens_round_robin(start, size):
-    end = start + size
-    per_warp = [sk.warp_tokens(start, end, w) for w in range(sk.NUM_WARPS)]
-    assert np.array_equal(np.sort(np.concatenate(per_warp)), np.arange(start, end))
-    for w, tokens in enumerate(per_warp):
-        assert np.all((tokens - start) % sk.NUM_WARPS == w) and np.all(np.diff(tokens) == sk.NUM_WARPS)
-    counts = [len(t) for t in per_warp]
+@given(start=st.integers(0, 100), size=st.integers(0, 80), head_dim=st.sampled_from([16, 32, 64, 128, 256]))
+def test_slots_take_tokens_round_robin(start, size, head_dim):
+    end, slots = start + size, sk.num_slots(head_dim)
+    per_slot = [sk.slot_tokens(start, end, p, slots) for p in range(slots)]
+    assert np.array_equal(np.sort(np.concatenate(per_slot)), np.arange(start, end))
+    for p, tokens in enumerate(per_slot):
+        assert np.all((tokens - start) % slots == p) and np.all(np.diff(tokens) == slots)
+    counts = [len(t) for t in per_slot]
     assert max(counts) - min(counts) <= 1
 
 
-@pytest.mark.parametrize("head_dim", [4, 8, 16, 33, 64, 128, 256])
-def test_lanes_own_every_element_once(head_dim):
+@pytest.mark.parametrize("head_dim, lanes, slots", [(4, 1, 128), (16, 1, 128), (32, 2, 64), (40, 4, 32), (64, 4, 32),
+                                                    (128, 8, 16), (256, 16, 8), (512, 32, 4)])
+def test_lanes_own_every_element_once(head_dim, lanes, slots):
+    assert sk.lanes_per_token(head_dim) == lanes and sk.num_slots(head_dim) == slots
+    assert sk.butterfly_offsets(head_dim) == tuple(lanes >> i for i in range(1, lanes.bit_length()))
     idx = sk.lane_elements(head_dim)
+    assert idx.shape == (lanes, 16)
     owned = idx[idx >= 0]
-    assert np.array_equal(np.sort(owned), np.arange(head_dim))
-    assert np.array_equal(owned, np.arange(head_dim))  # lane L owns a contiguous run, in lane order
+    assert np.array_equal(owned, np.arange(head_dim))  # lane r owns a contiguous run, in lane order
 
 
-@given(num_seqs=st.integers(0, 300), num_heads=st.integers(1, 128), max_seq_len=st.integers(0, 100_000),
-       num_sms=st.sampled_from([1, 16, 78, 108, 132, 148]), block_size=st.sampled_from([1, 16, 32]))
-def test_split_heuristic(num_seqs, num_heads, max_seq_len, num_sms, block_size):
-    splits = sk.choose_num_splits(num_seqs, num_heads, max_seq_len, num_sms=num_sms, block_size=block_size)
-    grid = num_seqs * num_heads
-    assert 1 <= splits <= sk.MAX_AUTO_SPLITS
-    if grid >= num_sms:
+def test_head_dim_beyond_the_warp_is_an_error():
+    with pytest.raises(ValueError, match="head_dim"):
+        sk.lanes_per_token(513)
+
+
+@pytest.mark.parametrize("group, per_cta", [(1, 1), (2, 2), (3, 3), (4, 4), (5, 1), (6, 3), (8, 4), (12, 4), (7, 1)])
+def test_heads_per_cta(group, per_cta):
+    assert sk.heads_per_cta(group) == per_cta
+
+
+@given(num_seqs=st.integers(0, 300), num_kv_heads=st.integers(1, 16), group=st.integers(1, 8),
+       max_seq_len=st.integers(0, 100_000), num_sms=st.sampled_from([1, 16, 78, 108, 132, 148]),
+       block_size=st.sampled_from([1, 16, 32]))
+def test_split_heuristic(num_seqs, num_kv_heads, group, max_seq_len, num_sms, block_size):
+    num_heads = num_kv_heads * group
+    splits = sk.choose_num_splits(num_seqs, num_heads, num_kv_heads, max_seq_len, num_sms=num_sms, block_size=block_size)
+    per_cta = sk.heads_per_cta(group)
+    grid = num_seqs * num_heads // per_cta
+    assert 1 <= splits <= sk.MAX_SPLITS_PER_HEAD * per_cta
+    if grid >= sk.CTAS_PER_SM * num_sms:
         assert splits == 1  # the grid fills the GPU: no split
     if splits > 1:
-        assert grid * splits <= num_sms  # splitting stays within one wave
+        assert grid * splits <= sk.CTAS_PER_SM * num_sms  # splitting stays within the target
         assert splits <= -(-max_seq_len // block_size)  # never more shards than blocks of work
 
 
 def test_split_heuristic_examples():
-    assert sk.choose_num_splits(1, 32, 4096) == 4  # batch 1, 32 heads: 128 CTAs on 132 SMs
-    assert sk.choose_num_splits(1, 8, 4096) == 8  # capped at 8
-    assert sk.choose_num_splits(1, 8, 40, block_size=16) == 3  # only 3 blocks of work
-    assert sk.choose_num_splits(8, 32, 4096) == 1  # 256 CTAs fill the GPU
-    assert sk.choose_num_splits(1, 32, 0) == 1
+    assert sk.choose_num_splits(1, 32, 8, 16384) == 32  # batch 1, Qwen3-8B: 8 CTAs, 4 heads each
+    assert sk.choose_num_splits(1, 32, 8, 1024) == 32  # 64 blocks: 2 per shard
+    assert sk.choose_num_splits(8, 32, 8, 4096) == 4  # 64 CTAs x 4 = 256 <= 264
+    assert sk.choose_num_splits(1, 16, 8, 4096) == 16  # Qwen3-0.6B: GQA 2, at most 8 x 2 shards
+    assert sk.choose_num_splits(1, 8, 8, 4096) == 8  # no GQA: one head per CTA, at most 8
+    assert sk.choose_num_splits(1, 32, 8, 40, block_size=16) == 3  # only 3 blocks of work
+    assert sk.choose_num_splits(64, 32, 8, 4096) == 1  # 512 CTAs fill the GPU
+    assert sk.choose_num_splits(1, 32, 8, 0) == 1
 
 
 # ---------------------------------------------------------------------------- partials and combine
@@ -301,29 +321,33 @@ def decode_by_hand(data, slopes, num_splits: int) -> np.ndarray:
             q2 = data.q[i, h] * scale_log2
             shards = []
             for start, end in sk.shard_bounds(length, num_splits, block_size):
-                warps = []
-                for w in range(sk.NUM_WARPS):
+                slots = []
+                for slot in range(sk.num_slots(head_dim)):
                     m, l, acc = np.float32(-np.inf), np.float32(0), np.zeros(head_dim, np.float32)
-                    for j in sk.warp_tokens(start, end, w):
+                    for j in sk.slot_tokens(start, end, slot, sk.num_slots(head_dim)):
                         block, offset = data.block_tables[i, j // block_size], j % block_size
                         ks = np.float32(1) if data.k_scale is None else data.k_scale[block, kv, offset]
                         vs = np.float32(1) if data.v_scale is None else data.v_scale[block, kv, offset]
-                        part = np.zeros(32, np.float32)
-                        for lane in range(32):
+                        n = len(lanes)
+                        part = np.zeros(n, np.float32)
+                        for lane in range(n):
                             for d in lanes[lane][lanes[lane] >= 0]:
                                 part[lane] = fma(q2[d], k[j, kv, d], part[lane])
-                        for off in (16, 8, 4, 2, 1):
-                            part = np.array([part[x] + part[x ^ off] for x in range(32)], np.float32)
+                        off = n // 2
+                        while off:
+                            part = np.array([part[x] + part[x ^ off] for x in range(n)], np.float32)
+                            off //= 2
                         s = part[0] * ks
                         if slopes is not None:
                             s = fma(slopes[h] * np.float32(sk.LOG2E), np.float32(j - (length - 1)), s)
                         m_new = max(m, s)
-                        corr, p = np.exp2(np.float32(m - m_new)), np.exp2(np.float32(s - m_new))
+                        corr = np.float32(1) if m_new == m else np.exp2(np.float32(m - m_new))
+                        p = np.exp2(np.float32(s - m_new))
                         l = fma(l, corr, p)
                         acc = fma(p * vs, v[j, kv], acc * corr)
                         m = m_new
-                    warps.append((m, l, acc))
-                shards.append(merge_by_hand(warps, head_dim))
+                    slots.append((m, l, acc))
+                shards.append(merge_by_hand(slots, head_dim))
             _, l, acc = merge_by_hand(shards, head_dim)
             out[i, h] = acc / l if l > 0 else 0
     return out
@@ -331,8 +355,8 @@ def decode_by_hand(data, slopes, num_splits: int) -> np.ndarray:
 
 @pytest.mark.parametrize("fp8, alibi, num_splits", [(True, True, 3), (False, False, 2), (True, False, 1)])
 def test_matches_the_loop_nest_bit_for_bit(rng, fp8, alibi, num_splits):
-    tables = rng.permutation(12).reshape(3, 4).astype(np.int32)
-    layout = fst.PagedKVLayout(4, 2, 40, 4, 12, tables, np.array([13, 0, 6], np.int32))  # D = 40: 2 per lane
+    tables = rng.permutation(60)[:54].reshape(3, 18).astype(np.int32)
+    layout = fst.PagedKVLayout(4, 2, 40, 4, 60, tables, np.array([13, 70, 6], np.int32))  # D = 40: 3 lanes + 1 idle
     data = layout.random_data(rng, fp8=fp8)
     slopes = random_slopes(rng, 4) if alibi else None
     expected = decode_by_hand(data, slopes, num_splits)
@@ -391,7 +415,7 @@ def test_equals_the_step_by_step_model_bit_for_bit(layout, num_splits, fp8, alib
 
 
 def test_equals_the_step_by_step_model_on_long_sequences(rng):
-    """Hundreds of steps, several score tiles and value chunks, GQA 4, head_dim 128 (E = 4) and 40 (E = 2)."""
+    """Hundreds of steps, several score tiles and value chunks, GQA 4, head_dim 128 (8 lanes) and 40 (4 lanes)."""
     for head_dim, fp8 in ((128, True), (40, False)):
         lens = np.array([700, 0, 333], np.int32)
         tables = rng.permutation(3 * 44).reshape(3, 44).astype(np.int32)

@@ -102,22 +102,27 @@ def assert_bit_exact(data, num_splits, slopes=None):
 # ---------------------------------------------------------------------------- the "auto" rule
 
 
-@given(num_seqs=st.integers(0, 300), num_heads=st.integers(1, 128), max_seq_len=st.integers(0, 100_000),
-       num_sms=st.sampled_from([1, 16, 78, 108, 132, 148]), block_size=st.sampled_from([1, 4, 16, 32]))
-def test_auto_rule_is_the_simulators(num_seqs, num_heads, max_seq_len, num_sms, block_size):
-    assert kernels.choose_num_splits(num_seqs, num_heads, max_seq_len, num_sms, block_size) == sk.choose_num_splits(
-        num_seqs, num_heads, max_seq_len, num_sms=num_sms, block_size=block_size)
+@given(num_seqs=st.integers(0, 300), num_kv_heads=st.integers(1, 16), group=st.integers(1, 8),
+       max_seq_len=st.integers(0, 100_000), num_sms=st.sampled_from([1, 16, 78, 108, 132, 148]),
+       block_size=st.sampled_from([1, 4, 16, 32]))
+def test_auto_rule_is_the_simulators(num_seqs, num_kv_heads, group, max_seq_len, num_sms, block_size):
+    num_heads = num_kv_heads * group
+    assert kernels.heads_per_cta(group) == sk.heads_per_cta(group)
+    assert kernels.choose_num_splits(num_seqs, num_heads, num_kv_heads, max_seq_len, num_sms, block_size) == (
+        sk.choose_num_splits(num_seqs, num_heads, num_kv_heads, max_seq_len, num_sms=num_sms, block_size=block_size))
 
 
-def test_lane_layouts_cover_each_row_once():
-    for cache in ("fp8", "bf16", "f32"):
-        for head_dim in kernels.HEAD_DIMS:
+def test_lane_layouts_are_the_simulators():
+    for head_dim in kernels.HEAD_DIMS:
+        assert kernels.lanes_per_token(head_dim) == sk.lanes_per_token(head_dim)
+        assert kernels.num_slots(head_dim) == sk.num_slots(head_dim)
+        for cache, bits in (("fp8", 8), ("bf16", 16), ("f32", 32)):
             layout = kernels.lane_layout(cache, head_dim)
-            assert layout.words * layout.per_word == layout.elements == head_dim // 32
-            assert layout.words * layout.word_bytes * 32 * 8 == head_dim * layout.element_bits
-            assert 1 <= layout.tokens_in_flight <= kernels.MAX_TOKENS_IN_FLIGHT
-    assert kernels.lane_layout("fp8", 128).word_bytes == 4  # one 32-bit load of 4 codes per lane
-    assert kernels.lane_layout("fp8", 128).tokens_in_flight == 16
+            assert layout.words * 32 == kernels.ELEMENTS_PER_LANE * bits  # 16 elements per lane
+            assert layout.loads * kernels.WORDS_PER_LOAD == layout.words
+            assert layout.row_words * 32 == head_dim * bits
+    assert kernels.lane_layout("fp8", 128).loads == 1  # one 128-bit load of 16 codes per lane
+    assert kernels.lane_layout("fp8", 128).tokens_in_flight == 4
 
 
 # ---------------------------------------------------------------------------- bit for bit against the simulator
@@ -143,12 +148,14 @@ def test_caches_gqa_and_alibi_are_bit_exact(rng, cache, alibi, head_dim, num_spl
 
 
 @pytest.mark.cudasim
-@pytest.mark.parametrize("cache, head_dim, block_size, length", [("fp8", 32, 2, 70), ("f32", 128, 16, 45)])
+@pytest.mark.parametrize("cache, head_dim, block_size, length", [("fp8", 32, 2, 340), ("bf16", 64, 16, 150),
+                                                                ("f32", 128, 16, 45)])
 def test_full_groups_of_tokens_in_flight_are_bit_exact(rng, cache, head_dim, block_size, length):
-    """Shards long enough for the kernel's full groups (U tokens per warp, no guards) and then a partial one:
-    FP8 at head_dim 32 has U = 16 (70 tokens: 17 or 18 per warp), float32 at 128 has U = 4."""
+    """Shards long enough for several groups of U tokens per slot and a partial last one: FP8 at head_dim
+    32 has 64 slots and U = 4 (340 tokens: 5 or 6 per slot), BF16 at 64 has 32 slots and U = 2, float32
+    at 128 has 16 slots and U = 1."""
     tokens_in_flight = kernels.lane_layout(cache, head_dim).tokens_in_flight
-    assert length // kernels.NUM_WARPS > tokens_in_flight
+    assert length // kernels.num_slots(head_dim) > tokens_in_flight
     data = make_data(rng, [length], num_heads=1, head_dim=head_dim, block_size=block_size, cache=cache)
     assert_bit_exact(data, 1, random_slopes(rng, 1))
 
@@ -171,7 +178,7 @@ def test_random_layouts_are_bit_exact_and_within_the_bound(layout, num_splits, f
 @pytest.mark.cudasim
 def test_auto_splits_are_bit_exact(rng):
     data = make_data(rng, [9, 3], num_heads=2)
-    assert kernels.choose_num_splits(2, 2, 9, block_size=4) == 3  # 4 CTAs would not fill 132 SMs; 3 blocks of work
+    assert kernels.choose_num_splits(2, 2, 1, 9, block_size=4) == 3  # 2 CTAs would not fill 132 SMs; 3 blocks of work
     got = run_kernel(data, "auto")
     np.testing.assert_array_equal(got.view(np.uint32), sk.paged_decode(*simulator_args(data)).view(np.uint32))
 
@@ -240,7 +247,7 @@ def bad_calls(data):
                                      v_scale=np.zeros((k.shape[0], 2, k.shape[2]), np.float32)), "GQA"),
         ("head_dim 48", dict(q=np.zeros((2, 2, 48), np.float32), out=np.zeros((2, 2, 48), np.float32),
                              k_cache=np.zeros(k.shape[:3] + (48,), np.uint8), v_cache=np.zeros(k.shape[:3] + (48,), np.uint8)),
-         "head_dim must be a multiple of 32"),
+         "head_dim must be one of"),
         ("head_dim mismatch", dict(q=np.zeros((2, 2, 64), np.float32)), "head_dim 32 does not match"),
         ("q float64", dict(q=q.astype(np.float64)), "q: expected float32"),
         ("out wrong shape", dict(out=np.zeros((2, 2, 16), np.float32)), "out: expected float32 \\[2, 2, 32\\]"),
@@ -336,8 +343,8 @@ def test_gpu_qwen3_8b_heads_against_the_reference(cache, lens):
     expected = attention.paged_decode(*reference_view.decode_args(), alibi_slopes=slopes)
     device = [cuda.to_device(x) for x in (q, k, v, tables, seq_lens)]
     scales = [None if s is None else cuda.to_device(s) for s in (k_scale, v_scale)]
-    auto = kernels.choose_num_splits(len(lens), num_heads, max(lens), kernels.device_num_sms(), block_size)
-    for num_splits in ("auto", 1, 4, 8):
+    auto = kernels.choose_num_splits(len(lens), num_heads, num_kv_heads, max(lens), kernels.device_num_sms(), block_size)
+    for num_splits in ("auto", 1, 4, 8, 32):
         out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
         kernels.paged_decode(*device, head_dim**-0.5, out, *scales, alibi_slopes=slopes, num_splits=num_splits)
         got = out.copy_to_host()
