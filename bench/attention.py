@@ -3,7 +3,7 @@
     python bench/attention.py [--out DIR]
 
 Qwen3-8B heads (32 query heads, 8 KV heads, head_dim 128), block size 16, batch 1 and 8, context
-1k, 4k and 16k. For each configuration it
+1k, 4k and 16k. For each decode configuration it
 
 1. fills paged caches with random K/V through ``numba_kernels.kv_cache.paged_cache_write`` (FP8
    with per (token, kv head) scales, and BF16), with several copies of every sequence's blocks so
@@ -11,7 +11,12 @@ Qwen3-8B heads (32 query heads, 8 KV heads, head_dim 128), block size 16, batch 
 2. validates each variant against ``reference.attention.paged_decode`` (float64, on the host, for
    the first sequence of the batch), output poisoned first;
 3. times each variant with CUDA-graph replay, and torch SDPA in BF16 on contiguous K/V
-   (``enable_gqa=True``) with CUDA events.
+   (``enable_gqa=True``) with CUDA events, both rotating among copies of the K/V past the L2.
+
+Then it sweeps the decode kernel's ``tokens_in_flight`` (same results, different load depth) and
+times causal prefill (``numba_kernels.prefill.paged_prefill``: decode of every query token) of one
+prompt of 512 and 2048 tokens against SDPA ``is_causal=True``, validated against
+``reference.attention.prefill`` first.
 
 Writes ``attention_results.md`` and ``attention.png`` into the output folder.
 """
@@ -33,6 +38,9 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 BATCHES = (1, 8)
 CONTEXTS = (1024, 4096, 16384)
 L2_BYTES = 60e6
+SWEEP = {(1, 16384), (8, 4096)}
+"""Decode configurations where ``tokens_in_flight`` is swept."""
+PREFILL_LENGTHS = (512, 2048)
 
 
 def build_caches(batch, context, copies, torch, cuda):
@@ -96,7 +104,7 @@ def main(argv=None) -> int:
         "| batch | context | FP8 auto us (splits) | FP8 no split us | BF16 auto us | BF16 no split us | SDPA BF16 us | FP8 / BF16 (auto) | FP8 / SDPA | split speed-up (FP8) | rel. err FP8 / BF16 |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    results = []
+    results, sweeps = [], []
     for batch in BATCHES:
         for context in CONTEXTS:
             fp8_bytes = 2 * batch * context * NUM_KV_HEADS * (HEAD_DIM + 4)
@@ -125,11 +133,16 @@ def main(argv=None) -> int:
                                      num_splits=splits, workspace=workspace, max_seq_len=context, stream=stream)
 
                     timings[name, splits] = graph_time_us(launch, reps=20)
-            auto_splits = choose_num_splits(batch, NUM_HEADS, context, device_num_sms())
+            auto_splits = choose_num_splits(batch, NUM_HEADS, NUM_KV_HEADS, context, device_num_sms())
+            if (batch, context) in SWEEP:
+                sweeps.append(sweep_tokens_in_flight(batch, context, q, fp8, bf16, tables_dev, lens, out, workspace))
             q_t = torch.from_numpy(q_host).to("cuda", torch.bfloat16)[:, :, None, :]
-            k_t = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            v_t = torch.randn_like(k_t)
-            sdpa = torch_time_us(lambda i: torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, enable_gqa=True))
+            sdpa_copies = max(1, int(np.ceil(3 * L2_BYTES / (fp8_bytes * 2))))
+            kv_t = [(torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
+                     torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, device="cuda", dtype=torch.bfloat16))
+                    for _ in range(sdpa_copies)]
+            sdpa = torch_time_us(lambda i: torch.nn.functional.scaled_dot_product_attention(
+                q_t, *kv_t[i % sdpa_copies], enable_gqa=True))
             row = (batch, context, timings["fp8", "auto"], auto_splits, timings["fp8", 1], timings["bf16", "auto"],
                    timings["bf16", 1], sdpa)
             results.append(row)
@@ -139,12 +152,113 @@ def main(argv=None) -> int:
             )
             print(lines[-1], flush=True)
 
+    lines += sweep_table(sweeps)
+    lines += prefill_table(torch, cuda)
     table = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attention_results.md").write_text(table)
     plot(results, args.out / "attention.png")
     print(table)
     return 0
+
+
+def sweep_tokens_in_flight(batch, context, q, fp8, bf16, tables_dev, lens, out, workspace):
+    """Decode time (auto splits) for each ``tokens_in_flight`` (loads in flight per slot; the results are
+    the same bits, which is checked here against the default)."""
+    from numba_kernels.splitkv import paged_decode
+    from timing import graph_time_us
+
+    row = {"batch": batch, "context": context}
+    copies = len(tables_dev)
+    for name, caches, choices in (("fp8", fp8, (1, 2, 4, 8)), ("bf16", bf16, (1, 2, 4))):
+        scales = (caches[2], caches[3]) if name == "fp8" else (None, None)
+        baseline = None
+        for u in choices:
+            out.copy_to_device(np.full(out.shape, np.nan, np.float32))
+            paged_decode(q, caches[0], caches[1], tables_dev[0], lens, HEAD_DIM**-0.5, out, *scales, workspace=workspace,
+                         max_seq_len=context, tokens_in_flight=u)
+            got = out.copy_to_host()
+            baseline = got if baseline is None else baseline
+            assert np.array_equal(got, baseline), (name, u)  # the load depth never changes a bit
+
+            def launch(i, stream, caches=caches, scales=scales, u=u):
+                paged_decode(q, caches[0], caches[1], tables_dev[i % copies], lens, HEAD_DIM**-0.5, out, *scales,
+                             workspace=workspace, max_seq_len=context, stream=stream, tokens_in_flight=u)
+
+            row[name, u] = graph_time_us(launch, reps=20)
+    print(row, flush=True)
+    return row
+
+
+def sweep_table(sweeps):
+    lines = ["", "Decode, auto splits, by `tokens_in_flight` (tokens a slot loads before computing; same bits):", "",
+             "| batch | context | FP8 U=1 | U=2 | U=4 | U=8 | BF16 U=1 | U=2 | U=4 |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sweeps:
+        cells = [f"{r['fp8', u]:.1f}" for u in (1, 2, 4, 8)] + [f"{r['bf16', u]:.1f}" for u in (1, 2, 4)]
+        lines.append(f"| {r['batch']} | {r['context']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def prefill_table(torch, cuda):
+    """Causal prefill of one prompt, FP8 and BF16 caches, against SDPA BF16 ``is_causal=True`` (contiguous)."""
+    from numba_kernels.kv_cache import paged_cache_write
+    from numba_kernels.prefill import paged_prefill, prefill_rows_workspace
+    from numba_kernels.splitkv import decode_workspace
+    from reference import attention, kv_cache
+    from timing import graph_time_us, torch_time_us
+
+    lines = ["", "Causal prefill of one prompt (ours: decode of every query token over its prefix; one graph "
+             "replay = expansion + split kernel (+ combine)):", "",
+             "| prompt | FP8 us | BF16 us | SDPA BF16 causal us | FP8 / SDPA | rel. err FP8 / BF16 |", "|---|---|---|---|---|---|"]
+    scale = HEAD_DIM**-0.5
+    for length in PREFILL_LENGTHS:
+        rng = np.random.default_rng(length)
+        blocks = length // BLOCK_SIZE
+        table = rng.permutation(blocks).astype(np.int32)[None, :]
+        shape = (blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+        k = rng.standard_normal((length, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
+        v = rng.standard_normal((length, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
+        q = rng.standard_normal((length, NUM_HEADS, HEAD_DIM)).astype(np.float32)
+        slots = cuda.to_device(kv_cache.slots_for_positions(table[0], np.arange(length), BLOCK_SIZE).astype(np.int32))
+        caches = {"fp8": [cuda.device_array(shape, np.uint8) for _ in range(2)] + [cuda.device_array(shape[:3], np.float32) for _ in range(2)],
+                  "bf16": [cuda.device_array(shape, np.uint16) for _ in range(2)] + [None, None]}
+        k_dev, v_dev, q_dev = cuda.to_device(k), cuda.to_device(v), cuda.to_device(q)
+        lens_dev = cuda.to_device(np.array([length], np.int32))
+        table_dev = cuda.to_device(table)
+        rows = prefill_rows_workspace(length, blocks)
+        workspace = decode_workspace(length, NUM_HEADS, HEAD_DIM)
+        out = cuda.device_array(q.shape, np.float32)
+        times, errors = {}, {}
+        for name, c in caches.items():
+            paged_cache_write(k_dev, v_dev, c[0], c[1], slots, c[2], c[3])
+            host = [x.copy_to_host() if x is not None else None for x in c]
+            if name == "bf16":
+                host[0], host[1] = ((x.astype(np.uint32) << 16).view(np.float32) for x in host[:2])
+            k_ref = kv_cache.gather(host[0], host[2], table[0], length)
+            v_ref = kv_cache.gather(host[1], host[3], table[0], length)
+            checked = min(length, 256)  # the reference (float64, per query) for the last 256 queries only
+            ref = attention.prefill(q[-checked:], k_ref, v_ref, scale)
+            out.copy_to_device(np.full(q.shape, np.nan, np.float32))
+            paged_prefill(q_dev, c[0], c[1], table_dev, lens_dev, lens_dev, scale, out, c[2], c[3],
+                          max_context_len=length, rows=rows, workspace=workspace)
+            got = out.copy_to_host()
+            assert np.all(np.isfinite(got)), name
+            errors[name] = float(np.linalg.norm(got[-checked:] - ref) / np.linalg.norm(ref))
+
+            def launch(i, stream, c=c):
+                paged_prefill(q_dev, c[0], c[1], table_dev, lens_dev, lens_dev, scale, out, c[2], c[3],
+                              max_context_len=length, rows=rows, workspace=workspace, stream=stream)
+
+            times[name] = graph_time_us(launch, reps=5, replays=7)
+        q_t = torch.from_numpy(q).to("cuda", torch.bfloat16).transpose(0, 1)[None]
+        k_t = torch.from_numpy(k).to("cuda", torch.bfloat16).transpose(0, 1)[None]
+        v_t = torch.from_numpy(v).to("cuda", torch.bfloat16).transpose(0, 1)[None]
+        sdpa = torch_time_us(lambda i: torch.nn.functional.scaled_dot_product_attention(
+            q_t, k_t, v_t, is_causal=True, enable_gqa=True), iters=20)
+        lines.append(f"| {length} | {times['fp8']:.1f} | {times['bf16']:.1f} | {sdpa:.1f} | {times['fp8'] / sdpa:.1f} "
+                     f"| {errors['fp8']:.1e} / {errors['bf16']:.1e} |")
+        print(lines[-1], flush=True)
+    return lines
 
 
 def plot(results, path):
