@@ -274,52 +274,57 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
     UNIT = float32(VALUE_UNIT[cache_format])
     values_of = VALUE_DECODERS[cache_format]
 
-    @cuda.jit(device=True, inline=True)
-    def load_group(warp_first, end, column, offset, column_step, offset_step, table, rows_per_block, head_row,
-                   lane_words, block_size, k_words, v_words, k_scales, v_scales, k_group, v_group, k_group_scales,
-                   v_group_scales):
-        """Load the slot's next ``U`` tokens (K and V words, scales) before computing any of them.
+    def make_load_group(guarded: bool):
+        @cuda.jit(device=True, inline=True)
+        def load_group(token0, end, column, offset, column_step, offset_step, table, rows_per_block, head_row,
+                       lane_words, block_size, k_words, v_words, k_scales, v_scales, k_group, v_group,
+                       k_group_scales, v_group_scales):
+            """Load the slot's next ``U`` tokens (K and V words, scales) before computing any of them.
 
-        The slot's token ``u`` is ``warp_first + U-th step + its place in the warp``; inactive ones
-        (past ``end``) load nothing and read as zeros. Returns the block column and offset after them.
-        """
-        for u in range(U):
-            if warp_first + u * SLOTS < end:
-                row = uint64(table[column] * rows_per_block + head_row + offset)
-                for i in range(LOADS):
-                    word = row * ROW_WORDS + uint64(lane_words + WORDS_PER_LOAD * i)
-                    k0, k1, k2, k3 = load_u32x4(k_words, word)
-                    v0, v1, v2, v3 = load_u32x4(v_words, word)
-                    k_group[u * WORDS + 4 * i] = k0
-                    k_group[u * WORDS + 4 * i + 1] = k1
-                    k_group[u * WORDS + 4 * i + 2] = k2
-                    k_group[u * WORDS + 4 * i + 3] = k3
-                    v_group[u * WORDS + 4 * i] = v0
-                    v_group[u * WORDS + 4 * i + 1] = v1
-                    v_group[u * WORDS + 4 * i + 2] = v2
-                    v_group[u * WORDS + 4 * i + 3] = v3
-                if IS_FP8:
-                    k_group_scales[u] = k_scales[row]
-                    v_group_scales[u] = v_scales[row]
-            else:
-                for i in range(WORDS):
-                    k_group[u * WORDS + i] = uint32(0)
-                    v_group[u * WORDS + i] = uint32(0)
-                k_group_scales[u] = float32(1)
-                v_group_scales[u] = float32(1)
-            column += column_step
-            offset += offset_step
-            if offset >= block_size:
-                offset -= block_size
-                column += 1
-        return column, offset
+            The slot's token ``u`` is ``token0 + SLOTS u``. ``guarded`` (the last group of a shard):
+            tokens past ``end`` load nothing and read as zeros. Returns the block column and offset
+            after the group.
+            """
+            for u in range(U):
+                if not guarded or token0 + u * SLOTS < end:
+                    row = uint64(table[column] * rows_per_block + head_row + offset)
+                    for i in range(LOADS):
+                        word = row * ROW_WORDS + uint64(lane_words + WORDS_PER_LOAD * i)
+                        k0, k1, k2, k3 = load_u32x4(k_words, word)
+                        v0, v1, v2, v3 = load_u32x4(v_words, word)
+                        k_group[u * WORDS + 4 * i] = k0
+                        k_group[u * WORDS + 4 * i + 1] = k1
+                        k_group[u * WORDS + 4 * i + 2] = k2
+                        k_group[u * WORDS + 4 * i + 3] = k3
+                        v_group[u * WORDS + 4 * i] = v0
+                        v_group[u * WORDS + 4 * i + 1] = v1
+                        v_group[u * WORDS + 4 * i + 2] = v2
+                        v_group[u * WORDS + 4 * i + 3] = v3
+                    if IS_FP8:
+                        k_group_scales[u] = k_scales[row]
+                        v_group_scales[u] = v_scales[row]
+                else:
+                    for i in range(WORDS):
+                        k_group[u * WORDS + i] = uint32(0)
+                        v_group[u * WORDS + i] = uint32(0)
+                    k_group_scales[u] = float32(1)
+                    v_group_scales[u] = float32(1)
+                column += column_step
+                offset += offset_step
+                if offset >= block_size:
+                    offset -= block_size
+                    column += 1
+            return column, offset
+
+        return load_group
 
     @cuda.jit(device=True, inline=True)
     def group_scores(token0, seq_len, q2, slope2, use_alibi, k_group, k_group_scales, scores):
         """``scores[u * H + h]``: the log2-domain score of the slot's token ``u`` for head ``h``.
 
         Every lane of the warp runs this, active slot or not, so that the ``shfl_xor`` butterflies
-        see all 32 lanes (an idle slot's score is never used).
+        see all 32 lanes (an idle slot's score is never used). No branch between the ``U * H`` dot
+        products, so their fma chains and butterflies interleave; ALiBi (a uniform branch) after.
         """
         keys = cuda.local.array(E, float32)
         for u in range(U):
@@ -332,37 +337,53 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
                 while offset > 0:  # the butterfly over the slot's lanes
                     dot += cuda.shfl_xor_sync(FULL_MASK, dot, offset)
                     offset //= 2
-                s = dot * k_group_scales[u] if IS_FP8 else dot
-                if use_alibi:
-                    s = cuda.fma(slope2[h], float32(token0 + SLOTS * u - (seq_len - 1)), s)
-                scores[u * H + h] = s
-
-    @cuda.jit(device=True, inline=True)
-    def group_softmax(token0, end, scores, v_group, v_group_scales, m, l, acc):
-        """The online softmax of the slot's active tokens, one at a time in token order, for each head.
-
-        ``corr = 1`` when the max did not move (the contract), so the ``exp2`` and the ``acc * corr``
-        multiplications run only when it moves: most tokens cost one ``exp2`` and 16 fmas per head.
-        """
-        values = cuda.local.array(E, float32)
-        for u in range(U):
-            if token0 + SLOTS * u < end:
-                values_of(v_group, u * WORDS, values)
+                scores[u * H + h] = dot * k_group_scales[u] if IS_FP8 else dot
+        if use_alibi:
+            for u in range(U):
                 for h in range(H):
-                    s = scores[u * H + h]
-                    m_new = mathops.nan_max(m[h], s)
-                    p = mathops.exp2(s - m_new)
-                    if m_new != m[h]:
-                        corr = mathops.exp2(m[h] - m_new)  # 0 on the slot's first token (m = -inf)
-                        l[h] = cuda.fma(l[h], corr, p)
+                    scores[u * H + h] = cuda.fma(slope2[h], float32(token0 + SLOTS * u - (seq_len - 1)),
+                                                 scores[u * H + h])
+
+    def make_group_softmax(guarded: bool):
+        @cuda.jit(device=True, inline=True)
+        def group_softmax(token0, end, scores, v_group, v_group_scales, m, l, acc):
+            """The online softmax of the slot's tokens, one at a time in token order, all heads at once.
+
+            Per token and head: ``m_new``, ``p``, ``corr`` (1 when the max did not move: the
+            contract) and ``l`` without a branch, so the heads interleave; the ``acc * corr``
+            multiplications only when some head's max moved (rare after the first tokens; ``x * 1``
+            is exact for the others); then the 16 fmas per head. ``guarded``: skip tokens past ``end``.
+            """
+            values = cuda.local.array(E, float32)
+            corr = cuda.local.array(H, float32)
+            pv = cuda.local.array(H, float32)
+            for u in range(U):
+                if not guarded or token0 + SLOTS * u < end:
+                    values_of(v_group, u * WORDS, values)
+                    moved = False
+                    for h in range(H):
+                        s = scores[u * H + h]
+                        m_new = mathops.nan_max(m[h], s)
+                        p = mathops.exp2(s - m_new)
+                        c = mathops.exp2(m[h] - m_new)  # 0 on the slot's first token (m = -inf)
+                        head_moved = m_new != m[h]
+                        corr[h] = c if head_moved else float32(1)
+                        moved = moved or head_moved
+                        l[h] = cuda.fma(l[h], corr[h], p)  # fma(l, 1, p) = l + p
+                        pv[h] = p * v_group_scales[u] * UNIT if IS_FP8 else p
+                        m[h] = m_new
+                    if moved:
+                        for h in range(H):
+                            for e in range(E):
+                                acc[h * E + e] = acc[h * E + e] * corr[h]
+                    for h in range(H):
                         for e in range(E):
-                            acc[h * E + e] = acc[h * E + e] * corr
-                    else:
-                        l[h] = l[h] + p  # fma(l, 1, p)
-                    pv = p * v_group_scales[u] * UNIT if IS_FP8 else p
-                    for e in range(E):
-                        acc[h * E + e] = cuda.fma(pv, values[e], acc[h * E + e])
-                    m[h] = m_new
+                            acc[h * E + e] = cuda.fma(pv[h], values[e], acc[h * E + e])
+
+        return group_softmax
+
+    load_full_group, load_last_group = make_load_group(False), make_load_group(True)
+    full_group_softmax, last_group_softmax = make_group_softmax(False), make_group_softmax(True)
 
     def split_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
                      use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out):
@@ -399,8 +420,10 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
         v_group_scales = cuda.local.array(U, float32)
         scores = cuda.local.array(UH, float32)
 
-        # The slot's tokens start + slot, start + slot + SLOTS, ...; the warp loops while its first
-        # slot (which has the most tokens) has any, so all 32 lanes reach every shuffle.
+        # The slot's tokens start + slot, start + slot + SLOTS, ... in groups of U. A group is full
+        # when the warp's last slot has all U of its tokens (then so do the warp's other slots):
+        # no guards. The last group is guarded; the warp runs it while its first slot, which has the
+        # most tokens, has any, so all 32 lanes reach every shuffle.
         table = block_tables[seq]
         rows_per_block = num_kv_heads * block_size
         head_row = kv_head * block_size
@@ -411,18 +434,27 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
         warp_first = start + warp * TOKENS_PER_WARP
         column = token0 // block_size
         offset = token0 % block_size
-        while warp_first < end:
-            column, offset = load_group(token0, end, column, offset, column_step, offset_step, table,
-                                        rows_per_block, head_row, lane_words, block_size, k_words, v_words,
-                                        k_scales, v_scales, k_group, v_group, k_group_scales, v_group_scales)
+        while warp_first + SLOTS * (U - 1) + TOKENS_PER_WARP - 1 < end:
+            column, offset = load_full_group(token0, end, column, offset, column_step, offset_step, table,
+                                             rows_per_block, head_row, lane_words, block_size, k_words, v_words,
+                                             k_scales, v_scales, k_group, v_group, k_group_scales, v_group_scales)
             group_scores(token0, seq_len, q2, slope2, use_alibi, k_group, k_group_scales, scores)
-            group_softmax(token0, end, scores, v_group, v_group_scales, m, l, acc)
+            full_group_softmax(token0, end, scores, v_group, v_group_scales, m, l, acc)
             token0 += SLOTS * U
             warp_first += SLOTS * U
+        if warp_first < end:
+            load_last_group(token0, end, column, offset, column_step, offset_step, table, rows_per_block, head_row,
+                            lane_words, block_size, k_words, v_words, k_scales, v_scales, k_group, v_group,
+                            k_group_scales, v_group_scales)
+            group_scores(token0, seq_len, q2, slope2, use_alibi, k_group, k_group_scales, scores)
+            last_group_softmax(token0, end, scores, v_group, v_group_scales, m, l, acc)
 
-        # Merge the slots in slot order through shared memory (a slot without tokens is neutral).
+        # Merge the slots in slot order through shared memory (a slot without tokens is neutral): each
+        # head's m* and each slot's weight exp2(m_p - m*) once, then the fma chains over the slots.
         slot_m = cuda.shared.array(MERGE_STATES, float32)
         slot_l = cuda.shared.array(MERGE_STATES, float32)
+        slot_w = cuda.shared.array(MERGE_STATES, float32)
+        head_m = cuda.shared.array(H, float32)
         slot_acc = cuda.shared.array(MERGE_SIZE, float32)
         for h in range(H):
             if r == 0:
@@ -431,16 +463,22 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
             for e in range(E):
                 slot_acc[(h * SLOTS + slot) * HEAD_DIM + r * E + e] = acc[h * E + e]
         cuda.syncthreads()
+        if tid < H:
+            m_star = slot_m[tid * SLOTS]
+            for p in range(1, SLOTS):
+                m_star = mathops.nan_max(m_star, slot_m[tid * SLOTS + p])
+            head_m[tid] = m_star
+        cuda.syncthreads()
+        for i in range(tid, MERGE_STATES, THREADS_PER_CTA):
+            slot_w[i] = merge_weight(slot_m[i], head_m[i // SLOTS])
+        cuda.syncthreads()
         for i in range(tid, H * HEAD_DIM, THREADS_PER_CTA):
             h = i // HEAD_DIM
             d = i % HEAD_DIM
-            m_star = slot_m[h * SLOTS]
-            for p in range(1, SLOTS):
-                m_star = mathops.nan_max(m_star, slot_m[h * SLOTS + p])
             l_sum = float32(0)
             acc_sum = float32(0)
             for p in range(SLOTS):
-                weight = merge_weight(slot_m[h * SLOTS + p], m_star)
+                weight = slot_w[h * SLOTS + p]
                 l_sum = cuda.fma(weight, slot_l[h * SLOTS + p], l_sum)
                 acc_sum = cuda.fma(weight, slot_acc[(h * SLOTS + p) * HEAD_DIM + d], acc_sum)
             if num_splits == 1:
@@ -448,31 +486,53 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
             else:
                 workspace[seq, head0 + h, shard, d] = acc_sum
                 if d == 0:
-                    workspace[seq, head0 + h, shard, HEAD_DIM] = m_star
+                    workspace[seq, head0 + h, shard, HEAD_DIM] = head_m[h]
                     workspace[seq, head0 + h, shard, HEAD_DIM + 1] = l_sum
 
     return split_kernel
+
+
+MAX_SPLITS = 256
+"""Shards a combine can merge (its shared memory holds one weight and one ``l`` per shard)."""
+COMBINE_LOADS_IN_FLIGHT = 8
 
 
 def combine_kernel(workspace, num_splits, out):
     """Merge the shards' partials in shard order and normalize; thread ``d`` owns element ``d``.
 
     Launch ``[(num_seqs, num_heads), head_dim]``. Workspace row ``[..., shard, :]`` holds
-    ``acc[0:head_dim], m, l``.
+    ``acc[0:head_dim], m, l``. The shards' ``m`` and ``l`` are loaded by many threads at once and
+    each weight ``exp2(m_s - m*)`` computed once, into shared memory; each thread then loads its
+    ``acc`` values 8 shards at a time (loads in flight together) before their fmas, in shard order.
     """
     seq = cuda.blockIdx.x
     head = cuda.blockIdx.y
     d = cuda.threadIdx.x
     head_dim = out.shape[2]
-    m_star = workspace[seq, head, 0, head_dim]
+    shard_m = cuda.shared.array(MAX_SPLITS, float32)
+    shard_l = cuda.shared.array(MAX_SPLITS, float32)
+    for s in range(d, num_splits, head_dim):
+        shard_m[s] = workspace[seq, head, s, head_dim]
+        shard_l[s] = workspace[seq, head, s, head_dim + 1]
+    cuda.syncthreads()
+    m_star = shard_m[0]
     for s in range(1, num_splits):
-        m_star = mathops.nan_max(m_star, workspace[seq, head, s, head_dim])
+        m_star = mathops.nan_max(m_star, shard_m[s])
+    cuda.syncthreads()
+    for s in range(d, num_splits, head_dim):
+        shard_m[s] = merge_weight(shard_m[s], m_star)  # now the weight
+    cuda.syncthreads()
+    values = cuda.local.array(COMBINE_LOADS_IN_FLIGHT, float32)
     l_sum = float32(0)
     acc_sum = float32(0)
-    for s in range(num_splits):
-        weight = merge_weight(workspace[seq, head, s, head_dim], m_star)
-        l_sum = cuda.fma(weight, workspace[seq, head, s, head_dim + 1], l_sum)
-        acc_sum = cuda.fma(weight, workspace[seq, head, s, d], acc_sum)
+    for first in range(0, num_splits, COMBINE_LOADS_IN_FLIGHT):
+        for i in range(COMBINE_LOADS_IN_FLIGHT):
+            if first + i < num_splits:
+                values[i] = workspace[seq, head, first + i, d]
+        for i in range(COMBINE_LOADS_IN_FLIGHT):
+            if first + i < num_splits:
+                l_sum = cuda.fma(shard_m[first + i], shard_l[first + i], l_sum)
+                acc_sum = cuda.fma(shard_m[first + i], values[i], acc_sum)
     out[seq, head, d] = normalized(acc_sum, l_sum)
 
 
@@ -587,10 +647,10 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
 
     if isinstance(num_splits, str) and num_splits == "auto":
         splits = choose_num_splits(num_seqs, num_heads, num_kv_heads, max_seq_len, device_num_sms(), block_size)
-    elif isinstance(num_splits, (int, np.integer)) and not isinstance(num_splits, bool) and num_splits >= 1:
+    elif isinstance(num_splits, (int, np.integer)) and not isinstance(num_splits, bool) and 1 <= num_splits <= MAX_SPLITS:
         splits = int(num_splits)
     else:
-        raise ValueError(f"num_splits: expected a positive int or 'auto', got {num_splits!r}")
+        raise ValueError(f"num_splits: expected an int from 1 to {MAX_SPLITS} or 'auto', got {num_splits!r}")
     if workspace is not None:
         ok = (workspace.ndim == 4 and tuple(workspace.shape[:2]) == (num_seqs, num_heads) and workspace.shape[2] >= splits
               and workspace.shape[3] == head_dim + 2 and np.dtype(workspace.dtype) == np.float32)
@@ -613,7 +673,8 @@ def flat_cache(cache, scales):
     num_blocks, num_kv_heads, block_size, head_dim = cache.shape
     num_rows = num_blocks * num_kv_heads * block_size
     words = cache.reshape(num_rows * head_dim).view(np.uint32)
-    if not SIMULATOR and words.__cuda_array_interface__["data"][0] % LOAD_ALIGNMENT:
+    device = getattr(words, "__cuda_array_interface__", None)  # (a NumPy array is copied to an aligned one)
+    if not SIMULATOR and device is not None and device["data"][0] % LOAD_ALIGNMENT:
         raise ValueError(f"cache: its device address must be {LOAD_ALIGNMENT}-byte aligned for 128-bit loads")
     return words, None if scales is None else scales.reshape(num_rows)
 

@@ -318,7 +318,7 @@ for name, function, signature in variants[part::parts]:
         assert "shfl.sync.bfly.b32" in ptx and "div.rn.f32" in ptx, name  # amax butterfly; x / scale correctly rounded
     if name.startswith("split"):
         assert "shfl.sync.bfly.b32" in ptx and "ex2.approx.f32" in ptx and "fma.rn.f32" in ptx, name
-        assert re.search(r"ld\.global\.nc\.v4\.u32\b", ptx), name  # a lane reads its 16 elements in 128-bit loads
+        assert re.search(r"ld\.global\.nc\.v4\.[uf]32\b", ptx), name  # a lane reads its 16 elements in 128-bit loads
     if name == "combine":
         assert "ex2.approx.f32" in ptx and "div.rn.f32" in ptx, name
     if name.startswith("split") and not any(f"head_dim={d}," in name for d in (64, 128, 256)):

@@ -258,7 +258,7 @@ def bad_calls(data):
         ("seq_lens shape", dict(seq_lens=np.array([1], np.int32)), "seq_lens: expected an integer array \\[2\\]"),
         ("float seq_lens", dict(seq_lens=np.array([1.0, 2.0])), "seq_lens: expected an integer array"),
         ("alibi shape", dict(alibi_slopes=np.ones(3, np.float32)), "alibi_slopes: expected float32 \\[2\\]"),
-        ("num_splits 0", dict(num_splits=0), "num_splits: expected a positive int or 'auto'"),
+        ("num_splits 0", dict(num_splits=0), "num_splits: expected an int from 1 to 256 or 'auto'"),
         ("num_splits word", dict(num_splits="many"), "num_splits"),
         ("workspace small", dict(num_splits=3, workspace=np.zeros((2, 2, 2, 34), np.float32)), "workspace: expected"),
         ("max_seq_len short", dict(max_seq_len=3), "max_seq_len: 3 is shorter than the longest sequence"),
