@@ -26,8 +26,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gemm import SHAPES, device_problem, relative_error  # noqa: E402
 
 VARIANTS = {
-    "simt": [dict(warps_per_cta=w, chunks_per_iteration=c) for w in (4, 8) for c in (1, 2, 4)]
-    + [dict(warps_per_cta=4, chunks_per_iteration=2, columns_per_warp=2)],
     "mma": [dict(warps_per_cta=4, n8_tiles_per_warp=1, stages=st) for st in (2, 4, 6, 8)]
     + [dict(warps_per_cta=4, n8_tiles_per_warp=2, stages=st) for st in (3, 5)]
     + [dict(warps_per_cta=2, n8_tiles_per_warp=t, stages=8) for t in (1, 2)]
@@ -36,8 +34,13 @@ VARIANTS = {
 BATCHES = {"simt": (1, 4, 8), "mma": (16, 32)}
 
 
-def variants(kernel, path):
-    """The sweep's knob settings that the kernel accepts (an unknown knob drops the setting)."""
+def variants(kernel, path, m):
+    """The sweep's knob settings that the kernel accepts (an unknown knob drops the setting); for the
+    SIMT GEMV its own ``tuning_candidates(m)``."""
+    if path == "simt":
+        from numba_kernels.gemv_simt import tuning_candidates
+
+        return tuning_candidates(m)
     accepted = inspect.signature(kernel).parameters
     return [v for v in VARIANTS[path] if all(name in accepted for name in v)]
 
@@ -45,6 +48,8 @@ def variants(kernel, path):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
+    parser.add_argument("--paths", default="simt,mma", help="comma-separated: simt, mma")
+    parser.add_argument("--batches", default=None, help="comma-separated M values (default: per path)")
     args = parser.parse_args(argv)
     import torch
     from numba import cuda
@@ -53,16 +58,17 @@ def main(argv=None) -> int:
     from numba_kernels.gemv_simt import gemv_simt
     from timing import graph_time_us, torch_time_us
 
-    kernels = {"simt": gemv_simt, "mma": gemm_mma}
+    kernels = {name: k for name, k in {"simt": gemv_simt, "mma": gemm_mma}.items() if name in args.paths.split(",")}
     rng = np.random.default_rng(7)
     lines = ["| N x K | M | path | best knobs | best us | default us | worst us | cuBLAS BF16 us |", "|---|---|---|---|---|---|---|---|"]
     for (n, k), path in itertools.product(SHAPES, kernels):
         kernel = kernels[path]
-        for m in BATCHES[path]:
+        batches = [int(b) for b in args.batches.split(",")] if args.batches else BATCHES[path]
+        for m in batches:
             a_bf16, a_dev, q_dev, s_dev, out, ref = device_problem(m, n, k, rng, torch)
             copies = len(q_dev)
             timings = []
-            for knobs in [{}] + list(variants(kernel, path)):
+            for knobs in [{}] + list(variants(kernel, path, m)):
                 out.copy_to_device(np.full((m, n), np.nan, np.float32))
                 kernel(a_dev, q_dev[0], s_dev, out, **knobs)
                 cuda.synchronize()
