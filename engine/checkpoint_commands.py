@@ -2,7 +2,9 @@
 
 - ``fp8lab quantize SRC DST [--block BN BK]``: BF16 checkpoint -> Qwen3-FP8 blockwise checkpoint;
 - ``fp8lab inspect DIR``: validate and summarize; exits 1 when it finds NaN codes or other bad values;
-- ``fp8lab make-tiny DST [--fp8] [--seed S]``: write the seeded random tiny Qwen3 checkpoint.
+- ``fp8lab make-tiny DST [--fp8] [--seed S]``: write the seeded random tiny Qwen3 checkpoint;
+  ``fp8lab make-tiny --shape qwen3-8b --out DST [--layers L] [--seed S]``: a random FP8 checkpoint
+  of a real Qwen3 shape (``engine.shapes``: random FP8 weights, the tiny tokenizer), for benchmarks.
 
 A bad checkpoint or argument prints one ``fp8lab COMMAND: error: ...`` line to stderr and exits
 with status 1 (no traceback); the library functions in ``engine.checkpoint`` and ``engine.tiny``
@@ -11,6 +13,7 @@ raise the same messages as ``ValueError`` / ``FileNotFoundError`` / ``FileExists
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 
@@ -50,9 +53,31 @@ def _inspect(args) -> int:
 
 @_one_line_errors("make-tiny")
 def _make_tiny(args) -> int:
-    dst = tiny.make_tiny(args.dst, fp8=args.fp8, seed=args.seed)
-    print(f"wrote tiny {'FP8' if args.fp8 else 'BF16'} Qwen3 checkpoint {dst} (seed {args.seed})")
+    if (args.dst is None) == (args.out is None):
+        raise ValueError("give the new checkpoint folder once: as DST or as --out DIR")
+    dst = args.dst if args.dst is not None else args.out
+    if args.shape == "tiny" and args.layers is None:
+        dst = tiny.make_tiny(dst, fp8=args.fp8, seed=args.seed)
+        print(f"wrote tiny {'FP8' if args.fp8 else 'BF16'} Qwen3 checkpoint {dst} (seed {args.seed})")
+        return 0
+    from . import shapes
+
+    max_shard_bytes = int(args.max_shard_gb * 1e9)
+    dst = shapes.make_random(dst, args.shape, seed=args.seed, num_hidden_layers=args.layers,
+                             max_shard_bytes=max_shard_bytes, progress=not args.quiet)
+    config = shapes.shape_config(args.shape, args.layers)
+    params = shapes.parameter_counts(config)["total"]
+    print(f"wrote random FP8 Qwen3 checkpoint {dst}: shape {args.shape}, {config.num_hidden_layers} layers, "
+          f"{params / 1e9:.2f} B parameters (seed {args.seed})")
     return 0
+
+
+def _shape_name(name: str) -> str:
+    from . import shapes
+
+    if name not in shapes.shape_names(include_test=True):
+        raise argparse.ArgumentTypeError(f"unknown shape {name!r} (choose from {', '.join(shapes.shape_names())})")
+    return name
 
 
 def register(subparsers) -> None:
@@ -83,9 +108,20 @@ def register(subparsers) -> None:
         "make-tiny",
         help="write a tiny seeded random Qwen3 checkpoint with a trained tokenizer",
         description="Write a tiny random Qwen3 checkpoint (4 layers, hidden 256, vocab 1024) with a byte-level "
-        "BPE tokenizer; the same seed gives the same bytes.",
+        "BPE tokenizer; the same seed gives the same bytes. With --shape qwen3-0.6b or qwen3-8b, write a random FP8 "
+        "checkpoint of that real Qwen3 shape instead (engine.shapes), for benchmarks.",
     )
-    p.add_argument("dst", metavar="DST", help="new folder for the checkpoint (must not exist)")
+    p.add_argument("dst", metavar="DST", nargs="?", default=None, help="new folder for the checkpoint (must not exist)")
+    p.add_argument("--out", metavar="DIR", default=None, help="the new folder, as an option (instead of DST)")
     p.add_argument("--fp8", action="store_true", help="quantize the projections to FP8 (as fp8lab quantize does)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    p.add_argument("--shape", type=_shape_name, default="tiny", metavar="NAME",
+                   help="tiny (default: the trained-tokenizer tiny model above), qwen3-0.6b or qwen3-8b: a random "
+                   "FP8 checkpoint of that real shape (random E4M3 codes and block scales, BF16 embeddings; the tiny "
+                   "tokenizer, whose 1024 ids cover only part of the vocabulary), for benchmarks; Qwen3-8B is 9.5 GB")
+    p.add_argument("--layers", type=int, default=None, metavar="L",
+                   help="override the number of layers of a random shape (makes a random FP8 checkpoint)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, metavar="GB",
+                   help="largest safetensors shard of a random shape, in GB (default 5)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=_make_tiny)

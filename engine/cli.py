@@ -5,7 +5,8 @@ Subcommands:
 - ``fp8lab e4m3``: print the 256-code E4M3 table;
 - ``fp8lab e4m3 X [X ...]``: encode numbers to E4M3 and show code, bits, value and rounding error;
 - checkpoint commands (``quantize``, ``inspect``, ``make-tiny``): ``engine.checkpoint_commands``;
-- ``fp8lab generate``: ``engine.generate_command``.
+- ``fp8lab generate``: ``engine.generate_command``;
+- ``fp8lab bench``: ``engine.bench_command`` (runs ``bench/engine.py`` on a GPU).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 
 from reference import e4m3
 
-from . import checkpoint_commands, generate_command
+from . import bench_command, checkpoint_commands, generate_command
 
 
 def _print_table(out) -> None:
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_e4m3_command)
     checkpoint_commands.register(sub)
     generate_command.register(sub)
+    bench_command.register(sub)
     return parser
 
 
