@@ -208,11 +208,101 @@ class ReferenceBackend(Backend):
 
 
 BACKENDS = {"reference": ReferenceBackend}
+"""Per-operator backends for ``engine.model.Qwen3Model`` (``get_backend``)."""
+
+BACKEND_CHOICES = ("auto", "reference", "cuda", "cudasim")
+"""What ``fp8lab generate --backend`` takes (``load_model``):
+
+- ``reference``: ``Qwen3Model`` on ``ReferenceBackend`` (NumPy on the CPU);
+- ``cuda``: ``engine.cuda_model.CudaQwen3Model``, the kernels of ``numba_kernels`` on an NVIDIA GPU;
+- ``cudasim``: the same model and kernels in Numba's CUDA simulator (very slow: tiny models, tests);
+- ``auto``: ``cuda`` when numba-cuda sees a GPU and the kernels take the model's shapes, else ``reference``.
+"""
 
 
 def get_backend(name: str) -> Backend:
-    """A backend by its command-line name (``reference``)."""
+    """A per-operator backend by its command-line name (``reference``). The GPU path is a whole model,
+    not a per-operator backend: ``load_model(checkpoint, "cuda")``."""
+    if name in ("cuda", "cudasim"):
+        raise ValueError(f"backend {name!r} runs as engine.cuda_model.CudaQwen3Model, not as a per-operator "
+                         "Backend: use engine.backend.load_model(checkpoint, name)")
     try:
         return BACKENDS[name]()
     except KeyError:
         raise ValueError(f"unknown backend {name!r}; available: {', '.join(sorted(BACKENDS))}") from None
+
+
+def _nvidia_driver_present() -> bool:
+    """A cheap look for an NVIDIA driver, without importing numba."""
+    import os
+    import shutil
+
+    return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
+
+
+def gpu_available() -> bool:
+    """True when numba-cuda sees an NVIDIA GPU (False in a process that runs the CUDA simulator)."""
+    import os
+
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or not _nvidia_driver_present():
+        return False
+    try:
+        from numba import config, cuda
+
+        return not config.ENABLE_CUDASIM and bool(cuda.is_available())
+    except Exception:  # numba-cuda missing, or a driver without a usable GPU
+        return False
+
+
+def enable_cudasim() -> None:
+    """Switch numba to its CUDA simulator. Numba reads ``NUMBA_ENABLE_CUDASIM`` once, when it is first
+    imported, so this must run before anything imports numba (``engine`` imports it lazily, only here and
+    in ``engine.cuda_model``); a process that already drives a real GPU gets a ``RuntimeError``."""
+    import os
+    import sys
+
+    if "numba" in sys.modules:
+        from numba import config
+
+        if not config.ENABLE_CUDASIM:
+            raise RuntimeError("backend 'cudasim': numba was already imported without NUMBA_ENABLE_CUDASIM=1 in "
+                               "this process; start it with NUMBA_ENABLE_CUDASIM=1")
+        return
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+
+def resolve_backend(name: str, config=None) -> str:
+    """``reference``, ``cuda`` or ``cudasim`` for a ``BACKEND_CHOICES`` name; ``auto`` picks ``cuda`` when a
+    GPU is there and (given ``config``) the kernels take the model, else ``reference``."""
+    if name not in BACKEND_CHOICES:
+        raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKEND_CHOICES)}")
+    if name != "auto":
+        return name
+    if not gpu_available():
+        return "reference"
+    if config is not None:
+        from .cuda_model import unsupported_reason
+
+        if unsupported_reason(config) is not None:
+            return "reference"
+    return "cuda"
+
+
+def load_model(checkpoint, backend: str = "auto", **cuda_options):
+    """The model for ``checkpoint`` on ``backend`` (a ``BACKEND_CHOICES`` name): ``Qwen3Model`` on
+    ``ReferenceBackend``, or ``CudaQwen3Model`` (``cuda_options``: its constructor's keywords, e.g.
+    ``max_num_tokens``, ``max_num_seqs``) on a GPU or in the simulator. ``cuda`` without a GPU is a
+    ``RuntimeError``."""
+    name = resolve_backend(backend, checkpoint.config)
+    if name == "reference":
+        from .model import Qwen3Model
+
+        return Qwen3Model.from_checkpoint(checkpoint, ReferenceBackend())
+    if name == "cudasim":
+        enable_cudasim()
+    elif not gpu_available():
+        raise RuntimeError("backend 'cuda': numba-cuda sees no NVIDIA GPU (use --backend reference, or cudasim "
+                           "for the kernels in the CUDA simulator)")
+    from .cuda_model import CudaQwen3Model
+
+    return CudaQwen3Model.from_checkpoint(checkpoint, **cuda_options)

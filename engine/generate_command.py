@@ -10,6 +10,11 @@ model directory, an exhausted KV cache, bad options) print one line to stderr an
 Sampling is greedy unless ``--temperature`` is above 0 (the checkpoint's
 ``generation_config`` sampling defaults are not applied: the default run is reproducible);
 stop tokens are the tokenizer's, ``generation_config``'s and ``config.json``'s EOS ids.
+
+Backends (``--backend``, ``engine.backend.load_model``): ``cuda`` runs ``engine.cuda_model`` on an
+NVIDIA GPU, sized for this call (every prompt prefilled in one forward, every sequence in one decode
+step); ``reference`` the NumPy model; ``cudasim`` the GPU model in Numba's CUDA simulator; ``auto``
+(the default) ``cuda`` when a GPU is there, else ``reference``. The closing line names the backend used.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .backend import BACKENDS, get_backend
+from .backend import BACKEND_CHOICES
 from .kv_manager import KVCacheExhausted
 
 
@@ -26,10 +31,11 @@ def register(subparsers) -> None:
     """Add ``generate`` to the ``fp8lab`` parser."""
     p = subparsers.add_parser(
         "generate",
-        help="generate text with a Qwen3 (FP8) checkpoint on the CPU",
+        help="generate text with a Qwen3 (FP8) checkpoint (GPU kernels or the CPU reference)",
         description="Prefill then decode a batch of prompts with the fp8lab engine (paged KV cache, "
-        "FP8 weights with W8A16 numerics on the reference backend). With no --model, the embedded "
-        "tiny random model is used (its text is gibberish, by design).",
+        "FP8 weights with W8A16 numerics): on an NVIDIA GPU with the numba_kernels (--backend cuda), "
+        "or on the CPU with the NumPy reference backend. With no --model, the embedded tiny random "
+        "model is used (its text is gibberish, by design).",
     )
     p.add_argument("--model", type=Path, default=None, metavar="DIR",
                    help="checkpoint directory (config.json, safetensors, tokenizer.json); default: the tiny model")
@@ -38,7 +44,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt (default 64)")
     p.add_argument("--kv-cache-dtype", choices=["fp8", "bf16"], default="fp8",
                    help="KV cache storage: fp8 (E4M3 + one scale per token and kv head) or bf16 (default fp8)")
-    p.add_argument("--backend", choices=sorted(BACKENDS), default="reference", help="operator backend (default reference)")
+    p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
+                   help="cuda: the numba_kernels on an NVIDIA GPU; reference: NumPy on the CPU; cudasim: the "
+                   "kernels in Numba's CUDA simulator (very slow, tiny models only); auto (default): cuda when "
+                   "numba-cuda sees a GPU and the kernels take the model, else reference"),
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1: all)")
@@ -62,9 +71,9 @@ def _generate_command(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     # imported here: the I/O half (checkpoint, tokenizer, tiny model) loads only when used
+    from .backend import load_model, resolve_backend
     from .checkpoint import load_checkpoint
     from .generate import Generator, collect_stop_token_ids
-    from .model import Qwen3Model
     from .sampling import SamplingParams
     from .tokenizer import Tokenizer
 
@@ -81,7 +90,12 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--model {model_dir}: not a directory")
     checkpoint = load_checkpoint(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
-    model = Qwen3Model.from_checkpoint(checkpoint, get_backend(args.backend))
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt]
+    backend = resolve_backend(args.backend, checkpoint.config)
+    # the GPU model's activation buffers: every prompt prefilled in one forward, every sequence decoded at once
+    prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
+    model = load_model(checkpoint, backend, max_num_tokens=max(prompt_tokens, len(prompts), 1),
+                       max_num_seqs=len(prompts))
     generator = Generator(
         model, tokenizer,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -89,7 +103,6 @@ def _run(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         stop_token_ids=collect_stop_token_ids(tokenizer, checkpoint.generation_config, checkpoint.config),
     )
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt]
 
     if len(prompts) == 1:
         on_text = lambda _, piece: print(piece, end="", flush=True)  # noqa: E731
@@ -99,5 +112,6 @@ def _run(args: argparse.Namespace) -> int:
         on_finish = lambda r: print(f"=== [{r.index}] ({r.finish_reason}) ===\n{r.text}", flush=True)  # noqa: E731
     out = generator.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                              seed=args.seed, on_text=on_text, on_finish=on_finish)
-    print(f"{len(prompts)} sequence(s), kv cache {args.kv_cache_dtype}; {out.stats.summary()}", file=sys.stderr)
+    print(f"{len(prompts)} sequence(s), backend {backend}, kv cache {args.kv_cache_dtype}; {out.stats.summary()}",
+          file=sys.stderr)
     return 0
