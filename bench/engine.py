@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import inspect
 import json
 import statistics
 import sys
