@@ -181,8 +181,8 @@ def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: in
     check_logits(logits, batch, vocab, f"decode, batch {batch}")
     del cache
     stats = getattr(model, "stats", None)
-    stats = stats() if callable(stats) else stats
-    return {"prefill_s": prefill_s, "step_s": step_s[warmup:], "stats": dict(stats or {})}
+    stats = stats.as_dict() if hasattr(stats, "as_dict") else dict(stats or {})  # CudaModelStats, or a test's dict
+    return {"prefill_s": prefill_s, "step_s": step_s[warmup:], "stats": stats}
 
 
 def bench_ours(checkpoint, prompts: np.ndarray, rows: dict, args) -> None:
