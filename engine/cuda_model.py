@@ -39,7 +39,7 @@ copy), launches kernels, and copies the logits out; nothing is allocated and not
 The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (default 16, at most
 16) runs ``gemv_simt`` directly on the float32 activations, so the product is the reference's float32
 linear up to the summation order; a larger one (long prompts) rounds the activations to BF16 (a small
-kernel of this file, ``bf16_round``) and runs ``fp8_gemm`` (tensor cores), W8A16 as the kernels are
+kernel, ``layers.bf16_round``) and runs ``fp8_gemm`` (tensor cores), W8A16 as the kernels are
 designed. The choice matters on sensitive models: on the embedded tiny model, BF16 activations move
 the logits by about 1% (BF16 KV) to 3-5% (FP8 KV, where a moved K/V value flips E4M3 codes), and
 greedy tokens then part from the reference's within a few steps. ``f32_max_rows=4`` routes M = 5..16
@@ -107,7 +107,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda
 
-from numba_kernels import layers, mathops, splitkv
+from numba_kernels import layers, splitkv
 from numba_kernels.bits import SIMULATOR
 from numba_kernels.fp8_gemm import fp8_gemm
 from numba_kernels.gemv_simt import MAX_ROWS as SIMT_MAX_ROWS
@@ -130,24 +130,6 @@ ELEMENTWISE_THREADS = 256
 POISON_BYTE = 0xFF
 """A fresh KV cache is filled with 0xFF bytes: NaN in E4M3 (0xFF), BF16 (0xFFFF) and float32 scales, so a
 slot read before it was written gives NaN, as the reference cache's NaN poison does."""
-
-
-# ---------------------------------------------------------------------------- the one kernel of this file
-
-
-def bf16_round_kernel(x, out):
-    """Launch 1-D, a thread per element: ``out[i] = BF16 bits of x[i]``, round to nearest even (NaN stays NaN).
-
-    The FP8 tensor-core GEMM takes 16-bit activations, and the norm, attention and SwiGLU kernels of
-    ``numba_kernels.layers`` write float32 only; this cast is a stopgap until those kernels can write
-    BF16 patterns themselves (which would also save its launch).
-    """
-    i = cuda.grid(1)
-    if i < x.shape[0]:
-        out[i] = mathops.f32_to_bf16_bits_rne(x[i])
-
-
-_bf16_round = cuda.jit(bf16_round_kernel)
 
 
 # ---------------------------------------------------------------------------- device memory
@@ -699,7 +681,7 @@ class CudaQwen3Model:
             return None
         out = self.bf16_flat[: m * k].reshape(m, k)
         self._count()
-        _bf16_round[-(-(m * k) // ELEMENTWISE_THREADS), ELEMENTWISE_THREADS, stream](x.reshape(m * k), out.reshape(m * k))
+        layers.bf16_round(x.reshape(m * k), out.reshape(m * k), stream=stream)
         return out
 
     def _layers(self, t: int, positions, slots, cache: DeviceKVCache, attend, stream) -> None:

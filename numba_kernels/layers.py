@@ -31,6 +31,9 @@ Kernels (launch shapes are CTAs x threads; "checked" names the oracle in ``tests
 6. ``argmax_rows(logits, out_ids)``: greedy sampling, ``np.argmax`` per row (first maximum; first
    NaN). Launch: a CTA of ``argmax_threads_per_row(V)`` threads per row. Checked: ``np.argmax``.
 7. ``add_into(x, y)``: ``x += y``. Launch 1-D, a thread per element. Checked: NumPy, exactly.
+8. ``bf16_round(x, out)``: float32 to BF16 bit patterns, round to nearest even (the input cast of the
+   FP8 tensor-core GEMM). Launch 1-D, a thread per element. Checked: ``ml_dtypes`` (in
+   ``tests/test_cuda_model.py``'s model runs and ``tests/test_layer_kernels.py``).
 
 Calling convention (every public function): arrays are Numba device arrays, ``__cuda_array_interface__``
 objects (torch, CuPy) or NumPy arrays (on a GPU copied to the device and the results copied back,
@@ -68,6 +71,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64, types, uint32
 
+from . import mathops
 from .arguments import as_kernel_array
 from .bits import SIMULATOR, bf16_bits_to_f32, u32_as_f32
 from .gemv_simt import load_u32x4, warp_sum
@@ -732,6 +736,38 @@ def add_into(x, y, stream=0):
     return x
 
 
+def bf16_round_kernel(x, out):
+    """Launch 1-D, a thread per element: ``out[i]`` = the BF16 bits of ``x[i]``, round to nearest even
+    (NaN stays a NaN)."""
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        out[i] = mathops.f32_to_bf16_bits_rne(x[i])
+
+
+_bf16_round_kernel = cuda.jit(bf16_round_kernel)
+
+
+def bf16_round(x, out, stream=0):
+    """``out`` = ``x`` rounded to BF16 (round to nearest even), as uint16 bit patterns; returns ``out``.
+
+    ``x``: float32, ``out``: uint16 of ``x``'s shape, both C-contiguous. The input cast of the FP8
+    tensor-core GEMM, which takes 16-bit activations (``numba_kernels.fp8_gemm``).
+    """
+    x, out = as_kernel_array("x", x), as_kernel_array("out", out)
+    if np.dtype(x.dtype) != np.float32:
+        reject("x", "float32", x)
+    if tuple(out.shape) != tuple(x.shape) or np.dtype(out.dtype) != np.uint16:
+        reject("out", f"uint16 of x's shape {tuple(x.shape)}", out)
+    require_c_contiguous("x", x)
+    require_c_contiguous("out", out)
+    size = int(np.prod(x.shape, dtype=np.int64))
+    if size == 0:
+        return out
+    _run(_bf16_round_kernel, -(-size // ELEMENTWISE_THREADS), ELEMENTWISE_THREADS, stream,
+         [x.reshape(size), out.reshape(size)], (1,))
+    return out
+
+
 # ---------------------------------------------------------------------------- launching
 
 
@@ -775,4 +811,5 @@ def kernel_variants():
                      types.void(u32_1d, u32_1d, f32_2d, types.int64, types.int64, types.int64)))
     variants.append(("argmax_rows", argmax_kernel, types.void(f32_2d, i32_1d)))
     variants.append(("add_into", add_into_kernel, types.void(f32_1d, f32_1d)))
+    variants.append(("bf16_round", bf16_round_kernel, types.void(f32_1d, types.Array(types.uint16, 1, "C"))))
     return variants

@@ -286,31 +286,6 @@ def test_fused_fp8_weights_dequantize_to_the_parts():
     assert fuse_fp8([parts[0], (parts[1][0][:60], parts[1][1])], block) is None  # gcd 12: no multiple of 8
 
 
-BF16_ROUND_PTX = r"""
-from numba import cuda
-from engine.cuda_model import bf16_round_kernel
-
-ptx, _ = cuda.compile_ptx(bf16_round_kernel, "void(float32[::1], uint16[::1])", cc=(9, 0))
-assert ".target sm_90" in ptx and "st.global.u16" in ptx
-print("ok")
-"""
-
-
-def test_the_bf16_cast_kernel_compiles_to_sm90_ptx():
-    """The one kernel of ``engine.cuda_model`` (the others are checked in ``tests/test_kernels_compile.py``);
-    in a subprocess with the simulator off, because a process chooses once."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(root))
-    result = subprocess.run([sys.executable, "-c", BF16_ROUND_PTX], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
-
-
 def test_decode_buckets():
     assert decode_buckets(1) == (1,)
     assert decode_buckets(16) == (1, 2, 4, 8, 16)

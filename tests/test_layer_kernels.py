@@ -750,3 +750,18 @@ def test_gpu_a_layer_step_captured_in_a_cuda_graph(lm_head):
     for name in direct:
         np.testing.assert_array_equal(captured[name].copy_to_host().view(np.uint8), direct[name].copy_to_host().view(np.uint8),
                                       err_msg=f"{name}, seed {seed}")
+
+
+@pytest.mark.cudasim
+def test_bf16_round_is_ml_dtypes_round_to_nearest_even(rng):
+    import ml_dtypes
+
+    x = (rng.standard_normal((3, 37)) * 10.0 ** rng.integers(-30, 30, (3, 37))).astype(np.float32)
+    x[0, :4] = [np.nan, np.inf, -np.inf, -0.0]
+    out = np.full(x.shape, 0xDEAD, np.uint16)
+    layers.bf16_round(x, out)
+    want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    finite = np.isfinite(x)
+    np.testing.assert_array_equal(out[finite], want[finite])
+    assert np.all(np.isnan(out.view(ml_dtypes.bfloat16).astype(np.float32)[np.isnan(x)]))
+    assert list(out[0, 1:4]) == [0x7F80, 0xFF80, 0x8000]
