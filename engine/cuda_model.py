@@ -56,7 +56,8 @@ prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the co
 ``add_rms_norm``, the gate/up GEMM, ``silu_mul``, down_proj; plus one ``bf16_round`` before each
 FP8 GEMM input when ``T > f32_max_rows``. Around the layers: the embedding, the final
 ``add_rms_norm`` and the lm_head (``bf16_linear``). A decode step of batch 1 is 12 or 13 launches
-per layer, e.g. 13 * 36 + 3 = 471 for Qwen3-8B; ``stats.launches_per_decode_step`` counts them.
+per layer, plus the greedy argmax (``layers.argmax_rows``, for ``greedy_tokens``), e.g. 13 * 36 + 4 = 472
+for Qwen3-8B; ``stats.launches_per_decode_step`` counts them.
 
 Prefill and decode: a batch whose sequences all have one new token is a *decode step*; any other
 batch runs eagerly with ``paged_prefill`` over all its rows (a one-token chunk is a prefill chunk
@@ -598,6 +599,8 @@ class CudaQwen3Model:
         self.selected = mem.empty("last-token rows", (smax, c.hidden_size), np.float32)
         self.logits = mem.empty(f"logits [{smax}, {c.vocab_size}]", (smax, c.vocab_size), np.float32)
         self.logits_host = mem.pinned((smax, c.vocab_size), np.float32)
+        self.greedy_ids = mem.empty("greedy token ids", (smax,), np.int32)
+        self.greedy_ids_host = mem.pinned((smax,), np.int32)
         # the split-kv workspace: enough for the split count "auto" picks for any number of rows
         sms = splitkv.device_num_sms()
         most = 0
@@ -632,6 +635,18 @@ class CudaQwen3Model:
             return self._decode_step(batch, kv_cache, start)
         self.stats.prefill_forwards += 1
         return self._prefill(batch, kv_cache, all_logits)
+
+    def greedy_tokens(self, batch: ForwardBatch, kv_cache: DeviceKVCache) -> np.ndarray:
+        """``forward`` then greedy sampling: int ``[num_seqs]``, the argmax of each sequence's last logits
+        row (``np.argmax``'s rule: the first maximum, a NaN first). A decode step samples on the device
+        (``layers.argmax_rows``, part of the captured graph) and copies 4 bytes per sequence back instead
+        of the logits; a prefill samples the host logits with ``np.argmax`` (the same rule)."""
+        start = time.perf_counter()
+        self._check(batch, kv_cache)
+        if np.all(batch.query_lens == 1):
+            return self._decode_step(batch, kv_cache, start, ids_only=True)
+        self.stats.prefill_forwards += 1
+        return np.argmax(self._prefill(batch, kv_cache, False), axis=1)
 
     def _check(self, batch: ForwardBatch, cache) -> None:
         batch.check()
@@ -772,8 +787,10 @@ class CudaQwen3Model:
         self._layers(bucket, positions, slots, cache, attend, stream)
         self._count()
         bf16_linear(self.x[:bucket], self.lm_head, self.logits[:bucket], stream=stream)
+        self._count()
+        layers.argmax_rows(self.logits[:bucket], self.greedy_ids[:bucket], stream=stream)  # for greedy_tokens
 
-    def _decode_step(self, batch: ForwardBatch, cache: DeviceKVCache, start: float) -> np.ndarray:
+    def _decode_step(self, batch: ForwardBatch, cache: DeviceKVCache, start: float, ids_only: bool = False):
         s, smax = batch.num_seqs, self.max_num_seqs
         bucket = self._bucket(s)
         host = cache.decode_index_host
@@ -798,8 +815,12 @@ class CudaQwen3Model:
             before = self._launches
             self._decode_launches(bucket, cache, stream)
             self.stats.launches_by_bucket[bucket] = self._launches - before
-        out = self.logits_host[:s]
-        _to_host(out, self.logits[:s], stream)
+        if ids_only:
+            out = self.greedy_ids_host[:s]
+            _to_host(out, self.greedy_ids[:s], stream)
+        else:
+            out = self.logits_host[:s]
+            _to_host(out, self.logits[:s], stream)
         enqueued = time.perf_counter()
         _synchronize(stream)
         done = time.perf_counter()
@@ -810,10 +831,10 @@ class CudaQwen3Model:
         if replay:
             self.stats.replay_host_seconds += enqueued - start
             self.stats.replay_wall_seconds += done - start
-        logits = np.array(out, dtype=np.float32)
+        result = np.array(out, dtype=np.int64 if ids_only else np.float32)
         if not replay and self.cuda_graphs:
             self._capture(bucket, cache)
-        return logits
+        return result
 
     def _graph_stream(self):
         """The model's Numba stream as a ``cuda.core`` stream (what ``Graph.launch`` takes)."""

@@ -198,11 +198,16 @@ class Generator:
             t0 = time.perf_counter()
             if prefilling:
                 ready, logits, num_prompt_tokens = self._prefill_step(prefilling, manager, cache)
+                tokens = [sample(row, sampling, s.rng) for s, row in zip(ready, logits)]
+            elif sampling.greedy and hasattr(self.model, "greedy_tokens"):  # sampled where the logits are
+                ready = running
+                tokens = self.model.greedy_tokens(self._decode_batch(running, manager), cache)
             else:
                 ready, logits = running, self._decode_step(running, manager, cache)
+                tokens = [sample(row, sampling, s.rng) for s, row in zip(ready, logits)]
             now = time.perf_counter() - start
-            for s, row in zip(ready, logits):
-                self._append_token(s, sample(row, sampling, s.rng), on_text, now)
+            for s, token in zip(ready, tokens):
+                self._append_token(s, int(token), on_text, now)
             elapsed = time.perf_counter() - t0
             if prefilling:
                 stats.prompt_tokens += num_prompt_tokens
@@ -254,7 +259,12 @@ class Generator:
 
     def _decode_step(self, running: list[_Sequence], manager, cache) -> np.ndarray:
         """One forward of every running sequence's last sampled token; its logits."""
-        return self.model.forward(make_batch(manager, [(s.index, s.output[-1:]) for s in running]), cache)
+        return self.model.forward(self._decode_batch(running, manager), cache)
+
+    @staticmethod
+    def _decode_batch(running: list[_Sequence], manager):
+        """The batch of every running sequence's last sampled token."""
+        return make_batch(manager, [(s.index, s.output[-1:]) for s in running])
 
     def _next_prompt_chunk(self, s: _Sequence) -> list[int]:
         end = len(s.prompt)

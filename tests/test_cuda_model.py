@@ -188,7 +188,7 @@ def test_a_batch_of_three_matches_the_reference_with_a_padding_row(gemm_twins):
     assert rel_err(got, want) <= MICRO_F32_BOUND["fp8"], rel_err(got, want)
     assert model.stats.decode_steps == 1 and model.stats.last_decode_bucket == 4 and model.stats.graph_replays == 0
     # more than one row: 3 q/k/v GEMMs instead of 1, 2 RoPE launches instead of 1; 2 splits: split + combine
-    assert model.stats.launches_per_decode_step == (13 + 2 + 1) * config.num_hidden_layers + 3
+    assert model.stats.launches_per_decode_step == (13 + 2 + 1) * config.num_hidden_layers + 4
     assert untouched_slots_are_poison(manager, cache)  # the padding row wrote nothing
 
 
@@ -204,8 +204,13 @@ def test_one_sequence_through_two_layers_matches_the_reference(gemm_twins):
     got_tokens, got, (manager, cache) = run_greedy(model, prompt, 2, "bf16")
     assert got_tokens == want_tokens
     assert rel_err(got, want) <= MICRO_F32_BOUND["bf16"], rel_err(got, want)
-    assert model.stats.launches_per_decode_step == 13 * 2 + 3
+    assert model.stats.launches_per_decode_step == 13 * 2 + 4
     assert untouched_slots_are_poison(manager, cache)
+    # greedy sampling on the device: the same step twice (writing the same K/V into the same slot)
+    step = make_batch(manager, [(0, [got_tokens[0][-1]])])
+    ids = model.greedy_tokens(step, cache)
+    logits = model.forward(step, cache)
+    assert ids.tolist() == [int(np.argmax(logits[0]))]
 
 
 @pytest.mark.cudasim
@@ -386,7 +391,7 @@ def test_gpu_greedy_tokens_match_the_reference(tiny, kv):
     stats = model.stats
     print(f"\n[{kv}] {stats.as_dict()}")
     assert stats.graphs_captured >= 1 and stats.graph_replays >= GPU_STEPS - 3
-    assert stats.launches_per_decode_step == 4 * 13 + 3
+    assert stats.launches_per_decode_step == 4 * 13 + 4
 
 
 @pytest.mark.gpu
