@@ -14,7 +14,7 @@ architectures, built in memory, seeded) and each batch size it measures, in one 
    faster of the two runs.
    Decode: ``W`` untimed steps, then ``N`` timed steps of one greedy token per sequence (EOS
    ignored); a step's time is the host wall time of ``make_batch`` + ``forward`` (the model's
-   graph decode path, logits copied to the host) + ``argmax``, i.e. what a user of the engine
+   graph decode path with greedy sampling on the device, ``greedy_tokens``), i.e. what a user of the engine
    waits for. The logits are checked to be finite before anything is reported.
 2. **transformers** BF16: ``Qwen3ForCausalLM`` from a ``Qwen3Config`` of the same shape, random
    init, ``dtype=bfloat16`` on the GPU (default attention, sdpa), after the engine is freed.
@@ -176,12 +176,20 @@ def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: in
     check_logits(logits, batch, vocab, f"prefill, batch {batch}")
     tokens = np.argmax(logits, axis=-1)
     step_s = []
-    for _ in range(warmup + steps):
+    for _ in range(warmup + steps):  # greedy: sampled on the device where the model can (greedy_tokens)
         start = time.perf_counter()
-        logits = model.forward(make_batch(manager, [(i, [int(tokens[i])]) for i in range(batch)]), cache)
-        tokens = np.argmax(logits, axis=-1)
+        step = make_batch(manager, [(i, [int(tokens[i])]) for i in range(batch)])
+        if hasattr(model, "greedy_tokens"):
+            tokens = model.greedy_tokens(step, cache)
+        else:
+            tokens = np.argmax(model.forward(step, cache), axis=-1)
         step_s.append(time.perf_counter() - start)
+    # the last step once more with its logits (same slots, same K/V written again): all finite, and the
+    # device's greedy choice is the host's argmax of them
+    logits = model.forward(step, cache)
     check_logits(logits, batch, vocab, f"decode, batch {batch}")
+    if not np.array_equal(np.asarray(tokens), np.argmax(logits, axis=-1)):
+        raise RuntimeError(f"decode, batch {batch}: the greedy tokens are not the argmax of the logits")
     del cache
     stats = getattr(model, "stats", None)
     stats = stats.as_dict() if hasattr(stats, "as_dict") else dict(stats or {})  # CudaModelStats, or a test's dict
@@ -329,8 +337,8 @@ def report(rows: list[Row], meta: dict, breakdowns: dict) -> str:
         f"Random FP8 checkpoints (`engine.shapes`: random E4M3 codes and block scales, BF16 embeddings), "
         f"{meta['prompt_len']} random prompt tokens per sequence, {meta['decode_tokens']} timed greedy decode steps after "
         f"{meta['warmup_steps']} untimed ones (EOS ignored), KV cache {meta['kv_cache_dtype']}, block {meta['block_size']}. "
-        "Ours: `CudaQwen3Model`, host wall time per step (make_batch + forward with the CUDA-graph decode + logits to "
-        "the host + argmax); prefill is one forward of the whole batch. "
+        "Ours: `CudaQwen3Model`, host wall time per step (make_batch + `greedy_tokens`: the CUDA-graph decode step "
+        "with the argmax on the device, token ids to the host); prefill is one forward of the whole batch. "
         f"transformers {meta.get('transformers', 'n/a')} BF16 (random init, sdpa): prefill one forward "
         "(`logits_to_keep=1`), decode (generate of N + 1 tokens - generate of 1) / N. Roofline: bytes read per decode "
         "step (FP8 weights + F32 scales + BF16 lm_head + norms + embedding rows + KV cache at the average context) / copy "
