@@ -19,12 +19,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from test_splitkv import tolerance
+from test_splitkv_kernel import as_float32, filled_cache
 
 from reference import attention, kv_cache
 from reference import strategies as fst
@@ -57,41 +57,13 @@ class Batch:
     softmax_scale: float
 
 
-def bf16_patterns(x: np.ndarray) -> np.ndarray:
-    return x.astype(ml_dtypes.bfloat16).view(np.uint16)
-
-
-def as_float32(cache: np.ndarray) -> np.ndarray:
-    """What a cache holds as float32 (BF16 patterns widened exactly); FP8 codes stay codes."""
-    return cache.view(ml_dtypes.bfloat16).astype(np.float32) if cache.dtype == np.uint16 else cache
-
-
-def make_batch(rng, context_lens, query_lens, num_heads=2, num_kv_heads=1, head_dim=32, block_size=4, cache="fp8",
-               spare_blocks=2) -> Batch:
-    """Random K/V written by ``reference.kv_cache.write`` over a shuffled block pool (tables padded with -1);
-    unused slots hold NaN (NaN codes and scales for FP8), so a read outside a sequence shows."""
+def make_batch(rng, context_lens, query_lens, num_heads=2, num_kv_heads=1, head_dim=32, block_size=4,
+               cache="fp8") -> Batch:
+    """Random K/V written by ``reference.kv_cache.write`` over a shuffled block pool (tables padded with -1;
+    ``test_splitkv_kernel.filled_cache``); unused slots hold NaN, so a read outside a sequence shows."""
     context_lens = np.asarray(context_lens, np.int32)
     query_lens = np.asarray(query_lens, np.int32)
-    blocks = -(-context_lens // block_size)
-    num_blocks = int(blocks.sum()) + spare_blocks
-    pool = rng.permutation(num_blocks)
-    tables = np.full((len(context_lens), max(1, int(blocks.max(initial=0)))), -1, np.int32)
-    start = 0
-    for s, n in enumerate(blocks):
-        tables[s, :n] = pool[start : start + n]
-        start += n
-    shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    caches = []
-    for _ in range(2):
-        if cache == "fp8":
-            values, scales = np.full(shape, 0x7F, np.uint8), np.full(shape[:3], np.nan, np.float32)
-        else:
-            values, scales = np.full(shape, np.nan, np.float32), None
-        for table, n in zip(tables, context_lens):
-            x = rng.standard_normal((int(n), num_kv_heads, head_dim)).astype(np.float32)
-            x *= rng.uniform(0.1, 4.0, (int(n), num_kv_heads, 1)).astype(np.float32)
-            kv_cache.write(values, scales, x, kv_cache.slots_for_positions(table, np.arange(n), block_size))
-        caches.append((bf16_patterns(values) if cache == "bf16" else values, scales))
+    caches, tables = filled_cache(rng, context_lens, block_size, num_kv_heads, head_dim, cache)
     (k, k_scale), (v, v_scale) = caches
     q = rng.standard_normal((int(query_lens.sum()), num_heads, head_dim)).astype(np.float32)
     return Batch(q, k, v, k_scale, v_scale, tables, context_lens, query_lens, float(head_dim) ** -0.5)
@@ -368,7 +340,7 @@ def test_gpu_qwen3_8b_heads_against_the_reference(cache):
     rng = np.random.default_rng(seed)
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
     b = make_batch(rng, context_lens=[300, 764], query_lens=[300, 700], num_heads=num_heads,
-                   num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, cache=cache, spare_blocks=3)
+                   num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, cache=cache)
     expected = reference_prefill(b)
     num_tokens, width = b.q.shape[0], b.block_tables.shape[1]
 
