@@ -4,12 +4,8 @@ This catches typing errors that the CUDA simulator, which runs kernels as Python
 compile runs in a subprocess with the simulator off, because a process chooses once.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from ptx_tools import run_compiled, run_compiled_in_parts
 
-ROOT = Path(__file__).resolve().parents[1]
 
 TOOLKIT_KERNEL = r'''
 from numba import cuda, float32, uint32
@@ -35,11 +31,6 @@ for needle in ("shfl.sync.bfly.b32", "shfl.sync.down.b32", "shfl.sync.up.b32", "
 assert ".target sm_90" in ptx
 print("ok")
 '''
-
-
-def run_compiled(source: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_toolkit_compiles_to_sm90_ptx():
@@ -130,14 +121,8 @@ def test_gemm_mma_kernels_compile_to_sm90_ptx():
     typed and compiled for sm_90; after link-time optimization (as on a GPU) the mma helper inlined,
     cp.async copies of the right widths, no local memory, no float64, no spills (registers
     printed). Two compiler processes at a time."""
-    parts = 2
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
-    processes = [subprocess.Popen([sys.executable, "-c", GEMM_MMA_KERNELS, str(i), str(parts)], cwd=ROOT, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(parts)]
-    for process in processes:
-        stdout, stderr = process.communicate(timeout=600)
-        assert process.returncode == 0 and stdout.strip().endswith("ok"), stderr[-3000:]
-        print(stdout)
+    for output in run_compiled_in_parts(GEMM_MMA_KERNELS):
+        print(output)
 
 
 SHARED_OPT_IN = r'''
@@ -203,20 +188,7 @@ from numba_kernels.gemv_simt import WORDS_PER_CHUNK, gemv_simt_kernel, tuning_ca
 ARRAY = {"f32": "float32", "f16": "float16", "bf16": "uint16"}
 
 
-def ptxas_report(ptx):
-    """ptxas's resource lines (registers, spills) through nvJitLink, where it is installed."""
-    try:
-        from cuda.bindings import nvjitlink
-    except ImportError:
-        return None
-    handle = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
-    data = ptx.encode()
-    nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
-    nvjitlink.complete(handle)
-    log = bytearray(nvjitlink.get_info_log_size(handle))
-    nvjitlink.get_info_log(handle, log)
-    nvjitlink.destroy(handle)
-    return log.decode(errors="replace")
+from ptx_tools import ptxas_report
 
 
 def check_resources(name, ptx):
@@ -273,14 +245,8 @@ def test_fp8_weight_kernels_compile_to_sm90_ptx():
     dequantize kernel: 128-bit loads of codes and activations, unrolled fma chains, the butterfly,
     32-bit index arithmetic, registers only (no local memory, and no spills where nvJitLink can run
     ptxas; the registers per variant are printed). Two compiler processes at a time."""
-    parts = 2
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
-    processes = [subprocess.Popen([sys.executable, "-c", FP8_WEIGHT_KERNELS, str(i), str(parts)], cwd=ROOT, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(parts)]
-    for process in processes:
-        stdout, stderr = process.communicate(timeout=600)
-        assert process.returncode == 0 and stdout.strip().endswith("ok"), stderr[-3000:]
-        print(stdout)
+    for output in run_compiled_in_parts(FP8_WEIGHT_KERNELS):
+        print(output)
 
 
 # ---------------------------------------------------------------------------- KV cache write and split-kv decode
@@ -291,20 +257,7 @@ from numba import cuda
 from numba_kernels import kv_cache, splitkv
 
 
-def ptxas_report(ptx):
-    """ptxas's resource report through nvJitLink, where it is installed (as for the FP8 weight kernels)."""
-    try:
-        from cuda.bindings import nvjitlink
-    except ImportError:
-        return None
-    handle = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
-    data = ptx.encode()
-    nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
-    nvjitlink.complete(handle)
-    log = bytearray(nvjitlink.get_info_log_size(handle))
-    nvjitlink.get_info_log(handle, log)
-    nvjitlink.destroy(handle)
-    return log.decode(errors="replace")
+from ptx_tools import ptxas_report
 
 
 part, parts = int(sys.argv[1]), int(sys.argv[2])
@@ -335,11 +288,5 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx():
     """Every variant: 9 cache writes (input x cache format), 15 split kernels (3 cache formats x 4 head sizes
     with 4 heads per CTA, FP8 at 128 with 1 to 3 heads), the combine: no local memory, no float64, the expected load widths; no spills where nvJitLink can run
     ptxas. Two compiler processes at a time (each split variant takes 1-2 s)."""
-    parts = 2
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
-    processes = [subprocess.Popen([sys.executable, "-c", KV_KERNELS, str(i), str(parts)], cwd=ROOT, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(parts)]
-    for process in processes:
-        stdout, stderr = process.communicate(timeout=600)
-        assert process.returncode == 0 and stdout.strip().endswith("ok"), stderr[-3000:]
-        print(stdout)
+    for output in run_compiled_in_parts(KV_KERNELS):
+        print(output)

@@ -23,22 +23,19 @@
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ptx_tools import run_compiled
 
 import numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
 from engine.backend import ReferenceBackend, rope_cos_sin
 from numba_kernels import layers
 from simulators.fma import fma_f32
 
-ROOT = Path(__file__).resolve().parents[1]
 U = 2.0**-24
 TINY = 1e-30
 """Absolute slack for results in or near float32's subnormal range."""
@@ -508,20 +505,7 @@ from numba import cuda
 from numba_kernels import layers
 
 
-def ptxas_report(ptx):
-    """ptxas's resource report through nvJitLink, where it is installed."""
-    try:
-        from cuda.bindings import nvjitlink
-    except ImportError:
-        return None
-    handle = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
-    data = ptx.encode()
-    nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
-    nvjitlink.complete(handle)
-    log = bytearray(nvjitlink.get_info_log_size(handle))
-    nvjitlink.get_info_log(handle, log)
-    nvjitlink.destroy(handle)
-    return log.decode(errors="replace")
+from ptx_tools import ptxas_report
 
 
 for name, function, signature in layers.kernel_variants():
@@ -552,11 +536,6 @@ for name, function, signature in layers.kernel_variants():
         print(name, [line.split("info    :")[-1].strip() for line in report.splitlines() if "Used" in line])
 print("ok")
 '''
-
-
-def run_compiled(source: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", source], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_every_layer_kernel_compiles_to_sm90_ptx():

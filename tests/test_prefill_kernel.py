@@ -14,15 +14,13 @@ prefix), FP8 and BF16, host and device paths, against ``reference.attention.pref
 """
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from ptx_tools import run_compiled
 from test_splitkv import tolerance
 from test_splitkv_kernel import as_float32, filled_cache
 
@@ -36,7 +34,6 @@ import numba_kernels  # noqa: E402,F401  (installs the simulator's warp intrinsi
 from numba_kernels import prefill as kernels  # noqa: E402
 from numba_kernels import splitkv  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------- test data
@@ -307,9 +304,7 @@ print("ok")
 
 def test_expansion_kernel_compiles_to_sm90_ptx():
     """Typed and compiled for sm_90 with the simulator off (a subprocess: a process chooses its mode once)."""
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", EXPAND_KERNEL], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = run_compiled(EXPAND_KERNEL)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
