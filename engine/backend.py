@@ -40,6 +40,12 @@ from reference import blockwise
 from reference import kv_cache as ref_kv
 
 from .kv_manager import LayerKVCache, allocate_kv_cache, round_to_bf16
+from .safetensors_io import round_to_bf16 as round_to_bf16_nan_kept
+
+GEMM_INPUTS = ("float32", "bf16")
+"""The format of the activations entering the FP8 weight GEMMs (``ReferenceBackend(gemm_input=...)``,
+``load_model(..., gemm_input=...)``): float32 as they are, or rounded to BF16 first (W8A16 as the
+tensor-core kernels run it)."""
 
 
 class Backend(ABC):
@@ -122,6 +128,11 @@ class ReferenceBackend(Backend):
       ``blockwise.gemm`` the error is within float32 GEMM rounding (tested in
       ``tests/test_model.py``). Results are not batch-invariant in the last bit: BLAS uses a
       different kernel for one row than for many.
+    - ``gemm_input``: ``"float32"`` (default) multiplies the FP8 weights by the float32
+      activations as they are; ``"bf16"`` first rounds the activations of every FP8 linear to BF16
+      (round to nearest even, NaN kept NaN), as ``engine.cuda_model`` does before its tensor-core
+      GEMM. Float weights (a BF16 checkpoint's projections, ``lm_head``) always take float32
+      activations, as the GPU model's ``bf16_linear`` does.
     - KV cache writes and attention: ``reference.kv_cache.write`` (FP8 quantization per token and
       kv head), ``reference.attention.paged_decode`` and ``reference.attention.prefill`` over the
       gathered, dequantized cache (both in float64).
@@ -129,8 +140,11 @@ class ReferenceBackend(Backend):
 
     name = "reference"
 
-    def __init__(self, dequantize_once: bool = True):
+    def __init__(self, dequantize_once: bool = True, gemm_input: str = "float32"):
+        if gemm_input not in GEMM_INPUTS:
+            raise ValueError(f"gemm_input: expected one of {', '.join(GEMM_INPUTS)}, got {gemm_input!r}")
         self.dequantize_once = dequantize_once
+        self.gemm_input = gemm_input
 
     # -- dense operators
 
@@ -155,7 +169,10 @@ class ReferenceBackend(Backend):
         w = prepared.weight
         if w is None:
             w = blockwise.dequantize(prepared.codes, prepared.scale_inv, prepared.block)
-        return np.matmul(x.astype(np.float32, copy=False), w.T)
+        x = x.astype(np.float32, copy=False)
+        if prepared.is_fp8 and self.gemm_input == "bf16":
+            x = round_to_bf16_nan_kept(x)
+        return np.matmul(x, w.T)
 
     def embedding(self, table, ids) -> np.ndarray:
         return np.asarray(table, dtype=np.float32)[np.asarray(ids, dtype=np.int64)]
@@ -288,16 +305,27 @@ def resolve_backend(name: str, config=None) -> str:
     return "cuda"
 
 
-def load_model(checkpoint, backend: str = "auto", **cuda_options):
+def load_model(checkpoint, backend: str = "auto", gemm_input: str = "float32", **cuda_options):
     """The model for ``checkpoint`` on ``backend`` (a ``BACKEND_CHOICES`` name): ``Qwen3Model`` on
-    ``ReferenceBackend``, or ``CudaQwen3Model`` (``cuda_options``: its constructor's keywords, e.g.
-    ``max_num_tokens``, ``max_num_seqs``) on a GPU or in the simulator. ``cuda`` without a GPU is a
-    ``RuntimeError``."""
+    ``ReferenceBackend(gemm_input=gemm_input)``, or ``CudaQwen3Model`` (``cuda_options``: its
+    constructor's keywords, e.g. ``max_num_tokens``, ``max_num_seqs``, ``f32_max_rows``) on a GPU or in
+    the simulator. ``cuda`` without a GPU is a ``RuntimeError``.
+
+    On the GPU model ``gemm_input="bf16"`` means ``f32_max_rows=0``: every FP8 GEMM rounds its input
+    to BF16. ``"float32"`` keeps ``f32_max_rows`` (default 16): GEMMs of at most that many rows take
+    float32 inputs, larger ones BF16, so a caller that wants float32 throughout feeds at most
+    ``f32_max_rows`` tokens per forward (as ``engine.evaluate`` does)."""
+    if gemm_input not in GEMM_INPUTS:
+        raise ValueError(f"gemm_input: expected one of {', '.join(GEMM_INPUTS)}, got {gemm_input!r}")
     name = resolve_backend(backend, checkpoint.config)
     if name == "reference":
         from .model import Qwen3Model
 
-        return Qwen3Model.from_checkpoint(checkpoint, ReferenceBackend())
+        return Qwen3Model.from_checkpoint(checkpoint, ReferenceBackend(gemm_input=gemm_input))
+    if gemm_input == "bf16":
+        if cuda_options.get("f32_max_rows", 0) != 0:
+            raise ValueError(f"gemm_input 'bf16' means f32_max_rows=0, got f32_max_rows={cuda_options['f32_max_rows']}")
+        cuda_options["f32_max_rows"] = 0
     if name == "cudasim":
         enable_cudasim()
     elif not gpu_available():
