@@ -1,7 +1,7 @@
 """``fp8lab generate``: text generation with the Qwen3-FP8 engine.
 
-Without ``--model`` it runs the embedded tiny random model (``engine.tiny.default_model_dir``,
-built on first use). Output: with one prompt the generated text streams to stdout piece by
+Without ``--model`` it runs the embedded demo model (``engine.demo``: a small Qwen3 trained on
+Python's documentation and source), quantized to FP8 on first use (``engine.demo.default_model_dir``). Output: with one prompt the generated text streams to stdout piece by
 piece; with several (``--prompt`` repeated: one batch) each completion is printed to stdout
 under a ``=== [i] ===`` header as soon as its sequence finishes. The closing line (prompt and
 decode tokens per second) goes to stderr, so stdout holds only generated text. Errors (a bad
@@ -34,11 +34,11 @@ def register(subparsers) -> None:
         help="generate text with a Qwen3 (FP8) checkpoint (GPU kernels or the CPU reference)",
         description="Prefill then decode a batch of prompts with the fp8lab engine (paged KV cache, "
         "FP8 weights with W8A16 numerics): on an NVIDIA GPU with the numba_kernels (--backend cuda), "
-        "or on the CPU with the NumPy reference backend. With no --model, the embedded tiny random "
-        "model is used (its text is gibberish, by design).",
+        "or on the CPU with the NumPy reference backend. With no --model, the embedded demo model is used "
+        "(a small Qwen3 trained on Python's documentation and source, FP8 blockwise weights).",
     )
     p.add_argument("--model", type=Path, default=None, metavar="DIR",
-                   help="checkpoint directory (config.json, safetensors, tokenizer.json); default: the tiny model")
+                   help="checkpoint directory (config.json, safetensors, tokenizer.json); default: the embedded demo model")
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
                    help="prompt text; repeat for a batch of prompts")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt (default 64)")
@@ -81,7 +81,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens: expected >= 1, got {args.max_new_tokens}")
     if args.model is None:
-        from .tiny import default_model_dir
+        from .demo import default_model_dir
 
         model_dir = default_model_dir(fp8=True)
     else:

@@ -50,7 +50,7 @@ CORPUS = Path(__file__).parent / "data" / "tiny_corpus.txt"
 LEARNED_TOKENS = 1019
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 ADDED_TOKENS = (THINK_OPEN, THINK_CLOSE)
-TOKEN_IDS = {t: LEARNED_TOKENS + i for i, t in enumerate(SPECIAL_TOKENS + ADDED_TOKENS)}
+TOKEN_IDS = {t: LEARNED_TOKENS + i for i, t in enumerate(SPECIAL_TOKENS + ADDED_TOKENS)}  # = added_token_ids(1019)
 """``<|endoftext|>`` 1019, ``<|im_start|>`` 1020, ``<|im_end|>`` 1021, ``<think>`` 1022, ``</think>`` 1023."""
 VOCAB_SIZE = 1024
 EMBED_STD = 0.05
@@ -103,13 +103,18 @@ def tiny_config(fp8: bool) -> Qwen3Config:
     )
 
 
-def generation_config() -> dict:
+def added_token_ids(learned_tokens: int) -> dict[str, int]:
+    """Ids of Qwen's added tokens after ``learned_tokens`` learned ones (``TOKEN_IDS`` for the tiny model)."""
+    return {t: learned_tokens + i for i, t in enumerate(SPECIAL_TOKENS + ADDED_TOKENS)}
+
+
+def generation_config(token_ids: dict[str, int] = TOKEN_IDS) -> dict:
     """Stop at ``<|im_end|>`` or ``<|endoftext|>``, as Qwen3's generation_config.json does; no
     sampling defaults, so greedy decoding is the default."""
     return {
-        "bos_token_id": TOKEN_IDS[ENDOFTEXT],
-        "eos_token_id": [TOKEN_IDS[IM_END], TOKEN_IDS[ENDOFTEXT]],
-        "pad_token_id": TOKEN_IDS[ENDOFTEXT],
+        "bos_token_id": token_ids[ENDOFTEXT],
+        "eos_token_id": [token_ids[IM_END], token_ids[ENDOFTEXT]],
+        "pad_token_id": token_ids[ENDOFTEXT],
     }
 
 
@@ -130,6 +135,13 @@ def random_bf16_tensors(config: Qwen3Config, seed: int) -> dict[str, np.ndarray]
 
 def train_tokenizer():
     """The tiny model's byte-level BPE, trained on ``CORPUS`` (a ``tokenizers.Tokenizer``)."""
+    return train_byte_level_bpe([CORPUS], LEARNED_TOKENS)
+
+
+def train_byte_level_bpe(files, learned_tokens: int):
+    """A byte-level BPE as Qwen3's (NFC normalizer, Qwen's split regex) with ``learned_tokens`` tokens
+    learned from ``files``, followed by Qwen's added tokens (``TOKEN_IDS`` shifted to start at
+    ``learned_tokens``): a ``tokenizers.Tokenizer``."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -143,25 +155,25 @@ def train_tokenizer():
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=LEARNED_TOKENS,
+        vocab_size=learned_tokens,
         min_frequency=1,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train([str(CORPUS)], trainer)
-    if tok.get_vocab_size() != LEARNED_TOKENS:
-        raise RuntimeError(f"{CORPUS}: BPE training learned {tok.get_vocab_size()} tokens, expected {LEARNED_TOKENS}")
+    tok.train([str(f) for f in files], trainer)
+    if tok.get_vocab_size() != learned_tokens:
+        raise RuntimeError(f"{files}: BPE training learned {tok.get_vocab_size()} tokens, expected {learned_tokens}")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
-    for token, expected_id in TOKEN_IDS.items():
-        assert tok.token_to_id(token) == expected_id, (token, tok.token_to_id(token))
+    for i, token in enumerate(SPECIAL_TOKENS + ADDED_TOKENS):
+        assert tok.token_to_id(token) == learned_tokens + i, (token, tok.token_to_id(token))
     return tok
 
 
-def tokenizer_config() -> dict:
+def tokenizer_config(token_ids: dict[str, int] = TOKEN_IDS, model_max_length: int = 4096) -> dict:
     """``tokenizer_config.json`` as Qwen3 writes it, cut to what the tiny tokenizer has."""
     added = {
-        str(TOKEN_IDS[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+        str(token_ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                             "single_word": False, "special": t in SPECIAL_TOKENS}  # fmt: skip
         for t in SPECIAL_TOKENS + ADDED_TOKENS
     }
@@ -175,7 +187,7 @@ def tokenizer_config() -> dict:
         "clean_up_tokenization_spaces": False,
         "eos_token": IM_END,
         "errors": "replace",
-        "model_max_length": 4096,
+        "model_max_length": model_max_length,
         "pad_token": ENDOFTEXT,
         "split_special_tokens": False,
         "tokenizer_class": "Qwen2Tokenizer",
@@ -191,10 +203,15 @@ def write_tiny(folder: Path, fp8: bool, seed: int) -> None:
     if fp8:
         config, tensors, stored_dtypes = quantize_tensors(config, tensors, block=(128, 128))
     save_checkpoint(folder, config, tensors, stored_dtypes, generation_config=generation_config())
+    write_tokenizer_files(folder, train_tokenizer(), tokenizer_config())
+
+
+def write_tokenizer_files(folder: Path, tokenizer, tokenizer_config: dict) -> None:
+    """``tokenizer.json`` (a ``tokenizers.Tokenizer``) and ``tokenizer_config.json`` into ``folder``."""
     # Re-serialised with json (pretty, UTF-8, like Qwen's file) so the bytes do not depend on tokenizers' printer.
-    tokenizer_json = json.loads(train_tokenizer().to_str())
+    tokenizer_json = json.loads(tokenizer.to_str())
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n", encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n", encoding="utf-8")
 
 
 def make_tiny(dst, fp8: bool = False, seed: int = 0) -> Path:
