@@ -90,3 +90,25 @@ def test_the_tiny_bf16_checkpoint_matches_transformers():
     tokens = _tokens(3, 32)
     tokens = [t % ours.config.vocab_size for t in tokens]
     assert rel_err(prefill_logits(ours, tokens), hf_logits(theirs, tokens)) <= BOUND
+
+
+def test_the_demo_checkpoint_generates_transformers_greedy_tokens():
+    """The shipped demo model (BF16): transformers' ``generate`` (greedy, float32, eager attention) and
+    fp8lab's reference backend (float32 KV cache) produce the same 48 tokens from held-out prompts."""
+    from engine import demo
+    from engine.checkpoint import load_checkpoint
+    from engine.tokenizer import Tokenizer
+
+    ours = Qwen3Model.from_checkpoint(load_checkpoint(demo.DEMO_DIR, progress=False))
+    theirs = transformers.Qwen3ForCausalLM.from_pretrained(demo.DEMO_DIR, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    tokenizer = Tokenizer.from_dir(demo.DEMO_DIR)
+    text_ids = tokenizer.encode(demo.HELDOUT_TEXT.read_text(encoding="utf-8")[:20_000])
+    prompts = [text_ids[start : start + 24] for start in (0, 1500, 3000)]
+    gen = Generator(ours, tokenizer, kv_cache_dtype="fp32", stop_token_ids=())
+    results = gen.generate(prompts, max_new_tokens=48).results
+    for prompt, result in zip(prompts, results):
+        with torch.no_grad():
+            out = theirs.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False, eos_token_id=None,
+                                  min_new_tokens=48)
+        assert result.token_ids == out[0, len(prompt):].tolist()
