@@ -6,6 +6,7 @@ Subcommands:
 - ``fp8lab e4m3 X [X ...]``: encode numbers to E4M3 and show code, bits, value and rounding error;
 - checkpoint commands (``quantize``, ``inspect``, ``make-tiny``): ``engine.checkpoint_commands``;
 - ``fp8lab generate``: ``engine.generate_command``;
+- ``fp8lab eval``: ``engine.eval_command`` (perplexity, and the BF16/FP8 comparison table);
 - ``fp8lab bench``: ``engine.bench_command`` (runs ``bench/engine.py`` on a GPU).
 """
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from reference import e4m3
 
-from . import bench_command, checkpoint_commands, generate_command
+from . import bench_command, checkpoint_commands, eval_command, generate_command
 
 
 def _print_table(out) -> None:
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_e4m3_command)
     checkpoint_commands.register(sub)
     generate_command.register(sub)
+    eval_command.register(sub)
     bench_command.register(sub)
     return parser
 
