@@ -13,7 +13,7 @@
   the GPU kernels (``cuda``; with ``--backend cudasim``, the kernels in Numba's CUDA simulator), each
   compared with its twin on the reference backend.
 
-Defaults: ``--model``: the embedded tiny model (FP8 for a perplexity run, BF16 for ``--compare``;
+Defaults: ``--model``: the embedded demo model (FP8 for a perplexity run, BF16 for ``--compare``;
 ``_default_model``); ``--text``: the shipped held-out text (``engine.evaluate.default_eval_text``).
 The report goes to stdout, progress bars to stderr; ``--json FILE`` writes every number and the
 settings (``engine.evaluate.evaluation_json``). Errors (bad options, a missing file, a text too
@@ -35,8 +35,8 @@ SCHEMA_VERSION = 1
 
 
 def _default_model(fp8: bool) -> Path:
-    """The checkpoint used without ``--model``: the embedded tiny model (FP8 or BF16)."""
-    from .tiny import default_model_dir
+    """The checkpoint used without ``--model``: the embedded demo model (FP8 or BF16)."""
+    from .demo import default_model_dir
 
     return default_model_dir(fp8=fp8)
 
@@ -52,8 +52,8 @@ def register(subparsers) -> None:
         "table (perplexity and its deviation, KL divergence, greedy agreement).",
     )
     p.add_argument("--model", type=Path, default=None, metavar="DIR",
-                   help="checkpoint directory (with tokenizer.json); --compare needs a BF16 one; default: the tiny "
-                   "model")
+                   help="checkpoint directory (with tokenizer.json); --compare needs a BF16 one; default: the embedded "
+                   "demo model")
     p.add_argument("--text", type=Path, default=None, metavar="FILE",
                    help="UTF-8 text to evaluate on; default: the shipped held-out text")
     p.add_argument("--chunk", type=int, default=512, metavar="N", help="tokens per chunk (default 512)")

@@ -34,18 +34,23 @@ def _checked_slopes(alibi_slopes, num_heads: int) -> np.ndarray | None:
 
 
 def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scores_bias: np.ndarray) -> np.ndarray:
-    """Softmax attention of queries ``q[H, D]`` over ``k, v[S, H, D]`` (already expanded per query head).
+    """Softmax attention of query rows ``q[R, H, D]`` over ``k, v[S, H, D]`` (already expanded per query head).
 
-    ``scores_bias[H, S]`` is added to the scaled scores; ``-inf`` masks a key. Rows whose keys are
-    all masked (or ``S == 0``) give zeros. float64 throughout.
+    ``scores_bias`` (broadcast to ``[R, H, S]``) is added to the scaled scores; ``-inf`` masks a key.
+    Rows whose keys are all masked (or ``S == 0``) give zeros. float64 throughout.
     """
-    scores = np.einsum("hd,shd->hs", q, k) + scores_bias
-    row_max = np.max(scores, axis=1, keepdims=True, initial=-np.inf)
+    # per head: [R, D] @ [D, S], as batched matrix products (einsum would not use BLAS here)
+    scores = np.matmul(q.transpose(1, 0, 2), k.transpose(1, 2, 0)).transpose(1, 0, 2) + scores_bias
+    row_max = np.max(scores, axis=2, keepdims=True, initial=-np.inf)
     safe_max = np.where(np.isfinite(row_max), row_max, 0.0)
     weights = np.exp(scores - safe_max)
-    denom = weights.sum(axis=1, keepdims=True)
-    out = np.einsum("hs,shd->hd", weights, v)
+    denom = weights.sum(axis=2, keepdims=True)
+    out = np.matmul(weights.transpose(1, 0, 2), v.transpose(1, 0, 2)).transpose(1, 0, 2)
     return np.divide(out, denom, out=np.zeros_like(out), where=denom > 0)
+
+
+PREFILL_ROWS = 64
+"""Query rows attended at once by ``prefill`` (bounds its ``[rows, heads, S]`` score array)."""
 
 
 def paged_decode(
@@ -93,7 +98,7 @@ def paged_decode(
         bias = np.zeros((num_heads, length))
         if slopes is not None:
             bias = slopes[:, None] * (np.arange(length) - (length - 1))[None, :]
-        out[i] = _attend(q64[i] * softmax_scale, k, v, bias)
+        out[i] = _attend(q64[i][None] * softmax_scale, k, v, bias[None])[0]
     return out.astype(np.float32)
 
 
@@ -121,11 +126,13 @@ def prefill(q, k, v, softmax_scale: float, alibi_slopes=None) -> np.ndarray:
     slopes = _checked_slopes(alibi_slopes, num_heads)
 
     key_pos = np.arange(s)
+    k_heads, v_heads = k64[:, kv_head, :], v64[:, kv_head, :]
     out = np.zeros((t, num_heads, head_dim), dtype=np.float64)
-    for i in range(t):
-        query_pos = s - t + i
-        bias = np.where(key_pos <= query_pos, 0.0, -np.inf)[None, :].repeat(num_heads, axis=0)
+    for first in range(0, t, PREFILL_ROWS):
+        rows = np.arange(first, min(t, first + PREFILL_ROWS))
+        query_pos = (s - t + rows)[:, None, None]  # [R, 1, 1]
+        bias = np.where(key_pos[None, None, :] <= query_pos, 0.0, -np.inf)  # causal mask, [R, 1, S]
         if slopes is not None:
-            bias = bias + slopes[:, None] * (key_pos - query_pos)[None, :]
-        out[i] = _attend(q64[i] * softmax_scale, k64[:, kv_head, :], v64[:, kv_head, :], bias)
+            bias = bias + slopes[None, :, None] * (key_pos[None, None, :] - query_pos)
+        out[rows] = _attend(q64[rows] * softmax_scale, k_heads, v_heads, bias)
     return out.astype(np.float32)
