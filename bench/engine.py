@@ -201,9 +201,8 @@ def bench_ours(checkpoint, prompts: np.ndarray, rows: dict, args) -> None:
     from engine.cuda_model import CudaQwen3Model
 
     max_batch = max(args.batches)
-    # f32_max_rows=4: GEMMs of more than 4 rows (batch 16 decode, prefill) take the tensor-core path
-    # on BF16 activations, measured faster than the SIMT GEMV there (bench/RESULTS.md).
-    limits = {"max_num_tokens": max_batch * args.prompt_len, "max_num_seqs": max_batch, "f32_max_rows": 4}
+    # the engine's defaults (f32_max_rows among them), as fp8lab generate runs them
+    limits = {"max_num_tokens": max_batch * args.prompt_len, "max_num_seqs": max_batch}
     start = time.perf_counter()
     model = CudaQwen3Model.from_checkpoint(checkpoint, **limits)
     log(f"  ours: model on the GPU in {time.perf_counter() - start:.1f} s; {gpu_memory_line()}")

@@ -36,15 +36,16 @@ q/k/v (one flat float32 buffer: ``[T, Hq, D]``, then ``[T, Hkv, D]`` twice), the
 copies in the small index arrays (token ids, positions, slots, block tables, lengths: int32, one
 copy), launches kernels, and copies the logits out; nothing is allocated and nothing else is read back.
 
-The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (default 16, at most
-16) runs ``gemv_simt`` directly on the float32 activations, so the product is the reference's float32
-linear up to the summation order; a larger one (long prompts) rounds the activations to BF16 (a small
-kernel, ``layers.bf16_round``) and runs ``fp8_gemm`` (tensor cores), W8A16 as the kernels are
-designed. The choice matters on sensitive models: on the embedded tiny model, BF16 activations move
-the logits by about 1% (BF16 KV) to 3-5% (FP8 KV, where a moved K/V value flips E4M3 codes), and
-greedy tokens then part from the reference's within a few steps. ``f32_max_rows=4`` routes M = 5..16
-to the tensor cores, which ``bench/RESULTS.md`` measured faster there (at M = 16 the SIMT GEMV is 3 to
-5 times slower than the mma one).
+The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (default
+``DEFAULT_F32_MAX_ROWS = 4``, at most 16) runs ``gemv_simt`` directly on the float32 activations, so
+the product is the reference's float32 linear up to the summation order; a larger one (long prompts,
+decode batches of more than 4) rounds the activations to BF16 (a small kernel, ``layers.bf16_round``)
+and runs ``fp8_gemm`` (tensor cores), W8A16 as the kernels are designed. The default comes from the
+accuracy table of the trained demo model (``docs/08_accuracy.md``, ``bench/RESULTS.md``): BF16 inputs
+into FP8 weights cost far less than the FP8 weights themselves, while at M = 5..16 the tensor-core
+GEMM is 3 to 5 times faster than the SIMT GEMV. (The random tiny model is much more sensitive: its
+flat logits let BF16 inputs change greedy tokens within a few steps, which is why its GPU tests ask
+for ``f32_max_rows=16``.)
 
 Launches of one forward over ``T`` tokens (a decode step: ``T`` = the batch bucket), per layer:
 ``add_rms_norm`` (the previous residual add fused with this norm; ``rms_norm`` in layer 0), the
@@ -123,6 +124,8 @@ from .kv_manager import KV_CACHE_DTYPES, round_to_bf16
 from .layout import is_fp8_projection
 from .model import ForwardBatch, check_tensors
 
+DEFAULT_F32_MAX_ROWS = 4
+"""GEMMs of at most this many rows take float32 activations by default (see the module docstring)."""
 K_MULTIPLE = 128
 """The FP8 GEMM kernels walk K in 128-wide chunks: every projection's K must be a multiple."""
 BLOCK_N_MULTIPLE = 8
@@ -479,7 +482,7 @@ class CudaQwen3Model:
     """
 
     def __init__(self, config: Qwen3Config, tensors: dict[str, np.ndarray], *, max_num_tokens: int = 2048,
-                 max_num_seqs: int = 16, f32_max_rows: int = SIMT_MAX_ROWS, cuda_graphs: bool = True):
+                 max_num_seqs: int = 16, f32_max_rows: int = DEFAULT_F32_MAX_ROWS, cuda_graphs: bool = True):
         reason = unsupported_reason(config)
         if reason is not None:
             raise ValueError(f"CudaQwen3Model: unsupported model: {reason}")

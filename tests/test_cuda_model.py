@@ -181,7 +181,7 @@ def test_a_batch_of_three_matches_the_reference_with_a_padding_row(gemm_twins):
     the padding row), the first sequence's new token in its second block."""
     config = micro_config()
     tensors = micro_tensors(config)
-    model = CudaQwen3Model(config, tensors, max_num_tokens=8, max_num_seqs=4)
+    model = CudaQwen3Model(config, tensors, max_num_tokens=8, max_num_seqs=4, f32_max_rows=16)
     want_tokens, want, _ = run_greedy(Qwen3Model(config, tensors), PROMPTS, 1, "fp8")
     got_tokens, got, (manager, cache) = run_greedy(model, PROMPTS, 1, "fp8")
     assert got_tokens == want_tokens
@@ -200,7 +200,7 @@ def test_one_sequence_through_two_layers_matches_the_reference(gemm_twins):
     tensors = micro_tensors(config, seed=4)
     prompt = [[11, 22, 33, 44]]
     want_tokens, want, _ = run_greedy(Qwen3Model(config, tensors), prompt, 2, "bf16")
-    model = CudaQwen3Model(config, tensors, max_num_tokens=4, max_num_seqs=1)
+    model = CudaQwen3Model(config, tensors, max_num_tokens=4, max_num_seqs=1, f32_max_rows=16)
     got_tokens, got, (manager, cache) = run_greedy(model, prompt, 2, "bf16")
     assert got_tokens == want_tokens
     assert rel_err(got, want) <= MICRO_F32_BOUND["bf16"], rel_err(got, want)
@@ -378,7 +378,7 @@ def greedy_one(model, prompt, kv, steps=GPU_STEPS):
 def test_gpu_greedy_tokens_match_the_reference(tiny, kv):
     checkpoint, tokenizer = tiny
     reference = Qwen3Model.from_checkpoint(checkpoint)
-    model = CudaQwen3Model.from_checkpoint(checkpoint, max_num_tokens=64, max_num_seqs=2)
+    model = CudaQwen3Model.from_checkpoint(checkpoint, max_num_tokens=64, max_num_seqs=2, f32_max_rows=16)
     for text in GPU_PROMPTS:
         prompt = tokenizer.encode(text)
         assert len(prompt) <= model.f32_max_rows  # float32 GEMM inputs all the way
@@ -399,7 +399,7 @@ def test_gpu_batched_generation_matches_the_reference(tiny):
     """Two prompts through ``Generator`` (one prefill, decode steps of bucket 2), BF16 and FP8 KV."""
     checkpoint, tokenizer = tiny
     reference = Qwen3Model.from_checkpoint(checkpoint)
-    model = CudaQwen3Model.from_checkpoint(checkpoint, max_num_tokens=64, max_num_seqs=2)
+    model = CudaQwen3Model.from_checkpoint(checkpoint, max_num_tokens=64, max_num_seqs=2, f32_max_rows=16)
     for kv in ("bf16", "fp8"):
         outputs = [Generator(m, tokenizer, kv_cache_dtype=kv, stop_token_ids=()).generate(
             list(GPU_PROMPTS), max_new_tokens=GPU_STEPS) for m in (reference, model)]
@@ -410,8 +410,9 @@ def test_gpu_batched_generation_matches_the_reference(tiny):
 def test_gpu_graph_replay_is_bit_identical_to_eager_steps(tiny):
     checkpoint, tokenizer = tiny
     prompt = tokenizer.encode(GPU_PROMPTS[0])
-    graphs = CudaQwen3Model.from_checkpoint(checkpoint, max_num_tokens=64, max_num_seqs=1)
-    eager = CudaQwen3Model.from_checkpoint(checkpoint, max_num_tokens=64, max_num_seqs=1, cuda_graphs=False)
+    graphs = CudaQwen3Model.from_checkpoint(checkpoint, max_num_tokens=64, max_num_seqs=1, f32_max_rows=16)
+    eager = CudaQwen3Model.from_checkpoint(checkpoint, max_num_tokens=64, max_num_seqs=1, f32_max_rows=16,
+                                           cuda_graphs=False)
     for kv in ("bf16", "fp8"):
         got_tokens, got = greedy_one(graphs, prompt, kv, steps=12)
         want_tokens, want = greedy_one(eager, prompt, kv, steps=12)

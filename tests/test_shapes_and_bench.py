@@ -227,7 +227,7 @@ class FakeCudaModel:
         self.stats = {"launches_per_decode_step": 321, "host_us_per_decode_step": 45.0, "graph": "captured"}
 
     @classmethod
-    def from_checkpoint(cls, checkpoint, max_num_tokens, max_num_seqs, f32_max_rows):
+    def from_checkpoint(cls, checkpoint, max_num_tokens, max_num_seqs):
         from engine.model import Qwen3Model
 
         assert max_num_tokens >= max_num_seqs >= 1
