@@ -315,10 +315,6 @@ class ModelRunner:
         self.greedy_seconds = 0.0
         self.nonfinite: list[str] = []
 
-    @property
-    def vocab_size(self) -> int:
-        return self.model.config.vocab_size
-
     def warm_up(self, ids: np.ndarray) -> None:
         """One untimed chunk (on a GPU the first calls compile the kernels), then the counters reset."""
         self.chunk_logits(ids)
@@ -384,7 +380,7 @@ def build_runners(checkpoints: dict[str, object], configs: Iterable[EvalConfig],
     longest token run fed at once (a chunk, a prompt); ``num_seqs``: sequences decoded together (the
     greedy prompts); ``max_cached_tokens``: most tokens the greedy runs hold per sequence. The GPU
     model with FP8 weights and float32 inputs gets at most ``f32_rows`` tokens and sequences per
-    forward (and ``f32_max_rows = f32_rows``), every other GPU model whole chunks.
+    forward (and ``f32_max_rows = f32_rows``), every other GPU model whole chunks and prompts.
     """
     num_blocks = max(blocks_for(max_len, BLOCK_SIZE), num_seqs * blocks_for(max_cached_tokens or 1, BLOCK_SIZE))
     models: dict[tuple, object] = {}
@@ -396,7 +392,8 @@ def build_runners(checkpoints: dict[str, object], configs: Iterable[EvalConfig],
         options = {}
         if cfg.backend != "reference":
             limit = f32_rows if (cfg.weights == "fp8" and cfg.gemm_input == "float32") else max(max_len, num_seqs)
-            seqs = min(num_seqs, limit)
+            # max_num_seqs = max_num_tokens: all_logits runs the lm_head in blocks of max_num_seqs rows
+            seqs = limit
             options = dict(max_num_tokens=limit, max_num_seqs=seqs)
             if cfg.gemm_input == "float32":
                 options["f32_max_rows"] = min(f32_rows, limit)
@@ -558,6 +555,8 @@ def evaluation_json(result: Evaluation, settings: dict) -> dict:
                "tokens_per_s": r.tokens_per_s, "forward_seconds": r.forward_seconds,
                "chunk_nll": r.chunk_nll, "position_mean_nll": r.nll.per_position.tolist(),
                "nonfinite": r.nonfinite}
+        if r.greedy_tokens is not None:
+            row["greedy_tokens"] = r.greedy_tokens.tolist()
         if len(result.rows) > 1:
             for key, j in (("vs", r.row.vs), ("baseline", 0)):
                 row[f"ppl_deviation_{key}"] = result.deviation(i, j)

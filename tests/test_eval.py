@@ -256,6 +256,7 @@ def test_json_has_every_number(comparison):
     assert row["vs"] == 1 and len(row["chunk_nll"]) == 3 and len(row["position_mean_kl_vs"]) == 15
     assert row["ppl"] == pytest.approx(math.exp(sum(row["chunk_nll"]) / row["predicted_tokens"]))
     assert out["rows"][0]["kl_baseline"] == 0 and out["rows"][0]["greedy_identical_vs"] == 1.0
+    assert np.shape(row["greedy_tokens"]) == (3, 6)
 
 
 def test_a_nan_logit_makes_the_perplexity_nan(bf16_checkpoint, monkeypatch):
