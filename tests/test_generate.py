@@ -205,7 +205,7 @@ def fake_io(monkeypatch, tmp_path):
     for name, attrs in {
         "engine.checkpoint": {"load_checkpoint": load_checkpoint},
         "engine.tokenizer": {"Tokenizer": Tokenizer, "StreamDecoder": FakeStreamDecoder},
-        "engine.tiny": {"default_model_dir": lambda fp8=True: tmp_path},
+        "engine.demo": {"default_model_dir": lambda fp8=True: tmp_path},
     }.items():
         module = types.ModuleType(name)
         module.__dict__.update(attrs)
@@ -248,7 +248,7 @@ def test_cli_bad_model_directory_names_the_problem(fake_io, capsys, tmp_path_fac
 
 
 @pytest.mark.skipif(importlib.util.find_spec("engine.tiny") is None, reason="the checkpoint I/O half is not there yet")
-def test_cli_end_to_end_with_the_embedded_tiny_model(capsys):
+def test_cli_end_to_end_with_the_embedded_demo_model(capsys):
     assert cli.main(["generate", "--prompt", "Hello", "--max-new-tokens", "8"]) == 0
     out, err = capsys.readouterr()
     assert "tokens/s" in err
