@@ -3,5 +3,7 @@
 Read in this order: ``config`` and ``layout`` (what a checkpoint holds), ``checkpoint`` and
 ``safetensors_io`` (reading and writing it), ``tokenizer``, ``backend`` (the operators, with the
 NumPy reference backend), ``model`` (the Qwen3 forward), ``kv_manager`` (the paged cache),
-``sampling`` and ``generate``; ``cli`` is the ``fp8lab`` command line and ``tiny`` the embedded model.
+``sampling`` and ``generate``; ``evaluate`` (perplexity, KL, greedy agreement: ``fp8lab eval``); ``cli``
+is the ``fp8lab`` command line. ``demo`` is the embedded trained model (``fp8lab generate``'s default),
+``tiny`` the random model of the fast tests.
 """
