@@ -19,24 +19,33 @@ so nothing is ever half-loaded. Every problem is a ``ValueError`` naming the fil
 (``FileNotFoundError`` for a missing file): corrupt or truncated safetensors, a missing tensor,
 an unexpected tensor, a wrong shape, a dtype of the wrong kind (BF16 where FP8 is expected), a
 scale shape that does not match the weight and block size, NaN codes in an FP8 weight,
-non-finite scales or float weights, an unknown ``quant_method``. One tolerance: a tied checkpoint
-(``tie_word_embeddings``) that still stores ``lm_head.weight`` loads with a warning and without
-it, since exporters sometimes write the tied copy; every other unexpected tensor is an error,
-because it almost always means ``config.json`` disagrees with the weights.
+non-finite or non-positive scales, scales so large that ``448 * scale`` overflows float32,
+non-finite float weights, a ``config.json`` field of the wrong JSON type or out of range
+(``engine.config``), an unknown ``quant_method``. ``num_hidden_layers`` is compared with the
+layers in the safetensors headers before anything else, so an absurd count fails at once.
+
+One tolerance: a tied checkpoint (``tie_word_embeddings``) that still stores ``lm_head.weight``
+loads with a warning and without it, since exporters sometimes write the tied copy; every other
+unexpected tensor is an error, because it almost always means ``config.json`` disagrees with
+the weights.
 
 In memory, FP8 weights are uint8 E4M3 codes ``[N, K]`` and every other tensor is float32
 (BF16 widens exactly); ``stored_dtypes`` keeps what the file said.
 
 ``inspect`` diagnoses rather than refuses: it reports NaN codes and non-finite values (it uses
 ``load_checkpoint(..., validate_values=False)``'s machinery), while structural problems still
-raise, because without a valid structure there is nothing sensible to summarize.
+raise, because without a valid structure there is nothing sensible to summarize. It also warns
+about weights that load but are so large that a float32 forward pass may overflow
+(``magnitude_warning``), and then does not call the checkpoint OK.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -70,6 +79,10 @@ SAFETENSORS_METADATA = {"format": "pt"}
 """transformers checks this field when it loads a safetensors file."""
 MAX_SIDE_FILE_BYTES = 64 * 1024 * 1024
 """``quantize`` copies non-weight files up to this size (Qwen's tokenizer.json is about 11 MB)."""
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+OUTPUT_WARNING_LIMIT = math.sqrt(FLOAT32_MAX)
+"""``inspect`` warns when a projection's outputs can reach this (about 1.8e19): the RMSNorm that
+follows squares them, and the squares overflow float32."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
 
@@ -155,6 +168,21 @@ def _unexpected_hint(config: Qwen3Config, name: str) -> str:
     return ""
 
 
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_layer_count(config: Qwen3Config, present, where: str) -> None:
+    """``num_hidden_layers`` is no more than the layers the files hold. Checked from the tensor
+    names before ``expected_tensors`` lists every tensor: an absurd count (10,000,000) would
+    otherwise cost minutes and gigabytes before the "missing tensor" error."""
+    held = {m.group(1) for name in present if (m := _LAYER_NAME.match(name))}
+    if config.num_hidden_layers > len(held):
+        raise ValueError(
+            f"{where}: config.json has num_hidden_layers={config.num_hidden_layers}, but the weights hold "
+            f"tensors of only {len(held)} layers"
+        )
+
+
 def check_names(config: Qwen3Config, present, where: str) -> None:
     """Every expected tensor is present and nothing else is (``where`` names the file(s))."""
     specs = expected_tensors(config)
@@ -202,11 +230,42 @@ def value_problem(kind: str, array: np.ndarray) -> str | None:
         bad = ~(np.isfinite(array) & (array > 0))
         if bad.any():
             return f"{int(bad.sum())} scales that are not finite and positive, the first at {list(map(int, np.argwhere(bad)[0]))}"
+        # The largest code (448) times its scale is a weight; beyond float32's range it is infinite.
+        huge = array.astype(np.float64) * e4m3.MAX > FLOAT32_MAX
+        if huge.any():
+            return (
+                f"{int(huge.sum())} scales so large that 448 * scale overflows float32 (max {FLOAT32_MAX:.3g}), "
+                f"the first at {list(map(int, np.argwhere(huge)[0]))}"
+            )
     else:
         bad = ~np.isfinite(array)
         if bad.any():
             return f"{int(bad.sum())} NaN or infinite values, the first at {list(map(int, np.argwhere(bad)[0]))}"
     return None
+
+
+def largest_weight(kind: str, array: np.ndarray) -> float | None:
+    """The largest weight magnitude a 2-D tensor can hold: ``448 * scale`` for an FP8 weight's
+    scales (an upper bound: the codes are not read), ``max |w|`` for a float matrix; ``None`` for
+    norms and FP8 codes, which are not checked this way."""
+    if array.ndim != 2 or array.size == 0 or kind == "fp8":
+        return None
+    if kind == "scale":
+        return float(array.max()) * e4m3.MAX
+    return float(np.abs(array).max())
+
+
+def magnitude_warning(largest: float, k: int) -> str | None:
+    """Why weights of magnitude up to ``largest`` in rows of length ``k`` may overflow float32 at
+    run time, or ``None``. Against ``k`` activations of RMS 1 such a row gives a dot product of
+    about ``largest * sqrt(k)`` (random signs); ``inspect`` warns above ``OUTPUT_WARNING_LIMIT``."""
+    typical = largest * math.sqrt(k)
+    if typical <= OUTPUT_WARNING_LIMIT:
+        return None
+    return (
+        f"weights up to {largest:.3g}: a dot product of {k} activations of RMS 1 is about {typical:.3g}, "
+        f"beyond sqrt(float32 max) = {OUTPUT_WARNING_LIMIT:.3g}, where the RMSNorm that follows overflows float32"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,6 +350,7 @@ def open_checkpoint(path) -> OpenCheckpoint:
     paths, weight_map, described_by = _shard_paths(folder)
     files = [SafetensorsFile(p) for p in paths]
     sources = _map_tensors_to_files(files, weight_map, described_by)
+    check_layer_count(config, sources, str(described_by))
     specs = expected_tensors(config)
     if config.tie_word_embeddings and "lm_head.weight" in sources and "lm_head.weight" not in specs:
         warnings.warn(f"{sources['lm_head.weight'].path}: ignoring lm_head.weight, tied to the embeddings by config.json")
@@ -544,9 +604,13 @@ class CheckpointSummary:
     """Count of each of the 256 E4M3 codes over all FP8 weights."""
     problems: list[tuple[str, str, str]]
     """(file, tensor, problem) for every tensor whose values ``load_checkpoint`` would reject."""
+    warnings: list[tuple[str, str, str]] = field(default_factory=list)
+    """(file, tensor, warning) for tensors that load but whose magnitudes may overflow float32
+    at run time (``magnitude_warning``)."""
 
     @property
     def ok(self) -> bool:
+        """No value ``load_checkpoint`` would reject (warnings do not count: the checkpoint loads)."""
         return not self.problems
 
 
@@ -560,7 +624,7 @@ def summarize_checkpoint(path, progress: bool = False) -> CheckpointSummary:
     kinds = {kind: KindStats() for kind in ALLOWED_DTYPES}
     projections: dict[str, tuple] = {}
     histogram = np.zeros(256, dtype=np.int64)
-    scales, problems = [], []
+    scales, problems, warnings_found = [], [], []
     for name in _progress(opened.sources, progress, f"inspecting {opened.path.name}"):
         spec, f = opened.specs[name], opened.sources[name]
         info = f.info(name)
@@ -571,6 +635,8 @@ def summarize_checkpoint(path, progress: bool = False) -> CheckpointSummary:
         problem = value_problem(spec.kind, array)
         if problem:
             problems.append((str(f.path), name, problem))
+        elif (warning := _magnitude_warning_of(opened, name, array)) is not None:
+            warnings_found.append((str(f.path), name, warning))
         if spec.kind == "fp8":
             histogram += np.bincount(array.ravel(), minlength=256)
             suffix = name.split(".", 3)[-1].removesuffix(".weight")
@@ -581,7 +647,18 @@ def summarize_checkpoint(path, progress: bool = False) -> CheckpointSummary:
             scales.append(array.ravel())
     files = [(f.path.name, f.path.stat().st_size) for f in opened.files]
     scale_inv = np.concatenate(scales) if scales else np.zeros(0, np.float32)
-    return CheckpointSummary(opened.path, opened.config, files, kinds, projections, scale_inv, histogram, problems)
+    return CheckpointSummary(opened.path, opened.config, files, kinds, projections, scale_inv, histogram, problems,
+                             warnings_found)  # fmt: skip
+
+
+def _magnitude_warning_of(opened: OpenCheckpoint, name: str, array: np.ndarray) -> str | None:
+    """``magnitude_warning`` for one tensor of ``opened`` (a scale speaks for its FP8 weight)."""
+    kind = opened.specs[name].kind
+    largest = largest_weight(kind, array)
+    if largest is None:
+        return None
+    weight = _weight_of_scale(name) if kind == "scale" else name
+    return magnitude_warning(largest, opened.specs[weight].shape[1])
 
 
 def _human_bytes(n: int) -> str:
@@ -645,8 +722,13 @@ def format_summary(s: CheckpointSummary) -> str:
     if s.problems:
         lines.append(f"PROBLEMS ({len(s.problems)} tensors; load_checkpoint would refuse this checkpoint):")
         lines.extend(f"  {file}: {name}: {problem}" for file, name, problem in s.problems)
-    else:
+    if s.warnings:
+        lines.append(f"WARNINGS ({len(s.warnings)} tensors; they load, but may overflow float32 at run time):")
+        lines.extend(f"  {file}: {name}: {warning}" for file, name, warning in s.warnings)
+    if not s.problems and not s.warnings:
         lines.append("NaN codes: none; all scales finite and positive; all float weights finite. Checkpoint OK.")
+    elif not s.problems:
+        lines.append("The checkpoint loads, but is not OK: see the warnings.")
     return "\n".join(lines)
 
 

@@ -1,13 +1,15 @@
 """``fp8lab quantize``, ``fp8lab inspect`` and ``fp8lab make-tiny``: checkpoint tools on the command line.
 
 - ``fp8lab quantize SRC DST [--block BN BK]``: BF16 checkpoint -> Qwen3-FP8 blockwise checkpoint;
-- ``fp8lab inspect DIR``: validate and summarize; exits 1 when it finds NaN codes or other bad values;
+- ``fp8lab inspect DIR``: validate and summarize; exits 1 when it finds NaN codes or other bad values
+  (values that load but may overflow float32 at run time are listed as warnings, exit status 0);
 - ``fp8lab make-tiny DST [--fp8] [--seed S]``: write the seeded random tiny Qwen3 checkpoint;
   ``fp8lab make-tiny --shape qwen3-8b --out DST [--layers L] [--seed S]``: a random FP8 checkpoint
   of a real Qwen3 shape (``engine.shapes``: random FP8 weights, the tiny tokenizer), for benchmarks.
 
 A bad checkpoint or argument prints one ``fp8lab COMMAND: error: ...`` line to stderr and exits
-with status 1 (no traceback); the library functions in ``engine.checkpoint`` and ``engine.tiny``
+with status 1 (no traceback); Ctrl-C prints ``fp8lab COMMAND: interrupted; DST was not written``
+and exits with status 130; the library functions in ``engine.checkpoint`` and ``engine.tiny``
 raise the same messages as ``ValueError`` / ``FileNotFoundError`` / ``FileExistsError``.
 """
 
@@ -20,8 +22,14 @@ import sys
 from . import checkpoint, tiny
 
 
-def _one_line_errors(command: str):
-    """Turn the checkpoint errors (all ``ValueError`` or ``OSError``) into one stderr line and exit status 1."""
+INTERRUPTED_STATUS = 130
+"""The shell's status for a command ended by Ctrl-C (128 + SIGINT)."""
+
+
+def _one_line_errors(command: str, output=None):
+    """Turn the checkpoint errors (all ``ValueError`` or ``OSError``) into one stderr line and exit
+    status 1, and Ctrl-C into one line and status 130. ``output(args)`` names the folder the
+    command writes, so the interrupted line can say it was not written."""
 
     def wrap(handler):
         @functools.wraps(handler)
@@ -31,13 +39,19 @@ def _one_line_errors(command: str):
             except (ValueError, OSError) as e:
                 print(f"fp8lab {command}: error: {e}", file=sys.stderr)
                 return 1
+            except KeyboardInterrupt:
+                # The writers build in a temporary folder that build_atomically removes on any
+                # BaseException, KeyboardInterrupt included, so there is no half-written output.
+                note = f"; {output(args)} was not written" if output else ""
+                print(f"fp8lab {command}: interrupted{note}", file=sys.stderr)
+                return INTERRUPTED_STATUS
 
         return run
 
     return wrap
 
 
-@_one_line_errors("quantize")
+@_one_line_errors("quantize", output=lambda args: args.dst)
 def _quantize(args) -> int:
     dst = checkpoint.quantize_checkpoint(args.src, args.dst, block=tuple(args.block), progress=not args.quiet)
     print(f"wrote FP8 checkpoint {dst} (weight_block_size {list(args.block)})")
@@ -51,7 +65,7 @@ def _inspect(args) -> int:
     return 0 if summary.ok else 1
 
 
-@_one_line_errors("make-tiny")
+@_one_line_errors("make-tiny", output=lambda args: args.dst if args.dst is not None else args.out)
 def _make_tiny(args) -> int:
     if (args.dst is None) == (args.out is None):
         raise ValueError("give the new checkpoint folder once: as DST or as --out DIR")

@@ -16,7 +16,8 @@ the GPU kernels need. It was trained on 512-token windows, so ``max_position_emb
 
 ``default_model_dir(fp8)``: the shipped BF16 folder, or (``fp8=True``, what ``fp8lab generate``
 runs) its FP8 blockwise version made by ``engine.checkpoint.quantize_checkpoint`` on first use into
-the cache folder (``engine.tiny.cache_root``), exactly what ``fp8lab quantize`` writes.
+the cache folder (``engine.tiny.cache_root``), exactly what ``fp8lab quantize`` writes (plus the
+cache's file-size record, ``engine.tiny.CACHE_MANIFEST``, that detects a damaged folder).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from pathlib import Path
 
 from .checkpoint import quantize_checkpoint
 from .config import Qwen3Config
-from .tiny import added_token_ids, cache_root, generation_config, tokenizer_config, train_byte_level_bpe, write_tokenizer_files
+from .tiny import (added_token_ids, cache_root, cached_build, generation_config, tokenizer_config, train_byte_level_bpe,
+                   write_tokenizer_files)  # fmt: skip
 from .tokenizer import ENDOFTEXT, IM_END
 
 DEMO_DIR = Path(__file__).parent / "data" / "demo"
@@ -84,17 +86,9 @@ def save_demo_checkpoint(folder: Path, tensors: dict, tokenizer) -> Path:
 
 def default_model_dir(fp8: bool = True) -> Path:
     """The shipped BF16 demo checkpoint, or its FP8 version ``<cache>/demo-qwen3-fp8-v1``, quantized on
-    first use (built beside its final name and renamed into place, so a half-built folder is never
-    used; when two processes build at once, one rename wins)."""
+    first use and rebuilt when damaged (``engine.tiny.cached_build``)."""
     if not fp8:
         return DEMO_DIR
     final = cache_root() / f"demo-qwen3-fp8-v{RECIPE_VERSION}"
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        quantize_checkpoint(DEMO_DIR, final, progress=False)
-    except OSError:
-        if not final.is_dir():  # not a lost race with another process: a real error
-            raise
-    return final
+    # quantize_checkpoint accepts the empty temporary folder cached_build hands it as its DST.
+    return cached_build(final, lambda tmp: quantize_checkpoint(DEMO_DIR, tmp, progress=False))

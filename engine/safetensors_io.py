@@ -327,7 +327,8 @@ def write_safetensors(path, tensors: dict, dtypes: dict[str, str] | None = None,
 
     ``dtypes`` names the stored dtype per tensor (``"BF16"``, ``"F8_E4M3"``, ...); tensors it does
     not name keep their NumPy dtype (``default_dtype``). The file is written to a temporary name
-    next to ``path`` and renamed into place, so a crash never leaves a half-written file.
+    next to ``path`` and renamed into place, so a crash never leaves a half-written file (and an
+error or Ctrl-C while writing removes the temporary one).
     """
     path = Path(path)
     dtypes = dtypes or {}
@@ -339,9 +340,13 @@ def write_safetensors(path, tensors: dict, dtypes: dict[str, str] | None = None,
         stored.append((name, dtype, to_storage(name, array, dtype)))
     head = header_bytes([(n, d, a.shape, a.nbytes) for n, d, a in stored], metadata)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(head)
-        for _, _, a in stored:
-            f.write(a.tobytes(order="C"))  # row-major; the storage dtypes are little-endian
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(head)
+            for _, _, a in stored:
+                f.write(a.tobytes(order="C"))  # row-major; the storage dtypes are little-endian
+        os.replace(tmp, path)
+    except BaseException:  # an error, a full disk or Ctrl-C: leave no half-written .tmp behind
+        tmp.unlink(missing_ok=True)
+        raise
     return path.stat().st_size

@@ -27,13 +27,17 @@ would make a tied model predict its own input token forever; with projections of
 greedy decoding still fell into runs of one token), so greedy decoding wanders through varied
 tokens, with last-position logits of std about 0.8; the text is gibberish, as from any random model.
 
-``default_model_dir(fp8)`` builds the model once into a cache folder and reuses it.
+``default_model_dir(fp8)`` builds the model once into a cache folder and reuses it; ``cached_build``
+checks the folder against the file sizes recorded when it was built and rebuilds a damaged one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -226,17 +230,73 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "fp8lab"
 
 
-def default_model_dir(fp8: bool = True) -> Path:
-    """The tiny model (seed 0) in the cache, built on first use: ``<cache>/tiny-qwen3-fp8-v1``
-    (or ``-bf16-``). It is built in a temporary folder and renamed into place, so a
-    half-built folder is never used; if two processes build at once, one rename wins and the
-    other's copy is discarded. A new ``RECIPE_VERSION`` gives a new folder."""
-    final = cache_root() / f"tiny-qwen3-{'fp8' if fp8 else 'bf16'}-v{RECIPE_VERSION}"
-    if final.is_dir():
-        return final
+# ----------------------------------------------------------------------------------------------
+# The model cache: folders built once, checked cheaply on every use, rebuilt when damaged
+
+CACHE_MANIFEST = ".fp8lab-cache.json"
+"""Written last into a cache folder: the size of every file in it. A folder without it, or whose
+files no longer have those sizes (a truncated or deleted ``model.safetensors``), is damaged."""
+
+
+def write_cache_manifest(folder: Path) -> None:
+    """Record the name and size of every file of ``folder`` in its ``CACHE_MANIFEST``."""
+    sizes = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    (folder / CACHE_MANIFEST).write_text(json.dumps({"files": sizes}, indent=2) + "\n", encoding="utf-8")
+
+
+def cache_damage(folder: Path) -> str | None:
+    """Why the cache ``folder`` cannot be used, or ``None`` when it is complete. Costs a stat per
+    file: sizes catch truncated and deleted files (not bit flips, which the loader reports)."""
     try:
-        make_tiny(final, fp8=fp8, seed=0)
+        sizes = json.loads((folder / CACHE_MANIFEST).read_text(encoding="utf-8"))["files"]
+        for name, size in sizes.items():
+            path = folder / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} has {path.stat().st_size} bytes, {size} when built"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"no readable {CACHE_MANIFEST}: built by an older fp8lab, or edited"
+    return None
+
+
+def _discard(folder: Path, reason: str) -> None:
+    """Move a damaged cache folder out of the way (one rename, so another process sees either the
+    damaged folder or none) and delete it; say which folder to delete by hand if that fails."""
+    warnings.warn(f"{folder}: damaged model cache ({reason}); rebuilding it")
+    trash = folder.with_name(f".{folder.name}.damaged-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.rename(folder, trash)
+    except FileNotFoundError:
+        return  # another process moved it first
+    except OSError as e:
+        raise OSError(f"{folder}: damaged model cache ({reason}) that cannot be removed ({e}); delete this folder") from None
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def cached_build(final: Path, build) -> Path:
+    """``final``, built on first use by ``build(tmp)`` into a temporary folder that is renamed into
+    place (``build_atomically``), so a half-built folder is never used; if two processes build at
+    once, one rename wins and the other's copy is discarded. A damaged folder is rebuilt."""
+    if final.is_dir() and (reason := cache_damage(final)) is None:
+        return final
+    if final.exists():
+        _discard(final, reason if final.is_dir() else "not a folder")
+
+    def build_with_manifest(tmp: Path) -> None:
+        build(tmp)
+        write_cache_manifest(tmp)  # last: its presence says the build completed
+
+    try:
+        build_atomically(final, build_with_manifest)
     except OSError:
-        if not final.is_dir():  # not a lost race with another process: a real error
+        if cache_damage(final) is not None:  # not a lost race with another process: a real error
             raise
     return final
+
+
+def default_model_dir(fp8: bool = True) -> Path:
+    """The tiny model (seed 0) in the cache, built on first use (``cached_build``):
+    ``<cache>/tiny-qwen3-fp8-v1`` (or ``-bf16-``). A new ``RECIPE_VERSION`` gives a new folder."""
+    final = cache_root() / f"tiny-qwen3-{'fp8' if fp8 else 'bf16'}-v{RECIPE_VERSION}"
+    return cached_build(final, lambda tmp: write_tiny(tmp, fp8, seed=0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import warnings
 
 import numpy as np
@@ -475,3 +476,77 @@ def test_no_warnings_on_a_good_checkpoint(tiny_dirs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ck.load_checkpoint(tiny_dirs["bf16"], progress=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json against the files, values that overflow float32, Ctrl-C (GitHub issue 12)
+
+
+def test_config_field_of_the_wrong_type_names_the_file_and_the_field(fp8_dir, capsys):
+    edit_json(fp8_dir / "config.json", lambda d: d.__setitem__("tie_word_embeddings", "false"))
+    expect_error(fp8_dir, ValueError, str(fp8_dir / "config.json"), "tie_word_embeddings must be true or false, got 'false'")
+    edit_json(fp8_dir / "config.json", lambda d: d.update(tie_word_embeddings=True, num_key_value_heads=0))
+    assert cli.main(["inspect", str(fp8_dir), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "config.json: num_key_value_heads must be an integer >= 1" in err and len(err.strip().splitlines()) == 1
+
+
+def test_absurd_layer_count_fails_at_once(fp8_dir):
+    edit_json(fp8_dir / "config.json", lambda d: d.__setitem__("num_hidden_layers", 10_000_000))
+    start = time.perf_counter()
+    expect_error(fp8_dir, ValueError, "model.safetensors", "num_hidden_layers=10000000", "only 4 layers")
+    with pytest.raises(ValueError, match="only 4 layers"):
+        ck.summarize_checkpoint(fp8_dir)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_one_layer_more_than_stored(fp8_dir):
+    edit_json(fp8_dir / "config.json", lambda d: d.__setitem__("num_hidden_layers", 5))
+    expect_error(fp8_dir, ValueError, "num_hidden_layers=5", "only 4 layers")
+
+
+def test_scale_that_overflows_float32_is_refused(fp8_dir):
+    rewrite_weights(fp8_dir, lambda t, d: t[Q_SCALE].__setitem__((0, 1), 1e36))  # 448e36 > 3.4e38
+    expect_error(fp8_dir, ValueError, "model.safetensors", Q_SCALE, "448 * scale overflows float32", "first at [0, 1]")
+    summary = ck.summarize_checkpoint(fp8_dir)
+    assert not summary.ok and summary.problems[0][1] == Q_SCALE
+    assert "Checkpoint OK" not in ck.format_summary(summary)
+
+
+def test_scale_that_may_overflow_at_run_time_is_a_warning(fp8_dir, capsys):
+    rewrite_weights(fp8_dir, lambda t, d: t[Q_SCALE].__setitem__((1, 1), 1e17))  # 448e17 * sqrt(256) ~ 7e20
+    ck.load_checkpoint(fp8_dir, progress=False)  # it loads...
+    summary = ck.summarize_checkpoint(fp8_dir)
+    assert summary.ok and [w[1] for w in summary.warnings] == [Q_SCALE]
+    assert "dot product of 256 activations" in summary.warnings[0][2]
+    capsys.readouterr()
+    assert cli.main(["inspect", str(fp8_dir), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "WARNINGS (1 tensors" in out and Q_SCALE in out and "Checkpoint OK" not in out  # ...but is not OK
+
+
+def test_huge_bf16_weight_is_a_warning(bf16_dir):
+    rewrite_weights(bf16_dir, lambda t, d: t[Q_PROJ].__setitem__((3, 4), 1e19))
+    summary = ck.summarize_checkpoint(bf16_dir)
+    assert summary.ok and [w[1] for w in summary.warnings] == [Q_PROJ]
+    assert "Checkpoint OK" not in ck.format_summary(summary)
+
+
+@pytest.mark.parametrize("name, index", [("model.embed_tokens.weight", (7, 3)), (NORM, (9,))])
+def test_non_finite_embedding_or_norm_is_refused(fp8_dir, name, index):
+    rewrite_weights(fp8_dir, lambda t, d: t[name].__setitem__(index, np.inf))
+    expect_error(fp8_dir, ValueError, "model.safetensors", name, "1 NaN or infinite values")
+    assert not ck.summarize_checkpoint(fp8_dir).ok
+
+
+def test_ctrl_c_during_quantize_leaves_nothing(tiny_dirs, tmp_path, monkeypatch, capsys):
+    def interrupt(src, dst):  # after the weights are written into the temporary folder
+        assert (dst / "model.safetensors").is_file()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck, "copy_side_files", interrupt)
+    dst = tmp_path / "q"
+    assert cli.main(["quantize", str(tiny_dirs["bf16"]), str(dst), "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == f"fp8lab quantize: interrupted; {dst} was not written"
+    assert list(tmp_path.iterdir()) == []  # neither DST nor a temporary folder

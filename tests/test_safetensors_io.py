@@ -323,3 +323,13 @@ def test_header_is_padded_to_8_bytes_and_empty_file_is_valid(tmp_path):
     assert n % 8 == 0 and len(data) == 8 + n
     assert sio.SafetensorsFile(path).names() == []
     assert safetensors.deserialize(data) == []
+
+
+def test_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
+    def interrupt(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sio.os, "replace", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        sio.write_safetensors(tmp_path / "w.safetensors", {"x": np.ones(4, np.float32)})
+    assert list(tmp_path.iterdir()) == []

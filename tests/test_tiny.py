@@ -197,3 +197,53 @@ def test_make_tiny_refuses_a_non_empty_folder(tmp_path):
     assert [p.name for p in (tmp_path / "x").iterdir()] == ["keep.txt"]
     (tmp_path / "empty").mkdir()
     assert tiny.make_tiny(tmp_path / "empty") == tmp_path / "empty"
+
+
+def truncate(path, size: int) -> None:
+    path.write_bytes(path.read_bytes()[:size])
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda f: truncate(f / "model.safetensors", 1000), "model.safetensors has 1000 bytes"),
+        (lambda f: (f / "model.safetensors").unlink(), "model.safetensors is missing"),
+        (lambda f: (f / tiny.CACHE_MANIFEST).unlink(), "no readable .fp8lab-cache.json: built by an older fp8lab"),
+    ],
+)
+def test_default_model_dir_rebuilds_a_damaged_cache(tmp_path, monkeypatch, damage, reason):
+    monkeypatch.setenv("FP8LAB_CACHE", str(tmp_path))
+    folder = tiny.default_model_dir(fp8=False)
+    good = folder_bytes(folder)
+    damage(folder)
+    with pytest.warns(UserWarning, match=f"{folder}: damaged model cache \\({reason}"):
+        assert tiny.default_model_dir(fp8=False) == folder
+    assert folder_bytes(folder) == good and tiny.cache_damage(folder) is None
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # the damaged copy is gone
+
+
+def test_demo_cache_is_rebuilt_when_damaged(tiny_dirs, tmp_path, monkeypatch):
+    from engine import demo
+
+    monkeypatch.setenv("FP8LAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(demo, "DEMO_DIR", tiny_dirs["bf16"])  # quantizing the tiny model is quicker
+    folder = demo.default_model_dir(fp8=True)
+    assert (folder / "model.safetensors").read_bytes() == (tiny_dirs["fp8"] / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(b"")
+    with pytest.warns(UserWarning, match="damaged model cache"):
+        assert demo.default_model_dir(fp8=True) == folder
+    assert ck.load_checkpoint(folder, progress=False).is_fp8
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
+
+
+def test_an_undeletable_damaged_cache_names_the_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP8LAB_CACHE", str(tmp_path))
+    folder = tiny.default_model_dir(fp8=False)
+    (folder / "config.json").unlink()
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tiny.os, "rename", refuse)
+    with pytest.warns(UserWarning), pytest.raises(OSError, match=f"{folder}: damaged model cache .* delete this folder"):
+        tiny.default_model_dir(fp8=False)
