@@ -25,7 +25,14 @@ The loop (continuous batching, as in nano-vllm, without preemption)::
   ids into complete UTF-8 text pieces; ``on_text(index, piece)`` gets every piece, and the
   pieces of a sequence concatenate to its final ``text``.
 - **Sampling.** ``engine.sampling``; request ``i`` draws from ``np.random.default_rng([seed, i])``,
-  so a seed reproduces it whatever else is in the batch.
+  so a seed reproduces it whatever else is in the batch. Padding ids (the model's vocabulary
+  beyond the tokenizer's ``vocab_size``: Qwen3 pads 151669 ids to 151936 rows) are never chosen:
+  their logits are masked to ``-inf`` before sampling and greedy argmax.
+- **Failures.** One sequence's problem never loses the others' results: when choosing or decoding
+  its next token fails (NaN logits, an id the tokenizer cannot decode), that sequence alone
+  finishes with ``"error"`` and a message naming it and the token number; the others go on. A
+  failing *forward* (for example ``engine.model.NonFiniteError``) concerns the whole batch and
+  raises; sequences finished before it have already been given to ``on_finish``.
 """
 
 from __future__ import annotations
@@ -45,8 +52,9 @@ from .sampling import SamplingParams, sample
 @dataclass
 class GenerationResult:
     """One request's outcome. ``token_ids``: generated ids (a final stop token included);
-    ``text``: their decoded text without the stop token; ``finish_reason``: ``"stop"`` or
-    ``"length"``; times in seconds since the start of ``generate``."""
+    ``text``: their decoded text without the stop token; ``finish_reason``: ``"stop"``,
+    ``"length"`` or ``"error"`` (then ``error`` says what went wrong, and ``text`` is what was
+    streamed before); times in seconds since the start of ``generate``."""
 
     index: int
     prompt_token_ids: list[int]
@@ -55,6 +63,7 @@ class GenerationResult:
     finish_reason: str
     first_token_time: float
     finish_time: float
+    error: str | None = None
 
 
 @dataclass
@@ -99,6 +108,7 @@ class _Sequence:
     num_prefilled: int = 0
     streamed: list[str] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None
     first_token_time: float = float("nan")
 
     @property
@@ -117,6 +127,14 @@ def collect_stop_token_ids(tokenizer=None, generation_config: dict | None = None
     if config is not None:
         ids.update(config.eos_token_ids)
     return tuple(sorted(int(i) for i in ids))
+
+
+def sampleable_token_ids(model_vocab_size: int, tokenizer=None) -> int:
+    """How many ids, from 0 up, a generated token may take: the model's vocabulary, cut to the
+    tokenizer's ``vocab_size`` when that is smaller (the ids above are padding, no text decodes
+    to them). A tokenizer without ``vocab_size`` (or none) cuts nothing."""
+    n = getattr(tokenizer, "vocab_size", None)
+    return model_vocab_size if n is None else min(model_vocab_size, int(n))
 
 
 def _default_stream_decoder(tokenizer):
@@ -159,6 +177,7 @@ class Generator:
             raise ValueError(f"prefill_chunk_size: expected a positive number of tokens, got {prefill_chunk_size}")
         self.prefill_chunk_size = prefill_chunk_size
         self.stream_decoder = stream_decoder or _default_stream_decoder
+        self.num_token_ids = sampleable_token_ids(model.config.vocab_size, tokenizer)
 
     def generate(
         self,
@@ -198,16 +217,16 @@ class Generator:
             t0 = time.perf_counter()
             if prefilling:
                 ready, logits, num_prompt_tokens = self._prefill_step(prefilling, manager, cache)
-                tokens = [sample(row, sampling, s.rng) for s, row in zip(ready, logits)]
-            elif sampling.greedy and hasattr(self.model, "greedy_tokens"):  # sampled where the logits are
+                choices = self._mask_padding(logits)
+            elif self._greedy_on_device(sampling):  # sampled where the logits are
                 ready = running
-                tokens = self.model.greedy_tokens(self._decode_batch(running, manager), cache)
+                choices = self.model.greedy_tokens(self._decode_batch(running, manager), cache)
             else:
                 ready, logits = running, self._decode_step(running, manager, cache)
-                tokens = [sample(row, sampling, s.rng) for s, row in zip(ready, logits)]
+                choices = self._mask_padding(logits)
             now = time.perf_counter() - start
-            for s, token in zip(ready, tokens):
-                self._append_token(s, int(token), on_text, now)
+            for s, choice in zip(ready, choices):
+                self._advance(s, choice, sampling, on_text, now)
             elapsed = time.perf_counter() - t0
             if prefilling:
                 stats.prompt_tokens += num_prompt_tokens
@@ -274,7 +293,48 @@ class Generator:
         s.num_prefilled = end
         return chunk
 
-    def _append_token(self, s: _Sequence, token: int, on_text, now: float) -> None:
+    # -- one sequence's next token
+
+    def _greedy_on_device(self, sampling: SamplingParams) -> bool:
+        """Whether a decode step takes the model's own greedy ids (``greedy_tokens``: the argmax
+        where the logits are, on the GPU) instead of the logits. Only when no id is padding: that
+        argmax runs over every id, and the host cannot mask what it never sees."""
+        return (sampling.greedy and hasattr(self.model, "greedy_tokens")
+                and self.num_token_ids == self.model.config.vocab_size)
+
+    def _mask_padding(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` with the padding ids' columns at ``-inf``: they can never be chosen."""
+        if self.num_token_ids >= logits.shape[-1]:
+            return logits
+        masked = np.array(logits, dtype=np.float32)  # a copy: the model's array stays as it was
+        masked[:, self.num_token_ids:] = -np.inf
+        return masked
+
+    def _advance(self, s: _Sequence, choice, sampling: SamplingParams, on_text, now: float) -> None:
+        """Give ``s`` its next token, from a (masked) logits row or a device greedy id, and stream
+        the text it completes. A failure in choosing or decoding finishes ``s`` alone, with
+        ``"error"``; the ``on_text`` callback runs outside, so its own errors are not the sequence's."""
+        num_streamed, token_number = len(s.streamed), len(s.output) + 1
+        try:
+            self._append_token(s, self._choose(s, choice, sampling), now)
+        except (ValueError, LookupError, OverflowError) as e:  # what samplers and tokenizers raise
+            s.finish_reason = "error"
+            s.error = f"request {s.index}, token {token_number}: {e}"
+        if on_text:
+            for piece in s.streamed[num_streamed:]:
+                on_text(s.index, piece)
+
+    def _choose(self, s: _Sequence, choice, sampling: SamplingParams) -> int:
+        """The token id: sampled from a logits row, or the device's greedy id; never a padding id."""
+        token = sample(choice, sampling, s.rng) if np.ndim(choice) == 1 else int(choice)
+        if not 0 <= token < self.num_token_ids:  # masked ids cannot be sampled: a device id can
+            raise ValueError(f"token id {token} is not in [0, {self.num_token_ids}), the ids that can be generated "
+                             "(from the tokenizer's vocab_size up they are padding)")
+        return token
+
+    def _append_token(self, s: _Sequence, token: int, now: float) -> None:
+        """Record ``token``, finish ``s`` at a stop token or its length, and add the text pieces it
+        completes to ``s.streamed``."""
         if not s.output:
             s.first_token_time = now
         s.output.append(token)
@@ -282,24 +342,24 @@ class Generator:
             s.finish_reason = "stop"
         else:
             if s.decoder is not None:
-                self._emit(s, s.decoder.push(token), on_text)
+                self._record(s, s.decoder.push(token))
             if len(s.output) >= s.max_new_tokens:
                 s.finish_reason = "length"
         if s.finish_reason and s.decoder is not None:
             # whatever the final decode holds beyond the streamed pieces (an unfinished UTF-8
             # tail, shown as U+FFFD), so that the pieces always add up to ``text``
-            self._emit(s, self._final_text(s)[len("".join(s.streamed)):], on_text)
+            self._record(s, self._final_text(s)[len("".join(s.streamed)):])
 
     @staticmethod
-    def _emit(s: _Sequence, piece: str, on_text) -> None:
+    def _record(s: _Sequence, piece: str) -> None:
         if piece:
             s.streamed.append(piece)
-            if on_text:
-                on_text(s.index, piece)
 
     def _final_text(self, s: _Sequence) -> str:
         if self.tokenizer is None:
             return ""
+        if s.finish_reason == "error":  # decoding may be what failed: keep what was streamed
+            return "".join(s.streamed)
         ids = s.output[:-1] if s.finish_reason == "stop" else s.output
         full = self.tokenizer.decode(ids)
         streamed = "".join(s.streamed)
@@ -308,4 +368,4 @@ class Generator:
 
     def _result(self, s: _Sequence, now: float) -> GenerationResult:
         return GenerationResult(s.index, s.prompt, s.output, self._final_text(s), s.finish_reason,
-                                s.first_token_time, now)
+                                s.first_token_time, now, s.error)

@@ -21,6 +21,12 @@ or one decode token), described by ``ForwardBatch``. Sequences with exactly one 
 to the backend's paged decode attention, the others to its prefill attention over the cached
 prefix. The forward returns float32 logits of the last new token of every sequence (or of
 every new token, for tests).
+
+Non-finite values: weights or scales that load fine can still overflow float32 at run time. The
+forward checks the residual stream after each block, K and V before each cache write, and the
+logits, once per tensor (``np.isfinite(...).all()``), and raises ``NonFiniteError`` naming the
+layer and the place. This model serves generation, where failing loudly is right; the operator
+oracles in ``reference/`` still propagate NaN where a test asks them to.
 """
 
 from __future__ import annotations
@@ -34,6 +40,18 @@ from .backend import Backend, ReferenceBackend
 from .config import Qwen3Config
 from .kv_manager import KVCacheManager, LayerKVCache
 from .layout import PROJECTIONS, expected_tensors, is_fp8_projection
+
+
+class NonFiniteError(RuntimeError):
+    """A forward produced NaN or infinity; the message names the layer and where (one line)."""
+
+
+def check_finite(x: np.ndarray, where: str) -> None:
+    """Raise ``NonFiniteError`` if ``x`` holds a NaN or an infinity: ``"{where} is not finite ..."``."""
+    if not np.isfinite(x).all():
+        bad = int(np.size(x) - np.count_nonzero(np.isfinite(x)))
+        raise NonFiniteError(f"{where} is not finite: {bad} of its {np.size(x)} values are NaN or infinite "
+                             "(weights or scales too large?)")
 
 
 @dataclass(frozen=True)
@@ -196,14 +214,20 @@ class Qwen3Model:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
         b, eps = self.backend, self.config.rms_norm_eps
         h = b.embedding(self.embed_tokens, batch.token_ids)  # the residual stream, [T, hidden]
-        for layer, cache in zip(self.layers, kv_cache):
-            h = h + self._attention_block(layer, b.rms_norm(h, layer.input_layernorm, eps), batch, cache)
+        check_finite(h, "the embedding of the new tokens")
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_cache)):
+            h = h + self._attention_block(layer, b.rms_norm(h, layer.input_layernorm, eps), batch, cache, i)
+            check_finite(h, f"layer {i}: the residual stream after the attention")
             h = h + self._mlp_block(layer, b.rms_norm(h, layer.post_attention_layernorm, eps))
+            check_finite(h, f"layer {i}: the residual stream after the MLP")
         if not all_logits:
             h = h[batch.last_token_rows]
-        return b.linear(b.rms_norm(h, self.norm, eps), self.lm_head)
+        logits = b.linear(b.rms_norm(h, self.norm, eps), self.lm_head)
+        check_finite(logits, "the output of the final norm and lm_head (the logits)")
+        return logits
 
-    def _attention_block(self, layer: DecoderLayer, x: np.ndarray, batch: ForwardBatch, cache: LayerKVCache):
+    def _attention_block(self, layer: DecoderLayer, x: np.ndarray, batch: ForwardBatch, cache: LayerKVCache,
+                         index: int):
         c, b = self.config, self.backend
         t = x.shape[0]
         q = b.linear(x, layer.q_proj).reshape(t, c.num_attention_heads, c.head_dim)
@@ -211,6 +235,9 @@ class Qwen3Model:
         v = b.linear(x, layer.v_proj).reshape(t, c.num_key_value_heads, c.head_dim)
         q = b.rope(b.rms_norm(q, layer.q_norm, c.rms_norm_eps), batch.positions, c.rope_theta)
         k = b.rope(b.rms_norm(k, layer.k_norm, c.rms_norm_eps), batch.positions, c.rope_theta)
+        # checked before the write: the cache would quantize a NaN and report it without the layer
+        check_finite(k, f"layer {index}: K before the cache write")
+        check_finite(v, f"layer {index}: V before the cache write")
         b.write_kv(cache, k, v, batch.slot_mapping)
         out = self._attention(q, batch, cache)
         return b.linear(out.reshape(t, c.num_attention_heads * c.head_dim), layer.o_proj)

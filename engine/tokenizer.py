@@ -76,6 +76,10 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.path = path
         self.special_ids = frozenset(i for i, t in hf_tokenizer.get_added_tokens_decoder().items() if t.special)
+        # one past the highest id (added tokens included), not get_vocab_size(), which counts tokens:
+        # the two differ only if the ids had a gap (Qwen's and the tiny tokenizer's have none; an
+        # id in a gap would fail to decode, which engine.generate contains to its sequence)
+        self._num_ids = 1 + max(hf_tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
 
     @classmethod
     def from_dir(cls, path) -> "Tokenizer":
@@ -93,8 +97,14 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids, added tokens included (may be below the model's padded ``vocab_size``)."""
-        return self.hf.get_vocab_size(with_added_tokens=True)
+        """Number of decodable token ids: ids ``0 .. vocab_size - 1``, added tokens included.
+
+        A model's ``vocab_size`` may be larger (Qwen3 pads its embedding to 151936 rows for 151669
+        tokenizer ids; fp8lab's random real-shape checkpoints carry the 1024-id tiny tokenizer):
+        ids from here up are padding, which ``decode`` drops and ``token_bytes`` rejects, and
+        which ``engine.generate`` therefore never samples.
+        """
+        return self._num_ids
 
     def token_to_id(self, token: str) -> int | None:
         return self.hf.token_to_id(token)

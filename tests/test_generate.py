@@ -233,12 +233,25 @@ def test_cli_batch_chat_and_sampling(fake_io, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--model", "/no/such/dir"], "not a directory"),
     (["--num-blocks", "1", "--block-size", "2"], "KV cache exhausted"),
-    (["--top-p", "0"], "top_p"),
+    (["--temperature", "1", "--top-p", "0"], "top_p"),
 ])
 def test_cli_errors_are_one_line_and_exit_non_zero(fake_io, capsys, argv, message):
     assert cli.main(["generate", "--prompt", "hello there", *argv]) == 1
     out, err = capsys.readouterr()
     assert message in err and err.count("\n") == 1 and err.startswith("fp8lab generate")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
+def test_cli_a_forward_that_overflows_names_the_layer_in_one_line(fake_io, capsys):
+    """Scales that load but overflow at run time: ``engine.model.NonFiniteError`` through the
+    command's error handling, naming the layer, not the KV cache's anonymous check."""
+    tensors = sys.modules["engine.checkpoint"].load_checkpoint(fake_io).tensors  # the fake's own dict
+    name = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    tensors[name] = np.full_like(tensors[name], 3e38)
+    assert cli.main(["generate", "--prompt", "hello", "--max-new-tokens", "3", "--backend", "reference"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fp8lab generate: error: layer 1: the residual stream after the MLP is not finite")
+    assert "weights or scales too large?" in err and err.count("\n") == 1
 
 
 def test_cli_bad_model_directory_names_the_problem(fake_io, capsys, tmp_path_factory):

@@ -37,6 +37,7 @@ FP8 KV vs BF16 KV 7% .. 8% (78% .. 91%). Its test asserts about twice those erro
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import numpy as np
 import pytest
@@ -45,7 +46,7 @@ from hypothesis import strategies as st
 
 from engine.backend import ReferenceBackend, rope_cos_sin
 from engine.kv_manager import round_to_bf16
-from engine.model import Qwen3Model
+from engine.model import NonFiniteError, Qwen3Model
 from reference import blockwise
 from reference import strategies as fst
 
@@ -296,3 +297,27 @@ def test_tiny_checkpoint_fp8_against_bf16():
         kv8 = prefill_logits(fp8, tokens, "fp8", block_size=16)
         assert rel_err(w8, w16) <= 0.3 and _agreement(w8, w16) >= 0.6
         assert rel_err(kv8, w8) <= 0.15 and _agreement(kv8, w8) >= 0.7
+
+
+# ---------------------------------------------------------------------------- non-finite values
+
+
+@pytest.mark.parametrize("fp8, tensor, message", [
+    (True, "model.layers.0.self_attn.v_proj.weight_scale_inv", "layer 0: V before the cache write"),
+    (True, "model.layers.1.self_attn.k_proj.weight_scale_inv", "layer 1: K before the cache write"),
+    (True, "model.layers.1.self_attn.o_proj.weight_scale_inv", "layer 1: the residual stream after the attention"),
+    (True, "model.layers.1.mlp.down_proj.weight_scale_inv", "layer 1: the residual stream after the MLP"),
+    (False, "lm_head.weight", "the output of the final norm and lm_head (the logits)"),
+])
+@pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
+def test_an_overflowing_forward_names_the_layer(fp8, tensor, message):
+    """Finite weights and scales that load fine but overflow float32 at run time (3e38 is a
+    valid float32 scale; 448 * 3e38 is not): the error names the layer and the place, in one line,
+    instead of a cache write's anonymous "expected finite values"."""
+    config = tiny_config(fp8=fp8)
+    _, tensors = random_model(config, seed=0)
+    tensors[tensor] = np.full_like(tensors[tensor], 3e38)
+    with pytest.raises(NonFiniteError, match=f"^{re.escape(message)} is not finite: .* values are NaN or infinite "
+                       r"\(weights or scales too large\?\)$") as info:
+        prefill_logits(Qwen3Model(config, tensors), _tokens(0, 5))
+    assert "\n" not in str(info.value) and isinstance(info.value, RuntimeError)

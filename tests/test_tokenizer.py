@@ -164,3 +164,13 @@ def test_stream_decoder_needs_byte_level(tok):
     other.hf.decoder = decoders.WordPiece()
     with pytest.raises(ValueError, match="byte-level"):
         StreamDecoder(other)
+
+
+def test_vocab_size_counts_the_decodable_ids(tok):
+    """Every id below ``vocab_size`` is a token (the last one an added token); from there up an id
+    is padding of a model's larger vocabulary: ``token_bytes`` (so ``StreamDecoder``) rejects it."""
+    assert tok.vocab_size == 1 + max(tok.hf.get_vocab(with_added_tokens=True).values())
+    assert all(tok.hf.id_to_token(i) is not None for i in range(tok.vocab_size))
+    assert tok.token_bytes(tok.vocab_size - 1) == b"</think>"
+    with pytest.raises(ValueError, match="outside the tokenizer's 1024 ids"):
+        tok.stream_decoder().push(tok.vocab_size)
