@@ -39,7 +39,7 @@ from reference import attention as ref_attention
 from reference import blockwise
 from reference import kv_cache as ref_kv
 
-from .kv_manager import LayerKVCache, allocate_kv_cache, round_to_bf16
+from .kv_manager import LayerKVCache, allocate_kv_cache, host_available_bytes, round_to_bf16
 from .safetensors_io import round_to_bf16 as round_to_bf16_nan_kept
 
 GEMM_INPUTS = ("float32", "bf16")
@@ -232,9 +232,59 @@ BACKEND_CHOICES = ("auto", "reference", "cuda", "cudasim")
 
 - ``reference``: ``Qwen3Model`` on ``ReferenceBackend`` (NumPy on the CPU);
 - ``cuda``: ``engine.cuda_model.CudaQwen3Model``, the kernels of ``numba_kernels`` on an NVIDIA GPU;
-- ``cudasim``: the same model and kernels in Numba's CUDA simulator (very slow: tiny models, tests);
+- ``cudasim``: the same model and kernels in Numba's CUDA simulator, which runs every GPU thread in Python:
+  for testing the kernels on micro models, about ten minutes per token on the demo model
+  (``simulator_too_slow``);
 - ``auto``: ``cuda`` when numba-cuda sees a GPU and the kernels take the model's shapes, else ``reference``.
 """
+
+
+SIMULATOR_SECONDS_PER_WORK = 600 / (384 * 1024 * 6)
+"""Simulator seconds per generated token per unit of ``simulator_work``: about ten minutes a token on the demo
+model (hidden 384, intermediate 1024, 6 layers). A rough scale, for messages, not a benchmark."""
+SIMULATOR_MAX_WORK = 2**16
+"""Largest ``simulator_work`` the commands run in the simulator without being asked (about 15 s a token):
+the micro models of the tests (hidden and intermediate 128, 1 or 2 layers) are well below it."""
+SIMULATOR_HELP = ("cudasim: the kernels in Numba's CUDA simulator, which runs every GPU thread in Python: for "
+                  "testing the kernels on micro models, about ten minutes per token on the demo model (bigger "
+                  "models need --allow-slow-simulator)")
+"""What ``--help`` of ``fp8lab generate`` and ``fp8lab eval`` says about ``cudasim``."""
+
+
+def simulator_work(config) -> int:
+    """The size that the simulator's time per token grows with: ``hidden_size * intermediate_size * layers``."""
+    return config.hidden_size * config.intermediate_size * config.num_hidden_layers
+
+
+def simulator_too_slow(config) -> str | None:
+    """Why ``config`` is too big for the CUDA simulator (its rough time per token), or None when it is small."""
+    work = simulator_work(config)
+    if work <= SIMULATOR_MAX_WORK:
+        return None
+    minutes = work * SIMULATOR_SECONDS_PER_WORK / 60
+    return (f"the CUDA simulator runs every GPU thread in Python, to test the kernels on micro models; this model "
+            f"(hidden {config.hidden_size} x intermediate {config.intermediate_size} x {config.num_hidden_layers} "
+            f"layers) would take roughly {minutes:.0f} minutes per token")
+
+
+def check_simulator_size(config, allow_slow: bool) -> None:
+    """The commands' check before ``--backend cudasim``: a ``ValueError`` naming the way out (and
+    ``--allow-slow-simulator``) when ``simulator_too_slow(config)``, unless ``allow_slow``."""
+    reason = simulator_too_slow(config)
+    if reason is not None and not allow_slow:
+        raise ValueError(f"--backend cudasim: {reason}; use --backend reference (NumPy on the CPU) or cuda (a GPU), "
+                         "or pass --allow-slow-simulator to run it anyway")
+
+
+def kv_cache_memory_available(backend: str) -> tuple[int | None, str]:
+    """Bytes free now for a KV cache on ``backend`` (``reference``, ``cuda``, ``cudasim``), and where: free GPU
+    memory for ``cuda``, host memory otherwise (the simulator's device arrays are NumPy arrays). None where
+    the system does not say. Call it after loading the model, so that the weights are already counted."""
+    if backend == "cuda":
+        from .cuda_model import gpu_memory_info
+
+        return gpu_memory_info()[0], "free GPU memory"
+    return host_available_bytes(), "available host memory"
 
 
 def get_backend(name: str) -> Backend:

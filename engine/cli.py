@@ -8,6 +8,9 @@ Subcommands:
 - ``fp8lab generate``: ``engine.generate_command``;
 - ``fp8lab eval``: ``engine.eval_command`` (perplexity, and the BF16/FP8 comparison table);
 - ``fp8lab bench``: ``engine.bench_command`` (runs ``bench/engine.py`` on a GPU).
+
+Errors print one line to stderr and exit 1; Ctrl-C prints one line and exits 130 (128 + SIGINT), the
+shell's convention.
 """
 
 from __future__ import annotations
@@ -48,6 +51,26 @@ def _e4m3_command(args) -> int:
     return 0
 
 
+def _is_number(arg: str) -> bool:
+    try:
+        float(arg)
+    except ValueError:
+        return False
+    return True
+
+
+def _e4m3_values_as_positionals(argv: list[str]) -> list[str]:
+    """``fp8lab e4m3 -inf -1e3``: argparse takes ``-inf`` and ``-1e3`` for options (it only knows plain
+    ``-1`` and ``-.5`` as negative numbers), so move every number of the command behind ``--``, where
+    nothing is an option. Order among the numbers is kept; an explicit ``--`` is left alone."""
+    if not argv or argv[0] != "e4m3" or "--" in argv:
+        return argv
+    numbers = [a for a in argv[1:] if _is_number(a)]
+    if not any(a.startswith("-") for a in numbers):
+        return argv
+    return ["e4m3", *[a for a in argv[1:] if not _is_number(a)], "--", *numbers]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fp8lab",
@@ -76,11 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_e4m3_values_as_positionals(list(sys.argv[1:] if argv is None else argv)))
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        # one line, not a traceback; 130 = 128 + SIGINT, what a shell reports for Ctrl-C
+        print(f"fp8lab {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -139,6 +139,12 @@ slot read before it was written gives NaN, as the reference cache's NaN poison d
 # ---------------------------------------------------------------------------- device memory
 
 
+def gpu_memory_info() -> tuple[int, int]:
+    """``(free, total)`` bytes of the current GPU's memory, as the driver reports them now (GPU only)."""
+    free, total = cuda.current_context().get_memory_info()
+    return int(free), int(total)
+
+
 def _cuda_memory_errors() -> tuple[type, ...]:
     if SIMULATOR:
         return (MemoryError,)

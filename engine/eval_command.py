@@ -13,12 +13,16 @@
   the GPU kernels (``cuda``; with ``--backend cudasim``, the kernels in Numba's CUDA simulator), each
   compared with its twin on the reference backend.
 
+``--backend cudasim`` is for testing the kernels on micro models: the simulator runs every GPU thread in
+Python, about ten minutes per token on the demo model, so a bigger model needs ``--allow-slow-simulator``
+(``engine.backend.simulator_too_slow``).
+
 Defaults: ``--model``: the embedded demo model (FP8 for a perplexity run, BF16 for ``--compare``;
 ``_default_model``); ``--text``: the shipped held-out text (``engine.evaluate.default_eval_text``).
 The report goes to stdout, progress bars to stderr; ``--json FILE`` writes every number and the
 settings (``engine.evaluate.evaluation_json``). Errors (bad options, a missing file, a text too
-short) print one line to stderr and exit 1; so does a NaN or infinite logit, after the report, whose
-numbers then read ``nan``.
+short) print one line to stderr and exit 1 (Ctrl-C: 130, ``engine.cli``); so does a NaN or infinite
+logit, after the report, whose numbers then read ``nan``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from .backend import BACKEND_CHOICES, GEMM_INPUTS
+from .backend import BACKEND_CHOICES, GEMM_INPUTS, SIMULATOR_HELP
 from .kv_manager import KVCacheExhausted
 
 SCHEMA_VERSION = 1
@@ -65,8 +69,10 @@ def register(subparsers) -> None:
                    help="format of the activations entering the FP8 GEMMs in a perplexity run (default float32; "
                    "--compare sets it per row)")
     p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
-                   help="backend of every row: reference (NumPy), cuda (the GPU kernels), cudasim (the kernels in "
-                   "Numba's CUDA simulator, tiny models only), auto (default): cuda when there is a GPU")
+                   help="backend of every row: reference (NumPy), cuda (the GPU kernels), " + SIMULATOR_HELP +
+                   ", auto (default): cuda when there is a GPU")
+    p.add_argument("--allow-slow-simulator", action="store_true",
+                   help="run --backend cudasim on a model bigger than a micro model anyway (minutes per token)")
     p.add_argument("--compare", action="store_true",
                    help="run the comparison table instead of one perplexity (needs a BF16 --model)")
     p.add_argument("--compare-backends", action="store_true",
@@ -87,6 +93,9 @@ def _eval_command(args: argparse.Namespace) -> int:
         return _run(args)
     except KVCacheExhausted as e:
         print(f"fp8lab eval: {e}", file=sys.stderr)
+    except MemoryError as e:
+        print(f"fp8lab eval: out of memory ({e or type(e).__name__}); lower --chunk, --prompts or --max-tokens",
+              file=sys.stderr)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         print(f"fp8lab eval: error: {e}", file=sys.stderr)
     return 1
@@ -125,7 +134,7 @@ def _check_lengths(config, longest_chunk: int, greedy_tokens: int | None) -> Non
 def _run(args: argparse.Namespace) -> int:
     # imported here: the I/O half (checkpoint, tokenizer, tiny model) loads only when used
     from . import evaluate as ev
-    from .backend import gpu_available, resolve_backend
+    from .backend import check_simulator_size, gpu_available, resolve_backend
     from .checkpoint import load_checkpoint
     from .tokenizer import Tokenizer
 
@@ -137,6 +146,8 @@ def _run(args: argparse.Namespace) -> int:
     if compare and checkpoint.is_fp8:
         raise ValueError(f"--model {model_dir}: an FP8 checkpoint; --compare needs the BF16 checkpoint it was "
                          "quantized from (it makes the FP8 weights itself)")
+    if args.backend == "cudasim":
+        check_simulator_size(checkpoint.config, args.allow_slow_simulator)
     tokenizer = Tokenizer.from_dir(model_dir)
     text = ev.read_eval_text(text_path, tokenizer, args.max_tokens)
     if len(text.ids) < 2:

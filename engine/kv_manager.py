@@ -25,6 +25,9 @@ Cache dtypes (``kv_cache_dtype``):
   cache, at twice the memory.
 - ``"fp32"``: plain float32, no rounding; for tests that compare against an exact cache.
 
+Memory (``kv_block_bytes``, ``blocks_in_budget``, ``host_available_bytes``): ``fp8lab generate`` sizes
+its cache as the smaller of the batch's worst case and what fits in a fraction of the free memory.
+
 Running out of blocks raises ``KVCacheExhausted`` (a ``RuntimeError``) naming how many blocks
 were needed and how many were free, *before* any state changes: a failed ``append`` leaves every
 block table, length and the free list as they were.
@@ -55,6 +58,66 @@ class KVCacheExhausted(RuntimeError):
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks that ``num_tokens`` tokens occupy: ``ceil(num_tokens / block_size)``."""
     return -(-int(num_tokens) // int(block_size))
+
+
+# ---------------------------------------------------------------------------- memory
+
+VALUE_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
+"""Bytes of one cached K or V element per ``kv_cache_dtype``. FP8 adds one float32 scale per (token, kv head)."""
+
+
+def kv_block_bytes(config, block_size: int, kv_cache_dtype: str, *, bf16_in_float32: bool = False) -> int:
+    """Bytes of one KV cache block over all layers of ``config``: K and V, plus their scales for FP8.
+
+    ``bf16_in_float32``: the NumPy cache (``allocate_kv_cache``) keeps BF16 values in float32 arrays, so
+    a BF16 element costs 4 bytes there; the GPU cache stores 2-byte BF16 patterns.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    value = 4 if (bf16_in_float32 and kv_cache_dtype == "bf16") else VALUE_BYTES[kv_cache_dtype]
+    scale = 4 if kv_cache_dtype == "fp8" else 0
+    per_token_and_head = 2 * (config.head_dim * value + scale)  # 2: K and V
+    return config.num_hidden_layers * config.num_key_value_heads * int(block_size) * per_token_and_head
+
+
+def blocks_in_budget(available_bytes: int, fraction: float, block_bytes: int) -> int:
+    """How many blocks of ``block_bytes`` fit in ``fraction`` of ``available_bytes`` (rounded down)."""
+    return int(available_bytes * fraction) // int(block_bytes)
+
+
+def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
+    """Linux's ``MemAvailable`` (free memory plus what the kernel can reclaim), in bytes; None without it."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_available_bytes() -> int | None:
+    """Host memory a new allocation can use now, in bytes, or None where the system does not say.
+
+    ``MemAvailable`` on Linux; elsewhere psutil when it is installed, then the free physical pages
+    (``sysconf``, which undercounts: reclaimable caches are not free pages).
+    """
+    available = _meminfo_available()
+    if available is not None:
+        return available
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # not installed, or no answer on this system
+        pass
+    try:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # e.g. macOS has no SC_AVPHYS_PAGES
+        return None
 
 
 # ---------------------------------------------------------------------------- bookkeeping

@@ -1,4 +1,5 @@
-"""The fp8lab command line: help lists the subcommands, e4m3 prints the table and encodes numbers."""
+"""The fp8lab command line: help lists the subcommands, e4m3 prints the table and encodes numbers (negative
+ones and -inf too, without ``--``)."""
 
 import shutil
 import subprocess
@@ -42,3 +43,24 @@ def test_encoding_numbers_and_overflow_policy(capsys):
 def test_console_script_is_installed():
     out = subprocess.run(["fp8lab", "e4m3", "448"], capture_output=True, text=True, check=True).stdout
     assert "0x7E" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["e4m3", "-inf", "-1e3", "-0.5", "-nan", "465"],
+    ["e4m3", "-inf", "--no-saturate", "-1e3", "-0.5", "-nan", "465"],
+    ["e4m3", "--", "-inf", "-1e3", "-0.5", "-nan", "465"],
+])
+def test_negative_numbers_and_minus_inf_are_values_not_options(capsys, argv):
+    """argparse reads ``-inf`` and ``-1e3`` as options; ``fp8lab e4m3`` takes them as numbers, in order."""
+    assert cli.main(argv) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["-inf", "-1000", "-0.5", "nan", "465"]
+    saturate = "--no-saturate" not in argv
+    assert rows[1][1] == ("0xFE" if saturate else "0xFF")  # -1000: -448 saturated, or NaN
+    assert rows[2][1] == "0xB0"  # -0.5
+
+
+def test_a_word_that_is_not_a_number_is_still_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["e4m3", "-x"])
+    assert exit_info.value.code == 2

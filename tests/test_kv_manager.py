@@ -1,7 +1,9 @@
 """The paged KV cache manager: a Hypothesis state machine over many sequences, plus the storage
-(BF16 rounding, FP8 codes need scales, poisoned fresh caches)."""
+(BF16 rounding, FP8 codes need scales, poisoned fresh caches, the bytes of a block)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,7 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.kv_manager import (
-    BlockAllocator, KVCacheExhausted, KVCacheManager, LayerKVCache, allocate_kv_cache, blocks_for, round_to_bf16,
+    BlockAllocator, KVCacheExhausted, KVCacheManager, LayerKVCache, allocate_kv_cache, blocks_for, kv_block_bytes,
+    round_to_bf16,
 )
 from engine.backend import ReferenceBackend
 from reference import kv_cache
@@ -185,3 +188,19 @@ def test_fresh_caches_are_poisoned_and_writes_land_in_their_slots(dtype, rng):
             np.testing.assert_allclose(got[pos], want, rtol=tol, atol=tol * np.abs(want).max())
         else:
             assert np.all(np.isnan(got[pos]))  # never written: poison, not a plausible number
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "fp32"])
+def test_kv_block_bytes_is_what_the_numpy_cache_allocates(dtype):
+    """One block over all layers: K, V and (fp8) their scales; the NumPy cache keeps BF16 in float32."""
+    config = SimpleNamespace(num_hidden_layers=3, num_key_value_heads=2, head_dim=16)
+    num_blocks, block_size = 5, 4
+    layers = allocate_kv_cache(3, num_blocks, 2, block_size, 16, dtype)
+    arrays = [a for layer in layers for a in (layer.k, layer.v, layer.k_scale, layer.v_scale) if a is not None]
+    nbytes = sum(a.nbytes for a in arrays)
+    assert kv_block_bytes(config, block_size, dtype, bf16_in_float32=True) * num_blocks == nbytes
+    # the GPU cache: 1, 2 or 4 bytes per element, plus a float32 scale per (token, kv head) for fp8
+    per_element = {"fp8": 1 + 4 / 16, "bf16": 2, "fp32": 4}[dtype]
+    assert kv_block_bytes(config, block_size, dtype) == 3 * 2 * block_size * 2 * 16 * per_element
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        kv_block_bytes(config, block_size, "int4")
