@@ -283,4 +283,8 @@ def _run(args: argparse.Namespace) -> int:
                              seed=args.seed, on_text=on_text, on_finish=on_finish)
     print(f"{len(prompts)} sequence(s), backend {backend}, kv cache {args.kv_cache_dtype}; {out.stats.summary()}",
           file=sys.stderr)
-    return 0
+    # a sequence that failed (e.g. NaN logits) finished alone; the others' text is printed above
+    failed = [r for r in out.results if r.finish_reason == "error"]
+    for r in failed:
+        print(f"fp8lab generate: error in prompt {r.index + 1}: {r.error}", file=sys.stderr)
+    return 1 if failed else 0

@@ -38,8 +38,8 @@ under changes of the layer count and the thread count: each tensor's numbers com
 ``<|endoftext|>`` 1019, ``<|im_end|>`` 1021; ``config.json``'s ``bos/eos_token_id`` and
 ``generation_config.json`` name those ids). For the real shapes the model's vocabulary (151936)
 is far larger than the tokenizer's, as it is slightly larger in Qwen's own checkpoints (151669
-tokenizer ids): prompts of text work, but the random model mostly emits ids the tokenizer cannot
-decode, so ``fp8lab generate`` on such a checkpoint stops with an error once it must print one.
+tokenizer ids): prompts of text work, and ``engine.generate`` never generates an id the tokenizer
+cannot decode (it masks the padding ids before sampling, as for Qwen's own padded vocabulary).
 Benchmarks feed random token ids and never decode (``fp8lab bench``).
 
 **Bytes per decode step** (``decode_bytes_per_step``): what one decode step of a batch must read

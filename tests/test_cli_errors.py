@@ -172,3 +172,22 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, command, module):
     argv = [command, "--prompt", "hi"] if command == "generate" else [command]
     assert cli.main(argv) == 130
     assert capsys.readouterr().err == f"fp8lab {command}: interrupted\n"
+
+
+def test_a_failed_sequence_is_reported_and_the_others_are_printed(fake_io, monkeypatch, capsys):
+    """One prompt whose sequence fails (``finish_reason == "error"``) exits 1 with a line naming it; the
+    other prompt's text is still printed."""
+    from engine import generate as gen
+
+    real_generate = gen.Generator.generate
+
+    def generate_with_one_failure(self, prompts, **kw):
+        out = real_generate(self, prompts, **kw)
+        out.results[1].finish_reason, out.results[1].error = "error", "logits: contain NaN (at token ids 3)"
+        return out
+
+    monkeypatch.setattr(gen.Generator, "generate", generate_with_one_failure)
+    assert cli.main(["generate", "--prompt", "one", "--prompt", "two", "--max-new-tokens", "3"]) == 1
+    out, err = capsys.readouterr()
+    assert "=== [0]" in out
+    assert "fp8lab generate: error in prompt 2: logits: contain NaN (at token ids 3)" in err
