@@ -6,8 +6,16 @@ For a query head ``h`` of a sequence with ``L`` cached tokens::
     out_h = sum_j softmax(s)_j * v_j
 
 GQA: query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``. A sequence of length
-0 has nothing to attend to and gives a zero row (never NaN). Everything is computed in float64
-from the dequantized cache and returned as float32.
+0 has nothing to attend to and gives a zero row (whatever ``q`` and ``softmax_scale`` are).
+Everything is computed in float64 from the dequantized cache (scores as
+``<softmax_scale * q_h, k_j>``, as the kernels do) and returned as float32.
+
+NaN and infinity follow IEEE arithmetic over exactly the keys a query reads, with no guard:
+a NaN in ``q[.., h]`` makes row ``h`` NaN; a NaN in key or value ``j`` of kv head ``g`` makes NaN
+every query head that reads ``g`` and attends ``j``; a NaN ``softmax_scale`` or ALiBi slope makes
+NaN the rows it scales. An infinite score gives NaN weights (``inf - inf``), so NaN too. Keys a
+query does not read cannot reach it, even when NaN: in prefill the keys after a query's position
+(causal mask), in decode the cache slots past ``seq_len`` (which an engine poisons with NaN).
 """
 
 from __future__ import annotations
@@ -33,20 +41,45 @@ def _checked_slopes(alibi_slopes, num_heads: int) -> np.ndarray | None:
     return slopes
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scores_bias: np.ndarray) -> np.ndarray:
-    """Softmax attention of query rows ``q[R, H, D]`` over ``k, v[S, H, D]`` (already expanded per query head).
+def _per_head_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``out[r, h] = a[r, h] @ b[h]`` for ``a[R, H, X]`` and ``b[H, X, Y]``: batched BLAS products
+    (einsum would not use BLAS here)."""
+    return np.matmul(a.transpose(1, 0, 2), b).transpose(1, 0, 2)
 
-    ``scores_bias`` (broadcast to ``[R, H, S]``) is added to the scaled scores; ``-inf`` masks a key.
-    Rows whose keys are all masked (or ``S == 0``) give zeros. float64 throughout.
+
+def _attend_all(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """Softmax attention of query rows ``q[R, H, D]`` (already scaled) over *every* key of
+    ``k, v[S, H, D]`` (expanded per query head), ``S >= 1``, plus ``bias`` (broadcast to ``[R, H, S]``).
+
+    Plain IEEE float64 arithmetic with no guard: a NaN reaches every output it touches, and
+    an infinite score gives NaN weights through ``inf - inf``. Callers pass only the keys a query reads.
     """
-    # per head: [R, D] @ [D, S], as batched matrix products (einsum would not use BLAS here)
-    scores = np.matmul(q.transpose(1, 0, 2), k.transpose(1, 2, 0)).transpose(1, 0, 2) + scores_bias
-    row_max = np.max(scores, axis=2, keepdims=True, initial=-np.inf)
-    safe_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    weights = np.exp(scores - safe_max)
-    denom = weights.sum(axis=2, keepdims=True)
-    out = np.matmul(weights.transpose(1, 0, 2), v.transpose(1, 0, 2)).transpose(1, 0, 2)
-    return np.divide(out, denom, out=np.zeros_like(out), where=denom > 0)
+    scores = _per_head_matmul(q, k.transpose(1, 2, 0)) + bias
+    weights = np.exp(scores - scores.max(axis=2, keepdims=True))
+    return _per_head_matmul(weights, v.transpose(1, 0, 2)) / weights.sum(axis=2, keepdims=True)
+
+
+def _attend_causal(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray, num_keys: np.ndarray) -> np.ndarray:
+    """Row ``r`` of ``q[R, H, D]`` attends keys ``0 .. num_keys[r] - 1`` of ``k, v[S, H, D]``, where
+    ``S = max(num_keys) >= 1``: ``_attend_all`` of each row over its own keys, computed for all rows at once.
+
+    A key a row does not read must not reach it, even when its K or V is NaN (the kernels never
+    load it). So the mask *selects* (``np.where``) instead of adding ``-inf`` (``NaN - inf`` is
+    NaN), and the ``weights @ v`` product, where a masked key's weight 0 times a NaN value would
+    still be NaN, sees the values with non-finite entries zeroed. That is exact for every row
+    whose own values are finite; the rows that read a non-finite value are recomputed one by one.
+    """
+    attended = np.arange(k.shape[0])[None, None, :] < num_keys[:, None, None]  # [R, 1, S]
+    scores = np.where(attended, _per_head_matmul(q, k.transpose(1, 2, 0)) + bias, -np.inf)
+    # every row reads key 0, so its max is over at least one real score
+    weights = np.where(attended, np.exp(scores - scores.max(axis=2, keepdims=True)), 0.0)
+    finite_v = np.where(np.isfinite(v), v, 0.0)
+    out = _per_head_matmul(weights, finite_v.transpose(1, 0, 2)) / weights.sum(axis=2, keepdims=True)
+    reads_non_finite = np.cumsum(~np.all(np.isfinite(v), axis=(1, 2)))[num_keys - 1] > 0  # [R]
+    for r in np.flatnonzero(reads_non_finite):
+        n = num_keys[r]
+        out[r] = _attend_all(q[r : r + 1], k[:n], v[:n], np.broadcast_to(bias, scores.shape)[r : r + 1, :, :n])[0]
+    return out
 
 
 PREFILL_ROWS = 64
@@ -90,15 +123,18 @@ def paged_decode(
     require_shape("block_tables", tables, (num_seqs, tables.shape[1]))
     slopes = _checked_slopes(alibi_slopes, num_heads)
 
-    out = np.zeros((num_seqs, num_heads, head_dim), dtype=np.float64)
+    out = np.zeros((num_seqs, num_heads, head_dim), dtype=np.float64)  # length 0 keeps its zero row
     for i in range(num_seqs):
         length = int(lens[i])
+        if length == 0:
+            continue
+        # gather reads the sequence's first `length` slots only: slots past it (NaN-poisoned) are never touched
         k = kv_cache.gather(k_cache, k_scale, tables[i], length).astype(np.float64)[:, kv_head, :]
         v = kv_cache.gather(v_cache, v_scale, tables[i], length).astype(np.float64)[:, kv_head, :]
         bias = np.zeros((num_heads, length))
         if slopes is not None:
             bias = slopes[:, None] * (np.arange(length) - (length - 1))[None, :]
-        out[i] = _attend(q64[i][None] * softmax_scale, k, v, bias[None])[0]
+        out[i] = _attend_all(q64[i][None] * softmax_scale, k, v, bias[None])[0]
     return out.astype(np.float32)
 
 
@@ -107,7 +143,8 @@ def prefill(q, k, v, softmax_scale: float, alibi_slopes=None) -> np.ndarray:
 
     ``q``: ``[T, num_heads, head_dim]``; ``k``, ``v``: ``[S, num_kv_heads, head_dim]`` (dense,
     dequantized). Query ``i`` sits at position ``S - T + i`` and attends keys ``0 .. S - T + i``;
-    with ``S > T`` the first ``S - T`` keys are an earlier prefix (chunked prefill).
+    with ``S > T`` the first ``S - T`` keys are an earlier prefix (chunked prefill). A key after
+    a query's position is never part of its math, even when NaN.
     Returns float32 ``[T, num_heads, head_dim]``.
     """
     q64 = as_float("q", q, np.float64)
@@ -130,9 +167,10 @@ def prefill(q, k, v, softmax_scale: float, alibi_slopes=None) -> np.ndarray:
     out = np.zeros((t, num_heads, head_dim), dtype=np.float64)
     for first in range(0, t, PREFILL_ROWS):
         rows = np.arange(first, min(t, first + PREFILL_ROWS))
-        query_pos = (s - t + rows)[:, None, None]  # [R, 1, 1]
-        bias = np.where(key_pos[None, None, :] <= query_pos, 0.0, -np.inf)  # causal mask, [R, 1, S]
+        num_keys = s - t + rows + 1  # query at position p reads keys 0 .. p
+        keys = slice(0, int(num_keys[-1]))  # the block's last row reads the most; later keys are not touched
+        bias = np.zeros((1, 1, 1))
         if slopes is not None:
-            bias = bias + slopes[None, :, None] * (key_pos[None, None, :] - query_pos)
-        out[rows] = _attend(q64[rows] * softmax_scale, k_heads, v_heads, bias)
+            bias = slopes[None, :, None] * (key_pos[None, None, keys] - (num_keys - 1)[:, None, None])
+        out[rows] = _attend_causal(q64[rows] * softmax_scale, k_heads[keys], v_heads[keys], bias, num_keys)
     return out.astype(np.float32)

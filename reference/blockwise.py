@@ -5,8 +5,9 @@ A weight ``w[N, K]`` is stored as E4M3 codes ``q[N, K]`` plus one float32 ``scal
 
     w[n, k] ~= decode(q[n, k]) * scale_inv[n // BN, k // BK]
 
-Quantizing a block: ``scale_inv = amax / 448`` (1 for an all-zero block) and
-``q = encode(w / scale_inv, saturate=True)``, all in float32 as the checkpoint tools do.
+Quantizing a block: ``scale_inv = amax / 448`` (1 for an all-zero block, never below float32's
+smallest normal ``2^-126``: ``e4m3.scale_of_amax``) and ``q = encode(w / scale_inv, saturate=True)``,
+all in float32 as the checkpoint tools do.
 
 Two GEMM numerics are in use:
 
@@ -22,7 +23,14 @@ Error bound of ``dequantize(*quantize(w))`` per element (tested in ``tests/test_
     |dequantize(q, s)[n, k] - w[n, k]| <= 2^-4 * |w[n, k]| + 2^-10 * s[n // BN, k // BK]  (+ float32 rounding)
 
 The first term is half a unit in the last place of the 3-bit mantissa (relative 2^-4) for
-normals, the second half the subnormal spacing 2^-9 scaled by the block scale.
+normals, the second half the subnormal spacing 2^-9 scaled by the block scale. The ``2^-126``
+floor of the scale keeps the bound for blocks whose ``amax / 448`` would be a float32 subnormal.
+
+NaN and infinity follow the formulas, never a finite wrong number: a NaN or infinity in a
+block of ``w`` (or in a group of activations) makes its scale NaN or infinite and every element
+of it dequantize to NaN (``x / inf`` codes are 0 or NaN, ``0 * inf`` is NaN). NaN codes, NaN or
+infinite scales and non-finite activations reach the GEMM outputs that use them, by IEEE
+arithmetic. A loader rejects NaN codes in a checkpoint (``nan_code_positions``).
 """
 
 from __future__ import annotations
@@ -30,11 +38,14 @@ from __future__ import annotations
 import numpy as np
 
 from . import e4m3
-from ._checks import as_block, as_codes, as_float, ceil_div, require_finite, require_ndim, require_shape
+from ._checks import as_block, as_codes, as_float, ceil_div, require_ndim, require_shape
 
 DEFAULT_BLOCK = (128, 128)
 DEFAULT_ACTIVATION_EPS = 1e-10
 """vLLM's ``per_token_group_quant_fp8`` default: keeps the scale of an all-zero group positive."""
+MIN_ACTIVATION_EPS = 448 * 2.0**-126
+"""The smallest ``eps`` allowed: ``eps / 448`` is then a normal float32 (at least ``2^-126``). A
+smaller one makes an all-zero group's scale subnormal or 0, and ``0 / 0`` NaN codes."""
 
 
 def scale_shape(weight_shape: tuple[int, int], block=DEFAULT_BLOCK) -> tuple[int, int]:
@@ -75,29 +86,30 @@ def quantize(w, block=DEFAULT_BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """Quantize a weight ``w[N, K]`` blockwise; returns ``(q, scale_inv)``.
 
     ``q``: uint8 E4M3 codes ``[N, K]``; ``scale_inv``: float32 ``[ceil(N/BN), ceil(K/BK)]``,
-    ``amax / 448`` per block (1 where the block is all zero). Never produces NaN codes.
-    Non-finite weights are rejected.
+    ``e4m3.scale_of_amax(amax)`` per block. Finite weights never give NaN codes; a block holding
+    NaN or infinity gets a NaN or infinite scale and dequantizes to NaN everywhere.
     """
     bn, bk = as_block("block", block)
     w32 = as_float("w", w, np.float32)
     require_ndim("w", w32, 2, "[N, K]")
-    require_finite("w", w32)
-    amax = _block_amax(w32, (bn, bk))
-    scale_inv = np.where(amax == 0, np.float32(1), amax / np.float32(e4m3.MAX)).astype(np.float32)
+    scale_inv = e4m3.scale_of_amax(_block_amax(w32, (bn, bk)))
     # float32 division as the GPU and checkpoint tools do; saturate catches the amax element
     # landing a hair above 448 after scale_inv was rounded to float32.
-    scaled = w32 / expand_scales(scale_inv, w32.shape, (bn, bk))
+    with np.errstate(invalid="ignore"):  # inf / inf in a block holding inf: NaN, on purpose
+        scaled = w32 / expand_scales(scale_inv, w32.shape, (bn, bk))
     return e4m3.encode(scaled, saturate=True), scale_inv
 
 
 def dequantize(q, scale_inv, block=DEFAULT_BLOCK) -> np.ndarray:
     """``decode(q[n, k]) * scale_inv[n // BN, k // BK]`` as float32 ``[N, K]`` (one float32 multiply).
 
-    NaN codes decode to NaN; use ``nan_code_positions`` to find them first.
+    NaN codes decode to NaN; use ``nan_code_positions`` to find them first. A NaN scale, or an
+    infinite one times a zero code, gives NaN.
     """
     codes = as_codes("q", q)
     require_ndim("q", codes, 2, "[N, K]")
-    return e4m3.decode(codes) * expand_scales(scale_inv, codes.shape, block)
+    with np.errstate(invalid="ignore"):  # 0 * inf: NaN, on purpose
+        return e4m3.decode(codes) * expand_scales(scale_inv, codes.shape, block)
 
 
 def nan_code_positions(q) -> np.ndarray:
@@ -134,16 +146,30 @@ def quantize_activations(a, group: int = 128, eps: float = DEFAULT_ACTIVATION_EP
     For each row and each group of ``group`` columns (the last group may be partial):
     ``s = max(amax, eps) / 448`` and ``q = encode(a / s, saturate=True)``, in float32.
     Returns ``(q uint8 [M, K], scales float32 [M, ceil(K/group)])`` for ``a`` of shape ``[M, K]``.
+    ``eps`` must be finite and at least ``MIN_ACTIVATION_EPS`` (``check_eps``). A group holding
+    NaN or infinity gets a NaN or infinite scale and dequantizes to NaN everywhere.
     """
     a32 = as_float("a", a, np.float32)
     require_ndim("a", a32, 2, "[M, K]")
-    require_finite("a", a32)
     if int(group) <= 0:
         raise ValueError(f"group: expected a positive group size, got {group!r}")
+    eps32 = check_eps(eps)
     amax = _block_amax(a32, (1, int(group)))
-    scales = (np.maximum(amax, np.float32(eps)) / np.float32(e4m3.MAX)).astype(np.float32)
-    q = e4m3.encode(a32 / expand_scales(scales, a32.shape, (1, group)), saturate=True)
+    scales = (np.maximum(amax, eps32) / np.float32(e4m3.MAX)).astype(np.float32)  # np.maximum keeps a NaN
+    with np.errstate(invalid="ignore"):  # inf / inf in a group holding inf: NaN, on purpose
+        q = e4m3.encode(a32 / expand_scales(scales, a32.shape, (1, group)), saturate=True)
     return q, scales
+
+
+def check_eps(eps) -> np.float32:
+    """``eps`` as float32, after checking it is finite and ``>= MIN_ACTIVATION_EPS``; else ``ValueError``."""
+    eps32 = np.float32(eps)
+    if not (np.isfinite(eps32) and eps32 >= np.float32(MIN_ACTIVATION_EPS)):
+        raise ValueError(
+            f"eps: expected a finite eps >= {MIN_ACTIVATION_EPS:.3g} (448 * 2^-126, so that an all-zero "
+            f"group's scale eps / 448 is a normal float32), got {eps!r}"
+        )
+    return eps32
 
 
 def gemm_w8a8(a, q, scale_inv, block=DEFAULT_BLOCK, eps: float = DEFAULT_ACTIVATION_EPS) -> np.ndarray:

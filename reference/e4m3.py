@@ -60,6 +60,12 @@ def decode(codes) -> np.ndarray:
     return np.where(sign == 1, -magnitude, magnitude).astype(np.float32)
 
 
+def _working_dtype(dtype: np.dtype) -> type:
+    """The float type ``encode`` computes in: long double for long double, else float64 (which
+    holds every float16, bfloat16, float32 and float64 exactly)."""
+    return np.longdouble if dtype == np.longdouble else np.float64
+
+
 def encode(x, saturate: bool = True) -> np.ndarray:
     """Encode numbers (any float or integer dtype, any shape) to E4M3 codes (uint8), round to nearest, ties to even.
 
@@ -67,11 +73,13 @@ def encode(x, saturate: bool = True) -> np.ndarray:
     ``saturate=False`` maps them to the NaN code of their sign, as ``torch`` and ``ml_dtypes`` do.
     NaN gives the NaN code with the input's sign bit. -0.0 gives 0x80.
 
-    The input is widened to float64 (exact for float16/bfloat16/float32), so it is rounded
-    exactly once.
+    The input is rounded exactly once: float16/bfloat16/float32 (and integers, exact up to
+    2^53, far beyond the range) are widened to float64, and ``np.longdouble`` stays long double,
+    since narrowing it to float64 first would round twice (a value a hair above a tie would
+    become the tie, then round to even).
     """
     v = np.asarray(x)
-    v = as_float("x", v.astype(np.float64) if v.dtype.kind in "iu" else v, np.float64)
+    v = as_float("x", v.astype(np.float64) if v.dtype.kind in "iu" else v, _working_dtype(v.dtype))
     sign = np.signbit(v)
     a = np.abs(v)
     finite = np.isfinite(a)
@@ -94,6 +102,26 @@ def encode(x, saturate: bool = True) -> np.ndarray:
     magnitude_code = np.where(overflow, overflow_code, magnitude_code)
     magnitude_code = np.where(np.isnan(v), 0x7F, magnitude_code)
     return (magnitude_code | (sign.astype(np.int64) << 7)).astype(np.uint8)
+
+
+FLOAT32_MIN_NORMAL = 2.0**-126
+"""float32's smallest normal number: the smallest scale ``scale_of_amax`` gives."""
+
+
+def scale_of_amax(amax) -> np.ndarray:
+    """The float32 scale that maps ``amax`` to ``MAX``: ``amax / 448`` in float32, 1 where
+    ``amax == 0``, and never below ``2^-126``. Used per KV vector and per weight block.
+
+    Why the floor: for ``amax < 448 * 2^-126`` the float32 quotient is subnormal (or 0) and
+    rounded to few bits, possibly down, so ``amax / scale`` would overflow 448 (or divide by
+    zero). With the power of two ``2^-126``, ``x / scale`` and ``decode(code) * scale`` are exact
+    and ``|x| / scale < 448``, so the bound ``|error| <= 2^-4 |x| + 2^-10 scale`` still holds.
+    A NaN or infinite ``amax`` gives a NaN or infinite scale (``NaN == 0`` is false, and
+    ``np.maximum`` keeps a NaN).
+    """
+    amax = np.asarray(amax, np.float32)
+    scale = np.maximum(amax / np.float32(MAX), np.float32(FLOAT32_MIN_NORMAL))
+    return np.where(amax == 0, np.float32(1), scale).astype(np.float32)
 
 
 def round_trip(x, saturate: bool = True) -> np.ndarray:

@@ -9,8 +9,15 @@ Token position ``p`` of a sequence lives in block ``block_table[p // block_size]
 ``p % block_size``; its *slot* is ``block * block_size + offset`` (what ``slot_mapping`` holds).
 
 FP8 quantization of one (token, head) vector ``x[0:head_dim]``: ``scale = amax(|x|) / 448``
-(1 when ``amax == 0``), ``codes = encode(x / scale, saturate=True)`` in float32. K is stored
-after k-norm and RoPE. A cache of codes without scales is an error, never a silent fallback.
+(1 when ``amax == 0``, never below float32's smallest normal ``2^-126``: ``e4m3.scale_of_amax``),
+``codes = encode(x / scale, saturate=True)`` in float32. K is stored after k-norm and RoPE. A
+cache of codes without scales is an error, never a silent fallback.
+
+NaN and infinity are stored, not refused (a kernel cannot refuse either): a NaN or infinity in
+a vector makes its ``amax`` and so its scale NaN or infinite, and every element of the vector
+then gathers as NaN (``x / inf`` codes are 0 or NaN, and ``0 * inf`` is NaN). A float cache
+stores the values themselves (cast to its dtype, so a float16 cache turns a huge finite value into
+infinity, as any cast does).
 """
 
 from __future__ import annotations
@@ -18,21 +25,22 @@ from __future__ import annotations
 import numpy as np
 
 from . import e4m3
-from ._checks import as_codes, as_float, as_index, ceil_div, require_finite, require_ndim, require_shape
+from ._checks import as_codes, as_float, as_index, ceil_div, require_ndim, require_shape
 
 
 def quantize_kv(x) -> tuple[np.ndarray, np.ndarray]:
     """Quantize ``x[..., head_dim]`` with one scale per leading index (per token and head).
 
-    Returns ``(codes uint8, same shape as x; scales float32, shape x.shape[:-1])``.
+    Returns ``(codes uint8, same shape as x; scales float32, shape x.shape[:-1])``. A vector
+    holding NaN or infinity gets a NaN or infinite scale, so it dequantizes to NaN.
     """
     x32 = as_float("x", x, np.float32)
     if x32.ndim < 1:
         raise ValueError("x: expected shape [..., head_dim], got a scalar")
-    require_finite("x", x32)
-    amax = np.max(np.abs(x32), axis=-1, initial=0)
-    scales = np.where(amax == 0, np.float32(1), amax / np.float32(e4m3.MAX)).astype(np.float32)
-    return e4m3.encode(x32 / scales[..., None], saturate=True), scales
+    amax = np.max(np.abs(x32), axis=-1, initial=0)  # np.max propagates NaN
+    scales = e4m3.scale_of_amax(amax)
+    with np.errstate(invalid="ignore"):  # inf / inf in a vector holding inf: NaN, on purpose
+        return e4m3.encode(x32 / scales[..., None], saturate=True), scales
 
 
 def dequantize_kv(codes, scales) -> np.ndarray:
@@ -40,7 +48,8 @@ def dequantize_kv(codes, scales) -> np.ndarray:
     c = as_codes("codes", codes)
     s = as_float("scales", scales, np.float32)
     require_shape("scales", s, c.shape[:-1])
-    return e4m3.decode(c) * s[..., None]
+    with np.errstate(invalid="ignore"):  # 0 * inf (a vector that held inf): NaN, on purpose
+        return e4m3.decode(c) * s[..., None]
 
 
 def is_fp8(cache) -> bool:
@@ -85,8 +94,9 @@ def write(cache, scales, x, slot_mapping) -> None:
     """Write ``x[num_tokens, num_kv_heads, head_dim]`` into ``cache`` at ``slot_mapping[num_tokens]``, in place.
 
     For an FP8 cache, each (token, head) vector is quantized with ``quantize_kv`` and its scale
-    written to ``scales``; a float cache stores ``x`` cast to its dtype. Every slot must be in
-    range and appear at most once (a repeated slot would silently drop a token).
+    written to ``scales``; a float cache stores ``x`` cast to its dtype. NaN and infinity are
+    written like any value (see the module docstring). Every slot must be in range and appear
+    at most once (a repeated slot would silently drop a token).
     """
     check_cache(cache, scales)
     num_blocks, num_kv_heads, block_size, head_dim = cache.shape
@@ -106,7 +116,6 @@ def write(cache, scales, x, slot_mapping) -> None:
         cache[blocks, :, offsets, :] = codes
         scales[blocks, :, offsets] = token_scales
     else:
-        require_finite("x", x32)
         cache[blocks, :, offsets, :] = x32.astype(cache.dtype)
 
 

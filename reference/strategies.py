@@ -86,6 +86,21 @@ def e4m3_float_arrays(shape=hnp.array_shapes(max_dims=2, max_side=64), dtype=np.
     return hnp.arrays(dtype, shape, elements=e4m3_edge_floats(include_nonfinite), fill=st.nothing())
 
 
+FLOAT32_EXTREMES = (np.nan, np.inf, -np.inf, float(np.finfo(np.float32).max), -float(np.finfo(np.float32).max),
+                    2.0**-149, -(2.0**-149), 2.0**-130, -0.0, 0.0)
+"""float32 values an oracle must not mishandle: NaN, +-inf, the largest finite, the smallest
+subnormal, a subnormal, -0.0 and 0.0."""
+
+
+def float32_arrays_with_extremes(shape, extreme_fraction: float = 0.2) -> st.SearchStrategy:
+    """float32 arrays of ``shape`` (a shape or a strategy of shapes): ordinary values in
+    ``[-4, 4]``, with about ``extreme_fraction`` of the elements drawn from ``FLOAT32_EXTREMES``."""
+    ordinary = st.floats(-4, 4, width=32)
+    extreme = st.sampled_from(FLOAT32_EXTREMES)
+    element = st.tuples(st.floats(0, 1), ordinary, extreme).map(lambda t: t[2] if t[0] < extreme_fraction else t[1])
+    return hnp.arrays(np.float32, shape, elements=element, fill=st.nothing())
+
+
 # ---------------------------------------------------------------------------- blockwise weights
 
 

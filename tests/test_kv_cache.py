@@ -84,8 +84,6 @@ def test_bad_input_names_the_problem(rng):
         kv_cache.write(cache, scales, x, [3, 1, 3])
     with pytest.raises(ValueError, match=r"x: expected shape \(3, 2, 16\), got \(3, 2, 8\)"):
         kv_cache.write(cache, scales, x[..., :8], [0, 1, 2])
-    with pytest.raises(ValueError, match="x: expected finite values"):
-        kv_cache.write(cache, scales, np.full((1, 2, 16), np.inf, np.float32), [0])
     with pytest.raises(ValueError, match="3 blocks of 8, the table has 2"):
         kv_cache.gather(cache, scales, [0, 1], 17)
     with pytest.raises(ValueError, match=r"block ids must lie in \[0, 4\)"):
