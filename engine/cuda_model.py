@@ -647,15 +647,17 @@ class CudaQwen3Model:
 
     def greedy_tokens(self, batch: ForwardBatch, kv_cache: DeviceKVCache) -> np.ndarray:
         """``forward`` then greedy sampling: int ``[num_seqs]``, the argmax of each sequence's last logits
-        row (``np.argmax``'s rule: the first maximum, a NaN first). A decode step samples on the device
+        row (``np.argmax``'s rule: the first maximum; a row holding NaN gives -1, no token, which
+        ``engine.generate`` turns into that sequence's error). A decode step samples on the device
         (``layers.argmax_rows``, part of the captured graph) and copies 4 bytes per sequence back instead
-        of the logits; a prefill samples the host logits with ``np.argmax`` (the same rule)."""
+        of the logits; a prefill samples the host logits with the same rule."""
         start = time.perf_counter()
         self._check(batch, kv_cache)
         if np.all(batch.query_lens == 1):
             return self._decode_step(batch, kv_cache, start, ids_only=True)
         self.stats.prefill_forwards += 1
-        return np.argmax(self._prefill(batch, kv_cache, False), axis=1)
+        logits = self._prefill(batch, kv_cache, False)
+        return np.where(np.isnan(logits).any(axis=1), layers.NAN_ROW, np.argmax(logits, axis=1))
 
     def _check(self, batch: ForwardBatch, cache) -> None:
         batch.check()

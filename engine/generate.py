@@ -48,6 +48,9 @@ from .kv_manager import KVCacheExhausted, KVCacheManager, blocks_for
 from .model import Qwen3Model, make_batch
 from .sampling import SamplingParams, sample
 
+NAN_ROW = -1
+"""A model's greedy id for a logits row holding NaN (``CudaQwen3Model.greedy_tokens``, ``layers.argmax_rows``)."""
+
 
 @dataclass
 class GenerationResult:
@@ -327,6 +330,8 @@ class Generator:
     def _choose(self, s: _Sequence, choice, sampling: SamplingParams) -> int:
         """The token id: sampled from a logits row, or the device's greedy id; never a padding id."""
         token = sample(choice, sampling, s.rng) if np.ndim(choice) == 1 else int(choice)
+        if token == NAN_ROW:
+            raise ValueError("logits: contain NaN (the greedy argmax found no token)")
         if not 0 <= token < self.num_token_ids:  # masked ids cannot be sampled: a device id can
             raise ValueError(f"token id {token} is not in [0, {self.num_token_ids}), the ids that can be generated "
                              "(from the tokenizer's vocab_size up they are padding)")

@@ -6,7 +6,7 @@ What it computes (the contract of ``reference.kv_cache.write``, checked bit for 
 the caches ``[num_blocks, num_kv_heads, block_size, head_dim]``:
 
 - FP8 cache (uint8 codes, float32 scales ``[num_blocks, num_kv_heads, block_size]``), the
-  quantization of ``reference.kv_cache.quantize_kv``: ``scale = amax(|x|) / 448`` (1 when
+  quantization of ``reference.kv_cache.quantize_kv``: ``scale = max(amax(|x|) / 448, 2^-126)`` (1 when
   ``amax == 0``), ``codes = encode(x / scale)``, round to nearest even, saturating; every
   operation a correctly rounded float32 one, as in the reference;
 - float32 cache: ``x`` as float32 (exact for every input format);
@@ -29,9 +29,11 @@ the wrong shape or dtype, a float cache with scales, shape or dtype mismatches, 
 or repeated. ``slot_mapping`` is read on the host for that check: a device array is copied (one
 small synchronizing copy).
 
-Non-finite inputs are not rejected (the reference rejects them; a kernel cannot raise): a NaN or
-infinity in a vector makes its FP8 scale NaN or infinite, so attention over that token gives NaN
-rather than a silently finite result; a float cache stores the value itself.
+Non-finite inputs are not rejected, here as in the reference: a NaN or infinity in a vector makes
+its FP8 scale NaN or infinite, so attention over that token gives NaN rather than a silently finite
+result; a float cache stores the value itself. The scale never goes below ``2^-126``
+(``reference.e4m3.scale_of_amax``), so that a vector of tiny values still round-trips within the
+E4M3 error bound.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ WARP_SIZE = 32
 FULL_MASK = 0xFFFFFFFF
 BUTTERFLY_OFFSETS = (16, 8, 4, 2, 1)
 E4M3_MAX = float32(448.0)
+MIN_SCALE = float32(2.0**-126)
+"""The smallest scale (the float32 minimum normal): below it ``amax / 448`` would be subnormal and inexact."""
 THREADS_PER_CTA = 2 * WARP_SIZE
 """Warp 0 writes K, warp 1 writes V."""
 
@@ -102,6 +106,8 @@ def _make_vector_writers(load):
             amax = mathops.nan_max(amax, abs(load(x, token, head, d)))
         amax = warp_max(amax)
         scale = float32(1) if amax == 0 else amax / E4M3_MAX  # NaN amax stays NaN: NaN == 0 is false
+        if scale < MIN_SCALE:  # reference.e4m3.scale_of_amax's floor (a NaN scale is not < anything: kept)
+            scale = MIN_SCALE
         if lane == 0:
             scales[block, head, offset] = scale
         for d in range(lane, head_dim, WARP_SIZE):

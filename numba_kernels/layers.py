@@ -28,8 +28,8 @@ Kernels (launch shapes are CTAs x threads; "checked" names the oracle in ``tests
    ``(ceil(N / (4 rows_per_warp)), ceil(M / 8))`` x 128: a warp per ``rows_per_warp`` weight rows and
    a tile of up to 8 rows of ``x``. Checked: a NumPy model of the order bit for bit; float64 within
    a bound.
-6. ``argmax_rows(logits, out_ids)``: greedy sampling, ``np.argmax`` per row (first maximum; first
-   NaN). Launch: a CTA of ``argmax_threads_per_row(V)`` threads per row. Checked: ``np.argmax``.
+6. ``argmax_rows(logits, out_ids)``: greedy sampling, ``np.argmax`` per row (first maximum; a row
+   holding NaN gives -1). Launch: a CTA of ``argmax_threads_per_row(V)`` threads per row. Checked: ``np.argmax``.
 7. ``add_into(x, y)``: ``x += y``. Launch 1-D, a thread per element. Checked: NumPy, exactly.
 8. ``bf16_round(x, out)``: float32 to BF16 bit patterns, round to nearest even (the input cast of the
    FP8 tensor-core GEMM). Launch 1-D, a thread per element. Checked: ``ml_dtypes`` (in
@@ -104,6 +104,8 @@ ELEMENTS_PER_CHUNK = 8
 LOAD_ALIGNMENT = 16
 NO_INDEX = 0x7FFFFFFF
 """argmax_rows' starting index: loses every tie against a real element."""
+NAN_ROW = -1
+"""argmax_rows' answer for a row that holds a NaN: no token."""
 NAN = float32(np.nan)
 NEG_INF = float32(-np.inf)
 
@@ -672,7 +674,8 @@ def argmax_kernel(logits, out_ids):
             if beats(best_values[w], best_indices[w], best_v, best_i):
                 best_v = best_values[w]
                 best_i = best_indices[w]
-        out_ids[row] = best_i
+        # a row holding NaN has no greedy token: -1 (engine.generate reports it as that sequence's error)
+        out_ids[row] = best_i if best_v == best_v else int32(NAN_ROW)
 
 
 _argmax_kernel = cuda.jit(argmax_kernel)
@@ -688,7 +691,8 @@ def argmax_rows(logits, out_ids, stream=0):
     """Greedy sampling: ``out_ids[r] = np.argmax(logits[r])``; returns ``out_ids``.
 
     ``logits``: float32 ``[rows, V]`` (``V >= 1``, below 2^31), C-contiguous; ``out_ids``: int32 ``[rows]``.
-    NumPy's rules: the first index of the maximum; a row with NaN gives the index of its first NaN.
+    NumPy's rules: the first index of the maximum; but a row holding NaN gives ``NAN_ROW`` (-1), not the
+    index of its first NaN, so that a NaN never passes as a token.
     """
     logits, out_ids = as_kernel_array("logits", logits), as_kernel_array("out_ids", out_ids)
     if logits.ndim != 2 or np.dtype(logits.dtype) != np.float32 or not 0 < logits.shape[1] < NO_INDEX:

@@ -243,8 +243,8 @@ def merge_weight(m_i, m_star):
 def normalized(acc, l):
     """``acc / l``, and 0 where ``l == 0`` (nothing attended: a zero row, never NaN).
 
-    A NaN ``l`` (non-finite cache data) gives NaN here, where the simulator's ``l > 0`` gives 0: a
-    NaN in the data must reach the output.
+    A NaN ``l`` (non-finite cache data) gives NaN, here and in the simulator: a NaN in the data must
+    reach the output.
     """
     if l == 0:
         return float32(0)

@@ -237,9 +237,12 @@ def merge_partials(m, l, acc, axis: int = -1) -> tuple[np.ndarray, np.ndarray, n
 
 
 def _normalize(l: np.ndarray, acc: np.ndarray) -> np.ndarray:
-    """``acc / l`` (float32 division), and zeros where ``l == 0``."""
-    safe_l = np.where(l > 0, l, np.float32(1))[..., None]
-    return np.where((l > 0)[..., None], acc / safe_l, np.float32(0)).astype(np.float32)
+    """``acc / l`` (float32 division), and zeros where ``l == 0`` (nothing attended). A NaN ``l`` or
+    ``acc`` (non-finite cache data) stays NaN, as in the kernel: only an empty row is a defined zero."""
+    empty = (l == 0)[..., None]
+    safe_l = np.where(l == 0, np.float32(1), l)[..., None]
+    with np.errstate(invalid="ignore"):
+        return np.where(empty, np.float32(0), acc / safe_l).astype(np.float32)
 
 
 def combine_partials(m, l, acc) -> np.ndarray:

@@ -186,3 +186,18 @@ def test_an_on_text_callback_error_is_not_taken_for_the_sequence():
     model = random_model(tiny_config(), seed=11)[0]
     with pytest.raises(ValueError, match="closed file"):
         generator(model, FakeTokenizer()).generate(["The cat"], max_new_tokens=64, on_text=on_text)
+
+
+def test_a_nan_greedy_id_from_the_device_is_that_sequences_error():
+    """``greedy_tokens`` answers -1 for a row holding NaN (``layers.argmax_rows``): the sequence finishes
+    with an error naming NaN, never with a token."""
+    import types
+
+    from engine.generate import NAN_ROW
+
+    gen = Generator.__new__(Generator)
+    gen.num_token_ids = 16
+    s = types.SimpleNamespace(index=0, rng=None)
+    with pytest.raises(ValueError, match="contain NaN"):
+        gen._choose(s, NAN_ROW, SamplingParams())
+    assert gen._choose(s, 3, SamplingParams()) == 3

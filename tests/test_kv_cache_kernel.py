@@ -129,15 +129,17 @@ def reference_write(cache, scales, x32, slots):
 
 
 def interesting_vectors(rng, num_tokens, num_kv_heads, head_dim) -> np.ndarray:
-    """K or V rows with varied magnitudes, plus rows of zeros, of -0.0 and of E4M3 edge values."""
+    """K or V rows with varied magnitudes, plus rows of zeros, of -0.0, of E4M3 edge values and of values so
+    tiny that ``amax / 448`` would be subnormal (the scale's ``2^-126`` floor)."""
     x = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
     x *= (10.0 ** rng.uniform(-6, 3.5, (num_tokens, num_kv_heads, 1))).astype(np.float32)  # float16 range
-    kind = rng.integers(0, 6, (num_tokens, num_kv_heads))
+    kind = rng.integers(0, 7, (num_tokens, num_kv_heads))
     x[kind == 0] = 0.0
     x[kind == 1] = -0.0
     edges = np.array([448, 464, 1e-3, 2.0**-9, 2.0**-10, 0.5, -3.75, 1e4], np.float32)
     x[kind == 2] = rng.choice(edges, size=(int(np.sum(kind == 2)), head_dim)) * rng.choice([-1, 1], size=head_dim)
     x[kind == 3, 0] = 1e-30  # one tiny element next to large ones: it rounds to zero
+    x[kind == 4] *= np.float32(1e-38) / np.max(np.abs(x[kind == 4]), axis=-1, keepdims=True, initial=1e-30)
     return x
 
 

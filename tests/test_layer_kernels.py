@@ -367,9 +367,18 @@ def test_bf16_linear_rows_do_not_depend_on_the_batch(rng):
 # ---------------------------------------------------------------------------- argmax_rows
 
 
+def greedy_ids(logits: np.ndarray) -> np.ndarray:
+    """What ``argmax_rows`` must give: ``np.argmax`` per row, but ``NAN_ROW`` (-1) for a row holding NaN."""
+    return np.where(np.isnan(logits).any(axis=1), layers.NAN_ROW, np.argmax(logits, axis=1))
+
+
+ID_POISON = -7
+"""out_ids before a launch: neither a token nor NAN_ROW."""
+
+
 def logit_rows(rng, vocab):
-    """Rows that exercise np.argmax's rules: random; a repeated maximum (first wins); NaNs (the first
-    NaN wins, even before a larger number); all -inf; +-0 maxima; the maximum at the last index."""
+    """Rows that exercise np.argmax's rules: random; a repeated maximum (first wins); NaNs (no token,
+    even beside a larger number); all -inf; +-0 maxima; the maximum at the last index."""
     rows = rng.standard_normal((7, vocab)).astype(np.float32)
     spots = np.sort(rng.choice(vocab, 3, replace=False))
     rows[1, spots] = 9.0
@@ -386,9 +395,10 @@ def logit_rows(rng, vocab):
 @pytest.mark.parametrize("vocab", [300, 2100], ids=["one warp", "three warps"])
 def test_argmax_rows_follows_numpy(rng, vocab):
     logits = logit_rows(rng, vocab)
-    out = np.full(logits.shape[0], -1, np.int32)
+    out = np.full(logits.shape[0], ID_POISON, np.int32)
     assert layers.argmax_rows(logits, out) is out
-    np.testing.assert_array_equal(out, np.argmax(logits, axis=1))
+    np.testing.assert_array_equal(out, greedy_ids(logits))
+    assert out[2] == out[6] == layers.NAN_ROW
 
 
 @pytest.mark.cudasim
@@ -399,9 +409,9 @@ def test_argmax_rows_on_few_distinct_values(rows, vocab, levels, seed):
     rng = np.random.default_rng(seed)
     values = np.array([-np.inf, -2.5, 0.0, -0.0, 3.0, np.nan], np.float32)[: levels + 2]
     logits = rng.choice(values, (rows, vocab)).astype(np.float32)
-    out = np.full(rows, -1, np.int32)
+    out = np.full(rows, ID_POISON, np.int32)
     layers.argmax_rows(logits, out)
-    np.testing.assert_array_equal(out, np.argmax(logits, axis=1))
+    np.testing.assert_array_equal(out, greedy_ids(logits))
 
 
 # ---------------------------------------------------------------------------- add_into
@@ -661,9 +671,9 @@ def test_gpu_argmax_rows_at_vocab_size():
 
     seed, rng = fresh_rng()
     logits = logit_rows(rng, VOCAB)
-    out = cuda.to_device(np.full(logits.shape[0], -1, np.int32))
+    out = cuda.to_device(np.full(logits.shape[0], ID_POISON, np.int32))
     layers.argmax_rows(cuda.to_device(logits), out)
-    np.testing.assert_array_equal(out.copy_to_host(), np.argmax(logits, axis=1), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(out.copy_to_host(), greedy_ids(logits), err_msg=f"seed {seed}")
 
 
 @pytest.mark.gpu
