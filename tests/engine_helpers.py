@@ -149,3 +149,39 @@ class FakeStreamDecoder:
 
     def push(self, token_id: int) -> str:
         return self._decoder.decode(bytes([token_id])) if token_id < BYTE_VOCAB else ""
+
+
+def install_fake_io(monkeypatch, folder, config=None, tensors=None):
+    """Fake ``engine.checkpoint``, ``engine.tokenizer`` and ``engine.demo`` modules for the commands' tests:
+    ``load_checkpoint`` serves ``config`` and ``tensors`` (default: the tiny random model, seed 5) from any
+    folder holding a ``config.json`` (``folder`` gets one, and is the default model's folder too), and
+    raises ``ValueError`` for a folder without one; the tokenizer is ``FakeTokenizer``. Returns ``folder``."""
+    import sys
+    import types
+
+    if config is None:
+        config = tiny_config()
+        _, tensors = random_model(config, seed=5)
+
+    def load_checkpoint(path, progress=True):
+        if not (path / "config.json").exists():
+            raise ValueError(f"{path}: no config.json")
+        return types.SimpleNamespace(path=path, config=config, tensors=tensors, stored_dtypes={},
+                                     generation_config={"eos_token_id": EOS_ID},
+                                     is_fp8=config.quantization is not None)
+
+    class Tokenizer(FakeTokenizer):
+        @classmethod
+        def from_dir(cls, path):
+            return cls()
+
+    (folder / "config.json").write_text("{}")
+    for name, attrs in {
+        "engine.checkpoint": {"load_checkpoint": load_checkpoint},
+        "engine.tokenizer": {"Tokenizer": Tokenizer, "StreamDecoder": FakeStreamDecoder},
+        "engine.demo": {"default_model_dir": lambda fp8=True: folder},
+    }.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+    return folder

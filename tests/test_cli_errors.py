@@ -1,45 +1,17 @@
 """The ``fp8lab`` commands' errors: each is one line on stderr that names the option and the fix, exit
 status 1 (130 for Ctrl-C); never a traceback. ``generate`` runs on a fake checkpoint/tokenizer I/O half
-(``install_fake_io``: a tiny random model, a byte tokenizer), as in ``tests/test_generate.py``."""
+(``engine_helpers.install_fake_io``: a tiny random model, a byte tokenizer), as in ``tests/test_generate.py``."""
 
 from __future__ import annotations
 
-import sys
-import types
 
 import pytest
 
 from engine import cli, eval_command, generate_command
 
-from engine_helpers import EOS_ID, FakeStreamDecoder, FakeTokenizer, random_model, tiny_config
+from engine_helpers import install_fake_io, tiny_config
 
 MAX_POS = 512  # tiny_config's max_position_embeddings
-
-
-def install_fake_io(monkeypatch, tmp_path, config=None, tensors=None):
-    """Fake ``engine.checkpoint``, ``engine.tokenizer`` and ``engine.demo`` modules serving ``config`` (default:
-    the tiny random model) from ``tmp_path``, the default model directory too."""
-    if config is None:
-        config = tiny_config()
-        _, tensors = random_model(config, seed=5)
-    checkpoint = types.SimpleNamespace(path=tmp_path, config=config, tensors=tensors, stored_dtypes={},
-                                       generation_config={"eos_token_id": EOS_ID}, is_fp8=True)
-
-    class Tokenizer(FakeTokenizer):
-        @classmethod
-        def from_dir(cls, path):
-            return cls()
-
-    (tmp_path / "config.json").write_text("{}")
-    for name, attrs in {
-        "engine.checkpoint": {"load_checkpoint": lambda path, progress=True: checkpoint},
-        "engine.tokenizer": {"Tokenizer": Tokenizer, "StreamDecoder": FakeStreamDecoder},
-        "engine.demo": {"default_model_dir": lambda fp8=True: tmp_path},
-    }.items():
-        module = types.ModuleType(name)
-        module.__dict__.update(attrs)
-        monkeypatch.setitem(sys.modules, name, module)
-    return tmp_path
 
 
 @pytest.fixture

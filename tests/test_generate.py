@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from engine.generate import Generator, collect_stop_token_ids
 from engine.kv_manager import KVCacheExhausted
 from engine.sampling import SamplingParams
 
-from engine_helpers import EOS_ID, FakeStreamDecoder, FakeTokenizer, random_model, tiny_config
+from engine_helpers import EOS_ID, FakeStreamDecoder, FakeTokenizer, install_fake_io, random_model, tiny_config
 
 PROMPTS = ["The cat", "A longer prompt, with more bytes in it", "x"]
 
@@ -185,32 +184,8 @@ def test_stats_count_prompt_and_decode_tokens(model):
 
 @pytest.fixture
 def fake_io(monkeypatch, tmp_path):
-    """Installs fake ``engine.checkpoint``, ``engine.tokenizer`` and ``engine.tiny`` modules that
-    serve a tiny random model from ``tmp_path``."""
-    config = tiny_config()
-    _, tensors = random_model(config, seed=5)
-
-    def load_checkpoint(path):
-        if not (path / "config.json").exists():
-            raise ValueError(f"{path}: no config.json")
-        return types.SimpleNamespace(path=path, config=config, tensors=tensors, stored_dtypes={},
-                                     generation_config={"eos_token_id": EOS_ID})
-
-    class Tokenizer(FakeTokenizer):
-        @classmethod
-        def from_dir(cls, path):
-            return cls()
-
-    (tmp_path / "config.json").write_text("{}")
-    for name, attrs in {
-        "engine.checkpoint": {"load_checkpoint": load_checkpoint},
-        "engine.tokenizer": {"Tokenizer": Tokenizer, "StreamDecoder": FakeStreamDecoder},
-        "engine.demo": {"default_model_dir": lambda fp8=True: tmp_path},
-    }.items():
-        module = types.ModuleType(name)
-        module.__dict__.update(attrs)
-        monkeypatch.setitem(sys.modules, name, module)
-    return tmp_path
+    """The tiny random model served from ``tmp_path`` by fake I/O modules (``engine_helpers.install_fake_io``)."""
+    return install_fake_io(monkeypatch, tmp_path)
 
 
 def test_cli_streams_one_prompt_and_closes_with_rates(fake_io, capsys):

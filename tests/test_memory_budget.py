@@ -16,7 +16,8 @@ from engine.backend import kv_cache_memory_available
 from engine.kv_manager import blocks_for, blocks_in_budget, host_available_bytes, kv_block_bytes
 
 from engine_helpers import tiny_config
-from test_cli_errors import install_fake_io, one_line_error
+from test_cli_errors import one_line_error
+from engine_helpers import install_fake_io
 
 # ---------------------------------------------------------------------------- what is free
 
