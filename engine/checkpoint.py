@@ -60,7 +60,7 @@ from tqdm import tqdm
 
 from reference import blockwise, e4m3
 
-from .config import FP8QuantConfig, Qwen3Config
+from .config import FP8QuantConfig, Qwen3Config, read_token_ids
 from .layout import TensorSpec, expected_tensors
 from .safetensors_io import STORAGE_DTYPES, SafetensorsFile, write_safetensors
 
@@ -339,6 +339,16 @@ def _map_tensors_to_files(files: list[SafetensorsFile], weight_map: dict[str, st
     return sources
 
 
+def read_generation_config(folder: Path, vocab_size: int) -> dict:
+    """``generation_config.json`` (``{}`` when absent), its token ids checked like config.json's: an
+    integer in ``[0, vocab_size)`` each (``eos_token_id`` may be a list), never coerced."""
+    path = folder / GENERATION_CONFIG_FILE
+    generation_config = read_json(path, required=False)  # a JSON object, or {}
+    for key, many in (("bos_token_id", False), ("eos_token_id", True), ("pad_token_id", False)):
+        read_token_ids(generation_config, key, vocab_size, many, where=str(path))
+    return generation_config
+
+
 def open_checkpoint(path) -> OpenCheckpoint:
     """Read the configs and every safetensors header of a checkpoint folder and validate the
     structure (names, shapes, dtype kinds) against ``expected_tensors``; no tensor data is read."""
@@ -346,7 +356,7 @@ def open_checkpoint(path) -> OpenCheckpoint:
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such checkpoint folder")
     config = read_config(folder)
-    generation_config = read_json(folder / GENERATION_CONFIG_FILE, required=False)
+    generation_config = read_generation_config(folder, config.vocab_size)
     paths, weight_map, described_by = _shard_paths(folder)
     files = [SafetensorsFile(p) for p in paths]
     sources = _map_tensors_to_files(files, weight_map, described_by)

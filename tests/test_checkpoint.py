@@ -96,6 +96,21 @@ def test_load_without_generation_config_gives_empty_dict(bf16_dir):
     assert ck.load_checkpoint(bf16_dir, progress=False).generation_config == {}
 
 
+@pytest.mark.parametrize("key, value", [("eos_token_id", "x"), ("eos_token_id", [1021, 4.5]), ("eos_token_id", True),
+                                        ("bos_token_id", 1024), ("pad_token_id", -1), ("bos_token_id", [1019])])
+def test_generation_config_token_ids_are_checked_not_coerced(bf16_dir, key, value):
+    path = bf16_dir / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    with pytest.raises(ValueError, match=rf"generation_config.json: {key} must be a token id.* in \[0, vocab_size=1024\)"):
+        ck.load_checkpoint(bf16_dir, progress=False)
+
+
+def test_generation_config_must_be_an_object(bf16_dir):
+    (bf16_dir / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="generation_config.json: expected a JSON object, got list"):
+        ck.load_checkpoint(bf16_dir, progress=False)
+
+
 def test_progress_bar_goes_to_stderr(tiny_dirs, capsys):
     ck.load_checkpoint(tiny_dirs["fp8"], progress=True)
     captured = capsys.readouterr()
