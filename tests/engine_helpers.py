@@ -9,6 +9,7 @@ something when two runs are compared.
 from __future__ import annotations
 
 import codecs
+import math
 import dataclasses
 
 import numpy as np
@@ -185,3 +186,64 @@ def install_fake_io(monkeypatch, folder, config=None, tensors=None):
         module.__dict__.update(attrs)
         monkeypatch.setitem(sys.modules, name, module)
     return folder
+
+
+def dense_forward64(config, tensors, ids) -> np.ndarray:
+    """Logits ``[T, vocab]`` (float64) of one causal pass over ``ids``: Qwen3 written out densely in float64
+    from the checkpoint's float tensors (embedding, RMSNorm, q/k/v, q/k-norm, NeoX RoPE, causal GQA
+    softmax attention, SwiGLU, final norm, lm_head: the embeddings when tied)."""
+    c = config
+    w = {name: np.asarray(t, np.float64) for name, t in tensors.items()}
+    t_len, hq, hkv, d = len(ids), c.num_attention_heads, c.num_key_value_heads, c.head_dim
+
+    def rms(x, weight):
+        return weight * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + c.rms_norm_eps)
+
+    angles = np.arange(t_len)[:, None] * c.rope_theta ** (-np.arange(0, d, 2) / d)[None, :]
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+
+    def rope(x):  # NeoX: dimension i pairs with i + d/2
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    causal = np.triu(np.full((t_len, t_len), -np.inf), k=1)
+    h = w["model.embed_tokens.weight"][np.asarray(ids)]
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        x = rms(h, w[p + "input_layernorm.weight"])
+        q = (x @ w[p + "self_attn.q_proj.weight"].T).reshape(t_len, hq, d)
+        k = (x @ w[p + "self_attn.k_proj.weight"].T).reshape(t_len, hkv, d)
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).reshape(t_len, hkv, d)
+        q, k = rope(rms(q, w[p + "self_attn.q_norm.weight"])), rope(rms(k, w[p + "self_attn.k_norm.weight"]))
+        k, v = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)  # query head j reads kv head j // group
+        scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(d) + causal
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        attn = np.einsum("hts,shd->thd", probs, v).reshape(t_len, hq * d)
+        h = h + attn @ w[p + "self_attn.o_proj.weight"].T
+        x = rms(h, w[p + "post_attention_layernorm.weight"])
+        gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+        h = h + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+    lm_head = w["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]
+    return rms(h, w["model.norm.weight"]) @ lm_head.T
+
+
+def dense_ppl64(config, tensors, chunks) -> float:
+    """``exp`` of the mean NLL of every chunk's tokens 1..n-1, by ``dense_forward64`` (float64 throughout)."""
+    nll = []
+    for ids in chunks:
+        logits = dense_forward64(config, tensors, ids)[:-1]
+        m = logits.max(axis=1, keepdims=True)
+        logp = logits - m - np.log(np.exp(logits - m).sum(axis=1, keepdims=True))
+        nll.extend(-logp[np.arange(len(ids) - 1), ids[1:]])
+    return math.exp(np.mean(nll))
+
+
+def one_line_error(capsys, argv, command="generate") -> str:
+    """Run ``fp8lab argv``; assert exit 1 and a single stderr line; return that line."""
+    from engine import cli
+
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"fp8lab {command}"), err
+    return err

@@ -9,7 +9,7 @@ import pytest
 
 from engine import cli, eval_command, generate_command
 
-from engine_helpers import install_fake_io, tiny_config
+from engine_helpers import install_fake_io, one_line_error, tiny_config
 
 MAX_POS = 512  # tiny_config's max_position_embeddings
 
@@ -17,14 +17,6 @@ MAX_POS = 512  # tiny_config's max_position_embeddings
 @pytest.fixture
 def fake_io(monkeypatch, tmp_path):
     return install_fake_io(monkeypatch, tmp_path)
-
-
-def one_line_error(capsys, argv, command="generate") -> str:
-    """Run ``fp8lab argv``; assert exit 1 and a single stderr line; return that line."""
-    assert cli.main(argv) == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"fp8lab {command}"), err
-    return err
 
 
 # ---------------------------------------------------------------------------- generate: options

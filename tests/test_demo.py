@@ -4,7 +4,7 @@ the main job and ``fp8lab eval`` run it.
 The slice: the first 1,024 tokens of the held-out text as 4 chunks of 256 (``SLICE``). Bounds:
 
 - **float64 check**: ``fp8lab eval``'s perplexity of the BF16 checkpoint (reference backend, float32
-  KV cache) against ``test_eval.dense_ppl64``, a dense float64 forward written independently: within
+  KV cache) against ``engine_helpers.dense_ppl64``, a dense float64 forward written independently: within
   ``1e-5`` relative (float32 ulps, see ``tests/test_eval.py``; measured 1.3e-7).
 - **trained**: the BF16 perplexity on the slice is below 8 (measured 4.45; a model that knows nothing
   of the text scores the vocabulary size, 4096, and the random tiny model hundreds).
@@ -26,7 +26,7 @@ from engine import evaluate as ev
 from engine.checkpoint import load_checkpoint, open_checkpoint
 from engine.tokenizer import ENDOFTEXT, IM_END, IM_START, Tokenizer
 
-from test_eval import dense_ppl64
+from engine_helpers import dense_ppl64
 
 SLICE = (1024, 256)
 FLOAT64_BOUND = 1e-5

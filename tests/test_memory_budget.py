@@ -15,9 +15,7 @@ from engine import cli, kv_manager
 from engine.backend import kv_cache_memory_available
 from engine.kv_manager import blocks_for, blocks_in_budget, host_available_bytes, kv_block_bytes
 
-from engine_helpers import tiny_config
-from test_cli_errors import one_line_error
-from engine_helpers import install_fake_io
+from engine_helpers import install_fake_io, one_line_error, tiny_config
 
 # ---------------------------------------------------------------------------- what is free
 
