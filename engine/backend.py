@@ -39,8 +39,8 @@ from reference import attention as ref_attention
 from reference import blockwise
 from reference import kv_cache as ref_kv
 
-from .kv_manager import LayerKVCache, allocate_kv_cache, host_available_bytes, round_to_bf16
-from .safetensors_io import round_to_bf16 as round_to_bf16_nan_kept
+from .kv_manager import LayerKVCache, allocate_kv_cache, host_available_bytes
+from .safetensors_io import round_to_bf16
 
 GEMM_INPUTS = ("float32", "bf16")
 """The format of the activations entering the FP8 weight GEMMs (``ReferenceBackend(gemm_input=...)``,
@@ -171,7 +171,7 @@ class ReferenceBackend(Backend):
             w = blockwise.dequantize(prepared.codes, prepared.scale_inv, prepared.block)
         x = x.astype(np.float32, copy=False)
         if prepared.is_fp8 and self.gemm_input == "bf16":
-            x = round_to_bf16_nan_kept(x)
+            x = round_to_bf16(x)
         return np.matmul(x, w.T)
 
     def embedding(self, table, ids) -> np.ndarray:

@@ -120,7 +120,8 @@ from numba_kernels.prefill import PrefillRows, paged_prefill
 from reference import blockwise
 
 from .config import Qwen3Config
-from .kv_manager import KV_CACHE_DTYPES, round_to_bf16
+from .kv_manager import KV_CACHE_DTYPES
+from .safetensors_io import round_to_bf16
 from .layout import is_fp8_projection
 from .model import ForwardBatch, check_tensors
 

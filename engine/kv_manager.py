@@ -21,7 +21,7 @@ Cache dtypes (``kv_cache_dtype``):
   contract's FP8 KV cache. A cache of codes without scales is an error.
 - ``"bf16"``: BF16 values. NumPy has no bfloat16 and ml_dtypes is not a runtime dependency, so
   the CPU cache stores float32 arrays whose values are rounded to BF16 (round to nearest, ties
-  to even, via bit operations in ``round_to_bf16``): the numbers are exactly those of a BF16
+  to even, ``engine.safetensors_io.round_to_bf16``, NaN kept NaN): the numbers are exactly those of a BF16
   cache, at twice the memory.
 - ``"fp32"``: plain float32, no rounding; for tests that compare against an exact cache.
 
@@ -269,18 +269,6 @@ class KVCacheManager:
 
 
 # ---------------------------------------------------------------------------- storage
-
-
-def round_to_bf16(x: np.ndarray) -> np.ndarray:
-    """Round float32 ``x`` to the nearest BF16 value (ties to even), returned as float32.
-
-    BF16 is the top 16 bits of a float32; adding ``0x7FFF + lsb`` to the bit pattern before
-    truncating rounds to nearest, ties to even. Inputs must be finite (the caches reject NaN).
-    """
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    lsb = (bits >> 16) & 1
-    rounded = (bits + np.uint32(0x7FFF) + lsb) & np.uint32(0xFFFF0000)
-    return rounded.view(np.float32)
 
 
 @dataclass

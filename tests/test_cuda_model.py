@@ -46,7 +46,8 @@ from engine import cuda_model
 from engine.backend import get_backend, load_model, resolve_backend
 from engine.cuda_model import CudaQwen3Model, decode_buckets, fuse_fp8, unsupported_reason
 from engine.generate import Generator
-from engine.kv_manager import KVCacheExhausted, KVCacheManager, round_to_bf16
+from engine.kv_manager import KVCacheExhausted, KVCacheManager
+from engine.safetensors_io import round_to_bf16
 from engine.model import Qwen3Model, make_batch
 from numba_kernels import arguments
 from numba_kernels.fp8_gemm import SIMT_MAX_M

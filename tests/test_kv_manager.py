@@ -13,8 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine.kv_manager import (
     BlockAllocator, KVCacheExhausted, KVCacheManager, LayerKVCache, allocate_kv_cache, blocks_for, kv_block_bytes,
-    round_to_bf16,
 )
+from engine.safetensors_io import round_to_bf16
 from engine.backend import ReferenceBackend
 from reference import kv_cache
 

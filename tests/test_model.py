@@ -45,7 +45,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.backend import ReferenceBackend, rope_cos_sin
-from engine.kv_manager import round_to_bf16
+from engine.safetensors_io import round_to_bf16
 from engine.model import NonFiniteError, Qwen3Model
 from reference import blockwise
 from reference import strategies as fst

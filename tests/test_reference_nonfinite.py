@@ -411,3 +411,18 @@ def test_encode_decode_never_turn_nan_into_a_number(x):
         else:
             assert np.all(np.isnan(back[inf | (np.abs(x) > 464)]))
         assert np.array_equal(np.signbit(back[x == 0]), np.signbit(x[x == 0]))  # -0.0 -> 0x80 -> -0.0
+
+
+def test_the_bf16_kv_write_keeps_a_nan_nan():
+    """The reference backend's BF16 cache rounds with the one BF16 rounding (``safetensors_io.round_to_bf16``):
+    a NaN whose mantissa would carry into the sign under a plain add-and-truncate (0x7FFFFFFF) stays NaN,
+    and infinity stays infinity."""
+    from engine.backend import ReferenceBackend
+
+    backend = ReferenceBackend()
+    (cache,) = backend.allocate_kv_cache(1, 1, 1, 4, 4, "bf16")
+    k = np.array([[[1.0, 1.015625, 2.0, 3.0]]], np.float32)
+    k[0, 0, 2:] = np.array([0x7FFFFFFF, 0x7F800000], np.uint32).view(np.float32)
+    backend.write_kv(cache, k, k.copy(), np.array([0]))
+    got = cache.k[0, 0, 0]
+    assert np.isnan(got[2]) and got[3] == np.inf and got[0] == 1.0
