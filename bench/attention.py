@@ -5,18 +5,18 @@
 Qwen3-8B heads (32 query heads, 8 KV heads, head_dim 128), block size 16, batch 1 and 8, context
 1k, 4k and 16k. For each decode configuration it
 
-1. fills paged caches with random K/V through ``numba_kernels.kv_cache.paged_cache_write`` (FP8
+1. fills paged caches with random K/V through ``fp8lab.numba_kernels.kv_cache.paged_cache_write`` (FP8
    with per (token, kv head) scales, and BF16), with several copies of every sequence's blocks so
    that rotating among them keeps the caches out of the 60 MB L2;
-2. validates each variant against ``reference.attention.paged_decode`` (float64, on the host, for
+2. validates each variant against ``fp8lab.reference.attention.paged_decode`` (float64, on the host, for
    the first sequence of the batch), output poisoned first;
 3. times each variant with CUDA-graph replay, and torch SDPA in BF16 on contiguous K/V
    (``enable_gqa=True``) with CUDA events, both rotating among copies of the K/V past the L2.
 
 Then it sweeps the decode kernel's ``tokens_in_flight`` (same results, different load depth) and
-times causal prefill (``numba_kernels.prefill.paged_prefill``: decode of every query token) of one
+times causal prefill (``fp8lab.numba_kernels.prefill.paged_prefill``: decode of every query token) of one
 prompt of 512 and 2048 tokens against SDPA ``is_causal=True``, validated against
-``reference.attention.prefill`` first.
+``fp8lab.reference.attention.prefill`` first.
 
 Writes ``attention_results.md`` and ``attention.png`` into the output folder.
 """
@@ -45,7 +45,7 @@ PREFILL_LENGTHS = (512, 2048)
 
 def build_caches(batch, context, copies, torch, cuda):
     """FP8 and BF16 paged caches holding ``copies`` block sets of ``batch`` sequences of ``context`` tokens."""
-    from numba_kernels.kv_cache import paged_cache_write
+    from fp8lab.numba_kernels.kv_cache import paged_cache_write
 
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = copies * batch * blocks_per_seq
@@ -70,8 +70,8 @@ def build_caches(batch, context, copies, torch, cuda):
 
 
 def reference_first_sequence(q, caches, tables, context):
-    """``reference.attention.paged_decode`` of sequence 0 (block set 0), float64 on the host."""
-    from reference import attention
+    """``fp8lab.reference.attention.paged_decode`` of sequence 0 (block set 0), float64 on the host."""
+    from fp8lab.reference import attention
 
     k_cache, v_cache = caches[0].copy_to_host(), caches[1].copy_to_host()
     if k_cache.dtype == np.uint16:  # BF16 patterns -> float32
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     import torch
     from numba import cuda
 
-    from numba_kernels.splitkv import choose_num_splits, decode_workspace, device_num_sms, paged_decode
+    from fp8lab.numba_kernels.splitkv import choose_num_splits, decode_workspace, device_num_sms, paged_decode
     from timing import graph_time_us, torch_time_us
 
     scale = HEAD_DIM**-0.5
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
 def sweep_tokens_in_flight(batch, context, q, fp8, bf16, tables_dev, lens, out, workspace):
     """Decode time (auto splits) for each ``tokens_in_flight`` (loads in flight per slot; the results are
     the same bits, which is checked here against the default)."""
-    from numba_kernels.splitkv import paged_decode
+    from fp8lab.numba_kernels.splitkv import paged_decode
     from timing import graph_time_us
 
     row = {"batch": batch, "context": context}
@@ -201,10 +201,10 @@ def sweep_table(sweeps):
 
 def prefill_table(torch, cuda):
     """Causal prefill of one prompt, FP8 and BF16 caches, against SDPA BF16 ``is_causal=True`` (contiguous)."""
-    from numba_kernels.kv_cache import paged_cache_write
-    from numba_kernels.prefill import paged_prefill, prefill_rows_workspace
-    from numba_kernels.splitkv import decode_workspace
-    from reference import attention, kv_cache
+    from fp8lab.numba_kernels.kv_cache import paged_cache_write
+    from fp8lab.numba_kernels.prefill import paged_prefill, prefill_rows_workspace
+    from fp8lab.numba_kernels.splitkv import decode_workspace
+    from fp8lab.reference import attention, kv_cache
     from timing import graph_time_us, torch_time_us
 
     lines = ["", "Causal prefill of one prompt (ours: decode of every query token over its prefix; one graph "

@@ -27,8 +27,8 @@ def main() -> int:
     import torch
     from numba import cuda
 
-    from numba_kernels import splitkv
-    from numba_kernels.kv_cache import placeholder
+    from fp8lab.numba_kernels import splitkv
+    from fp8lab.numba_kernels.kv_cache import placeholder
     from timing import graph_time_us
 
     print("| batch | context | cache | heads/CTA | U | splits | split kernel us | combine us | whole us |")

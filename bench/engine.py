@@ -2,13 +2,12 @@
 
     python bench/engine.py [--out DIR] [--shapes qwen3-0.6b,qwen3-8b] [--batches 1,4,16]
                            [--prompt-len 512] [--decode-tokens 64] [--no-transformers] ...
-    fp8lab bench ...            (the same options; engine/bench_command.py defines them)
 
-For each shape (``engine.shapes``: random FP8 checkpoints of the Qwen3-0.6B and Qwen3-8B
+For each shape (``fp8lab.engine.shapes``: random FP8 checkpoints of the Qwen3-0.6B and Qwen3-8B
 architectures, built in memory, seeded) and each batch size it measures, in one process on one GPU:
 
-1. **ours**: ``engine.cuda_model.CudaQwen3Model`` over a paged KV cache (FP8 by default), driven
-   by a plain loop of ``forward`` calls and ``engine.kv_manager`` (no scheduler): a warm-up run
+1. **ours**: ``fp8lab.engine.cuda_model.CudaQwen3Model`` over a paged KV cache (FP8 by default), driven
+   by a plain loop of ``forward`` calls and ``fp8lab.engine.kv_manager`` (no scheduler): a warm-up run
    first (kernel compilation, CUDA-graph capture for this batch size), then a timed run. Prefill:
    the wall time of one ``forward`` of all the batch's prompts (``P`` random token ids each), the
    faster of the two runs.
@@ -21,7 +20,7 @@ architectures, built in memory, seeded) and each batch size it measures, in one 
    Prefill: one forward of the prompts (``logits_to_keep=1``, median of 3 after a warm-up). Decode:
    ``(t(generate N + 1 tokens) - t(generate 1 token)) / N`` (``do_sample=False``,
    ``min_new_tokens`` = ``max_new_tokens``), so the prompt and the first token cancel out.
-3. **roofline**: bytes a decode step must read (``engine.shapes.decode_bytes_per_step``: FP8
+3. **roofline**: bytes a decode step must read (``fp8lab.engine.shapes.decode_bytes_per_step``: FP8
    weights, F32 scales, BF16 ``lm_head``, norms, embedding rows, KV cache at the average context
    of the timed steps) divided by the device-to-device copy bandwidth measured at the start
    (``bench/timing.copy_bandwidth_tb_s``, bytes read + written); batch / that time = tokens/s.
@@ -49,16 +48,67 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-# This script is named like the engine package and Python puts its folder first on sys.path: move
-# bench/ behind everything, so that `import engine` finds the package and `import timing` still works.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
-sys.path.insert(0, str(ROOT))
-sys.path.append(str(BENCH))
+sys.path.insert(0, str(ROOT))  # a source checkout runs without installing fp8lab
 
-from engine import bench_command, shapes  # noqa: E402
+from fp8lab.engine import shapes  # noqa: E402
 
 T0 = time.perf_counter()
+
+DEFAULT_SHAPES = ("qwen3-0.6b", "qwen3-8b")
+DEFAULT_BATCHES = (1, 4, 16)
+
+
+def _shape_list(text: str) -> list[str]:
+    names = [s for s in text.split(",") if s]
+    unknown = [n for n in names if n not in shapes.shape_names(include_test=True)]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown shapes {unknown} (choose from {', '.join(shapes.shape_names())})")
+    return names
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(s) for s in text.split(",") if s]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options (``python bench/engine.py --help``)."""
+    p.add_argument("--shapes", type=_shape_list, default=list(DEFAULT_SHAPES), metavar="A,B",
+                   help=f"comma-separated shapes (default {','.join(DEFAULT_SHAPES)}; also: tiny)")
+    p.add_argument("--batches", type=_int_list, default=list(DEFAULT_BATCHES), metavar="B,B",
+                   help=f"comma-separated batch sizes (default {','.join(map(str, DEFAULT_BATCHES))})")
+    p.add_argument("--prompt-len", type=_positive, default=512, metavar="P", help="random prompt tokens per sequence (default 512)")
+    p.add_argument("--decode-tokens", type=_positive, default=64, metavar="N",
+                   help="timed decode steps, greedy, EOS ignored (default 64)")
+    p.add_argument("--warmup-steps", type=int, default=3, metavar="W",
+                   help="untimed decode steps before the timed ones (graph capture; default 3)")
+    p.add_argument("--kv-cache-dtype", choices=["fp8", "bf16"], default="fp8", help="our KV cache (default fp8)")
+    p.add_argument("--block-size", type=_positive, default=16, metavar="B", help="tokens per KV cache block (default 16)")
+    p.add_argument("--layers", type=_positive, default=None, metavar="L",
+                   help="override every shape's layer count (quick runs; the roofline follows)")
+    p.add_argument("--model", type=Path, default=None, metavar="DIR",
+                   help="benchmark this checkpoint folder instead of random --shapes")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random weights and prompts (default 0)")
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers BF16 peer")
+    p.add_argument("--transformers-batches", type=_int_list, default=None, metavar="B,B",
+                   help="batches at which to run the transformers peer (default: all of --batches)")
+    p.add_argument("--threads", type=_positive, default=None, metavar="T",
+                   help="CPU threads that build the random weights (default: all cores, at most 32)")
+    p.add_argument("--out", type=Path, default=Path("engine-bench"), metavar="DIR",
+                   help="folder for engine_results.md, engine_results.json and engine.png (default ./engine-bench)")
+
 
 
 def log(message: str) -> None:
@@ -160,8 +210,8 @@ def random_prompts(vocab: int, batch: int, length: int, seed: int) -> np.ndarray
 
 def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: int, kv_cache_dtype: str) -> dict:
     """Prefill ``prompts`` ``[B, P]`` in one forward, then ``warmup + steps`` greedy decode steps."""
-    from engine.kv_manager import KVCacheManager, blocks_for
-    from engine.model import make_batch
+    from fp8lab.engine.kv_manager import KVCacheManager, blocks_for
+    from fp8lab.engine.model import make_batch
 
     batch, length = prompts.shape
     vocab = model.config.vocab_size
@@ -198,7 +248,7 @@ def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: in
 
 def bench_ours(checkpoint, prompts: np.ndarray, rows: dict, args) -> None:
     """Fill the ``ours_*`` fields of ``rows`` (batch -> Row); errors are recorded per batch."""
-    from engine.cuda_model import CudaQwen3Model
+    from fp8lab.engine.cuda_model import CudaQwen3Model
 
     max_batch = max(args.batches)
     # the engine's defaults (f32_max_rows among them), as fp8lab generate runs them
@@ -333,7 +383,7 @@ def report(rows: list[Row], meta: dict, breakdowns: dict) -> str:
         f"### Engine prefill and decode, {meta['date']}, {meta['gpu']}",
         "",
         f"Command: `{meta['command']}`. Copy bandwidth (read + write): {meta['copy_tb_s']:.2f} TB/s. "
-        f"Random FP8 checkpoints (`engine.shapes`: random E4M3 codes and block scales, BF16 embeddings), "
+        f"Random FP8 checkpoints (`fp8lab.engine.shapes`: random E4M3 codes and block scales, BF16 embeddings), "
         f"{meta['prompt_len']} random prompt tokens per sequence, {meta['decode_tokens']} timed greedy decode steps after "
         f"{meta['warmup_steps']} untimed ones (EOS ignored), KV cache {meta['kv_cache_dtype']}, block {meta['block_size']}. "
         "Ours: `CudaQwen3Model`, host wall time per step (make_batch + `greedy_tokens`: the CUDA-graph decode step "
@@ -417,7 +467,7 @@ def write_results(out: Path, rows: list[Row], meta: dict, breakdowns: dict) -> N
 def targets(args):
     """``(label, config, build_checkpoint)`` for each model to benchmark."""
     if args.model is not None:
-        from engine.checkpoint import load_checkpoint, read_config
+        from fp8lab.engine.checkpoint import load_checkpoint, read_config
 
         config = read_config(args.model)
         return [(args.model.name, config, lambda: load_checkpoint(args.model, progress=False))]
@@ -482,7 +532,7 @@ def run(args: argparse.Namespace) -> int:
         log(f"{label}: checkpoint ready in {time.perf_counter() - start:.1f} s")
         try:
             bench_ours(checkpoint, prompts, rows, args)
-        except Exception as e:  # noqa: BLE001 - e.g. engine.cuda_model missing: still run the peer
+        except Exception as e:  # noqa: BLE001 - e.g. fp8lab.engine.cuda_model missing: still run the peer
             traceback.print_exc()
             for r in rows.values():
                 r.errors.append(f"ours: {type(e).__name__}: {e}")
@@ -505,7 +555,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    bench_command.add_arguments(parser)
+    add_arguments(parser)
     return run(parser.parse_args(argv))
 
 

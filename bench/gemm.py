@@ -7,7 +7,7 @@ plot into the output folder (default ``bench/``) and prints the table::
 
 For each Qwen3-8B projection shape (N, K) and batch M it
 
-1. validates each path on fresh random data against ``reference.blockwise.gemm`` (relative
+1. validates each path on fresh random data against ``fp8lab.reference.blockwise.gemm`` (relative
    error ||out - ref|| / ||ref||; the output is poisoned with NaN first);
 2. times each path with CUDA-graph replay (``bench/timing.py``), rotating among weight copies
    that together exceed the L2, and cuBLAS BF16 (``torch.nn.functional.linear`` on BF16 weights
@@ -36,7 +36,7 @@ L2_BYTES = 60e6
 
 def random_problem(rng, m, n, k, torch):
     """FP8 weights quantized from random floats, BF16 activations; numpy and torch copies."""
-    from reference import blockwise
+    from fp8lab.reference import blockwise
 
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
     q, s = blockwise.quantize(w)
@@ -61,7 +61,7 @@ def device_problem(m, n, k, rng, torch):
     """
     from numba import cuda
 
-    from reference import blockwise
+    from fp8lab.reference import blockwise
 
     q, s, a_bf16, a_rounded = random_problem(rng, m, n, k, torch)
     ref = blockwise.gemm(a_rounded, q, s)
@@ -109,11 +109,11 @@ def kernel_paths(names):
     """The requested paths (``simt``, ``mma``)."""
     paths = {}
     if "simt" in names:
-        from numba_kernels.gemv_simt import gemv_simt
+        from fp8lab.numba_kernels.gemv_simt import gemv_simt
 
         paths["simt"] = KernelPath(lambda a, q, s, o, stream: gemv_simt(a, q, s, o, stream=stream), lambda m: m <= 16)
     if "mma" in names:
-        from numba_kernels.gemm_mma import gemm_mma
+        from fp8lab.numba_kernels.gemm_mma import gemm_mma
 
         paths["mma"] = KernelPath(lambda a, q, s, o, stream: gemm_mma(a, q, s, o, stream=stream), lambda m: True)
     return paths

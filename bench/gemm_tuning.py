@@ -2,11 +2,11 @@
 
     python bench/gemm_tuning.py [--out DIR]
 
-For each Qwen3-8B shape and a few M it validates every variant against ``reference.blockwise.gemm``
+For each Qwen3-8B shape and a few M it validates every variant against ``fp8lab.reference.blockwise.gemm``
 and times it with CUDA-graph replay (``bench/timing.py``), weights rotated past the L2. It prints
 and writes ``gemm_tuning.md``: the best variant per (path, shape, M), which is how the defaults in
-``numba_kernels/gemv_simt.py`` and ``numba_kernels/gemm_mma.py`` and the SIMT/mma threshold of
-``numba_kernels/fp8_gemm.py`` are chosen.
+``fp8lab/numba_kernels/gemv_simt.py`` and ``fp8lab/numba_kernels/gemm_mma.py`` and the SIMT/mma threshold of
+``fp8lab/numba_kernels/fp8_gemm.py`` are chosen.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def variants(kernel, path, m):
     """The sweep's knob settings that the kernel accepts (an unknown knob drops the setting); for the
     SIMT GEMV its own ``tuning_candidates(m)``."""
     if path == "simt":
-        from numba_kernels.gemv_simt import tuning_candidates
+        from fp8lab.numba_kernels.gemv_simt import tuning_candidates
 
         return tuning_candidates(m)
     accepted = inspect.signature(kernel).parameters
@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     import torch
     from numba import cuda
 
-    from numba_kernels.gemm_mma import gemm_mma
-    from numba_kernels.gemv_simt import gemv_simt
+    from fp8lab.numba_kernels.gemm_mma import gemm_mma
+    from fp8lab.numba_kernels.gemv_simt import gemv_simt
     from timing import graph_time_us, torch_time_us
 
     kernels = {name: k for name, k in {"simt": gemv_simt, "mma": gemm_mma}.items() if name in args.paths.split(",")}

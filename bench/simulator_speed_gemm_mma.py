@@ -1,4 +1,4 @@
-"""How fast is the vectorized mma-GEMM simulator (simulators.gemm_mma) on one CPU core?
+"""How fast is the vectorized mma-GEMM simulator (fp8lab.simulators.gemm_mma) on one CPU core?
 
 Usage (from the repository root)::
 
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from reference import blockwise, e4m3  # noqa: E402
-from simulators import bit_placement, gemm_mma  # noqa: E402
+from fp8lab.reference import blockwise, e4m3  # noqa: E402
+from fp8lab.simulators import bit_placement, gemm_mma  # noqa: E402
 
 SHAPES = [
     # (label, M, N, K, m_blocks, activation)

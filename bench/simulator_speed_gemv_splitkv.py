@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from reference import attention, blockwise  # noqa: E402
-from reference import strategies as fst  # noqa: E402
-from simulators import gemv_simt, splitkv  # noqa: E402
+from fp8lab.reference import attention, blockwise  # noqa: E402
+from fp8lab.reference import strategies as fst  # noqa: E402
+from fp8lab.simulators import gemv_simt, splitkv  # noqa: E402
 
 
 TARGET_MAC_PER_S = 500e6  # issue 4: 100x a pure-Python loop simulation (~5 M MAC/s)

@@ -14,11 +14,11 @@ import dataclasses
 
 import numpy as np
 
-from engine.config import FP8QuantConfig, Qwen3Config
-from engine.kv_manager import KVCacheManager
-from engine.layout import expected_tensors, is_fp8_projection, projection_shapes
-from engine.model import Qwen3Model, make_batch
-from reference import blockwise
+from fp8lab.engine.config import FP8QuantConfig, Qwen3Config
+from fp8lab.engine.kv_manager import KVCacheManager
+from fp8lab.engine.layout import expected_tensors, is_fp8_projection, projection_shapes
+from fp8lab.engine.model import Qwen3Model, make_batch
+from fp8lab.reference import blockwise
 
 BYTE_VOCAB = 256
 EOS_ID = 256
@@ -153,7 +153,7 @@ class FakeStreamDecoder:
 
 
 def install_fake_io(monkeypatch, folder, config=None, tensors=None):
-    """Fake ``engine.checkpoint``, ``engine.tokenizer`` and ``engine.demo`` modules for the commands' tests:
+    """Fake ``fp8lab.engine.checkpoint``, ``fp8lab.engine.tokenizer`` and ``fp8lab.engine.demo`` modules for the commands' tests:
     ``load_checkpoint`` serves ``config`` and ``tensors`` (default: the tiny random model, seed 5) from any
     folder holding a ``config.json`` (``folder`` gets one, and is the default model's folder too), and
     raises ``ValueError`` for a folder without one; the tokenizer is ``FakeTokenizer``. Returns ``folder``."""
@@ -178,9 +178,9 @@ def install_fake_io(monkeypatch, folder, config=None, tensors=None):
 
     (folder / "config.json").write_text("{}")
     for name, attrs in {
-        "engine.checkpoint": {"load_checkpoint": load_checkpoint},
-        "engine.tokenizer": {"Tokenizer": Tokenizer, "StreamDecoder": FakeStreamDecoder},
-        "engine.demo": {"default_model_dir": lambda fp8=True: folder},
+        "fp8lab.engine.checkpoint": {"load_checkpoint": load_checkpoint},
+        "fp8lab.engine.tokenizer": {"Tokenizer": Tokenizer, "StreamDecoder": FakeStreamDecoder},
+        "fp8lab.engine.demo": {"default_model_dir": lambda fp8=True: folder},
     }.items():
         module = types.ModuleType(name)
         module.__dict__.update(attrs)
@@ -241,7 +241,7 @@ def dense_ppl64(config, tensors, chunks) -> float:
 
 def one_line_error(capsys, argv, command="generate") -> str:
     """Run ``fp8lab argv``; assert exit 1 and a single stderr line; return that line."""
-    from engine import cli
+    from fp8lab.engine import cli
 
     assert cli.main(argv) == 1
     err = capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""reference.attention against a plain dense softmax written here, GQA, ALiBi, length 0, causality."""
+"""fp8lab.reference.attention against a plain dense softmax written here, GQA, ALiBi, length 0, causality."""
 
 import math
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import attention, kv_cache
-from reference import strategies as fst
+from fp8lab.reference import attention, kv_cache
+from fp8lab.reference import strategies as fst
 
 
 def dense_attention_one_query(q, k, v, softmax_scale, bias=None):

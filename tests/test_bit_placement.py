@@ -1,4 +1,4 @@
-"""simulators.bit_placement: exhaustive over codes and code pairs, against reference.e4m3 and ml_dtypes."""
+"""fp8lab.simulators.bit_placement: exhaustive over codes and code pairs, against fp8lab.reference.e4m3 and ml_dtypes."""
 
 import ml_dtypes
 import numpy as np
@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from reference import e4m3
-from simulators import bit_placement as bp
+from fp8lab.reference import e4m3
+from fp8lab.simulators import bit_placement as bp
 
 ALL_CODES = np.arange(256, dtype=np.uint8)
 NOT_NAN = ~e4m3.is_nan(ALL_CODES)

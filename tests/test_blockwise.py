@@ -1,12 +1,12 @@
-"""reference.blockwise: the quantization error bound, GEMMs against independent formulations, bad input."""
+"""fp8lab.reference.blockwise: the quantization error bound, GEMMs against independent formulations, bad input."""
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import blockwise, e4m3
-from reference import strategies as fst
+from fp8lab.reference import blockwise, e4m3
+from fp8lab.reference import strategies as fst
 
 BLOCKS = st.tuples(st.integers(1, 40), st.integers(1, 40))
 

@@ -1,4 +1,4 @@
-"""engine.checkpoint: load(save(x)) == x, sharding, quantize_checkpoint's exact output format and
+"""fp8lab.engine.checkpoint: load(save(x)) == x, sharding, quantize_checkpoint's exact output format and
 error bound, inspect, the command line, and a clear error for every kind of bad checkpoint
 (each built by corrupting a freshly made tiny checkpoint)."""
 
@@ -12,13 +12,13 @@ import warnings
 import numpy as np
 import pytest
 
-from engine import checkpoint as ck
-from engine import cli
-from engine import safetensors_io as sio
-from engine.config import Qwen3Config
-from engine.layout import expected_tensors
-from engine.tiny import make_tiny, random_bf16_tensors
-from reference import blockwise
+from fp8lab.engine import checkpoint as ck
+from fp8lab.engine import cli
+from fp8lab.engine import safetensors_io as sio
+from fp8lab.engine.config import Qwen3Config
+from fp8lab.engine.layout import expected_tensors
+from fp8lab.engine.tiny import make_tiny, random_bf16_tensors
+from fp8lab.reference import blockwise
 
 Q_PROJ = "model.layers.1.self_attn.q_proj.weight"
 Q_SCALE = Q_PROJ + "_scale_inv"
@@ -183,7 +183,7 @@ def test_save_refuses_bad_tensors_and_existing_checkpoints(tiny_dirs, tmp_path):
 
 
 def assert_within_blockwise_bound(w, q, s, block):
-    """|dequantize(q, s) - w| <= 2^-4 |w| + 2^-10 s per element (reference/blockwise.py)."""
+    """|dequantize(q, s) - w| <= 2^-4 |w| + 2^-10 s per element (fp8lab/reference/blockwise.py)."""
     w_hat = blockwise.dequantize(q, s, block)
     s_full = blockwise.expand_scales(s, w.shape, block)
     bound = (2.0**-4 * np.abs(w) + 2.0**-10 * s_full) * (1 + 2.0**-22)

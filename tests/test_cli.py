@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from engine import cli
+from fp8lab.engine import cli
 
 
 def test_help_lists_subcommands(capsys):

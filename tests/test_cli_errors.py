@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import cli, eval_command, generate_command
+from fp8lab.engine import cli, eval_command, generate_command
 
 from engine_helpers import install_fake_io, one_line_error, tiny_config
 
@@ -84,7 +84,7 @@ def test_generate_cudasim_refuses_a_big_model_naming_the_override(monkeypatch, t
 
 
 def test_allow_slow_simulator_goes_on_to_load_the_model(monkeypatch, tmp_path, capsys):
-    import engine.backend
+    import fp8lab.engine.backend
 
     install_fake_io(monkeypatch, tmp_path, big_config(), tensors={})
 
@@ -92,7 +92,7 @@ def test_allow_slow_simulator_goes_on_to_load_the_model(monkeypatch, tmp_path, c
         assert backend == "cudasim"
         raise RuntimeError("load_model reached")
 
-    monkeypatch.setattr(engine.backend, "load_model", load_model)
+    monkeypatch.setattr(fp8lab.engine.backend, "load_model", load_model)
     argv = ["generate", "--prompt", "hi", "--backend", "cudasim", "--allow-slow-simulator"]
     assert "load_model reached" in one_line_error(capsys, argv)
 
@@ -104,7 +104,7 @@ def test_eval_cudasim_refuses_a_big_model(monkeypatch, tmp_path, capsys):
 
 
 def test_the_micro_models_of_the_simulator_tests_pass_the_check():
-    from engine.backend import simulator_too_slow
+    from fp8lab.engine.backend import simulator_too_slow
 
     assert simulator_too_slow(tiny_config(hidden_size=128, intermediate_size=128, num_hidden_layers=2)) is None
     assert simulator_too_slow(tiny_config()) is None
@@ -141,7 +141,7 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, command, module):
 def test_a_failed_sequence_is_reported_and_the_others_are_printed(fake_io, monkeypatch, capsys):
     """One prompt whose sequence fails (``finish_reason == "error"``) exits 1 with a line naming it; the
     other prompt's text is still printed."""
-    from engine import generate as gen
+    from fp8lab.engine import generate as gen
 
     real_generate = gen.Generator.generate
 

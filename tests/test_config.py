@@ -1,4 +1,4 @@
-"""engine.config: config.json is read strictly. A value of the wrong JSON type is an error naming
+"""fp8lab.engine.config: config.json is read strictly. A value of the wrong JSON type is an error naming
 config.json and the field, never a silent cast (``bool("false")`` is true, ``int(4.9)`` is 4)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from engine.checkpoint import read_config
-from engine.config import FP8QuantConfig, Qwen3Config
-from engine.tiny import tiny_config
+from fp8lab.engine.checkpoint import read_config
+from fp8lab.engine.config import FP8QuantConfig, Qwen3Config
+from fp8lab.engine.tiny import tiny_config
 
 
 def good_dict() -> dict:

@@ -1,16 +1,16 @@
-"""``engine.cuda_model.CudaQwen3Model`` (the forward pass as ``numba_kernels``) against ``Qwen3Model`` on the
+"""``fp8lab.engine.cuda_model.CudaQwen3Model`` (the forward pass as ``numba_kernels``) against ``Qwen3Model`` on the
 reference backend.
 
 In the CUDA simulator (``cudasim``), on a micro model (1 to 2 layers, hidden 128, GQA 2:1, head_dim
 64, FP8 blocks of 48 x 128 so that every fused weight is re-blocked and has partial edge blocks):
 every non-GEMM kernel runs for real (embedding, norms, RoPE, cache write, split-kv decode with a
 combine, prefill expansion, SwiGLU, the BF16 cast); the three GEMM kernels (``gemv_simt``,
-``fp8_gemm``, ``bf16_linear``) are replaced by bit-exact NumPy twins (``simulators.gemv_simt``,
-``simulators.gemm_mma`` and the order model of ``bf16_linear``), because the simulator spends 2 to 4
+``fp8_gemm``, ``bf16_linear``) are replaced by bit-exact NumPy twins (``fp8lab.simulators.gemv_simt``,
+``fp8lab.simulators.gemm_mma`` and the order model of ``bf16_linear``), because the simulator spends 2 to 4
 ms per simulated thread: one SIMT GEMV of 384 x 128 takes 15 s there, a micro-model forward minutes.
-The twins check their arguments with ``numba_kernels.arguments.check_gemm`` like the kernels.
+The twins check their arguments with ``fp8lab.numba_kernels.arguments.check_gemm`` like the kernels.
 
-On a GPU (``gpu``): the embedded tiny model (``engine.tiny``) with the real kernels.
+On a GPU (``gpu``): the embedded tiny model (``fp8lab.engine.tiny``) with the real kernels.
 
 Bounds (``rel`` = ``||got - ref|| / ||ref||`` over all compared logits; NaN never passes):
 
@@ -41,20 +41,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
-from engine import cuda_model
-from engine.backend import get_backend, load_model, resolve_backend
-from engine.cuda_model import CudaQwen3Model, decode_buckets, fuse_fp8, unsupported_reason
-from engine.generate import Generator
-from engine.kv_manager import KVCacheExhausted, KVCacheManager
-from engine.safetensors_io import round_to_bf16
-from engine.model import Qwen3Model, make_batch
-from numba_kernels import arguments
-from numba_kernels.fp8_gemm import SIMT_MAX_M
-from reference import blockwise
-from simulators import gemm_mma as sim_mma
-from simulators import gemv_simt as sim_gemv
-from simulators.fma import fma_f32
+import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from fp8lab.engine import cuda_model
+from fp8lab.engine.backend import get_backend, load_model, resolve_backend
+from fp8lab.engine.cuda_model import CudaQwen3Model, decode_buckets, fuse_fp8, unsupported_reason
+from fp8lab.engine.generate import Generator
+from fp8lab.engine.kv_manager import KVCacheExhausted, KVCacheManager
+from fp8lab.engine.safetensors_io import round_to_bf16
+from fp8lab.engine.model import Qwen3Model, make_batch
+from fp8lab.numba_kernels import arguments
+from fp8lab.numba_kernels.fp8_gemm import SIMT_MAX_M
+from fp8lab.reference import blockwise
+from fp8lab.simulators import gemm_mma as sim_mma
+from fp8lab.simulators import gemv_simt as sim_gemv
+from fp8lab.simulators.fma import fma_f32
 
 from engine_helpers import float_config, quantize_tensors, random_float_tensors, rel_err, tiny_config
 
@@ -74,7 +74,7 @@ def bf16_values(bits) -> np.ndarray:
 
 
 def gemv_simt_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **knobs):
-    """``numba_kernels.gemv_simt`` as ``simulators.gemv_simt`` computes it (bit for bit)."""
+    """``fp8lab.numba_kernels.gemv_simt`` as ``fp8lab.simulators.gemv_simt`` computes it (bit for bit)."""
     p = arguments.check_gemm(a, q, scale_inv, out, block, kernel="the SIMT GEMV")
     assert p.output == "f32" and 1 <= p.m <= 16
     a32 = bf16_values(p.a) if p.activation == "bf16" else np.asarray(p.a, np.float32)
@@ -83,7 +83,7 @@ def gemv_simt_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **knobs):
 
 
 def fp8_gemm_twin(a, q, scale_inv, out, block=(128, 128), path="auto", stream=0):
-    """``numba_kernels.fp8_gemm`` (``auto``: SIMT up to ``SIMT_MAX_M`` rows, else mma) by its simulators."""
+    """``fp8lab.numba_kernels.fp8_gemm`` (``auto``: SIMT up to ``SIMT_MAX_M`` rows, else mma) by its simulators."""
     p = arguments.check_gemm(a, q, scale_inv, out, block, kernel="fp8_gemm", activations=("bf16", "f16"),
                              block_n_multiple=8)
     assert p.activation == "bf16" and p.output == "f32"
@@ -322,7 +322,7 @@ def test_fp8lab_generate_backend_cudasim(gemm_twins, monkeypatch, tmp_path, caps
     import sys
     import types
 
-    from engine import cli
+    from fp8lab.engine import cli
 
     from engine_helpers import FakeStreamDecoder, FakeTokenizer
 
@@ -337,8 +337,8 @@ def test_fp8lab_generate_backend_cudasim(gemm_twins, monkeypatch, tmp_path, caps
         def from_dir(cls, path):
             return cls()
 
-    for name, attrs in {"engine.checkpoint": {"load_checkpoint": lambda path: checkpoint},
-                        "engine.tokenizer": {"Tokenizer": Tokenizer, "StreamDecoder": FakeStreamDecoder}}.items():
+    for name, attrs in {"fp8lab.engine.checkpoint": {"load_checkpoint": lambda path: checkpoint},
+                        "fp8lab.engine.tokenizer": {"Tokenizer": Tokenizer, "StreamDecoder": FakeStreamDecoder}}.items():
         module = types.ModuleType(name)
         module.__dict__.update(attrs)
         monkeypatch.setitem(sys.modules, name, module)
@@ -361,9 +361,9 @@ GPU_STEPS = 32
 
 @pytest.fixture(scope="module")
 def tiny():
-    from engine.checkpoint import load_checkpoint
-    from engine.tiny import default_model_dir
-    from engine.tokenizer import Tokenizer
+    from fp8lab.engine.checkpoint import load_checkpoint
+    from fp8lab.engine.tiny import default_model_dir
+    from fp8lab.engine.tokenizer import Tokenizer
 
     directory = default_model_dir(fp8=True)
     return load_checkpoint(directory), Tokenizer.from_dir(directory)
@@ -448,7 +448,7 @@ def test_gpu_out_of_memory_is_a_clear_error(tiny):
 
 @pytest.mark.gpu
 def test_gpu_fp8lab_generate_backend_cuda(capsys):
-    from engine import cli
+    from fp8lab.engine import cli
 
     assert cli.main(["generate", "--backend", "cuda", "--prompt", "Hello", "--prompt", "Once upon a time",
                      "--max-new-tokens", "16"]) == 0
@@ -477,9 +477,9 @@ def test_gpu_demo_model_matches_the_reference(kv):
     defaults: a 96-token held-out prefill (BF16 GEMM inputs, tensor cores) within the BF16-input bound
     of the reference's float32 logits, and 32 greedy tokens from three held-out prompts identical to
     the reference's up to the first near tie (at least 16 tokens compared per prompt)."""
-    from engine import demo
-    from engine.checkpoint import load_checkpoint
-    from engine.tokenizer import Tokenizer
+    from fp8lab.engine import demo
+    from fp8lab.engine.checkpoint import load_checkpoint
+    from fp8lab.engine.tokenizer import Tokenizer
 
     checkpoint = load_checkpoint(demo.default_model_dir(fp8=True), progress=False)
     ids = Tokenizer.from_dir(demo.DEMO_DIR).encode(demo.HELDOUT_TEXT.read_text(encoding="utf-8")[:40_000])

@@ -1,4 +1,4 @@
-"""The simulator's warp intrinsics (numba_kernels.cudasim) and bit helpers (numba_kernels.bits).
+"""The simulator's warp intrinsics (fp8lab.numba_kernels.cudasim) and bit helpers (fp8lab.numba_kernels.bits).
 
 Each intrinsic is checked against what CUDA specifies, computed here with NumPy; misuse that
 would hang or be undefined on a GPU must raise a clear error in the simulator.
@@ -12,8 +12,8 @@ pytestmark = pytest.mark.cudasim
 
 from numba import cuda  # noqa: E402
 
-import numba_kernels  # noqa: E402,F401  (installs the intrinsics)
-from numba_kernels import bits  # noqa: E402
+import fp8lab.numba_kernels  # noqa: E402,F401  (installs the intrinsics)
+from fp8lab.numba_kernels import bits  # noqa: E402
 
 FULL = 0xFFFFFFFF
 

@@ -1,4 +1,4 @@
-"""The shipped demo model (``engine.demo``): what it is, that it is trained, what FP8 costs it, and that
+"""The shipped demo model (``fp8lab.engine.demo``): what it is, that it is trained, what FP8 costs it, and that
 the main job and ``fp8lab eval`` run it.
 
 The slice: the first 1,024 tokens of the held-out text as 4 chunks of 256 (``SLICE``). Bounds:
@@ -21,10 +21,10 @@ import re
 import numpy as np
 import pytest
 
-from engine import cli, demo
-from engine import evaluate as ev
-from engine.checkpoint import load_checkpoint, open_checkpoint
-from engine.tokenizer import ENDOFTEXT, IM_END, IM_START, Tokenizer
+from fp8lab.engine import cli, demo
+from fp8lab.engine import evaluate as ev
+from fp8lab.engine.checkpoint import load_checkpoint, open_checkpoint
+from fp8lab.engine.tokenizer import ENDOFTEXT, IM_END, IM_START, Tokenizer
 
 from engine_helpers import dense_ppl64
 
@@ -76,7 +76,7 @@ def test_the_demo_tokenizer_has_qwens_added_tokens():
 
 
 def test_the_fp8_default_is_what_fp8lab_quantize_writes(tmp_path, monkeypatch):
-    from engine.checkpoint import quantize_checkpoint
+    from fp8lab.engine.checkpoint import quantize_checkpoint
 
     monkeypatch.setenv("FP8LAB_CACHE", str(tmp_path / "cache"))
     folder = demo.default_model_dir(fp8=True)
@@ -129,7 +129,7 @@ def test_the_main_job_writes_recognisable_text(capsys):
     of the held-out documents (which the model never saw; measured 84% of 25 words, and 89% and 94% from
     two other prompts). The random tiny model glues BPE fragments together: on the same prompt 37% (17%
     and 20% on the others), which the same check rejects."""
-    from engine.tiny import default_model_dir
+    from fp8lab.engine.tiny import default_model_dir
 
     share, count = known_word_share(out := generated_text(capsys))
     assert count >= 10 and share >= 0.7, (share, count, out)

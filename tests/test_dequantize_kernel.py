@@ -1,9 +1,9 @@
-"""numba_kernels.dequantize against reference.blockwise.dequantize and simulators.bit_placement.
+"""fp8lab.numba_kernels.dequantize against fp8lab.reference.blockwise.dequantize and fp8lab.simulators.bit_placement.
 
 The kernel's float32 result is ``fl32((decode(c) * 2^-8) * (scale_inv * 2^8))``: both factors are
 exact and their real product is ``decode(c) * scale_inv``, so it is the reference's one float32
 rounding, bit for bit. float16 and BF16 outputs are that float32 value rounded once more (round to
-nearest even), i.e. ``reference.blockwise.dequantize(...).astype(float16 / bfloat16)``. NaN codes
+nearest even), i.e. ``fp8lab.reference.blockwise.dequantize(...).astype(float16 / bfloat16)``. NaN codes
 give the finite ``+-480 * scale_inv`` (the reference gives NaN).
 
 - CUDA simulator (marker ``cudasim``): every code at every byte position of a 32-bit word; random
@@ -20,11 +20,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference import blockwise, e4m3
-from simulators import bit_placement
+from fp8lab.reference import blockwise, e4m3
+from fp8lab.simulators import bit_placement
 
-from numba_kernels import dequantize as kernel_module
-from numba_kernels.dequantize import dequantize, dequantize_launch_info
+from fp8lab.numba_kernels import dequantize as kernel_module
+from fp8lab.numba_kernels.dequantize import dequantize, dequantize_launch_info
 
 OUTPUT_FORMATS = ("f32", "f16", "bf16", "bf16-int16")
 
@@ -106,7 +106,7 @@ def test_every_code_at_every_byte_position(rng, fmt):
 
 @pytest.mark.cudasim
 def test_float32_output_is_the_reference_bit_for_bit(rng):
-    """Finite codes: the float32 output is exactly reference.blockwise.dequantize."""
+    """Finite codes: the float32 output is exactly fp8lab.reference.blockwise.dequantize."""
     n, k, block = 5, 384, (2, 128)
     q = rng.integers(0, 0x7F, (n, k)).astype(np.uint8) | (rng.integers(0, 2, (n, k)) << 7).astype(np.uint8)
     scale_inv = random_scales(rng, blockwise.scale_shape((n, k), block))

@@ -1,12 +1,12 @@
-"""reference.e4m3 against the independent oracle ml_dtypes.float8_e4m3fn, exhaustively and by property."""
+"""fp8lab.reference.e4m3 against the independent oracle ml_dtypes.float8_e4m3fn, exhaustively and by property."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
 
-from reference import e4m3
-from reference import strategies as fst
+from fp8lab.reference import e4m3
+from fp8lab.reference import strategies as fst
 
 ORACLE = ml_dtypes.float8_e4m3fn
 ALL_CODES = np.arange(256, dtype=np.uint8)

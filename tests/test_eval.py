@@ -1,9 +1,9 @@
-"""``engine.evaluate`` and ``fp8lab eval``: perplexity against an independent float64 forward, the chunk
+"""``fp8lab.engine.evaluate`` and ``fp8lab eval``: perplexity against an independent float64 forward, the chunk
 protocol, the comparison table, NaN handling, ``ReferenceBackend(gemm_input="bf16")``, the command line,
 and (in the CUDA simulator) the GPU model fed in float32 pieces.
 
 Bounds (``ppl_rel`` = ``|ppl / ppl_64 - 1|`` against ``engine_helpers.dense_forward64``, a dense float64 NumPy Qwen3
-written from the checkpoint's tensors, not using ``engine.backend`` or ``reference.attention``):
+written from the checkpoint's tensors, not using ``fp8lab.engine.backend`` or ``fp8lab.reference.attention``):
 
 - **float32 KV cache** (``fp32``): the reference backend computes in float32 (GEMMs, norms, RoPE tables)
   with float64 attention, so each logit is off by a few float32 ulps of the values it is summed from
@@ -33,13 +33,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from engine import cli, eval_command
-from engine import evaluate as ev
-from engine.backend import ReferenceBackend, load_model
-from engine.checkpoint import load_checkpoint
-from engine.model import Qwen3Model
-from engine.tiny import make_tiny
-from reference import blockwise
+from fp8lab.engine import cli, eval_command
+from fp8lab.engine import evaluate as ev
+from fp8lab.engine.backend import ReferenceBackend, load_model
+from fp8lab.engine.checkpoint import load_checkpoint
+from fp8lab.engine.model import Qwen3Model
+from fp8lab.engine.tiny import make_tiny
+from fp8lab.reference import blockwise
 
 from engine_helpers import dense_ppl64, float_config, random_float_tensors, tiny_config
 
@@ -384,8 +384,8 @@ def test_cudasim_perplexity_in_float32_pieces_matches_the_reference(monkeypatch)
     """The micro model of ``tests/test_cuda_model.py`` (its GEMM twins): FP8 weights, BF16 KV, float32 GEMM inputs
     fed in pieces of 4 tokens (``f32_rows=4``, so ``f32_max_rows=4``): chunks of 8 and 4 tokens = 3 forwards, the
     second chunk over the first one's cache storage."""
-    from engine import cuda_model
-    from engine.checkpoint import Checkpoint
+    from fp8lab.engine import cuda_model
+    from fp8lab.engine.checkpoint import Checkpoint
 
     from test_cuda_model import bf16_linear_twin, fp8_gemm_twin, gemv_simt_twin, micro_config, micro_tensors
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from reference import blockwise
-from simulators import gemm_mma as sim_mma
-from simulators import gemv_simt as sim_gemv
+from fp8lab.reference import blockwise
+from fp8lab.simulators import gemm_mma as sim_mma
+from fp8lab.simulators import gemv_simt as sim_gemv
 
-from numba_kernels import fp8_gemm as router
+from fp8lab.numba_kernels import fp8_gemm as router
 
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 

@@ -1,4 +1,4 @@
-"""simulators.gemm_mma against the float64 oracle reference.blockwise.gemm (exact on integer data,
+"""fp8lab.simulators.gemm_mma against the float64 oracle fp8lab.reference.blockwise.gemm (exact on integer data,
 within the documented float32 bound on random data) and against a slow, per-warp walk of the
 schedule built from the per-lane registers (bit for bit)."""
 
@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import blockwise, e4m3
-from reference import strategies as fst
-from simulators import bit_placement as bp
-from simulators import gemm_mma as G
-from simulators import mma
-from simulators.fma import fma_f32
+from fp8lab.reference import blockwise, e4m3
+from fp8lab.reference import strategies as fst
+from fp8lab.simulators import bit_placement as bp
+from fp8lab.simulators import gemm_mma as G
+from fp8lab.simulators import mma
+from fp8lab.simulators.fma import fma_f32
 
 U32 = 2.0**-24
 FORMATS = st.sampled_from(bp.FORMATS)

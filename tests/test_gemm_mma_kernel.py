@@ -1,13 +1,13 @@
-"""numba_kernels.gemm_mma, the tensor-core FP8 GEMM kernel.
+"""fp8lab.numba_kernels.gemm_mma, the tensor-core FP8 GEMM kernel.
 
-- In the CUDA simulator (``cudasim``): bit for bit ``simulators.gemm_mma.gemm_mma`` (the kernel's
+- In the CUDA simulator (``cudasim``): bit for bit ``fp8lab.simulators.gemm_mma.gemm_mma`` (the kernel's
   float32 operations in the model's order) for every tiling (warps per CTA, n8 tiles per warp,
   pipeline stages, m16 tiles per warp), every output written (outputs poisoned with NaN),
-  ``reference.blockwise.gemm`` within the simulator's stated bound, bad calls raise ``ValueError``
+  ``fp8lab.reference.blockwise.gemm`` within the simulator's stated bound, bad calls raise ``ValueError``
   before anything is launched. Shapes stay tiny: the simulator runs each thread of a CTA as a
   Python thread, and ``cp.async`` copies land as late as the hardware may land them.
-- On a GPU (``gpu``): real sizes against ``reference.blockwise.gemm`` by relative error, with the
-  bound built from the GPU error budget in ``simulators.gemm_mma``'s docstring, on fresh random
+- On a GPU (``gpu``): real sizes against ``fp8lab.reference.blockwise.gemm`` by relative error, with the
+  bound built from the GPU error budget in ``fp8lab.simulators.gemm_mma``'s docstring, on fresh random
   inputs each run; integer-valued inputs with power-of-two scales bit for bit the simulator; both
   over several tilings, including stage counts past the 48 KiB shared-memory default.
 """
@@ -24,13 +24,13 @@ from hypothesis import strategies as st
 
 from numba import cuda
 
-import numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
-from numba_kernels import cp_async
-from numba_kernels import gemm_mma as kernel
-from reference import blockwise, e4m3
-from reference import strategies as fst
-from simulators import bit_placement as bp
-from simulators import gemm_mma as model
+import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from fp8lab.numba_kernels import cp_async
+from fp8lab.numba_kernels import gemm_mma as kernel
+from fp8lab.reference import blockwise, e4m3
+from fp8lab.reference import strategies as fst
+from fp8lab.simulators import bit_placement as bp
+from fp8lab.simulators import gemm_mma as model
 
 U32 = 2.0**-24
 CODES = np.array(fst.NON_NAN_CODES, dtype=np.uint8)
@@ -94,7 +94,7 @@ def random_weights(rng, n: int, k: int, block, codes=CODES, scale=1e-2):
 
 
 def simulator_bound(a64, q, scale_inv, block, fmt):
-    """``simulators.gemm_mma``'s stated float32 bound per output, against the oracle on the
+    """``fp8lab.simulators.gemm_mma``'s stated float32 bound per output, against the oracle on the
     activations the kernel multiplies (already 16-bit)."""
     chunks = q.shape[1] // model.K_CHUNK
     w = np.abs(blockwise.dequantize(q, scale_inv, block).astype(np.float64))
@@ -104,7 +104,7 @@ def simulator_bound(a64, q, scale_inv, block, fmt):
 
 
 def gpu_budget(a64, q, scale_inv, block, fmt):
-    """The GPU error budget of ``simulators.gemm_mma`` per output: a real HMMA rounds up to about
+    """The GPU error budget of ``fp8lab.simulators.gemm_mma`` per output: a real HMMA rounds up to about
     ``6 u`` per k16 step (8 per chunk), so ``(48 + C + 1) u sum |a w|`` plus the same underflow term."""
     chunks = q.shape[1] // model.K_CHUNK
     w = np.abs(blockwise.dequantize(q, scale_inv, block).astype(np.float64))

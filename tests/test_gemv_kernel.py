@@ -1,15 +1,15 @@
-"""numba_kernels.gemv_simt: the SIMT decode GEMV kernel against simulators.gemv_simt and reference.
+"""fp8lab.numba_kernels.gemv_simt: the SIMT decode GEMV kernel against fp8lab.simulators.gemv_simt and reference.
 
-- CUDA simulator (marker ``cudasim``, tiny shapes): bit for bit equal to ``simulators.gemv_simt``
+- CUDA simulator (marker ``cudasim``, tiny shapes): bit for bit equal to ``fp8lab.simulators.gemv_simt``
   for every ``chunks_per_iteration`` x ``columns_per_warp`` pair (each with a different activation
   format, CTA size and row tile), every output format, with tails in M (partial row tiles), N
   (partial CTAs, warps with clamped columns, warps with no column) and K (a partial warp step,
   empty steps in the last group, odd and even group counts, partial K blocks); within the
-  simulator's float32 bound of ``reference.blockwise.gemm``; outputs poisoned before launch and
+  simulator's float32 bound of ``fp8lab.reference.blockwise.gemm``; outputs poisoned before launch and
   every element checked written; bad arguments raise ``ValueError`` before anything is launched.
 - GPU (marker ``gpu``, Qwen3-8B sizes, default and tuned knobs): fresh random inputs each run, poisoned outputs, against
-  ``reference.blockwise.gemm`` by ``||out - ref|| / ||ref||`` and element by element within the
-  float32 bound, and bit for bit against ``simulators.gemv_simt`` (the kernel's float32 operations
+  ``fp8lab.reference.blockwise.gemm`` by ``||out - ref|| / ||ref||`` and element by element within the
+  float32 bound, and bit for bit against ``fp8lab.simulators.gemv_simt`` (the kernel's float32 operations
   are the simulator's, so the GPU must match it exactly).
 
 Error bound (from ``tests/test_gemv_simt.py``): every product enters the float32 sum through at
@@ -27,13 +27,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference import blockwise, e4m3
-from simulators import bit_placement
-from simulators import gemv_simt as simulator
+from fp8lab.reference import blockwise, e4m3
+from fp8lab.simulators import bit_placement
+from fp8lab.simulators import gemv_simt as simulator
 
-import numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
-from numba_kernels import gemv_simt as kernel_module
-from numba_kernels.gemv_simt import gemv_simt, gemv_simt_launch_info
+import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from fp8lab.numba_kernels import gemv_simt as kernel_module
+from fp8lab.numba_kernels.gemv_simt import gemv_simt, gemv_simt_launch_info
 
 U = 2.0**-24
 OUTPUT_UNIT = {"f32": 0.0, "f16": 2.0**-11, "bf16": 2.0**-8}
@@ -107,7 +107,7 @@ def check_against_simulator_and_reference(a32, q, scale_inv, block, out_fmt, out
     expected32 = simulator.gemv_simt(a32, q, scale_inv, block)
     expected = rounded_like(expected32, out_fmt)
     mismatches = np.count_nonzero(np.asarray(out).view(expected.dtype) != expected)
-    assert mismatches == 0, f"{label}: {mismatches} outputs differ from simulators.gemv_simt"
+    assert mismatches == 0, f"{label}: {mismatches} outputs differ from fp8lab.simulators.gemv_simt"
     reference = blockwise.gemm(a32, q, scale_inv, block)
     bound = float32_bound(a32, q, scale_inv, block) + OUTPUT_UNIT[out_fmt] * np.abs(got32)
     assert np.all(np.abs(got32 - reference) <= bound), f"{label}: outside the float32 error bound"

@@ -1,4 +1,4 @@
-"""simulators.gemv_simt against reference.blockwise.gemm, exact rounding and a by-hand lane loop.
+"""fp8lab.simulators.gemv_simt against fp8lab.reference.blockwise.gemm, exact rounding and a by-hand lane loop.
 
 Error bound on random data (``test_random_data_within_the_float32_bound``). Every elementary
 product ``a_k * w_k * s_k`` enters the output through at most ``16 + T + 5`` float32 roundings:
@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import blockwise, e4m3
-from simulators import gemv_simt as gs
-from simulators import fma
+from fp8lab.reference import blockwise, e4m3
+from fp8lab.simulators import gemv_simt as gs
+from fp8lab.simulators import fma
 
 U = 2.0**-24
 

@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-from engine import cli
-from engine.generate import Generator, collect_stop_token_ids
-from engine.kv_manager import KVCacheExhausted
-from engine.sampling import SamplingParams
+from fp8lab.engine import cli
+from fp8lab.engine.generate import Generator, collect_stop_token_ids
+from fp8lab.engine.kv_manager import KVCacheExhausted
+from fp8lab.engine.sampling import SamplingParams
 
 from engine_helpers import EOS_ID, FakeStreamDecoder, FakeTokenizer, install_fake_io, random_model, tiny_config
 
@@ -218,9 +218,9 @@ def test_cli_errors_are_one_line_and_exit_non_zero(fake_io, capsys, argv, messag
 
 @pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
 def test_cli_a_forward_that_overflows_names_the_layer_in_one_line(fake_io, capsys):
-    """Scales that load but overflow at run time: ``engine.model.NonFiniteError`` through the
+    """Scales that load but overflow at run time: ``fp8lab.engine.model.NonFiniteError`` through the
     command's error handling, naming the layer, not the KV cache's anonymous check."""
-    tensors = sys.modules["engine.checkpoint"].load_checkpoint(fake_io).tensors  # the fake's own dict
+    tensors = sys.modules["fp8lab.engine.checkpoint"].load_checkpoint(fake_io).tensors  # the fake's own dict
     name = "model.layers.1.mlp.down_proj.weight_scale_inv"
     tensors[name] = np.full_like(tensors[name], 3e38)
     assert cli.main(["generate", "--prompt", "hello", "--max-new-tokens", "3", "--backend", "reference"]) == 1
@@ -235,7 +235,7 @@ def test_cli_bad_model_directory_names_the_problem(fake_io, capsys, tmp_path_fac
     assert "no config.json" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("engine.tiny") is None, reason="the checkpoint I/O half is not there yet")
+@pytest.mark.skipif(importlib.util.find_spec("fp8lab.engine.tiny") is None, reason="the checkpoint I/O half is not there yet")
 def test_cli_end_to_end_with_the_embedded_demo_model(capsys):
     assert cli.main(["generate", "--prompt", "Hello", "--max-new-tokens", "8"]) == 0
     out, err = capsys.readouterr()

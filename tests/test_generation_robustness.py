@@ -1,7 +1,7 @@
 """Generation when something goes wrong (issue 12): padding ids in the model's vocabulary, a token
 that one sequence cannot decode, NaN logits in one sequence, the device's greedy path.
 
-The contract (``engine.generate``): padding ids (at and above the tokenizer's ``vocab_size``) are
+The contract (``fp8lab.engine.generate``): padding ids (at and above the tokenizer's ``vocab_size``) are
 never chosen, and one sequence's failure finishes that sequence alone with ``"error"`` and a
 message naming it and the token number, while the others run to their normal end.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.generate import Generator, sampleable_token_ids
-from engine.sampling import SamplingParams
-from engine.tiny import make_tiny
-from engine.tokenizer import Tokenizer
+from fp8lab.engine.generate import Generator, sampleable_token_ids
+from fp8lab.engine.sampling import SamplingParams
+from fp8lab.engine.tiny import make_tiny
+from fp8lab.engine.tokenizer import Tokenizer
 
 from engine_helpers import BYTE_VOCAB, FakeStreamDecoder, FakeTokenizer, random_model, tiny_config
 
@@ -113,7 +113,7 @@ def tiny_tokenizer(tmp_path_factory) -> Tokenizer:
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED])
 def test_a_random_model_with_a_padded_vocabulary_generates_decodable_text(tiny_tokenizer, sampling):
-    """The situation of ``engine.shapes``' random real-shape checkpoints: the tiny tokenizer's
+    """The situation of ``fp8lab.engine.shapes``' random real-shape checkpoints: the tiny tokenizer's
     1024 ids under a larger model vocabulary (here 1536), with the real ``StreamDecoder``: before
     the fix the first padding id aborted the whole batch."""
     model = random_model(tiny_config(vocab_size=1536), seed=3)[0]
@@ -193,7 +193,7 @@ def test_a_nan_greedy_id_from_the_device_is_that_sequences_error():
     with an error naming NaN, never with a token."""
     import types
 
-    from engine.generate import NAN_ROW
+    from fp8lab.engine.generate import NAN_ROW
 
     gen = Generator.__new__(Generator)
     gen.num_token_ids = 16

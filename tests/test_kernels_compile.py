@@ -9,8 +9,8 @@ from ptx_tools import run_compiled, run_compiled_in_parts
 
 TOOLKIT_KERNEL = r'''
 from numba import cuda, float32, uint32
-import numba_kernels
-from numba_kernels import bits
+import fp8lab.numba_kernels
+from fp8lab.numba_kernels import bits
 
 def toolkit_kernel(x, codes, out):
     t = cuda.threadIdx.x
@@ -40,7 +40,7 @@ def test_toolkit_compiles_to_sm90_ptx():
 
 MMA_KERNEL = r'''
 from numba import cuda
-from numba_kernels.mma import mma_bf16, mma_f16
+from fp8lab.numba_kernels.mma import mma_bf16, mma_f16
 
 def calls_mma(a, b, c, d):
     lane = cuda.threadIdx.x
@@ -62,7 +62,7 @@ def test_mma_helper_calls_compile_to_sm90_ptx():
 GEMM_MMA_KERNELS = r'''
 import re, sys
 from numba.cuda import compiler
-from numba_kernels import gemm_mma as G
+from fp8lab.numba_kernels import gemm_mma as G
 
 try:  # link-time optimization as numba-cuda does it on a GPU (nvJitLink through cuda.core)
     from cuda.core import Linker, LinkerOptions, ObjectCode
@@ -117,7 +117,7 @@ print("ok")
 
 
 def test_gemm_mma_kernels_compile_to_sm90_ptx():
-    """Variants of numba_kernels.gemm_mma (every CTA shape, stages 2 to 8, every format pair):
+    """Variants of fp8lab.numba_kernels.gemm_mma (every CTA shape, stages 2 to 8, every format pair):
     typed and compiled for sm_90; after link-time optimization (as on a GPU) the mma helper inlined,
     cp.async copies of the right widths, no local memory, no float64, no spills (registers
     printed). Two compiler processes at a time."""
@@ -128,7 +128,7 @@ def test_gemm_mma_kernels_compile_to_sm90_ptx():
 SHARED_OPT_IN = r'''
 import numpy as np
 from numba.cuda.cudadrv import driver as cuda_driver
-from numba_kernels import gemm_mma as G
+from fp8lab.numba_kernels import gemm_mma as G
 
 calls, compiled = [], []
 cuda_driver.driver.cuKernelSetAttribute = lambda *args: calls.append(args)  # no GPU here: record the calls
@@ -182,8 +182,8 @@ def test_gemm_mma_opts_in_to_large_shared_memory():
 FP8_WEIGHT_KERNELS = r'''
 import re, sys
 from numba import cuda
-from numba_kernels.dequantize import dequantize_kernel
-from numba_kernels.gemv_simt import WORDS_PER_CHUNK, gemv_simt_kernel, tuning_candidates
+from fp8lab.numba_kernels.dequantize import dequantize_kernel
+from fp8lab.numba_kernels.gemv_simt import WORDS_PER_CHUNK, gemv_simt_kernel, tuning_candidates
 
 ARRAY = {"f32": "float32", "f16": "float16", "bf16": "uint16"}
 
@@ -254,7 +254,7 @@ def test_fp8_weight_kernels_compile_to_sm90_ptx():
 KV_KERNELS = r'''
 import re, sys
 from numba import cuda
-from numba_kernels import kv_cache, splitkv
+from fp8lab.numba_kernels import kv_cache, splitkv
 
 
 from ptx_tools import ptxas_report

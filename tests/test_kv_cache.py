@@ -1,4 +1,4 @@
-"""reference.kv_cache: the per-(token, head) scale formula, write/gather round trips, bad input."""
+"""fp8lab.reference.kv_cache: the per-(token, head) scale formula, write/gather round trips, bad input."""
 
 import ml_dtypes
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import kv_cache
-from reference import strategies as fst
+from fp8lab.reference import kv_cache
+from fp8lab.reference import strategies as fst
 
 
 @given(seed=st.integers(0, 2**32 - 1), tokens=st.integers(1, 6), heads=st.integers(1, 4), head_dim=st.sampled_from([1, 8, 64, 128]))

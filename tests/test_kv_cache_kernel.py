@@ -1,8 +1,8 @@
-"""numba_kernels.kv_cache (paged cache write) and the E4M3 helpers of numba_kernels.mathops.
+"""fp8lab.numba_kernels.kv_cache (paged cache write) and the E4M3 helpers of fp8lab.numba_kernels.mathops.
 
-In the CUDA simulator (``cudasim``): the encoder against ``reference.e4m3.encode(saturate=True)`` on
+In the CUDA simulator (``cudasim``): the encoder against ``fp8lab.reference.e4m3.encode(saturate=True)`` on
 every rounding case (all exponents, signs, kept mantissas, round and sticky bit patterns), the
-decoder on all 256 codes, and ``paged_cache_write`` against ``reference.kv_cache.write``: FP8 codes
+decoder on all 256 codes, and ``paged_cache_write`` against ``fp8lab.reference.kv_cache.write``: FP8 codes
 and scales bit for bit, float caches exactly, untouched slots still holding their poison. On a GPU
 (``gpu``): the encoder on about 740 million float32 values (every float32 whose magnitude lies
 in [2^-27, 2^17), both signs, plus random patterns and the specials) and cache writes at real sizes,
@@ -17,13 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference import e4m3, kv_cache
+from fp8lab.reference import e4m3, kv_cache
 
 from numba import cuda  # noqa: E402  (after conftest chose the mode)
 
-import numba_kernels  # noqa: E402,F401  (installs the simulator's warp intrinsics)
-from numba_kernels import kv_cache as kernels  # noqa: E402
-from numba_kernels import mathops  # noqa: E402
+import fp8lab.numba_kernels  # noqa: E402,F401  (installs the simulator's warp intrinsics)
+from fp8lab.numba_kernels import kv_cache as kernels  # noqa: E402
+from fp8lab.numba_kernels import mathops  # noqa: E402
 
 SIMULATOR_EXAMPLES = max(4, settings().max_examples // 6)
 """Simulated kernels run about a million times slower than on a GPU: few Hypothesis examples (ci: 6)."""
@@ -118,7 +118,7 @@ def as_input(x32: np.ndarray, input_format: str):
 
 
 def reference_write(cache, scales, x32, slots):
-    """reference.kv_cache.write; a BF16 cache (uint16 patterns) goes through float32 and ml_dtypes' rounding
+    """fp8lab.reference.kv_cache.write; a BF16 cache (uint16 patterns) goes through float32 and ml_dtypes' rounding
     (NaN poison survives the round trip)."""
     if cache.dtype == np.uint16:
         as_float = cache.view(ml_dtypes.bfloat16).astype(np.float32)
@@ -284,7 +284,7 @@ def test_no_tokens_is_a_no_op(rng):
 # ---------------------------------------------------------------------------- on a GPU
 
 
-if not numba_kernels.SIMULATOR:
+if not fp8lab.numba_kernels.SIMULATOR:
 
     @cuda.jit
     def encode_kernel(x, codes):

@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.kv_manager import (
+from fp8lab.engine.kv_manager import (
     BlockAllocator, KVCacheExhausted, KVCacheManager, LayerKVCache, allocate_kv_cache, blocks_for, kv_block_bytes,
 )
-from engine.safetensors_io import round_to_bf16
-from engine.backend import ReferenceBackend
-from reference import kv_cache
+from fp8lab.engine.safetensors_io import round_to_bf16
+from fp8lab.engine.backend import ReferenceBackend
+from fp8lab.reference import kv_cache
 
 NUM_BLOCKS, BLOCK_SIZE = 12, 3
 

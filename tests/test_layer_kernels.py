@@ -1,14 +1,14 @@
-"""numba_kernels.layers: the dense Qwen3 operators (norms, RoPE, SwiGLU, embedding, BF16 linear, argmax, add).
+"""fp8lab.numba_kernels.layers: the dense Qwen3 operators (norms, RoPE, SwiGLU, embedding, BF16 linear, argmax, add).
 
 - CUDA simulator (``cudasim``, tiny shapes): bit for bit against NumPy models of each kernel's
   float32 order written here (``rms_norm``/``add_rms_norm``: the threads' fma chains, butterfly,
   warp order; ``rope``: the two fmas; ``bf16_linear``: the lanes' fma chains and the butterfly, with
-  the exact float32 fma of ``simulators.fma``); ``embedding``, ``argmax_rows`` and ``add_into``
+  the exact float32 fma of ``fp8lab.simulators.fma``); ``embedding``, ``argmax_rows`` and ``add_into``
   exactly against ``ReferenceBackend`` / NumPy; ``silu_mul`` within its float32 bound. Every
-  float kernel is also checked against ``engine.backend.ReferenceBackend`` and float64 within the
+  float kernel is also checked against ``fp8lab.engine.backend.ReferenceBackend`` and float64 within the
   bounds derived next to each test. Outputs are poisoned with NaN before every call; bad
   arguments raise ``ValueError`` and launch nothing.
-- ``rope_table`` against ``engine.backend.rope_cos_sin`` bit for bit (numba_kernels may not import
+- ``rope_table`` against ``fp8lab.engine.backend.rope_cos_sin`` bit for bit (numba_kernels may not import
   the engine, so the formula is written twice).
 - The sm_90 PTX of every kernel, compiled in a subprocess with the simulator off: no local memory,
   no float64, the expected instructions (128-bit loads, fma, butterflies, correctly rounded
@@ -31,10 +31,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ptx_tools import run_compiled
 
-import numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
-from engine.backend import ReferenceBackend, rope_cos_sin
-from numba_kernels import layers
-from simulators.fma import fma_f32
+import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from fp8lab.engine.backend import ReferenceBackend, rope_cos_sin
+from fp8lab.numba_kernels import layers
+from fp8lab.simulators.fma import fma_f32
 
 U = 2.0**-24
 TINY = 1e-30
@@ -512,7 +512,7 @@ def test_good_calls_run_and_zero_rows_launch_nothing(rng):
 COMPILE_ALL = r'''
 import re
 from numba import cuda
-from numba_kernels import layers
+from fp8lab.numba_kernels import layers
 
 
 from ptx_tools import ptxas_report

@@ -9,11 +9,11 @@ import types
 
 import pytest
 
-import engine.backend
-import engine.generate
-from engine import cli, kv_manager
-from engine.backend import kv_cache_memory_available
-from engine.kv_manager import blocks_for, blocks_in_budget, host_available_bytes, kv_block_bytes
+import fp8lab.engine.backend
+import fp8lab.engine.generate
+from fp8lab.engine import cli, kv_manager
+from fp8lab.engine.backend import kv_cache_memory_available
+from fp8lab.engine.kv_manager import blocks_for, blocks_in_budget, host_available_bytes, kv_block_bytes
 
 from engine_helpers import install_fake_io, one_line_error, tiny_config
 
@@ -50,7 +50,7 @@ def test_host_available_bytes_is_positive_here():
 
 
 def test_gpu_memory_info_asks_the_current_context(monkeypatch):
-    from engine import cuda_model
+    from fp8lab.engine import cuda_model
 
     context = types.SimpleNamespace(get_memory_info=lambda: (3 * 2**30, 80 * 2**30))
     monkeypatch.setattr(cuda_model, "cuda", types.SimpleNamespace(current_context=lambda: context))
@@ -60,7 +60,7 @@ def test_gpu_memory_info_asks_the_current_context(monkeypatch):
 
 
 def test_the_reference_backend_and_the_simulator_budget_host_memory(monkeypatch):
-    monkeypatch.setattr(engine.backend, "host_available_bytes", lambda: 1234)
+    monkeypatch.setattr(fp8lab.engine.backend, "host_available_bytes", lambda: 1234)
     assert kv_cache_memory_available("reference") == (1234, "available host memory")
     assert kv_cache_memory_available("cudasim") == (1234, "available host memory")
 
@@ -90,15 +90,15 @@ def run(monkeypatch, tmp_path, capsys):
     install_fake_io(monkeypatch, tmp_path)
     seen = {}
 
-    class Generator(engine.generate.Generator):
+    class Generator(fp8lab.engine.generate.Generator):
         def __init__(self, *args, **kw):
             seen["num_blocks"] = kw["num_blocks"]
             super().__init__(*args, **kw)
 
-    monkeypatch.setattr(engine.generate, "Generator", Generator)
+    monkeypatch.setattr(fp8lab.engine.generate, "Generator", Generator)
 
     def run(available, *options):
-        monkeypatch.setattr(engine.backend, "kv_cache_memory_available", lambda backend: (available, "test memory"))
+        monkeypatch.setattr(fp8lab.engine.backend, "kv_cache_memory_available", lambda backend: (available, "test memory"))
         argv = ["generate", "--backend", "reference", "--block-size", "4", "--max-new-tokens", str(NEW)]
         for p in PROMPTS:
             argv += ["--prompt", p]

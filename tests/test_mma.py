@@ -1,4 +1,4 @@
-"""simulators.mma: fragment maps against an independent transcription of the PTX ISA, round trips,
+"""fp8lab.simulators.mma: fragment maps against an independent transcription of the PTX ISA, round trips,
 register packing, and the accumulation model (exact on integers, bounded on random data)."""
 
 from fractions import Fraction
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simulators import bit_placement as bp
-from simulators import figures, mma
+from fp8lab.simulators import bit_placement as bp
+from fp8lab.simulators import figures, mma
 
 U32 = 2.0**-24  # unit roundoff of float32
 

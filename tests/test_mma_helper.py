@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-import numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
-from numba_kernels import mma as mma_helper
-from simulators import bit_placement, mma
+import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from fp8lab.numba_kernels import mma as mma_helper
+from fp8lab.simulators import bit_placement, mma
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("NUMBA_ENABLE_CUDASIM") != "1" and not cuda.is_available(), reason="needs the simulator or a GPU"

@@ -1,4 +1,4 @@
-"""The Qwen3 model and the reference backend: operators against ``reference/`` and float64
+"""The Qwen3 model and the reference backend: operators against ``fp8lab/reference/`` and float64
 formulas, step-by-step decode against one prefill, chunked prefill, batching, FP8 KV against
 BF16 KV, FP8 weights against their dequantized float weights.
 
@@ -28,7 +28,7 @@ Bounds (``rel`` is ``||got - want|| / ||want||`` over all logits; NaN never pass
   agreement 85% .. 100% (asserted >= 75%).
 
 These bounds hold for the test model of ``engine_helpers`` (2 layers, weights ``N(0, 1/K)``).
-The embedded tiny checkpoint (``engine.tiny``: 4 layers, hidden 256, projection std 0.1, so each
+The embedded tiny checkpoint (``fp8lab.engine.tiny``: 4 layers, hidden 256, projection std 0.1, so each
 linear amplifies by about 1.6 and perturbations grow layer by layer) is more sensitive; on 64
 random tokens, measured: FP8 weights vs its BF16 weights 14% .. 15% (greedy agreement 72% .. 88%),
 FP8 KV vs BF16 KV 7% .. 8% (78% .. 91%). Its test asserts about twice those errors.
@@ -44,11 +44,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.backend import ReferenceBackend, rope_cos_sin
-from engine.safetensors_io import round_to_bf16
-from engine.model import NonFiniteError, Qwen3Model
-from reference import blockwise
-from reference import strategies as fst
+from fp8lab.engine.backend import ReferenceBackend, rope_cos_sin
+from fp8lab.engine.safetensors_io import round_to_bf16
+from fp8lab.engine.model import NonFiniteError, Qwen3Model
+from fp8lab.reference import blockwise
+from fp8lab.reference import strategies as fst
 
 from engine_helpers import (
     Runner, dequantized_tensors, float_config, prefill_logits, quantize_tensors, random_float_tensors,
@@ -280,12 +280,12 @@ def test_lazy_dequantization_gives_the_same_logits(model):
     np.testing.assert_array_equal(prefill_logits(lazy, tokens), prefill_logits(model, tokens))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("engine.tiny") is None, reason="the checkpoint I/O half is not there yet")
+@pytest.mark.skipif(importlib.util.find_spec("fp8lab.engine.tiny") is None, reason="the checkpoint I/O half is not there yet")
 def test_tiny_checkpoint_fp8_against_bf16():
     """The embedded tiny model: its FP8 checkpoint (quantized from the BF16 one) against the BF16
     checkpoint, and FP8 KV against BF16 KV (bounds: see the module docstring)."""
-    from engine.checkpoint import load_checkpoint
-    from engine.tiny import default_model_dir
+    from fp8lab.engine.checkpoint import load_checkpoint
+    from fp8lab.engine.tiny import default_model_dir
 
     fp8 = Qwen3Model.from_checkpoint(load_checkpoint(default_model_dir(fp8=True), progress=False))
     bf16 = Qwen3Model.from_checkpoint(load_checkpoint(default_model_dir(fp8=False), progress=False))

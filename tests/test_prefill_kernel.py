@@ -1,16 +1,16 @@
-"""numba_kernels.prefill (causal prefill as split-kv decode of every query token) against
-simulators.splitkv, reference.attention.prefill and a by-hand expansion of the rows.
+"""fp8lab.numba_kernels.prefill (causal prefill as split-kv decode of every query token) against
+fp8lab.simulators.splitkv, fp8lab.reference.attention.prefill and a by-hand expansion of the rows.
 
 In the CUDA simulator (``cudasim``; tiny shapes, a simulated 128-thread CTA costs about 0.3 s here):
 FP8 and BF16 caches with permuted block tables, chunked prefill (a cached prefix), several sequences
 of different lengths including one with no new tokens, ``out`` poisoned with NaN: bit for bit equal
-to ``simulators.splitkv.paged_decode`` on the expanded rows (built here by a plain loop), and within
-the split-kv float32 bound (``test_splitkv.tolerance``) of ``reference.attention.prefill`` per
+to ``fp8lab.simulators.splitkv.paged_decode`` on the expanded rows (built here by a plain loop), and within
+the split-kv float32 bound (``test_splitkv.tolerance``) of ``fp8lab.reference.attention.prefill`` per
 sequence; the device path (device index arrays, ``max_context_len``, a rows workspace) reads
 nothing back; the expansion kernel equals the host expansion; every bad argument is a
 ``ValueError`` before anything is launched. Without the simulator: the expansion kernel compiles to
 sm_90 PTX. On a GPU (``gpu``): Qwen3-8B heads, prompts of 300 and 700 tokens (one after a cached
-prefix), FP8 and BF16, host and device paths, against ``reference.attention.prefill``.
+prefix), FP8 and BF16, host and device paths, against ``fp8lab.reference.attention.prefill``.
 """
 
 import os
@@ -24,15 +24,15 @@ from ptx_tools import run_compiled
 from test_splitkv import tolerance
 from test_splitkv_kernel import as_float32, filled_cache
 
-from reference import attention, kv_cache
-from reference import strategies as fst
-from simulators import splitkv as sk
+from fp8lab.reference import attention, kv_cache
+from fp8lab.reference import strategies as fst
+from fp8lab.simulators import splitkv as sk
 
 from numba import cuda  # noqa: E402  (after conftest chose the mode)
 
-import numba_kernels  # noqa: E402,F401  (installs the simulator's warp intrinsics)
-from numba_kernels import prefill as kernels  # noqa: E402
-from numba_kernels import splitkv  # noqa: E402
+import fp8lab.numba_kernels  # noqa: E402,F401  (installs the simulator's warp intrinsics)
+from fp8lab.numba_kernels import prefill as kernels  # noqa: E402
+from fp8lab.numba_kernels import splitkv  # noqa: E402
 
 
 
@@ -56,7 +56,7 @@ class Batch:
 
 def make_batch(rng, context_lens, query_lens, num_heads=2, num_kv_heads=1, head_dim=32, block_size=4,
                cache="fp8") -> Batch:
-    """Random K/V written by ``reference.kv_cache.write`` over a shuffled block pool (tables padded with -1;
+    """Random K/V written by ``fp8lab.reference.kv_cache.write`` over a shuffled block pool (tables padded with -1;
     ``test_splitkv_kernel.filled_cache``); unused slots hold NaN, so a read outside a sequence shows."""
     context_lens = np.asarray(context_lens, np.int32)
     query_lens = np.asarray(query_lens, np.int32)
@@ -79,7 +79,7 @@ def expected_rows(tables, context_lens, query_lens):
 
 
 def reference_prefill(b: Batch) -> np.ndarray:
-    """``engine.backend.ReferenceBackend.prefill_attention``: gather each sequence, then ``attention.prefill``."""
+    """``fp8lab.engine.backend.ReferenceBackend.prefill_attention``: gather each sequence, then ``attention.prefill``."""
     k_cache, v_cache = as_float32(b.k_cache), as_float32(b.v_cache)
     out, start = [], 0
     for table, context_len, n in zip(b.block_tables, b.context_lens, b.query_lens):
@@ -291,7 +291,7 @@ def test_device_index_arrays_with_a_bad_bound_raise_before_launching(rng):
 
 EXPAND_KERNEL = r'''
 from numba import cuda
-from numba_kernels import prefill
+from fp8lab.numba_kernels import prefill
 
 for name, function, signature in prefill.kernel_variants():
     ptx, _ = cuda.compile_ptx(function, signature, cc=(9, 0))

@@ -5,7 +5,7 @@ The rule (ARCHITECTURE.md, "NaN and infinity"): a NaN or infinity in an input re
 outputs whose math depends on it, never a finite wrong number; only a sequence of length 0 is a
 defined zero. Keys a query does not read (causally masked, or cache slots past ``seq_len``) are
 not part of its math. The explicit tests are named after the bug they pin down; the property
-tests feed the extremes of ``reference.strategies.FLOAT32_EXTREMES`` to every operator.
+tests feed the extremes of ``fp8lab.reference.strategies.FLOAT32_EXTREMES`` to every operator.
 """
 
 import numpy as np
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import attention, blockwise, e4m3, kv_cache
-from reference import strategies as fst
+from fp8lab.reference import attention, blockwise, e4m3, kv_cache
+from fp8lab.reference import strategies as fst
 
 # NaN and inf inputs make NumPy warn ("invalid value encountered"): that is the arithmetic, not a failure
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -417,7 +417,7 @@ def test_the_bf16_kv_write_keeps_a_nan_nan():
     """The reference backend's BF16 cache rounds with the one BF16 rounding (``safetensors_io.round_to_bf16``):
     a NaN whose mantissa would carry into the sign under a plain add-and-truncate (0x7FFFFFFF) stays NaN,
     and infinity stays infinity."""
-    from engine.backend import ReferenceBackend
+    from fp8lab.engine.backend import ReferenceBackend
 
     backend = ReferenceBackend()
     (cache,) = backend.allocate_kv_cache(1, 1, 1, 4, 4, "bf16")

@@ -1,4 +1,4 @@
-"""engine.safetensors_io: round trips for every dtype, BF16 rounding against ml_dtypes, the
+"""fp8lab.engine.safetensors_io: round trips for every dtype, BF16 rounding against ml_dtypes, the
 writer and reader against the real ``safetensors`` library, and every kind of corrupt file."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from engine import safetensors_io as sio
+from fp8lab.engine import safetensors_io as sio
 
 # ----------------------------------------------------------------------------------------------
 # helpers

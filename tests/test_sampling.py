@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from engine.sampling import (
+from fp8lab.engine.sampling import (
     SamplingParams, greedy, rank_order, sample, sampling_probs, scaled_logits, softmax, top_k_mask, top_p_mask,
 )
 

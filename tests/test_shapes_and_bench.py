@@ -1,5 +1,5 @@
-"""engine.shapes (named Qwen3 shapes, random FP8 checkpoints, bytes per decode step) and the engine
-benchmark's CPU-side parts: ``fp8lab make-tiny --shape``, ``fp8lab bench`` arguments, the driver
+"""fp8lab.engine.shapes (named Qwen3 shapes, random FP8 checkpoints, bytes per decode step) and the engine
+benchmark's CPU-side parts: ``fp8lab make-tiny --shape``, the arguments, the driver
 loop of ``bench/engine.py`` over a stand-in for ``CudaQwen3Model``, its report and figure.
 
 The real shapes are only described here (configs, parameter counts, byte counts); the checkpoints
@@ -9,6 +9,7 @@ written and loaded are the ``test-mini`` shape (4 MB, partial 128 x 128 edge blo
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -19,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import bench_command, cli, shapes
-from engine import checkpoint as ck
-from engine.layout import expected_tensors
-from engine.tiny import tiny_config
-from reference import blockwise, e4m3
+from fp8lab.engine import cli, shapes
+from fp8lab.engine import checkpoint as ck
+from fp8lab.engine.layout import expected_tensors
+from fp8lab.engine.tiny import tiny_config
+from fp8lab.reference import blockwise, e4m3
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +130,7 @@ def test_make_random_writes_shards_that_load_as_the_in_memory_checkpoint(tmp_pat
     assert index["metadata"]["total_size"] == sum(
         (folder / f).stat().st_size - 8 - int.from_bytes((folder / f).read_bytes()[:8], "little")
         for f in set(index["weight_map"].values()))
-    from engine.tokenizer import Tokenizer
+    from fp8lab.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(folder)
     assert tokenizer.vocab_size == 1024 and set(tokenizer.eos_token_ids) == {1019, 1021}
@@ -138,8 +139,8 @@ def test_make_random_writes_shards_that_load_as_the_in_memory_checkpoint(tmp_pat
 
 
 def test_random_checkpoint_runs_in_the_reference_model():
-    from engine.kv_manager import KVCacheManager
-    from engine.model import Qwen3Model, make_batch
+    from fp8lab.engine.kv_manager import KVCacheManager
+    from fp8lab.engine.model import Qwen3Model, make_batch
 
     checkpoint = shapes.random_checkpoint("test-mini", num_hidden_layers=1)
     model = Qwen3Model.from_checkpoint(checkpoint)
@@ -194,23 +195,31 @@ def test_make_tiny_with_a_shape_writes_a_random_checkpoint(tmp_path, capsys):
     assert "once" in capsys.readouterr().err
 
 
-def test_bench_help_and_arguments(capsys):
+def test_bench_help_and_arguments(bench_script, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["bench", "--help"])
+        bench_script.main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--shapes" in out and "--decode-tokens" in out and "--no-transformers" in out
-    args = cli.build_parser().parse_args(["bench"])
+    parser = argparse.ArgumentParser()
+    bench_script.add_arguments(parser)
+    args = parser.parse_args([])
     assert (args.shapes, args.batches, args.prompt_len, args.decode_tokens) == (["qwen3-0.6b", "qwen3-8b"], [1, 4, 16], 512, 64)
-    args = cli.build_parser().parse_args(["bench", "--shapes", "qwen3-8b", "--batches", "1,16", "--out", "o"])
+    args = parser.parse_args(["--shapes", "qwen3-8b", "--batches", "1,16", "--out", "o"])
     assert (args.shapes, args.batches, args.out) == (["qwen3-8b"], [1, 16], Path("o"))
     for bad in (["--shapes", "qwen3-80b"], ["--batches", "0"], ["--batches", "a"]):
         with pytest.raises(SystemExit):
-            cli.build_parser().parse_args(["bench", *bad])
+            parser.parse_args(bad)
+
+
+def test_the_installed_cli_has_no_bench_subcommand():
+    """The benchmark is a script of the source checkout (it needs torch); the CLI must not offer it."""
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench"])
 
 
 def test_engine_imports_neither_torch_nor_transformers():
-    code = ("import sys, engine.cli, engine.shapes, engine.bench_command; "
+    code = ("import sys, fp8lab.engine.cli, fp8lab.engine.shapes; "
             "assert not {'torch', 'transformers'} & set(sys.modules), 'imported torch'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
@@ -228,7 +237,7 @@ class FakeCudaModel:
 
     @classmethod
     def from_checkpoint(cls, checkpoint, max_num_tokens, max_num_seqs):
-        from engine.model import Qwen3Model
+        from fp8lab.engine.model import Qwen3Model
 
         assert max_num_tokens >= max_num_seqs >= 1
         return cls(Qwen3Model.from_checkpoint(checkpoint))
@@ -240,13 +249,23 @@ class FakeCudaModel:
         return self.model.forward(batch, kv_cache, all_logits)
 
 
+def load_script(path: Path, name: str):
+    """A script of the repository (not part of the package) as a module."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the script runs
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def bench_script():
-    return bench_command.load_bench_script()
+    yield load_script(ROOT / "bench" / "engine.py", "fp8lab_bench_engine")
+    sys.modules.pop("fp8lab_bench_engine", None)
 
 
 def test_bench_driver_report_and_figure(bench_script, monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "engine.cuda_model", types.SimpleNamespace(CudaQwen3Model=FakeCudaModel))
+    monkeypatch.setitem(sys.modules, "fp8lab.engine.cuda_model", types.SimpleNamespace(CudaQwen3Model=FakeCudaModel))
     config = shapes.shape_config("test-mini", num_hidden_layers=1)
     args = argparse.Namespace(batches=[1, 2], prompt_len=6, decode_tokens=2, warmup_steps=1, block_size=4, kv_cache_dtype="fp8")
     context = 6 + 1 + (2 + 1) / 2

@@ -1,4 +1,4 @@
-"""simulators.splitkv against reference.attention.paged_decode, its work split, its combine, and a
+"""fp8lab.simulators.splitkv against fp8lab.reference.attention.paged_decode, its work split, its combine, and a
 by-hand loop over shards, slots and tokens.
 
 Error bound (``tolerance``), per sequence and query head, with ``u = 2^-24``,
@@ -27,10 +27,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import attention, kv_cache
-from reference import strategies as fst
-from simulators import fma as fma_module
-from simulators import splitkv as sk
+from fp8lab.reference import attention, kv_cache
+from fp8lab.reference import strategies as fst
+from fp8lab.simulators import fma as fma_module
+from fp8lab.simulators import splitkv as sk
 
 U = 2.0**-24
 EXP2_ULPS = 4

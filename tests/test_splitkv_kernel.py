@@ -1,14 +1,14 @@
-"""numba_kernels.splitkv (split-kv paged decode attention) against simulators.splitkv and reference.attention.
+"""fp8lab.numba_kernels.splitkv (split-kv paged decode attention) against fp8lab.simulators.splitkv and fp8lab.reference.attention.
 
 In the CUDA simulator (``cudasim``; tiny shapes, since a simulated CTA costs about 0.1 s and each
-token a few ms): outputs and per-shard partials bit for bit equal to ``simulators.splitkv`` for every
+token a few ms): outputs and per-shard partials bit for bit equal to ``fp8lab.simulators.splitkv`` for every
 split count 1 to 8 (empty shards included), GQA, ALiBi, FP8, BF16 and float32 caches, lengths 0 and
-1, random layouts; within the simulator's float32 bound of ``reference.attention``; the regression
+1, random layouts; within the simulator's float32 bound of ``fp8lab.reference.attention``; the regression
 tests (a length-0 row after a call with data comes back zero, not stale; an FP8 cache without scales
 fails loudly); every bad argument a ``ValueError`` before anything is launched.
 
 On a GPU (``gpu``, run by hand on an H200): Qwen3-8B heads (32 query, 8 kv, head_dim 128), batch 1 and
-8, contexts up to 16k, FP8 and BF16 caches, split on and off, against ``reference.attention`` on fresh
+8, contexts up to 16k, FP8 and BF16 caches, split on and off, against ``fp8lab.reference.attention`` on fresh
 random data with ``out`` poisoned before every launch: elementwise within the bound of
 ``tests/test_splitkv.py`` (it assumes an ``exp2`` within 4 ulp; the GPU's ``ex2.approx.f32`` is within
 2) and ``||out - ref|| / ||ref|| <= 1e-5``. A NaN anywhere fails both checks.
@@ -23,15 +23,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_splitkv import random_slopes, tolerance
 
-from reference import attention, kv_cache
-from reference import strategies as fst
-from simulators import splitkv as sk
+from fp8lab.reference import attention, kv_cache
+from fp8lab.reference import strategies as fst
+from fp8lab.simulators import splitkv as sk
 
 from numba import cuda  # noqa: E402  (after conftest chose the mode)
 
-import numba_kernels  # noqa: E402,F401  (installs the simulator's warp intrinsics)
-from numba_kernels import splitkv as kernels  # noqa: E402
-from numba_kernels.kv_cache import paged_cache_write  # noqa: E402
+import fp8lab.numba_kernels  # noqa: E402,F401  (installs the simulator's warp intrinsics)
+from fp8lab.numba_kernels import splitkv as kernels  # noqa: E402
+from fp8lab.numba_kernels.kv_cache import paged_cache_write  # noqa: E402
 
 SIMULATOR_EXAMPLES = max(3, settings().max_examples // 10)
 """Simulated kernels are slow: few Hypothesis examples (ci: 4)."""

@@ -1,11 +1,11 @@
-"""reference.strategies produce what their docstrings promise, and the module docstring's recipe runs."""
+"""fp8lab.reference.strategies produce what their docstrings promise, and the module docstring's recipe runs."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference import attention, blockwise, e4m3
-from reference import strategies as fst
+from fp8lab.reference import attention, blockwise, e4m3
+from fp8lab.reference import strategies as fst
 
 
 @given(fst.e4m3_codes())

@@ -1,4 +1,4 @@
-"""engine.tiny: the config, determinism (byte-identical builds), FP8 tiny == quantize(BF16 tiny),
+"""fp8lab.engine.tiny: the config, determinism (byte-identical builds), FP8 tiny == quantize(BF16 tiny),
 the cache folder, and that greedy decoding of the random model does not collapse at once.
 
 ``qwen3_logits`` is a compact float64 Qwen3 forward pass written for this test (no cache, full
@@ -12,12 +12,12 @@ import os
 import numpy as np
 import pytest
 
-from engine import checkpoint as ck
-from engine import tiny
-from engine.config import Qwen3Config
-from engine.layout import expected_tensors, projection_shapes
-from engine.tokenizer import Tokenizer
-from reference import blockwise
+from fp8lab.engine import checkpoint as ck
+from fp8lab.engine import tiny
+from fp8lab.engine.config import Qwen3Config
+from fp8lab.engine.layout import expected_tensors, projection_shapes
+from fp8lab.engine.tokenizer import Tokenizer
+from fp8lab.reference import blockwise
 
 
 def folder_bytes(folder) -> dict[str, bytes]:
@@ -223,7 +223,7 @@ def test_default_model_dir_rebuilds_a_damaged_cache(tmp_path, monkeypatch, damag
 
 
 def test_demo_cache_is_rebuilt_when_damaged(tiny_dirs, tmp_path, monkeypatch):
-    from engine import demo
+    from fp8lab.engine import demo
 
     monkeypatch.setenv("FP8LAB_CACHE", str(tmp_path))
     monkeypatch.setattr(demo, "DEMO_DIR", tiny_dirs["bf16"])  # quantizing the tiny model is quicker

@@ -1,4 +1,4 @@
-"""engine.tokenizer on the tiny model's tokenizer: round trips on random Unicode, stop tokens,
+"""fp8lab.engine.tokenizer on the tiny model's tokenizer: round trips on random Unicode, stop tokens,
 the ChatML chat template, and the streaming decoder (whole characters only; its output joined
 equals ``decode`` of all ids, invalid UTF-8 included)."""
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.tiny import TOKEN_IDS, make_tiny
-from engine.tokenizer import StreamDecoder, Tokenizer
+from fp8lab.engine.tiny import TOKEN_IDS, make_tiny
+from fp8lab.engine.tokenizer import StreamDecoder, Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine.generate import Generator  # noqa: E402
-from engine.model import Qwen3Model  # noqa: E402
+from fp8lab.engine.generate import Generator  # noqa: E402
+from fp8lab.engine.model import Qwen3Model  # noqa: E402
 
 from engine_helpers import (  # noqa: E402
     FakeStreamDecoder, FakeTokenizer, dequantized_tensors, float_config, prefill_logits, random_model, rel_err,
@@ -79,10 +79,10 @@ def test_greedy_generation_matches_transformers():
     assert result.token_ids == tokens[len(prompt):]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("engine.tiny") is None, reason="the checkpoint I/O half is not there yet")
+@pytest.mark.skipif(importlib.util.find_spec("fp8lab.engine.tiny") is None, reason="the checkpoint I/O half is not there yet")
 def test_the_tiny_bf16_checkpoint_matches_transformers():
-    from engine.checkpoint import load_checkpoint
-    from engine.tiny import default_model_dir
+    from fp8lab.engine.checkpoint import load_checkpoint
+    from fp8lab.engine.tiny import default_model_dir
 
     model_dir = default_model_dir(fp8=False)
     ours = Qwen3Model.from_checkpoint(load_checkpoint(model_dir))
@@ -95,9 +95,9 @@ def test_the_tiny_bf16_checkpoint_matches_transformers():
 def test_the_demo_checkpoint_generates_transformers_greedy_tokens():
     """The shipped demo model (BF16): transformers' ``generate`` (greedy, float32, eager attention) and
     fp8lab's reference backend (float32 KV cache) produce the same 48 tokens from held-out prompts."""
-    from engine import demo
-    from engine.checkpoint import load_checkpoint
-    from engine.tokenizer import Tokenizer
+    from fp8lab.engine import demo
+    from fp8lab.engine.checkpoint import load_checkpoint
+    from fp8lab.engine.tokenizer import Tokenizer
 
     ours = Qwen3Model.from_checkpoint(load_checkpoint(demo.DEMO_DIR, progress=False))
     theirs = transformers.Qwen3ForCausalLM.from_pretrained(demo.DEMO_DIR, dtype=torch.float32,

@@ -6,7 +6,7 @@ Skipped cleanly when torch or transformers is missing. With them:
   mismatched keys, and its float32 logits match this suite's float64 Qwen3 forward pass
   (``tests/test_tiny.py``) within a float32 bound;
 - ``AutoTokenizer`` (Qwen2Tokenizer) and ``PreTrainedTokenizerFast`` load the tokenizer folder
-  and encode, decode and apply the chat template exactly as ``engine.tokenizer`` does.
+  and encode, decode and apply the chat template exactly as ``fp8lab.engine.tokenizer`` does.
 
 The FP8 variant is not tested: transformers 5.x asks for ``accelerate`` before it loads an FP8
 checkpoint, and its FP8 path (W8A8 with dynamic activation scales) computes differently anyway.
@@ -20,9 +20,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine import checkpoint as ck  # noqa: E402
-from engine.tiny import make_tiny  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from fp8lab.engine import checkpoint as ck  # noqa: E402
+from fp8lab.engine.tiny import make_tiny  # noqa: E402
+from fp8lab.engine.tokenizer import Tokenizer  # noqa: E402
 from test_tiny import dense_weights, qwen3_logits  # noqa: E402  (tests/ is on sys.path under pytest)
 
 TEXTS = [

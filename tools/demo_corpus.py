@@ -3,7 +3,7 @@
     python tools/demo_corpus.py OUT_DIR [--debs DIR]
 
 What it is (about 40 MB of human-written text, all under the PSF License Version 2, the licence of
-Python's documentation and source, see ``engine/data/demo/LICENSE-CORPUS``):
+Python's documentation and source, see ``fp8lab/engine/data/demo/LICENSE-CORPUS``):
 
 - ``python3.11-doc``: the reStructuredText sources of the Python 3.11 documentation (the ``_sources``
   folder of the HTML build: tutorial, library and language reference, HOWTOs, what's new), without

@@ -1,18 +1,18 @@
-"""Train fp8lab's demo model (``engine.demo``) from scratch: a development script, torch on a GPU.
+"""Train fp8lab's demo model (``fp8lab.engine.demo``) from scratch: a development script, torch on a GPU.
 
     python tools/demo_corpus.py .data/corpus                   # the corpus (Debian packages), on any CPU
     python tools/train_demo.py prepare .data/corpus .data/demo  # tokenizer + token ids, on any CPU
     python tools/train_demo.py train .data/demo OUT             # on a CUDA GPU (minutes on an H200)
 
-``prepare`` trains the byte-level BPE on the training split (``engine.demo.train_tokenizer``) and
+``prepare`` trains the byte-level BPE on the training split (``fp8lab.engine.demo.train_tokenizer``) and
 writes ``tokenizer.json`` and the token ids of both splits (``train.npy``, ``heldout.npy``, uint16,
 documents joined by ``<|endoftext|>``).
 
-``train`` builds transformers' ``Qwen3ForCausalLM`` from ``engine.demo.demo_config()`` (so the model
+``train`` builds transformers' ``Qwen3ForCausalLM`` from ``fp8lab.engine.demo.demo_config()`` (so the model
 trained is exactly the architecture fp8lab runs), trains it on random 512-token windows of the
 training ids (AdamW, bf16 autocast over float32 master weights, linear warm-up then cosine decay,
 gradient clipping), evaluates the held-out loss as it goes, and writes ``OUT/checkpoint``, the BF16
-checkpoint (``engine.demo.save_demo_checkpoint``: weights rounded to BF16 once, at the end), and
+checkpoint (``fp8lab.engine.demo.save_demo_checkpoint``: weights rounded to BF16 once, at the end), and
 ``OUT/training_log.json`` (arguments, losses, timings, samples, the held-out perplexity of the
 BF16 weights in float32 with transformers, chunks of 512 tokens: an independent check of
 ``fp8lab eval``). Everything random is drawn from generators seeded by ``--seed``. ``--steps 0``
@@ -36,8 +36,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import demo  # noqa: E402
-from engine.tokenizer import ENDOFTEXT  # noqa: E402
+from fp8lab.engine import demo  # noqa: E402
+from fp8lab.engine.tokenizer import ENDOFTEXT  # noqa: E402
 
 DEVICE = "cuda"
 """Where ``train`` runs (``--device cpu`` is for a smoke test of this script, a few steps)."""
@@ -144,7 +144,7 @@ def samples(model, tokenizer, torch, new_tokens: int = 48) -> dict[str, str]:
 
 def bf16_tensors(model) -> dict[str, np.ndarray]:
     """The weights under Qwen3's names as float32 arrays holding BF16 values (the tied lm_head left out)."""
-    from engine.safetensors_io import round_to_bf16
+    from fp8lab.engine.safetensors_io import round_to_bf16
 
     state = model.state_dict()
     return {name: round_to_bf16(t.detach().float().cpu().numpy()) for name, t in state.items()

@@ -38,12 +38,12 @@ ROOT = HERE.parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine import demo  # noqa: E402
-from engine.checkpoint import load_checkpoint  # noqa: E402
-from engine.evaluate import EvalConfig, ModelRunner, fp8_checkpoint, read_eval_text, split_chunks  # noqa: E402
-from engine.model import Qwen3Model  # noqa: E402
-from engine.backend import ReferenceBackend  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from fp8lab.engine import demo  # noqa: E402
+from fp8lab.engine.checkpoint import load_checkpoint  # noqa: E402
+from fp8lab.engine.evaluate import EvalConfig, ModelRunner, fp8_checkpoint, read_eval_text, split_chunks  # noqa: E402
+from fp8lab.engine.model import Qwen3Model  # noqa: E402
+from fp8lab.engine.backend import ReferenceBackend  # noqa: E402
+from fp8lab.engine.tokenizer import Tokenizer  # noqa: E402
 
 DEFAULT_JSON = ROOT / "bench" / "accuracy_cpu.json"
 LAYER_CHUNKS = 4

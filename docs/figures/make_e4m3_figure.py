@@ -28,7 +28,7 @@ ROOT = HERE.parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: make `reference` importable
     sys.path.insert(0, str(ROOT))
 
-from reference import e4m3  # noqa: E402
+from fp8lab.reference import e4m3  # noqa: E402
 
 FILENAME = "e4m3_values.png"
 

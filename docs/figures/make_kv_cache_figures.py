@@ -1,4 +1,4 @@
-"""Draw the paged KV cache figure of tutorial 06 from ``reference.kv_cache``.
+"""Draw the paged KV cache figure of tutorial 06 from ``fp8lab.reference.kv_cache``.
 
 - ``kv_cache_paged_layout.png``: the running example of the tutorial, a cache of 8 blocks of 4
   tokens. Left: the block tables of two sequences (11 and 6 tokens; ``-1`` pads a table row).
@@ -31,7 +31,7 @@ ROOT = HERE.parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: make `reference` importable
     sys.path.insert(0, str(ROOT))
 
-from reference import kv_cache  # noqa: E402
+from fp8lab.reference import kv_cache  # noqa: E402
 
 LAYOUT_FILENAME = "kv_cache_paged_layout.png"
 

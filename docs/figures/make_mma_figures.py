@@ -5,7 +5,7 @@ Usage (from anywhere)::
     python docs/figures/make_mma_figures.py [OUTPUT_DIR]
 
 OUTPUT_DIR defaults to this script's folder (docs/figures/). The drawing code lives in
-``simulators/figures.py``; this script only chooses where the PNGs go.
+``fp8lab/simulators/figures.py``; this script only chooses where the PNGs go.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ REPO_ROOT = HERE.parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `simulators` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from simulators import figures  # noqa: E402
+from fp8lab.simulators import figures  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

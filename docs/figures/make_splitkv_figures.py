@@ -1,11 +1,11 @@
-"""Draw the split-kv figures of tutorial 04 from ``simulators.splitkv``.
+"""Draw the split-kv figures of tutorial 04 from ``fp8lab.simulators.splitkv``.
 
 - ``splitkv_partials.png``: one sequence of 150 tokens cut into 6 shards (the last one empty),
   one query head with ALiBi. Top: every token's score in the log2 domain, coloured by shard, with
   each shard's running max ``m_s`` and the overall ``m*``. Bottom left: each shard's ``l_s`` and its
   combine weight ``w_s = exp2(m_s - m*)``. Bottom right: each shard's own normalized output
   ``acc_s / l_s``, the combined output and the float64 reference, for the first head dims.
-- ``splitkv_error.png``: the error against ``reference.attention.paged_decode`` as the number of
+- ``splitkv_error.png``: the error against ``fp8lab.reference.attention.paged_decode`` as the number of
   splits goes from 1 to 8, for an FP8 and a float32 cache.
 
 Usage::
@@ -33,9 +33,9 @@ ROOT = HERE.parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: make `reference` importable
     sys.path.insert(0, str(ROOT))
 
-from reference import attention, kv_cache  # noqa: E402
-from reference import strategies as fst  # noqa: E402
-from simulators import splitkv  # noqa: E402
+from fp8lab.reference import attention, kv_cache  # noqa: E402
+from fp8lab.reference import strategies as fst  # noqa: E402
+from fp8lab.simulators import splitkv  # noqa: E402
 
 PARTIALS_FILENAME = "splitkv_partials.png"
 ERROR_FILENAME = "splitkv_error.png"

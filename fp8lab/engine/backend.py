@@ -1,0 +1,386 @@
+"""The operators the Qwen3 model is written against, and the reference backend that implements them.
+
+The model (``fp8lab.engine.model``) never does FP8 math itself: every linear, norm, rotary embedding,
+KV cache write and attention goes through a ``Backend``. ``ReferenceBackend`` runs them with
+``fp8lab/reference/`` on the CPU; a GPU kernel backend implements the same methods and plugs in
+without touching the model.
+
+Contract (all activations are float32 NumPy arrays on the host; ``T`` = tokens in the batch):
+
+===================================  =========================================================
+``prepare_linear(weight, scale_inv,  once at load: turn a checkpoint weight (FP8 codes ``[N, K]``
+block)``                             + ``scale_inv`` + ``(BN, BK)``, or a float ``[N, K]``) into
+                                     whatever ``linear`` consumes
+``linear(x, prepared)``              ``x[..., K] -> [..., N]``: ``x @ W^T`` with W8A16 numerics,
+                                     ``W = decode(q) * scale_inv[n // BN, k // BK]``
+``embedding(table, ids)``            rows of the embedding table
+``rms_norm(x, weight, eps)``         over the last axis: ``weight * x / sqrt(mean(x^2) + eps)``
+``rope(x, positions, theta)``        NeoX-style rotary embedding of ``x[T, heads, head_dim]``
+``silu_mul(gate, up)``               ``silu(gate) * up`` (SwiGLU)
+``allocate_kv_cache(...)``           per-layer paged caches (``fp8lab.engine.kv_manager.LayerKVCache``)
+``write_kv(cache, k, v, slots)``     ``k, v[T, kv_heads, head_dim]`` into their slots (FP8: with
+                                     the per (token, kv head) scales of ``fp8lab.reference.kv_cache``)
+``decode_attention(q, cache,         one query token per sequence (``q[S, heads, head_dim]``),
+block_tables, context_lens, scale)`` the last of its ``context_len`` cached tokens; GQA
+``prefill_attention(q, cache,        causal attention of each sequence's new tokens over all its
+query_lens, block_tables,            cached tokens (a prefix from earlier chunks + the new ones,
+context_lens, scale)``               already written): ``q[sum(query_lens), heads, head_dim]``
+===================================  =========================================================
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from fp8lab.reference import attention as ref_attention
+from fp8lab.reference import blockwise
+from fp8lab.reference import kv_cache as ref_kv
+
+from .kv_manager import LayerKVCache, allocate_kv_cache, host_available_bytes
+from .safetensors_io import round_to_bf16
+
+GEMM_INPUTS = ("float32", "bf16")
+"""The format of the activations entering the FP8 weight GEMMs (``ReferenceBackend(gemm_input=...)``,
+``load_model(..., gemm_input=...)``): float32 as they are, or rounded to BF16 first (W8A16 as the
+tensor-core kernels run it)."""
+
+
+class Backend(ABC):
+    """The operators of a Qwen3 forward pass (see the module docstring for shapes and meaning)."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def prepare_linear(self, weight: np.ndarray, scale_inv: np.ndarray | None = None, block=None): ...
+
+    @abstractmethod
+    def linear(self, x: np.ndarray, prepared) -> np.ndarray: ...
+
+    @abstractmethod
+    def embedding(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray: ...
+
+    @abstractmethod
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray: ...
+
+    @abstractmethod
+    def rope(self, x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray: ...
+
+    @abstractmethod
+    def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray: ...
+
+    @abstractmethod
+    def allocate_kv_cache(self, num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_cache_dtype): ...
+
+    @abstractmethod
+    def write_kv(self, cache: LayerKVCache, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def decode_attention(self, q, cache: LayerKVCache, block_tables, context_lens, scale: float) -> np.ndarray: ...
+
+    @abstractmethod
+    def prefill_attention(self, q, cache: LayerKVCache, query_lens, block_tables, context_lens, scale: float): ...
+
+
+@dataclass(frozen=True)
+class PreparedLinear:
+    """A weight ready for ``ReferenceBackend.linear``.
+
+    ``weight`` is the float32 ``[N, K]`` matrix the GEMM multiplies by: for an FP8 weight it is
+    ``fp8lab.reference.blockwise.dequantize(codes, scale_inv, block)``, computed once at load (the
+    per-layer dequantized cache), or ``None`` when the backend dequantizes on every call to save
+    memory. ``codes``, ``scale_inv`` and ``block`` keep the FP8 form (``None`` for float weights).
+    """
+
+    weight: np.ndarray | None
+    codes: np.ndarray | None = None
+    scale_inv: np.ndarray | None = None
+    block: tuple[int, int] | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.codes is not None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes if self.is_fp8 else self.weight).shape
+
+
+def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """``cos``, ``sin`` ``[T, head_dim // 2]`` (float32) of the angles ``position * theta^(-2i / head_dim)``.
+
+    The angles are computed in float64 and rounded once; transformers computes them in float32,
+    which differs by about ``position * 2^-24`` radians.
+    """
+    inv_freq = float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+class ReferenceBackend(Backend):
+    """CPU backend: FP8 math by ``fp8lab/reference/``, dense math in float32 NumPy.
+
+    - ``linear``: W8A16; the FP8 weight is dequantized with ``fp8lab.reference.blockwise.dequantize``
+      (``decode(q) * scale_inv`` rounded to float32, once per weight unless
+      ``dequantize_once=False``), then one float32 BLAS GEMM. Against the float64 oracle
+      ``blockwise.gemm`` the error is within float32 GEMM rounding (tested in
+      ``tests/test_model.py``). Results are not batch-invariant in the last bit: BLAS uses a
+      different kernel for one row than for many.
+    - ``gemm_input``: ``"float32"`` (default) multiplies the FP8 weights by the float32
+      activations as they are; ``"bf16"`` first rounds the activations of every FP8 linear to BF16
+      (round to nearest even, NaN kept NaN), as ``fp8lab.engine.cuda_model`` does before its tensor-core
+      GEMM. Float weights (a BF16 checkpoint's projections, ``lm_head``) always take float32
+      activations, as the GPU model's ``bf16_linear`` does.
+    - KV cache writes and attention: ``fp8lab.reference.kv_cache.write`` (FP8 quantization per token and
+      kv head), ``fp8lab.reference.attention.paged_decode`` and ``fp8lab.reference.attention.prefill`` over the
+      gathered, dequantized cache (both in float64).
+    """
+
+    name = "reference"
+
+    def __init__(self, dequantize_once: bool = True, gemm_input: str = "float32"):
+        if gemm_input not in GEMM_INPUTS:
+            raise ValueError(f"gemm_input: expected one of {', '.join(GEMM_INPUTS)}, got {gemm_input!r}")
+        self.dequantize_once = dequantize_once
+        self.gemm_input = gemm_input
+
+    # -- dense operators
+
+    def prepare_linear(self, weight, scale_inv=None, block=None) -> PreparedLinear:
+        weight = np.asarray(weight)
+        if scale_inv is None:
+            if weight.dtype == np.uint8:
+                raise ValueError("prepare_linear: FP8 codes (uint8) need their scale_inv")
+            return PreparedLinear(weight=np.ascontiguousarray(weight, dtype=np.float32))
+        if block is None:
+            raise ValueError("prepare_linear: an FP8 weight needs its (block_n, block_k)")
+        block = (int(block[0]), int(block[1]))
+        scale_inv = blockwise.checked_scales(scale_inv, weight.shape, block)
+        nan_codes = blockwise.nan_code_positions(weight)
+        if len(nan_codes):
+            raise ValueError(f"prepare_linear: the FP8 weight holds {len(nan_codes)} NaN codes, "
+                             f"e.g. at {tuple(int(i) for i in nan_codes[0])}")
+        dense = blockwise.dequantize(weight, scale_inv, block) if self.dequantize_once else None
+        return PreparedLinear(weight=dense, codes=weight, scale_inv=scale_inv, block=block)
+
+    def linear(self, x, prepared: PreparedLinear) -> np.ndarray:
+        w = prepared.weight
+        if w is None:
+            w = blockwise.dequantize(prepared.codes, prepared.scale_inv, prepared.block)
+        x = x.astype(np.float32, copy=False)
+        if prepared.is_fp8 and self.gemm_input == "bf16":
+            x = round_to_bf16(x)
+        return np.matmul(x, w.T)
+
+    def embedding(self, table, ids) -> np.ndarray:
+        return np.asarray(table, dtype=np.float32)[np.asarray(ids, dtype=np.int64)]
+
+    def rms_norm(self, x, weight, eps) -> np.ndarray:
+        # Qwen3RMSNorm: normalize in float32, then multiply by the weight
+        x = x.astype(np.float32, copy=False)
+        variance = np.mean(x * x, axis=-1, keepdims=True)
+        return weight * (x / np.sqrt(variance + np.float32(eps)))
+
+    def rope(self, x, positions, theta) -> np.ndarray:
+        # NeoX style: dimension i rotates with dimension i + head_dim / 2 (not with i + 1)
+        half = x.shape[-1] // 2
+        cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    def silu_mul(self, gate, up) -> np.ndarray:
+        # exp(-gate) overflows to inf for gate < -88 (silu -> -0) and underflows for large gate: both fine
+        with np.errstate(over="ignore", under="ignore"):
+            return gate / (np.float32(1) + np.exp(-gate)) * up
+
+    # -- paged KV cache and attention
+
+    def allocate_kv_cache(self, num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_cache_dtype):
+        return allocate_kv_cache(num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_cache_dtype)
+
+    def write_kv(self, cache: LayerKVCache, k, v, slot_mapping) -> None:
+        if cache.kv_cache_dtype == "bf16":
+            k, v = round_to_bf16(k), round_to_bf16(v)
+        ref_kv.write(cache.k, cache.k_scale, k, slot_mapping)
+        ref_kv.write(cache.v, cache.v_scale, v, slot_mapping)
+
+    def decode_attention(self, q, cache: LayerKVCache, block_tables, context_lens, scale) -> np.ndarray:
+        return ref_attention.paged_decode(q, cache.k, cache.v, block_tables, context_lens, scale,
+                                          k_scale=cache.k_scale, v_scale=cache.v_scale)
+
+    def prefill_attention(self, q, cache: LayerKVCache, query_lens, block_tables, context_lens, scale) -> np.ndarray:
+        out = np.empty(q.shape, dtype=np.float32)
+        start = 0
+        for n, table, context_len in zip(query_lens, block_tables, context_lens):
+            n, context_len = int(n), int(context_len)
+            # gather-dequantize the sequence's pages, then causal attention of its n new tokens
+            k = ref_kv.gather(cache.k, cache.k_scale, table, context_len)
+            v = ref_kv.gather(cache.v, cache.v_scale, table, context_len)
+            out[start : start + n] = ref_attention.prefill(q[start : start + n], k, v, scale)
+            start += n
+        return out
+
+
+BACKENDS = {"reference": ReferenceBackend}
+"""Per-operator backends for ``fp8lab.engine.model.Qwen3Model`` (``get_backend``)."""
+
+BACKEND_CHOICES = ("auto", "reference", "cuda", "cudasim")
+"""What ``fp8lab generate --backend`` takes (``load_model``):
+
+- ``reference``: ``Qwen3Model`` on ``ReferenceBackend`` (NumPy on the CPU);
+- ``cuda``: ``fp8lab.engine.cuda_model.CudaQwen3Model``, the kernels of ``numba_kernels`` on an NVIDIA GPU;
+- ``cudasim``: the same model and kernels in Numba's CUDA simulator, which runs every GPU thread in Python:
+  for testing the kernels on micro models, about ten minutes per token on the demo model
+  (``simulator_too_slow``);
+- ``auto``: ``cuda`` when numba-cuda sees a GPU and the kernels take the model's shapes, else ``reference``.
+"""
+
+
+SIMULATOR_SECONDS_PER_WORK = 600 / (384 * 1024 * 6)
+"""Simulator seconds per generated token per unit of ``simulator_work``: about ten minutes a token on the demo
+model (hidden 384, intermediate 1024, 6 layers). A rough scale, for messages, not a benchmark."""
+SIMULATOR_MAX_WORK = 2**16
+"""Largest ``simulator_work`` the commands run in the simulator without being asked (about 15 s a token):
+the micro models of the tests (hidden and intermediate 128, 1 or 2 layers) are well below it."""
+SIMULATOR_HELP = ("cudasim: the kernels in Numba's CUDA simulator, which runs every GPU thread in Python: for "
+                  "testing the kernels on micro models, about ten minutes per token on the demo model (bigger "
+                  "models need --allow-slow-simulator)")
+"""What ``--help`` of ``fp8lab generate`` and ``fp8lab eval`` says about ``cudasim``."""
+
+
+def simulator_work(config) -> int:
+    """The size that the simulator's time per token grows with: ``hidden_size * intermediate_size * layers``."""
+    return config.hidden_size * config.intermediate_size * config.num_hidden_layers
+
+
+def simulator_too_slow(config) -> str | None:
+    """Why ``config`` is too big for the CUDA simulator (its rough time per token), or None when it is small."""
+    work = simulator_work(config)
+    if work <= SIMULATOR_MAX_WORK:
+        return None
+    minutes = work * SIMULATOR_SECONDS_PER_WORK / 60
+    return (f"the CUDA simulator runs every GPU thread in Python, to test the kernels on micro models; this model "
+            f"(hidden {config.hidden_size} x intermediate {config.intermediate_size} x {config.num_hidden_layers} "
+            f"layers) would take roughly {minutes:.0f} minutes per token")
+
+
+def check_simulator_size(config, allow_slow: bool) -> None:
+    """The commands' check before ``--backend cudasim``: a ``ValueError`` naming the way out (and
+    ``--allow-slow-simulator``) when ``simulator_too_slow(config)``, unless ``allow_slow``."""
+    reason = simulator_too_slow(config)
+    if reason is not None and not allow_slow:
+        raise ValueError(f"--backend cudasim: {reason}; use --backend reference (NumPy on the CPU) or cuda (a GPU), "
+                         "or pass --allow-slow-simulator to run it anyway")
+
+
+def kv_cache_memory_available(backend: str) -> tuple[int | None, str]:
+    """Bytes free now for a KV cache on ``backend`` (``reference``, ``cuda``, ``cudasim``), and where: free GPU
+    memory for ``cuda``, host memory otherwise (the simulator's device arrays are NumPy arrays). None where
+    the system does not say. Call it after loading the model, so that the weights are already counted."""
+    if backend == "cuda":
+        from .cuda_model import gpu_memory_info
+
+        return gpu_memory_info()[0], "free GPU memory"
+    return host_available_bytes(), "available host memory"
+
+
+def get_backend(name: str) -> Backend:
+    """A per-operator backend by its command-line name (``reference``). The GPU path is a whole model,
+    not a per-operator backend: ``load_model(checkpoint, "cuda")``."""
+    if name in ("cuda", "cudasim"):
+        raise ValueError(f"backend {name!r} runs as fp8lab.engine.cuda_model.CudaQwen3Model, not as a per-operator "
+                         "Backend: use fp8lab.engine.backend.load_model(checkpoint, name)")
+    try:
+        return BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; available: {', '.join(sorted(BACKENDS))}") from None
+
+
+def _nvidia_driver_present() -> bool:
+    """A cheap look for an NVIDIA driver, without importing numba."""
+    import os
+    import shutil
+
+    return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
+
+
+def gpu_available() -> bool:
+    """True when numba-cuda sees an NVIDIA GPU (False in a process that runs the CUDA simulator)."""
+    import os
+
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or not _nvidia_driver_present():
+        return False
+    try:
+        from numba import config, cuda
+
+        return not config.ENABLE_CUDASIM and bool(cuda.is_available())
+    except Exception:  # numba-cuda missing, or a driver without a usable GPU
+        return False
+
+
+def enable_cudasim() -> None:
+    """Switch numba to its CUDA simulator. Numba reads ``NUMBA_ENABLE_CUDASIM`` once, when it is first
+    imported, so this must run before anything imports numba (``engine`` imports it lazily, only here and
+    in ``fp8lab.engine.cuda_model``); a process that already drives a real GPU gets a ``RuntimeError``."""
+    import os
+    import sys
+
+    if "numba" in sys.modules:
+        from numba import config
+
+        if not config.ENABLE_CUDASIM:
+            raise RuntimeError("backend 'cudasim': numba was already imported without NUMBA_ENABLE_CUDASIM=1 in "
+                               "this process; start it with NUMBA_ENABLE_CUDASIM=1")
+        return
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+
+def resolve_backend(name: str, config=None) -> str:
+    """``reference``, ``cuda`` or ``cudasim`` for a ``BACKEND_CHOICES`` name; ``auto`` picks ``cuda`` when a
+    GPU is there and (given ``config``) the kernels take the model, else ``reference``."""
+    if name not in BACKEND_CHOICES:
+        raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKEND_CHOICES)}")
+    if name != "auto":
+        return name
+    if not gpu_available():
+        return "reference"
+    if config is not None:
+        from .cuda_model import unsupported_reason
+
+        if unsupported_reason(config) is not None:
+            return "reference"
+    return "cuda"
+
+
+def load_model(checkpoint, backend: str = "auto", gemm_input: str = "float32", **cuda_options):
+    """The model for ``checkpoint`` on ``backend`` (a ``BACKEND_CHOICES`` name): ``Qwen3Model`` on
+    ``ReferenceBackend(gemm_input=gemm_input)``, or ``CudaQwen3Model`` (``cuda_options``: its
+    constructor's keywords, e.g. ``max_num_tokens``, ``max_num_seqs``, ``f32_max_rows``) on a GPU or in
+    the simulator. ``cuda`` without a GPU is a ``RuntimeError``.
+
+    On the GPU model ``gemm_input="bf16"`` means ``f32_max_rows=0``: every FP8 GEMM rounds its input
+    to BF16. ``"float32"`` keeps ``f32_max_rows`` (default 4): GEMMs of at most that many rows take
+    float32 inputs, larger ones BF16, so a caller that wants float32 throughout feeds at most
+    ``f32_max_rows`` tokens per forward (as ``fp8lab.engine.evaluate`` does)."""
+    if gemm_input not in GEMM_INPUTS:
+        raise ValueError(f"gemm_input: expected one of {', '.join(GEMM_INPUTS)}, got {gemm_input!r}")
+    name = resolve_backend(backend, checkpoint.config)
+    if name == "reference":
+        from .model import Qwen3Model
+
+        return Qwen3Model.from_checkpoint(checkpoint, ReferenceBackend(gemm_input=gemm_input))
+    if gemm_input == "bf16":
+        if cuda_options.get("f32_max_rows", 0) != 0:
+            raise ValueError(f"gemm_input 'bf16' means f32_max_rows=0, got f32_max_rows={cuda_options['f32_max_rows']}")
+        cuda_options["f32_max_rows"] = 0
+    if name == "cudasim":
+        enable_cudasim()
+    elif not gpu_available():
+        raise RuntimeError("backend 'cuda': numba-cuda sees no NVIDIA GPU (use --backend reference, or cudasim "
+                           "for the kernels in the CUDA simulator)")
+    from .cuda_model import CudaQwen3Model
+
+    return CudaQwen3Model.from_checkpoint(checkpoint, **cuda_options)

@@ -1,0 +1,13 @@
+"""Numba CUDA kernels of the FP8 algorithms; the same source runs on an NVIDIA GPU and in Numba's
+CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set before numba is imported).
+
+Toolkit:
+
+- ``fp8lab.numba_kernels.cudasim``: warp intrinsics (shuffles, votes, ``syncwarp``) for the simulator,
+  installed on import when the simulator is on;
+- ``fp8lab.numba_kernels.bits``: bit reinterpretation (uint32 <-> float32, BF16/F16 patterns) in both modes.
+"""
+
+from . import cudasim
+
+SIMULATOR = cudasim.install()

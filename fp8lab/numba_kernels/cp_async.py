@@ -1,0 +1,143 @@
+"""``cp.async`` (sm_80 and later): global -> shared memory copies that bypass registers.
+
+A thread issues copies (``copy_16_cg``, ``copy_16_ca``, ``copy_4_ca``), closes the ones issued so
+far into a *group* (``commit_group``), and later waits until at most ``n`` of its most recent
+groups are still in flight (``wait_group(n)``, ``n`` a compile-time constant: one function per
+``n`` from ``wait_group_function``). A wait covers only the calling thread's own copies: for other
+threads' copies to be visible, follow it with ``cuda.syncthreads()``. Meanwhile the thread keeps
+computing, so a kernel can keep several chunks of memory in flight without holding them in
+registers (the multi-stage pipeline of ``fp8lab.numba_kernels.gemm_mma``).
+
+Copy arguments: ``(shared, index, source, row, col, source_bytes)``: the destination is
+``shared[index]`` of a 1-D shared-memory array (address aligned to the copy size), the source is
+``source[row, col]`` of a 2-D global array, ``source_bytes`` is the copy size or 0: with 0 nothing
+is read and the destination is filled with zeros (``source[row, col]`` must still be a valid
+element). A 16-byte copy moves ``16 / itemsize`` consecutive elements. ``cg`` caches in L2 only
+(data read once), ``ca`` in L1 too (data that other CTAs on the same SM read as well).
+
+- On a GPU: inline PTX, ``cp.async.{ca,cg}.shared.global [dst], [src], size, src_size``; the
+  shared address is the 32-bit shared-window offset of the generic pointer (``cvta.to.shared``).
+- In the CUDA simulator: each thread queues its copies and performs a group only when a
+  ``wait_group`` requires it, the latest moment the hardware may land them. A kernel that reads a
+  buffer before waiting for it therefore reads stale data here, as it could on a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .bits import SIMULATOR
+
+SIZES = {"cg": (16,), "ca": (4, 8, 16)}
+"""Copy sizes in bytes PTX allows per cache operator."""
+
+if SIMULATOR:
+    _state = threading.local()
+
+    def _queues():
+        if not hasattr(_state, "pending"):
+            _state.pending, _state.groups = [], []
+        return _state
+
+    def _copy_function(size: int):
+        def copy(shared, index, source, row, col, source_bytes):
+            words = size // shared.dtype.itemsize
+            if (index * shared.dtype.itemsize) % size or (col * source.dtype.itemsize) % size:
+                raise RuntimeError(f"cp.async: a {size}-byte copy needs {size}-byte aligned addresses "
+                                   f"(shared element {index}, source column {col})")
+            if not (0 <= row < source.shape[0] and 0 <= col and col + words <= source.shape[1]):
+                raise RuntimeError(f"cp.async: source element [{row}, {col}] lies outside {source.shape}")
+            if int(source_bytes) not in (0, size):
+                raise RuntimeError(f"cp.async: source_bytes must be 0 or {size}, got {source_bytes}")
+            index, row, col, fill = int(index), int(row), int(col), int(source_bytes) == 0
+
+            def land():
+                values = np.zeros(words, source.dtype) if fill else source[row, col : col + words]
+                shared[index : index + words] = values.view(shared.dtype)
+
+            _queues().pending.append(land)
+
+        return copy
+
+    copy_16_cg = copy_16_ca = _copy_function(16)
+    copy_4_ca = _copy_function(4)
+
+    def commit_group():
+        state = _queues()
+        state.groups.append(state.pending)
+        state.pending = []
+
+    def wait_group_function(n: int):
+        def wait_group():
+            state = _queues()
+            while len(state.groups) > n:
+                for land in state.groups.pop(0):
+                    land()
+
+        return wait_group
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def _pointer(context, builder, array_type, array, indices, index_types):
+        """The generic address of ``array[indices]`` as a 64-bit integer."""
+        array = context.make_array(array_type)(context, builder, value=array)
+        index = [context.cast(builder, i, t, types.intp) for i, t in zip(indices, index_types)]
+        pointer = cgutils.get_item_pointer(context, builder, array_type, array, index, wraparound=False)
+        return builder.ptrtoint(pointer, ir.IntType(64))
+
+    def _copy_intrinsic(cache: str, size: int):
+        if size not in SIZES[cache]:
+            raise ValueError(f"cp.async.{cache} copies {SIZES[cache]} bytes, not {size}")
+        asm = ("{ .reg .u64 s64, g; .reg .u32 s; cvta.to.shared.u64 s64, $0; cvt.u32.u64 s, s64; "
+               f"cvta.to.global.u64 g, $1; cp.async.{cache}.shared.global [s], [g], {size}, $2; }}")
+
+        @intrinsic
+        def copy(typingctx, shared, index, source, row, col, source_bytes):
+            arrays_ok = (isinstance(shared, types.Array) and shared.ndim == 1 and isinstance(source, types.Array)
+                         and source.ndim == 2)
+            if not arrays_ok or not all(isinstance(x, types.Integer) for x in (index, row, col, source_bytes)):
+                return None
+
+            def codegen(context, builder, signature, args):
+                shared_type, index_type, source_type, row_type, col_type, bytes_type = signature.args
+                destination = _pointer(context, builder, shared_type, args[0], [args[1]], [index_type])
+                origin = _pointer(context, builder, source_type, args[2], args[3:5], [row_type, col_type])
+                count = context.cast(builder, args[5], bytes_type, types.uint32)
+                function = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(64), ir.IntType(32)])
+                builder.call(ir.InlineAsm(function, asm, "l,l,r,~{memory}", side_effect=True),
+                             [destination, origin, count])
+                return context.get_dummy_value()
+
+            return types.void(shared, index, source, row, col, source_bytes), codegen
+
+        return copy
+
+    copy_16_cg = _copy_intrinsic("cg", 16)
+    copy_16_ca = _copy_intrinsic("ca", 16)
+    copy_4_ca = _copy_intrinsic("ca", 4)
+
+    def _statement_intrinsic(text: str):
+        @intrinsic
+        def statement(typingctx):
+            def codegen(context, builder, signature, args):
+                function = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(function, text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return statement
+
+    commit_group = _statement_intrinsic("cp.async.commit_group;")
+    _waits = {}
+
+    def wait_group_function(n: int):
+        if n not in _waits:
+            _waits[n] = _statement_intrinsic(f"cp.async.wait_group {int(n)};")
+        return _waits[n]

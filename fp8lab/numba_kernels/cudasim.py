@@ -1,0 +1,298 @@
+"""Warp intrinsics for Numba's CUDA simulator, with CUDA's semantics.
+
+numba-cuda 0.30's simulator (``NUMBA_ENABLE_CUDASIM=1``) runs every CUDA thread of a block as a
+Python thread but has no warp-level intrinsics. ``install()`` adds them to the simulator's fake
+``cuda`` module, so a kernel written idiomatically (``cuda.shfl_xor_sync(0xFFFFFFFF, x, 16)``)
+runs unchanged on a GPU and in the simulator:
+
+- ``shfl_sync``, ``shfl_up_sync``, ``shfl_down_sync``, ``shfl_xor_sync`` (width 32);
+- ``syncwarp``, ``ballot_sync``, ``any_sync``, ``all_sync``, ``activemask`` (for converged code);
+- and it replaces the simulator's ``fma`` (two roundings) by a fused one (one rounding).
+
+How a collective works here: each lane named in ``mask`` deposits its value in a rendezvous
+keyed by ``(warp, mask, n)``, where ``n`` counts that lane's earlier collectives with the same
+mask, and waits until every lane of ``mask`` has deposited. So lanes that diverge into disjoint
+masks each meet their own group, as on the hardware.
+
+Misuse that CUDA leaves undefined (or hangs on) is a clear ``RuntimeError`` here:
+
+- the calling lane is not in ``mask``; ``mask`` names lanes the warp does not have;
+- a lane named in ``mask`` exits, or waits at ``syncthreads``, without arriving (a deadlock on
+  the hardware): reported as soon as it is seen, naming the lane;
+- a lane reads (shuffles from) a lane that is not in ``mask``;
+- any other wait longer than ``TIMEOUT_S`` (e.g. two groups waiting on each other).
+
+Nothing here is used on a GPU: ``install()`` does nothing unless the simulator is enabled.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import defaultdict
+
+WARP_SIZE = 32
+FULL_MASK = 0xFFFFFFFF
+TIMEOUT_S = 300.0  # generous: a loaded 2-core CI machine can stall simulated threads for many seconds
+_POLL_S = 0.002
+
+
+class _Rendezvous:
+    """One warp collective in flight: what each lane deposited, and how many lanes have read."""
+
+    def __init__(self, lanes: tuple[int, ...]):
+        self.lanes = lanes
+        self.values: dict[int, object] = {}
+        self.readers = 0
+
+
+class _WarpState:
+    """Per warp of a block: the collectives in flight and each lane's per-mask counters."""
+
+    def __init__(self):
+        self.condition = threading.Condition()
+        self.in_flight: dict[tuple[int, int], _Rendezvous] = {}
+        self.counters: dict[tuple[int, int], int] = defaultdict(int)
+
+
+# One _WarpState per (block manager, warp); the weak keys drop them when the block finishes.
+_warps: "weakref.WeakKeyDictionary[object, dict[int, _WarpState]]" = weakref.WeakKeyDictionary()
+_warps_lock = threading.Lock()
+
+
+def _current_thread():
+    thread = threading.current_thread()
+    if not hasattr(thread, "thread_id") or not hasattr(thread, "_manager"):
+        raise RuntimeError("warp intrinsics can only be called from inside a simulated kernel")
+    return thread
+
+
+# Every simulated thread, by block manager and linear thread id, registered when created (see
+# install()), so that a lane that has not started yet can be told from one that has exited.
+_threads: "weakref.WeakKeyDictionary[object, dict[int, threading.Thread]]" = weakref.WeakKeyDictionary()
+
+
+def _block_threads(manager) -> dict[int, threading.Thread]:
+    """All simulated threads of one block created so far, by linear thread id."""
+    with _warps_lock:
+        return dict(_threads.get(manager, {}))
+
+
+def _exited(thread: threading.Thread) -> bool:
+    # Not ``thread.ident``: Python sets it before the thread counts as started, so a lane still
+    # starting up would look exited.
+    return thread._started.is_set() and not thread.is_alive()
+
+
+def _warp_state(thread) -> _WarpState:
+    with _warps_lock:
+        per_manager = _warps.setdefault(thread._manager, {})
+        return per_manager.setdefault(thread.thread_id // WARP_SIZE, _WarpState())
+
+
+def _lanes_of(mask: int, warp: int, block_size: int, op: str) -> tuple[int, ...]:
+    mask = int(mask) & FULL_MASK
+    lanes = tuple(lane for lane in range(WARP_SIZE) if mask >> lane & 1)
+    warp_lanes = min(WARP_SIZE, block_size - warp * WARP_SIZE)
+    if not lanes:
+        raise RuntimeError(f"{op}: mask 0x{mask:08x} names no lane")
+    if lanes[-1] >= warp_lanes:
+        raise RuntimeError(f"{op}: mask 0x{mask:08x} names lane {lanes[-1]}, but warp {warp} has only {warp_lanes} lanes")
+    return lanes
+
+
+def _block_size(thread) -> int:
+    x, y, z = thread._manager._block_dim
+    return x * y * z
+
+
+def _barriers_passed(thread) -> int:
+    return getattr(thread, "barriers_passed", 0)
+
+
+def _check_missing_lanes(op: str, mask: int, warp: int, rendezvous: _Rendezvous, manager) -> None:
+    """Raise if a lane that has not arrived never can: it exited or waits at syncthreads."""
+    threads = _block_threads(manager)
+    for lane in rendezvous.lanes:
+        if lane in rendezvous.values:
+            continue
+        t = threads.get(warp * WARP_SIZE + lane)
+        if t is None:
+            continue  # not started yet
+        if _exited(t):
+            raise RuntimeError(f"{op}: lane {lane} of warp {warp} is named in mask 0x{mask:08x} but exited without arriving")
+        # A lane blocked at a barrier the caller has already passed is merely not released yet
+        # (the simulator's BlockManager releases threads one by one): only a barrier the caller
+        # has not passed is a deadlock.
+        if getattr(t, "syncthreads_blocked", False) and _barriers_passed(t) >= _barriers_passed(_current_thread()):
+            raise RuntimeError(
+                f"{op}: lane {lane} of warp {warp} is named in mask 0x{mask:08x} but waits at syncthreads "
+                "(a deadlock on the GPU)"
+            )
+
+
+def exchange(op: str, mask: int, value) -> dict[int, object]:
+    """Deposit ``value`` for this lane in the collective named by ``mask``; return every lane's value.
+
+    The building block of every intrinsic here, and of warp-collective twins of linked device
+    functions (the tensor-core ``mma`` in ``fp8lab.numba_kernels.mma``); ``op`` names the caller in errors.
+    """
+    thread = _current_thread()
+    warp, lane = divmod(thread.thread_id, WARP_SIZE)
+    lanes = _lanes_of(mask, warp, _block_size(thread), op)
+    if lane not in lanes:
+        raise RuntimeError(f"{op}: calling lane {lane} of warp {warp} is not in mask 0x{int(mask) & FULL_MASK:08x}")
+    state = _warp_state(thread)
+    with state.condition:
+        mask_key = int(mask) & FULL_MASK
+        n = state.counters[(lane, mask_key)]
+        state.counters[(lane, mask_key)] = n + 1
+        key = (mask_key, n)
+        rendezvous = state.in_flight.setdefault(key, _Rendezvous(lanes))
+        rendezvous.values[lane] = value
+        state.condition.notify_all()
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(rendezvous.values) < len(lanes):
+            if getattr(thread, "abort", False):
+                raise RuntimeError(f"{op}: aborted because another simulated thread failed")
+            _check_missing_lanes(op, mask_key, warp, rendezvous, thread._manager)
+            if time.monotonic() > deadline:
+                missing = [x for x in lanes if x not in rendezvous.values]
+                raise RuntimeError(f"{op}: lanes {missing} of warp {warp} did not arrive within {TIMEOUT_S} s")
+            state.condition.wait(_POLL_S)
+        rendezvous.readers += 1
+        if rendezvous.readers == len(lanes):
+            del state.in_flight[key]
+        return rendezvous.values
+
+
+def _lane() -> int:
+    return _current_thread().thread_id % WARP_SIZE
+
+
+def _shuffle(op: str, mask: int, value, source: int, in_range: bool):
+    values = exchange(op, mask, value)
+    if not in_range:
+        return value  # shfl_up/down past the warp's edge: the lane keeps its own value
+    if source not in values:
+        raise RuntimeError(f"{op}: lane {_lane()} reads lane {source}, which is not in mask 0x{int(mask) & FULL_MASK:08x}")
+    return values[source]
+
+
+def shfl_sync(mask, value, src_lane):
+    """Value of ``value`` in lane ``src_lane % 32``."""
+    return _shuffle("shfl_sync", mask, value, int(src_lane) % WARP_SIZE, True)
+
+
+def shfl_up_sync(mask, value, delta):
+    """Value in lane ``lane - delta``; lanes below ``delta`` keep their own."""
+    source = _lane() - int(delta)
+    return _shuffle("shfl_up_sync", mask, value, source, source >= 0)
+
+
+def shfl_down_sync(mask, value, delta):
+    """Value in lane ``lane + delta``; lanes past the end keep their own."""
+    source = _lane() + int(delta)
+    return _shuffle("shfl_down_sync", mask, value, source, source < WARP_SIZE)
+
+
+def shfl_xor_sync(mask, value, lane_mask):
+    """Value in lane ``lane ^ lane_mask`` (the butterfly of reductions)."""
+    return _shuffle("shfl_xor_sync", mask, value, _lane() ^ (int(lane_mask) & (WARP_SIZE - 1)), True)
+
+
+def syncwarp(mask=FULL_MASK):
+    """Wait until every lane of ``mask`` has arrived."""
+    exchange("syncwarp", mask, None)
+
+
+def ballot_sync(mask, predicate):
+    """Bit ``i`` set where lane ``i`` of ``mask`` has a true predicate."""
+    values = exchange("ballot_sync", mask, bool(predicate))
+    return sum(1 << lane for lane, p in values.items() if p)
+
+
+def any_sync(mask, predicate):
+    """True if the predicate holds in any lane of ``mask``."""
+    return any(exchange("any_sync", mask, bool(predicate)).values())
+
+
+def all_sync(mask, predicate):
+    """True if the predicate holds in every lane of ``mask``."""
+    return all(exchange("all_sync", mask, bool(predicate)).values())
+
+
+def activemask():
+    """Every lane this warp has.
+
+    On a GPU it is the set of lanes converged at the call; the simulator does not track
+    convergence, so it answers for converged code. Do not use it to detect divergence.
+    """
+    thread = _current_thread()
+    warp = thread.thread_id // WARP_SIZE
+    warp_lanes = min(WARP_SIZE, _block_size(thread) - warp * WARP_SIZE)
+    return (1 << warp_lanes) - 1
+
+
+WARP_INTRINSICS = {
+    "shfl_sync": shfl_sync,
+    "shfl_up_sync": shfl_up_sync,
+    "shfl_down_sync": shfl_down_sync,
+    "shfl_xor_sync": shfl_xor_sync,
+    "syncwarp": syncwarp,
+    "ballot_sync": ballot_sync,
+    "any_sync": any_sync,
+    "all_sync": all_sync,
+    "activemask": activemask,
+}
+
+
+def fma(a, b, c):
+    """``cuda.fma`` with one rounding, as the hardware's FFMA does.
+
+    The stock simulator computes ``a * b + c`` in two roundings, so a kernel's float32 fma chains
+    would not match the simulators bit for bit. float32 operands go through the exact emulation
+    of ``simulators``; float64 ones fall back to two roundings (no float64 kernel relies on it).
+    """
+    import numpy as np
+
+    if all(isinstance(x, np.float32) for x in (a, b, c)):
+        from fp8lab.simulators.fma import fma_f32
+
+        return np.float32(fma_f32(a, b, c))
+    return a * b + c
+
+
+def install() -> bool:
+    """Add the warp intrinsics to the simulator's fake ``cuda`` module; True if the simulator is on."""
+    from numba import config
+
+    if not config.ENABLE_CUDASIM:
+        return False
+    from numba.cuda.simulator import kernel, kernelapi
+
+    for name, fn in WARP_INTRINSICS.items():
+        if not hasattr(kernelapi.FakeCUDAModule, name):
+            setattr(kernelapi.FakeCUDAModule, name, staticmethod(fn))
+    kernelapi.FakeCUDAModule.fma = staticmethod(fma)
+    if not getattr(kernel.BlockThread, "_fp8lab_counts_barriers", False):
+        original_syncthreads = kernel.BlockThread.syncthreads
+
+        def counting_syncthreads(self):
+            original_syncthreads(self)
+            self.barriers_passed = _barriers_passed(self) + 1
+
+        kernel.BlockThread.syncthreads = counting_syncthreads
+        kernel.BlockThread._fp8lab_counts_barriers = True
+    if not getattr(kernel.BlockThread, "_fp8lab_registered", False):
+        original_init = kernel.BlockThread.__init__
+
+        def registering_init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            with _warps_lock:
+                _threads.setdefault(self._manager, {})[self.thread_id] = self
+
+        kernel.BlockThread.__init__ = registering_init
+        kernel.BlockThread._fp8lab_registered = True
+    return True

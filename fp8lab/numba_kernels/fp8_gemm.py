@@ -1,0 +1,51 @@
+"""``fp8_gemm``: the one entry point for FP8 blockwise weight GEMMs; it picks a kernel by M.
+
+    out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]
+
+Paths (``path=``):
+
+- ``"simt"``: ``fp8lab.numba_kernels.gemv_simt`` (warp per output column, 1 <= M <= 16), the decode path;
+- ``"mma"``: ``fp8lab.numba_kernels.gemm_mma`` (tensor cores, any M: tiles of 16 or 32 rows), which is
+  also the large-M path: its grid simply grows in M;
+- ``"auto"``: ``simt`` for ``M <= SIMT_MAX_M``, else ``mma``. The threshold comes from
+  ``bench/gemm.py`` on an H200 (``bench/RESULTS.md``): the M at which the tensor-core kernel
+  overtakes the SIMT one at the Qwen3-8B shapes.
+
+Both kernels check their arguments before launching (``arguments.check_gemm``); the stricter of
+the two rules applies to ``auto`` too, so a call that works for one M works for every M: K and
+block_k multiples of 128, block_n a multiple of 8, 16-bit activations. Nothing is launched on a
+bad call. Checked against ``fp8lab.reference.blockwise.gemm`` through the kernels' own tests and
+``tests/test_fp8_gemm.py``.
+"""
+
+from __future__ import annotations
+
+from . import arguments
+from .gemm_mma import gemm_mma
+from .gemv_simt import gemv_simt
+
+SIMT_MAX_M = 4
+"""Largest M routed to the SIMT GEMV by ``path="auto"`` (measured; see the module docstring)."""
+PATHS = ("auto", "simt", "mma")
+
+
+def choose_path(m: int) -> str:
+    """The kernel ``path="auto"`` uses for ``m`` rows."""
+    return "simt" if m <= SIMT_MAX_M else "mma"
+
+
+def fp8_gemm(a, q, scale_inv, out, block=(128, 128), path: str = "auto", stream=0):
+    """``out = a @ dequantize(q, scale_inv, block)^T`` with the kernel ``path`` names; returns ``out``.
+
+    ``a``: ``[M, K]`` BF16 bits (uint16/int16) or float16; ``q``: uint8 E4M3 codes ``[N, K]``;
+    ``scale_inv``: float32 ``[ceil(N/BN), ceil(K/BK)]``; ``out``: ``[M, N]`` float32, float16 or
+    BF16 bits; ``stream``: a Numba stream or a ``cuda.core`` GraphBuilder (0: default stream).
+    """
+    if path not in PATHS:
+        raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
+    problem = arguments.check_gemm(a, q, scale_inv, out, block, kernel="fp8_gemm", activations=("bf16", "f16"),
+                                   block_n_multiple=8)
+    if path == "auto":
+        path = choose_path(problem.m)
+    kernel = gemv_simt if path == "simt" else gemm_mma
+    return kernel(problem.a, problem.q, problem.scale_inv, problem.out, problem.block, stream=stream)

@@ -1,0 +1,516 @@
+"""SIMT decode GEMV for FP8 weights: ``out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]``
+for ``1 <= M <= 16`` rows (the decode step of an LLM: a handful of tokens against a big weight).
+
+What it computes: the W8A16 product of ``fp8lab.reference.blockwise.gemm`` in float32, in exactly the
+order of ``fp8lab.simulators.gemv_simt`` (the schedule, below). Activations are BF16 bits (uint16/int16),
+float16 or float32, widened exactly to float32 on load; the output is float32, float16 or BF16
+bits (uint16/int16), rounded once from the float32 sum.
+
+The schedule (``fp8lab.simulators.gemv_simt`` is its bit-exact NumPy model; read the two side by side):
+
+- **A warp per output column** ``n`` (weight row ``n``). Lane ``L`` owns the 16-byte chunks
+  ``c = L, L + 32, L + 64, ...`` of the row, i.e. ``k in [16 c, 16 c + 16)``; one warp *step*
+  covers 512 contiguous bytes. Lanes past the row end sit the last step out.
+- **Wide loads**: a lane's 16 codes are one 128-bit load (``ld.global.nc.v4.u32`` through a
+  ``uint32`` view of ``q``); the activations too (two 128-bit loads per row for 16-bit formats,
+  four for float32).
+- **Bit placement** (``dequantize.placed_codes``): code ``c`` becomes the F16 pattern
+  ``(c & 0x80) << 8 | (c & 0x7F) << 7``, widened to float32 ``decode(c) * 2^-8`` (exact).
+- **Per row of the tile**: ``part = fma(a_i, w_i, part)`` for the chunk's 16 elements in ``k``
+  order, from ``part = 0``; then the promotion ``acc = fma(s, part, acc)`` with
+  ``s = scale_inv[n // BN, 16 c // BK] * 2^8`` (the placement's ``2^-8`` folded in, exact), the
+  lane's chunks in their order ``c = L, L + 32, ...``.
+- **Butterfly**: ``acc += shfl_xor(acc, off)`` for ``off = 16, 8, 4, 2, 1``; lane 0 stores.
+
+How the lanes get there fast (none of it changes which products are summed in which order, so
+none of it changes a bit; each is a compile-time constant of the kernel and a keyword of
+``gemv_simt``):
+
+- **Groups of chunks** (``chunks_per_iteration`` G = 1, 2 or 4): a lane issues the 128-bit loads of
+  G of its chunks (``c``, ``c + 32``, ...: G warp steps) at once, and the loads of the *next* group
+  before computing this one (two register buffers used in turn, so up to 2 G chunks per lane are
+  in flight). More bytes in flight per warp is what a memory-bound kernel needs; the loop
+  overhead is paid once per group.
+- **Columns per warp** (``columns_per_warp`` NC = 1, 2 or 4): a warp computes NC neighbouring
+  columns, each exactly as a warp of its own would (same lanes, chunks, chains, butterfly). The
+  activations of a chunk are loaded and widened once and used NC times, which divides the
+  per-row load and conversion work, and the L1 traffic of the activations, by NC.
+- **Row tiles** (``m_tile`` 1 to 16; default: all ``M`` rows): the rows of a tile share each weight
+  load and decode; each row has its own accumulators. Rows of the last tile past ``M`` compute on
+  a copy of row ``M - 1`` and are not stored: no per-row branch in the loop (a branch per row
+  would make each row's activation loads wait for the previous row's arithmetic).
+- **32-bit index arithmetic** on flat views of ``a``, ``q`` and ``scale_inv`` (the host checks that
+  the arrays fit): no 64-bit compares or divisions in the loop.
+
+Launch shape (``gemv_simt_launch_info``): CTAs of ``warps_per_cta`` warps (default 4), each warp
+``columns_per_warp`` columns; grid ``(ceil(N / (warps_per_cta * columns_per_warp)), ceil(M / m_tile))``.
+The warps of a CTA share nothing but the activations (which L1 caches), so a small CTA costs
+nothing and keeps the grid fine-grained, which shortens the last, partial wave. The defaults
+(``default_knobs``) come from an H200 sweep (``bench/gemm_tuning.py``, ``bench/RESULTS.md``);
+``tuning_candidates`` lists the knob sets worth timing per M.
+
+Instructions per (column, 16-byte chunk) in the loop's SASS (sm_90, BF16 in; the measured first
+version: 127 at M = 1, 404 at M = 8): about 44 decode 16 codes (7 integer operations and 4
+``HADD2.F32`` per 4 codes; byte spreading with ``prmt`` needs as many), 17 ``FFMA`` per row, 16
+widen a row's BF16 activations (``/ NC``), and a few load, address and loop instructions. Here:
+96 (G = 1), 94 (G = 2), 82 (NC = 2), 80 (G = 2, NC = 2), 75 (NC = 4) at M = 1; 359, 289 (NC = 2),
+260 (NC = 4) at M = 8. Considered and left out: activations widened once per CTA into shared
+memory as float32 (saves the widening too, but doubles the bytes read per activation, needs a
+barrier, and fits 48 KB only for M <= 2; columns per warp save as much for every M), and the
+hardware ``cvt.rn.f16x2.e4m3x2`` decode (two codes per instruction, but NaN codes would become NaN
+instead of the finite values the simulator defines).
+
+Checked against ``fp8lab.simulators.gemv_simt`` bit for bit (CUDA simulator and GPU) and against
+``fp8lab.reference.blockwise.gemm`` by relative error (``tests/test_gemv_kernel.py``).
+
+Requirements (``ValueError`` before anything is launched): those of ``arguments.check_gemm``
+(``K`` and ``BK`` multiples of 128, shapes and dtypes) plus ``1 <= M <= 16``, the knobs in range
+and within the register budget (``chunks_per_iteration * columns_per_warp <= 8``,
+``columns_per_warp * m_tile <= 32``: more would spill), device arrays whose data start on a
+16-byte boundary (for the 128-bit loads) and fewer than 2^32 words of codes (32-bit indices).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from . import arguments
+from .bits import SIMULATOR, bf16_bits_to_f32, f16_bits_to_f32, u32_as_f32
+from .dequantize import F16_PLACEMENT_SCALE, STORE, output_bits_view, placed_codes
+
+WARP_SIZE = 32
+FULL_MASK = 0xFFFFFFFF
+WARPS_PER_CTA = 4
+"""Warps per CTA when nothing else is known; see the module docstring for why small CTAs."""
+MAX_WARPS_PER_CTA = 32
+BYTES_PER_LANE = 16
+"""One 128-bit load per lane per chunk: 16 FP8 codes, 4 uint32 words."""
+WORDS_PER_LOAD = 4
+K_PER_STEP = WARP_SIZE * BYTES_PER_LANE
+MAX_ROWS = 16
+M_TILES = tuple(range(1, MAX_ROWS + 1))
+"""Row tiles the kernel accepts (the result never depends on it)."""
+CHUNKS_PER_ITERATION = (1, 2, 4)
+COLUMNS_PER_WARP = (1, 2, 4)
+MAX_GROUP_SLOTS = 8
+"""``chunks_per_iteration * columns_per_warp`` at most: two buffers of that many 16-byte chunks per lane
+(more spills registers)."""
+MAX_ACCUMULATORS = 32
+"""``columns_per_warp * m_tile`` at most: one float32 accumulator each per lane (more spills)."""
+BUTTERFLY_OFFSETS = (16, 8, 4, 2, 1)
+LOAD_ALIGNMENT = 16
+"""Bytes: a 128-bit load needs a 16-byte aligned address."""
+MAX_WORDS = 2**32
+"""Arrays are indexed with 32-bit words: fewer than this many uint32 words (16 GiB of codes)."""
+WORDS_PER_CHUNK = {"bf16": 8, "f16": 8, "f32": 16}
+"""uint32 words of one row's 16 activations, by activation format."""
+
+
+# ---------------------------------------------------------------------------- the 128-bit load
+
+if SIMULATOR:
+
+    def load_u32x4(words, index):
+        """``words[index : index + 4]`` of a 1-D uint32 array (one 128-bit load on a GPU; ``index % 4 == 0``)."""
+        index = int(index)
+        if index % WORDS_PER_LOAD:
+            raise RuntimeError(f"load_u32x4: index {index} is not a multiple of 4 (the GPU load would be misaligned)")
+        return words[index], words[index + 1], words[index + 2], words[index + 3]
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _GLOBAL_ADDRESS_SPACE = 1
+
+    @intrinsic
+    def load_u32x4(typingctx, words, index):
+        """``words[index : index + 4]`` of a 1-D uint32 array as one ``ld.global.nc.v4.u32``.
+
+        The address must be 16-byte aligned (``index % 4 == 0`` and a 16-byte aligned array; the
+        host checks the data pointer). The data is read-only for the kernel's lifetime, which the
+        ``invariant.load`` mark tells the compiler, so it uses the non-coherent (read-only data
+        cache) path. An unsigned index needs no negative-index fix-up.
+        """
+        if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            array_type, index_type = signature.args
+            array = context.make_array(array_type)(context, builder, value=args[0])
+            index = [context.cast(builder, args[1], index_type, types.intp)]
+            pointer = cgutils.get_item_pointer(context, builder, array_type, array, index, wraparound=False)
+            vector = ir.VectorType(ir.IntType(32), WORDS_PER_LOAD)
+            global_pointer = builder.addrspacecast(pointer, ir.PointerType(ir.IntType(32), _GLOBAL_ADDRESS_SPACE))
+            loaded = builder.load(builder.bitcast(global_pointer, ir.PointerType(vector, _GLOBAL_ADDRESS_SPACE)),
+                                  align=LOAD_ALIGNMENT)
+            loaded.set_metadata("invariant.load", builder.module.add_metadata([]))
+            lanes = [builder.extract_element(loaded, ir.Constant(ir.IntType(32), i)) for i in range(WORDS_PER_LOAD)]
+            return context.make_tuple(builder, signature.return_type, lanes)
+
+        return types.UniTuple(types.uint32, WORDS_PER_LOAD)(words, index), codegen
+
+
+# ---------------------------------------------------------------------------- one chunk of 16 elements
+
+
+@cuda.jit(device=True, inline=True)
+def place_chunk(codes, first_word, weights, first):
+    """The 4 words (16 codes) ``codes[first_word : +4]`` of one chunk -> ``weights[first : first + 16]``,
+    float32 ``decode(c) * 2^-8`` in k order."""
+    for word in range(WORDS_PER_LOAD):
+        v0, v1, v2, v3 = placed_codes(codes[first_word + word])
+        weights[first + 4 * word] = v0
+        weights[first + 4 * word + 1] = v1
+        weights[first + 4 * word + 2] = v2
+        weights[first + 4 * word + 3] = v3
+
+
+# The activation loaders: the 16 values of one row's chunk, starting at word ``index`` of the flat
+# uint32 view of ``a`` (``index`` = row start + WORDS_PER_CHUNK * chunk), widened to float32.
+
+
+@cuda.jit(device=True, inline=True)
+def load_bf16_chunk(a_words, index, values):
+    """16 BF16 activations (2 per uint32, low half first) -> float32, exact."""
+    for half in range(2):
+        words = load_u32x4(a_words, index + WORDS_PER_LOAD * half)
+        for j in range(WORDS_PER_LOAD):
+            values[8 * half + 2 * j] = bf16_bits_to_f32(words[j])
+            values[8 * half + 2 * j + 1] = bf16_bits_to_f32(words[j] >> uint32(16))
+
+
+@cuda.jit(device=True, inline=True)
+def load_f16_chunk(a_words, index, values):
+    """16 float16 activations (2 per uint32, low half first) -> float32, exact."""
+    for half in range(2):
+        words = load_u32x4(a_words, index + WORDS_PER_LOAD * half)
+        for j in range(WORDS_PER_LOAD):
+            values[8 * half + 2 * j] = f16_bits_to_f32(words[j])
+            values[8 * half + 2 * j + 1] = f16_bits_to_f32(words[j] >> uint32(16))
+
+
+@cuda.jit(device=True, inline=True)
+def load_f32_chunk(a_words, index, values):
+    """16 float32 activations (read as their bits)."""
+    for quarter in range(4):
+        words = load_u32x4(a_words, index + WORDS_PER_LOAD * quarter)
+        for j in range(WORDS_PER_LOAD):
+            values[4 * quarter + j] = u32_as_f32(words[j])
+
+
+LOAD_ACTIVATIONS = {"bf16": load_bf16_chunk, "f16": load_f16_chunk, "f32": load_f32_chunk}
+
+
+@cuda.jit(device=True, inline=True)
+def chunk_partial(activations, weights, first):
+    """The lane's 16-product partial: ``part = fma(a_i, w_i, part)`` for i = 0..15, from 0 (k order),
+    with ``w_i = weights[first + i]``."""
+    part = float32(0.0)
+    for i in range(BYTES_PER_LANE):
+        part = cuda.fma(activations[i], weights[first + i], part)
+    return part
+
+
+@cuda.jit(device=True, inline=True)
+def warp_sum(value):
+    """Butterfly: ``value += shfl_xor(value, off)`` for off = 16, 8, 4, 2, 1; every lane gets the total."""
+    for off in BUTTERFLY_OFFSETS:
+        value += cuda.shfl_xor_sync(FULL_MASK, value, off)
+    return value
+
+
+# ---------------------------------------------------------------------------- the kernel
+
+
+def unrolled(body, count: int):
+    """A device function ``run(args)`` that calls ``body(i, args)`` for ``i = 0, 1, ..., count - 1``
+    as straight-line code, each ``i`` a compile-time constant (``args``: a tuple).
+
+    LLVM does not unroll a loop whose body is large (a group of chunks with several rows and
+    columns), and a register array indexed by a run-time ``i`` would be demoted to local memory.
+    """
+
+    @cuda.jit(device=True, inline=True)
+    def nothing(args):
+        pass
+
+    run = nothing
+    for i in reversed(range(count)):
+        run = _call_then(body, i, run)
+    return run
+
+
+def _call_then(body, i: int, rest):
+    @cuda.jit(device=True, inline=True)
+    def run(args):
+        body(i, args)
+        rest(args)
+
+    return run
+
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, block_k: int,
+                     warps_per_cta: int = WARPS_PER_CTA, chunks_per_iteration: int = 1, columns_per_warp: int = 1):
+    """The compiled GEMV kernel for one row tile, activation format, output format, block size,
+    CTA size, group size and columns per warp.
+
+    All are compile-time constants: the row, column, chunk and element loops unroll, the
+    accumulators and the loaded codes live in registers, and the block divisions become shifts.
+
+    Arguments of the kernel: flat uint32 views of ``a`` and ``q``, the flat ``scale_inv``, the 2-D
+    ``out`` (its bits view for BF16) and ``M, N, K``.
+    """
+    load_activations = LOAD_ACTIVATIONS[activation]
+    words_per_chunk = uint32(WORDS_PER_CHUNK[activation])
+    store = STORE[output]
+    group = chunks_per_iteration  # a lane's chunks per group: G consecutive warp steps
+    columns = columns_per_warp
+    # Numba wants plain constants for the sizes of local arrays.
+    accumulators = columns * m_tile  # acc[j * m_tile + r]: column j, row r
+    weight_count = columns * BYTES_PER_LANE  # the decoded chunk of every column
+    slots = group * columns  # (chunk i, column j) pairs of a group: slot i * columns + j
+    code_words = slots * WORDS_PER_LOAD
+    chunks_per_scale = uint32(block_k // BYTES_PER_LANE)  # 16-byte chunks per K block
+    u_block_n, u_block_k = uint32(block_n), uint32(block_k)
+    u_warp, u_words = uint32(WARP_SIZE), uint32(WORDS_PER_LOAD)
+
+    @cuda.jit(device=True, inline=True)
+    def lane_chunk(lane, first_step, i):
+        """The lane's chunk in warp step ``first_step + i``."""
+        return uint32(lane + u_warp * (first_step + uint32(i)))
+
+    @cuda.jit(device=True, inline=True)
+    def load_chunk(i, args):
+        """Issue the code load (and block-scale load) of the lane's chunk in warp step
+        ``first_step + i``, every column: ``codes[4 s : 4 s + 4]`` and ``scales[s]`` for slot
+        ``s = i * columns + j``. A chunk past the row end is skipped."""
+        q_words, scales_flat, q_start, scale_start, lane, first_step, chunks, codes, scales = args
+        chunk = lane_chunk(lane, first_step, i)
+        if chunk < chunks:
+            for j in range(columns):
+                slot = i * columns + j
+                words = load_u32x4(q_words, q_start[j] + u_words * chunk)
+                for w in range(WORDS_PER_LOAD):
+                    codes[WORDS_PER_LOAD * slot + w] = words[w]
+                scales[slot] = scales_flat[scale_start[j] + chunk // chunks_per_scale]
+
+    @cuda.jit(device=True, inline=True)
+    def compute_chunk(i, args):
+        """The lane's chunk in warp step ``first_step + i``, as ``load_chunk`` fetched it: decode
+        every column's 16 codes; then per row load (and widen) the 16 activations once and run
+        every column's chain and promotion ``acc[j, r] = fma(s_j, part, acc[j, r])``."""
+        a_words, row_start, lane, first_step, chunks, codes, scales, acc, weights, folded, activations = args
+        chunk = lane_chunk(lane, first_step, i)
+        if chunk < chunks:
+            for j in range(columns):
+                place_chunk(codes, WORDS_PER_LOAD * (i * columns + j), weights, BYTES_PER_LANE * j)
+                folded[j] = scales[i * columns + j] * F16_PLACEMENT_SCALE
+            for r in range(m_tile):
+                load_activations(a_words, row_start[r] + words_per_chunk * chunk, activations)
+                for j in range(columns):
+                    part = chunk_partial(activations, weights, BYTES_PER_LANE * j)
+                    acc[j * m_tile + r] = cuda.fma(folded[j], part, acc[j * m_tile + r])
+
+    # A group: its G chunks in the lane's chunk order (i = 0 .. G - 1), written out.
+    load_group = unrolled(load_chunk, group)
+    compute_group = unrolled(compute_chunk, group)
+
+    @cuda.jit
+    def kernel(a_words, q_words, scales_flat, out, m, n, k):
+        lane = uint32(cuda.threadIdx.x) % u_warp
+        warp = uint32(cuda.blockIdx.x) * uint32(warps_per_cta) + uint32(cuda.threadIdx.x) // u_warp
+        n = uint32(n)
+        first_col = warp * uint32(columns)  # the warp's columns (weight rows): first_col .. first_col + NC - 1
+        if first_col >= n:
+            return  # the whole warp leaves together: no lane is left waiting in a shuffle
+        m, k = uint32(m), uint32(k)
+        row0 = uint32(cuda.blockIdx.y) * uint32(m_tile)
+        chunks = uint32(k // uint32(BYTES_PER_LANE))
+        groups = uint32((chunks + u_warp * uint32(group) - uint32(1)) // (u_warp * uint32(group)))  # every lane's
+
+        # Where each row, column and scale row starts in the flat arrays. Rows past M read row M - 1
+        # and columns past N read column N - 1: computed like the others, never stored.
+        row_start = cuda.local.array(m_tile, uint32)
+        for r in range(m_tile):
+            row_start[r] = uint32(min(row0 + uint32(r), m - uint32(1)) * (chunks * words_per_chunk))
+        q_start = cuda.local.array(columns, uint32)
+        scale_start = cuda.local.array(columns, uint32)
+        for j in range(columns):
+            col = uint32(min(first_col + uint32(j), n - uint32(1)))
+            q_start[j] = uint32(col * (k // u_words))
+            scale_start[j] = uint32((col // u_block_n) * ((k + u_block_k - uint32(1)) // u_block_k))
+
+        acc = cuda.local.array(accumulators, float32)
+        for x in range(accumulators):
+            acc[x] = float32(0.0)
+        weights = cuda.local.array(weight_count, float32)
+        folded = cuda.local.array(columns, float32)  # each column's promotion scale, 2^8 folded in
+        activations = cuda.local.array(BYTES_PER_LANE, float32)
+        # Two register buffers of codes and scales, used in turn (the loop body is written twice, so
+        # no buffer is ever copied): group g + 1 is loaded before group g is computed.
+        codes_a = cuda.local.array(code_words, uint32)
+        codes_b = cuda.local.array(code_words, uint32)
+        scales_a = cuda.local.array(slots, float32)
+        scales_b = cuda.local.array(slots, float32)
+
+        load_group((q_words, scales_flat, q_start, scale_start, lane, uint32(0), chunks, codes_a, scales_a))
+        g = uint32(0)
+        while g < groups:
+            load_group((q_words, scales_flat, q_start, scale_start, lane, uint32(group) * (g + uint32(1)), chunks,
+                        codes_b, scales_b))
+            compute_group((a_words, row_start, lane, uint32(group) * g, chunks, codes_a, scales_a, acc, weights,
+                           folded, activations))
+            g = uint32(g + uint32(1))
+            if g >= groups:
+                break
+            load_group((q_words, scales_flat, q_start, scale_start, lane, uint32(group) * (g + uint32(1)), chunks,
+                        codes_a, scales_a))
+            compute_group((a_words, row_start, lane, uint32(group) * g, chunks, codes_b, scales_b, acc, weights,
+                           folded, activations))
+            g = uint32(g + uint32(1))
+
+        for x in range(accumulators):
+            acc[x] = warp_sum(acc[x])
+        if lane == 0:
+            for j in range(columns):
+                if first_col + uint32(j) < n:
+                    for r in range(m_tile):
+                        if row0 + uint32(r) < m:
+                            store(out, row0 + uint32(r), first_col + uint32(j), acc[j * m_tile + r])
+
+    return kernel
+
+
+# ---------------------------------------------------------------------------- launch shape and entry point
+
+
+@dataclass(frozen=True)
+class GemvLaunch:
+    """The launch shape of ``gemv_simt`` for one problem."""
+
+    grid: tuple[int, int]  # (column tiles of warps_per_cta * columns_per_warp columns, row tiles of m_tile rows)
+    block: tuple[int]  # threads per CTA: 32 * warps_per_cta
+    m_tile: int
+    warps_per_cta: int
+    chunks_per_iteration: int
+    columns_per_warp: int
+    steps: int  # warp steps of 512 codes per column: ceil(K / 512)
+
+
+def default_knobs(m: int, n: int, k: int) -> dict:
+    """The knobs ``gemv_simt`` uses when none are given, for ``a[M, K] @ q[N, K]^T``.
+
+    All ``M`` rows in one tile (every weight byte read once); two columns per warp (the activations
+    loaded and widened once for both); one chunk per group. Measured on an H200
+    (``bench/gemm_tuning.py``, ``bench/RESULTS.md``): at M = 1, 8-warp CTAs beat 4-warp ones on all
+    four Qwen3-8B shapes (e.g. 8.7 against 10.7 us at 6144 x 4096) and two chunks per group bought
+    nothing; from M = 4 on, 4 and 8 warps were within noise and 4 won at 24576 x 4096, M = 8.
+    """
+    return {"m_tile": int(m), "warps_per_cta": 8 if m <= 2 else WARPS_PER_CTA, "chunks_per_iteration": 1,
+            "columns_per_warp": 2}
+
+
+def tuning_candidates(m: int) -> list[dict]:
+    """The knob sets worth timing for ``M = m`` rows (one tile of all rows): (warps_per_cta,
+    chunks_per_iteration, columns_per_warp) chosen from the SASS of each variant, none spilling.
+
+    Registers bound the warps an SM holds (65536 / 32 / registers per thread), and with them the
+    bytes in flight; more chunks per group and more columns per warp cost registers but put more
+    bytes in flight per warp and cut instructions per chunk (``tests/test_kernels_compile.py``
+    prints registers per variant).
+    """
+    if m <= 2:
+        shapes = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (2, 4, 1), (4, 1, 2), (4, 2, 2), (2, 2, 2), (4, 1, 4)]
+    elif m <= 4:
+        shapes = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (4, 1, 2), (2, 1, 2), (4, 2, 2), (2, 1, 4)]
+    else:
+        shapes = [(4, 1, 1), (2, 1, 1), (4, 1, 2), (2, 1, 2), (4, 2, 2), (2, 1, 4)]
+    return [{"m_tile": int(m), "warps_per_cta": w, "chunks_per_iteration": g, "columns_per_warp": c}
+            for w, g, c in shapes if c * m <= MAX_ACCUMULATORS]
+
+
+def gemv_simt_launch_info(m: int, n: int, k: int, m_tile: int | None = None, warps_per_cta: int | None = None,
+                          chunks_per_iteration: int | None = None, columns_per_warp: int | None = None) -> GemvLaunch:
+    """Grid, CTA shape, row tile and loop shape of ``gemv_simt`` for ``a[M, K] @ q[N, K]^T`` (None:
+    the ``default_knobs`` value)."""
+    m, n, k = int(m), int(n), int(k)
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"a: the SIMT GEMV handles 1 <= M <= {MAX_ROWS} rows, got M = {m}")
+    given = {"m_tile": m_tile, "warps_per_cta": warps_per_cta, "chunks_per_iteration": chunks_per_iteration,
+             "columns_per_warp": columns_per_warp}
+    knobs = {name: (default if given[name] is None else given[name])
+             for name, default in default_knobs(m, n, k).items()}
+    if knobs["m_tile"] not in M_TILES:
+        raise ValueError(f"m_tile: expected 1 to {MAX_ROWS} or None, got {m_tile!r}")
+    if knobs["warps_per_cta"] not in range(1, MAX_WARPS_PER_CTA + 1):
+        raise ValueError(f"warps_per_cta: expected 1 to {MAX_WARPS_PER_CTA} or None, got {warps_per_cta!r}")
+    if knobs["chunks_per_iteration"] not in CHUNKS_PER_ITERATION:
+        raise ValueError(f"chunks_per_iteration: expected one of {CHUNKS_PER_ITERATION} or None, "
+                         f"got {chunks_per_iteration!r}")
+    if knobs["columns_per_warp"] not in COLUMNS_PER_WARP:
+        raise ValueError(f"columns_per_warp: expected one of {COLUMNS_PER_WARP} or None, got {columns_per_warp!r}")
+    if knobs["chunks_per_iteration"] * knobs["columns_per_warp"] > MAX_GROUP_SLOTS:
+        raise ValueError(f"chunks_per_iteration x columns_per_warp: at most {MAX_GROUP_SLOTS} (registers), got "
+                         f"{knobs['chunks_per_iteration']} x {knobs['columns_per_warp']}")
+    if knobs["columns_per_warp"] * knobs["m_tile"] > MAX_ACCUMULATORS:
+        raise ValueError(f"columns_per_warp x m_tile: at most {MAX_ACCUMULATORS} accumulators per lane (registers), "
+                         f"got {knobs['columns_per_warp']} x {knobs['m_tile']}")
+    knobs = {name: int(value) for name, value in knobs.items()}  # (compile-time constants of the kernel)
+    columns_per_cta = knobs["warps_per_cta"] * knobs["columns_per_warp"]
+    grid = (-(-n // columns_per_cta), -(-m // knobs["m_tile"]))
+    return GemvLaunch(grid=grid, block=(knobs["warps_per_cta"] * WARP_SIZE,), steps=-(-k // K_PER_STEP), **knobs)
+
+
+def _require_load_alignment(name: str, x):
+    """Device arrays must start on a 16-byte boundary (NumPy arrays are copied to fresh device memory)."""
+    if isinstance(x, np.ndarray) or SIMULATOR:
+        return
+    address = x.__cuda_array_interface__["data"][0]
+    if address % LOAD_ALIGNMENT:
+        raise ValueError(f"{name}: the SIMT GEMV loads 16 bytes at a time and needs the data to start on a "
+                         f"{LOAD_ALIGNMENT}-byte boundary, got address 0x{address:x}")
+
+
+def gemv_simt(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta=None, chunks_per_iteration=None,
+              columns_per_warp=None, stream=0):
+    """``out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]``, float32
+    accumulation in the order of ``fp8lab.simulators.gemv_simt``; returns ``out``.
+
+    ``a``: ``[M, K]`` with ``1 <= M <= 16``, BF16 bits (uint16/int16), float16 or float32;
+    ``q``: uint8 E4M3 codes ``[N, K]``; ``scale_inv``: float32 ``[ceil(N/BN), ceil(K/BK)]``;
+    ``out``: ``[M, N]`` float32, float16 or BF16 bits (uint16/int16); ``block = (BN, BK)``;
+    ``stream``: where to enqueue the launch (a Numba stream, or a ``cuda.core`` GraphBuilder
+    to capture it into a CUDA graph; 0 is the default stream).
+
+    Tuning knobs (None: ``default_knobs``; the result does not depend on any of them):
+    ``m_tile``: rows sharing each weight load (1 to 16); ``warps_per_cta``: warps per CTA (1 to 32);
+    ``chunks_per_iteration``: a lane's chunks loaded together (1, 2, 4); ``columns_per_warp``:
+    columns a warp computes (1, 2, 4).
+
+    Arrays may be NumPy, Numba device arrays or ``__cuda_array_interface__`` objects. Bad arguments
+    raise ``ValueError`` and nothing is launched. NaN weight codes are read as finite (+-480 * scale).
+    """
+    problem = arguments.check_gemm(a, q, scale_inv, out, block, kernel="the SIMT GEMV")
+    launch = gemv_simt_launch_info(problem.m, problem.n, problem.k, m_tile, warps_per_cta, chunks_per_iteration,
+                                   columns_per_warp)
+    for name in ("a", "q"):
+        _require_load_alignment(name, getattr(problem, name))
+    if problem.n * problem.k // 4 >= MAX_WORDS:
+        raise ValueError(f"q: the SIMT GEMV indexes the codes with 32-bit words and needs N * K < 2^34, "
+                         f"got {problem.n} x {problem.k}")
+    bn, bk = problem.block
+    kernel = gemv_simt_kernel(launch.m_tile, problem.activation, problem.output, bn, bk, launch.warps_per_cta,
+                              launch.chunks_per_iteration, launch.columns_per_warp)
+    kernel[launch.grid, launch.block, stream](
+        problem.a.view(np.uint32).reshape(-1), problem.q.view(np.uint32).reshape(-1), problem.scale_inv.reshape(-1),
+        output_bits_view(problem.out, problem.output), problem.m, problem.n, problem.k)
+    return out

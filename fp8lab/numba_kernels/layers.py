@@ -1,0 +1,819 @@
+"""The dense operators of a Qwen3 layer as Numba CUDA kernels: norms, RoPE, SwiGLU, embedding, the BF16
+linear (lm_head), greedy sampling and the residual add.
+
+Each kernel runs on a GPU and unchanged in Numba's CUDA simulator. All arithmetic is float32, and
+every sum has a fixed, documented order (``cuda.fma`` where a product is accumulated, so the GPU
+compiler cannot contract differently), which ``tests/test_layer_kernels.py`` models in NumPy.
+
+Kernels (launch shapes are CTAs x threads; "checked" names the oracle in ``tests/test_layer_kernels.py``):
+
+1. ``rms_norm(x, weight, eps, out)``: ``weight * (x / sqrt(mean(x^2) + eps))`` over the last axis
+   (Qwen3RMSNorm). Launch: for ``n <= 256`` (q/k-norm, head_dim 128) a warp per row, 4 rows per
+   CTA; otherwise (the hidden size) a CTA of ``rms_norm_threads_per_row(n)`` threads per row.
+   Checked: a NumPy model of the order bit for bit (simulator and GPU); ReferenceBackend.rms_norm
+   and float64 within a bound. ``add_rms_norm(x, residual, weight, eps, out)``: ``residual += x``,
+   then the same norm of the new residual, in one launch; also checked equal to ``add_into`` +
+   ``rms_norm``.
+2. ``rope(x, positions, cos_sin, out)``: NeoX rotation of ``x[T, heads, head_dim]`` (in place
+   allowed) by a table from ``rope_table`` (host NumPy, once at load). Launch ``(T, heads)``, a
+   thread per pair ``(i, i + head_dim / 2)``. Checked: a NumPy model with exact fma bit for bit;
+   ReferenceBackend.rope within a bound; ``rope_table`` against ``fp8lab.engine.backend.rope_cos_sin`` bit
+   for bit.
+3. ``silu_mul(gate_up, out)``: ``silu(gate) * up`` of a fused ``gate_up[T, 2I]``. Launch
+   ``(T, ceil(I / 256))`` x 256, a thread per element. Checked: ReferenceBackend.silu_mul and float64
+   within a bound (``expf`` is not correctly rounded).
+4. ``embedding(table, ids, out)``: BF16 table rows as float32 (exact). Launch
+   ``(T, ceil(hidden / 256))`` x 256. Checked: ReferenceBackend.embedding bit for bit.
+5. ``bf16_linear(x, w_bits, out)``: ``out[M, N] = x[M, K] @ W^T``, ``W`` BF16 bit patterns. Launch
+   ``(ceil(N / (4 rows_per_warp)), ceil(M / 8))`` x 128: a warp per ``rows_per_warp`` weight rows and
+   a tile of up to 8 rows of ``x``. Checked: a NumPy model of the order bit for bit; float64 within
+   a bound.
+6. ``argmax_rows(logits, out_ids)``: greedy sampling, ``np.argmax`` per row (first maximum; a row
+   holding NaN gives -1). Launch: a CTA of ``argmax_threads_per_row(V)`` threads per row. Checked: ``np.argmax``.
+7. ``add_into(x, y)``: ``x += y``. Launch 1-D, a thread per element. Checked: NumPy, exactly.
+8. ``bf16_round(x, out)``: float32 to BF16 bit patterns, round to nearest even (the input cast of the
+   FP8 tensor-core GEMM). Launch 1-D, a thread per element. Checked: ``ml_dtypes`` (in
+   ``tests/test_cuda_model.py``'s model runs and ``tests/test_layer_kernels.py``).
+
+Calling convention (every public function): arrays are Numba device arrays, ``__cuda_array_interface__``
+objects (torch, CuPy) or NumPy arrays (on a GPU copied to the device and the results copied back,
+which synchronizes; in the simulator NumPy arrays are what kernels take). The caller provides
+``out``; ``stream`` is a Numba stream or a ``cuda.core`` GraphBuilder (0: the default stream). With
+device arrays a call allocates no device memory and reads nothing back to the host, so it can be
+captured in a CUDA graph; shapes, dtypes, contiguity and alignment are checked on the host before
+launching (``ValueError`` naming the argument, expected against got). A call with zero rows or
+tokens launches nothing. Index arrays are never read on the host: an out-of-range token id or
+position gives a NaN row (documented per function) instead of an out-of-bounds read.
+
+Summation orders (``u = 2^-24``):
+
+- ``rms_norm``: the row's ``G`` threads (``G = 32`` for a warp per row, else the CTA) each sum
+  ``fma(x_k, x_k, acc)`` over ``k = t, t + G, t + 2G, ...`` in increasing ``k`` from ``acc = 0``;
+  a butterfly ``acc += shfl_xor(acc, off)``, ``off = 16, 8, 4, 2, 1`` per warp; the warps' totals
+  are added in warp order from 0 (a CTA per row). Then ``mean = ss / n``,
+  ``denom = sqrt(mean + eps)``, ``out = weight * (x / denom)``, each correctly rounded, as
+  ``ReferenceBackend.rms_norm`` does, whose only difference is NumPy's pairwise sum of squares.
+  The order depends on ``n`` only: a row's result never depends on the other rows (batch-invariant).
+- ``rope``: ``out_i = fma(x_i, cos_i, -(x_{i+h} * sin_i))``, ``out_{i+h} = fma(x_{i+h}, cos_i,
+  x_i * sin_i)`` (``h = head_dim / 2``); the reference rounds both products.
+- ``bf16_linear``: lane ``L`` of a weight row's warp owns the 8-element chunks ``c = L, L + 32, ...``
+  (``k in [8c, 8c + 8)``, one 128-bit load of BF16 weights); per output ``(m, n)`` it runs
+  ``acc = fma(x[m, k], w[n, k], acc)`` over its ``k`` in increasing order from 0, then the
+  butterfly ``off = 16, 8, 4, 2, 1``; lane 0 stores. The order depends on ``K`` only (not on ``M``,
+  the row tile or ``rows_per_warp``): batch-invariant.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, int64, types, uint32
+
+from . import mathops
+from .arguments import as_kernel_array
+from .bits import SIMULATOR, bf16_bits_to_f32, u32_as_f32
+from .gemv_simt import load_u32x4, warp_sum
+from .kv_cache import on_device, reject, require_c_contiguous
+
+WARP_SIZE = 32
+FULL_MASK = 0xFFFFFFFF
+BUTTERFLY_OFFSETS = (16, 8, 4, 2, 1)
+MAX_THREADS_PER_CTA = 1024
+MAX_WARPS_PER_CTA = MAX_THREADS_PER_CTA // WARP_SIZE
+MAX_GRID_Y = 65535
+ELEMENTWISE_THREADS = 256
+"""Threads per CTA of the elementwise kernels (silu_mul, embedding, add_into)."""
+NORM_ROWS_PER_CTA = 4
+"""Warp-per-row norms: 4 warps, one row each, per CTA."""
+WARP_PER_ROW_MAX_N = 256
+"""Rows up to this length get a warp each (q/k-norm, head_dim 128); longer rows a CTA."""
+NORM_ELEMENTS_PER_THREAD = 8
+"""A CTA-per-row norm gives each thread about this many elements (hidden 4096: 512 threads)."""
+ARGMAX_ELEMENTS_PER_THREAD = 32
+"""argmax_rows gives each thread at least this many logits (up to 1024 threads per row)."""
+LINEAR_WARPS_PER_CTA = 4
+LINEAR_MAX_M_TILE = 8
+"""bf16_linear computes up to 8 rows of x per weight load; more rows take more row tiles."""
+LINEAR_ROWS_PER_WARP = (1, 2, 4)
+LINEAR_CHUNKS_PER_ITERATION = 2
+"""A lane issues the weight loads of 2 of its chunks before computing either (more bytes in flight)."""
+ELEMENTS_PER_CHUNK = 8
+"""8 BF16 weights = 16 bytes = one 128-bit load; K must be a multiple of 8."""
+LOAD_ALIGNMENT = 16
+NO_INDEX = 0x7FFFFFFF
+"""argmax_rows' starting index: loses every tie against a real element."""
+NAN_ROW = -1
+"""argmax_rows' answer for a row that holds a NaN: no token."""
+NAN = float32(np.nan)
+NEG_INF = float32(-np.inf)
+
+
+# ---------------------------------------------------------------------------- scalar helpers
+
+if SIMULATOR:
+
+    def exp_f32(x):
+        """float32 ``e^x``: NumPy's float32 exp in the simulator (overflow gives inf, silently)."""
+        with np.errstate(over="ignore", under="ignore"):
+            return np.exp(np.float32(x))
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def exp_f32(x):
+        """float32 ``e^x``: libdevice ``__nv_expf`` (CUDA's ``expf``, at most 2 ulp); overflow gives inf."""
+        return libdevice.expf(x)
+
+
+@cuda.jit(device=True, inline=True)
+def sqrt_f32(x):
+    """Correctly rounded float32 square root (``sqrt.rn.f32`` on a GPU; in the simulator float64's
+    sqrt rounded to float32, which is the same number: 53 >= 2 * 24 + 2 bits)."""
+    return float32(math.sqrt(x))
+
+
+# ---------------------------------------------------------------------------- 1. RMSNorm (and the fused residual add)
+
+
+@cuda.jit(device=True, inline=True)
+def plain_value(x, residual, row, k):
+    """rms_norm's first pass: the element itself."""
+    return x[row, k]
+
+
+@cuda.jit(device=True, inline=True)
+def residual_sum(x, residual, row, k):
+    """add_rms_norm's first pass: ``residual += x``; the new residual is what gets normalized."""
+    s = residual[row, k] + x[row, k]
+    residual[row, k] = s
+    return s
+
+
+@cuda.jit(device=True, inline=True)
+def plain_input(x, residual, row, k):
+    return x[row, k]
+
+
+@cuda.jit(device=True, inline=True)
+def residual_input(x, residual, row, k):
+    return residual[row, k]
+
+
+FIRST_PASS = {False: plain_value, True: residual_sum}
+"""The value a thread squares (and for the fused norm, stores into the residual) in the first pass."""
+SECOND_PASS = {False: plain_input, True: residual_input}
+"""Where the second pass rereads that value. Each element is read and written by one thread only,
+so ``out`` may be ``x`` (the thread has read ``x[k]`` before it writes ``out[k]``)."""
+
+
+def rms_norm_threads_per_row(n: int) -> int:
+    """Threads that sum one row of length ``n``: a warp up to ``WARP_PER_ROW_MAX_N``, else a CTA of
+    about ``NORM_ELEMENTS_PER_THREAD`` elements per thread (at most 1024 threads). The summation order
+    depends on this number only."""
+    if n <= WARP_PER_ROW_MAX_N:
+        return WARP_SIZE
+    warps = -(-n // (WARP_SIZE * NORM_ELEMENTS_PER_THREAD))
+    return WARP_SIZE * min(warps, MAX_WARPS_PER_CTA)
+
+
+def rms_norm_function(fused: bool, warp_per_row: bool):
+    """The Python source of one norm kernel ``(x, residual, weight, eps, out)`` (non-fused: ``residual`` is ``x``).
+
+    ``warp_per_row``: launch ``[ceil(rows / 4), 128]``, warp ``w`` of CTA ``b`` takes row ``4 b + w``.
+    Otherwise: launch ``[rows, rms_norm_threads_per_row(n)]``, CTA ``b`` takes row ``b``.
+    """
+    first_pass, second_pass = FIRST_PASS[fused], SECOND_PASS[fused]
+
+    @cuda.jit(device=True, inline=True)
+    def normalize(x, residual, weight, eps, out, row, first, stride, sum_of_squares):
+        denom = sqrt_f32(sum_of_squares / float32(x.shape[1]) + eps)
+        for k in range(first, x.shape[1], stride):
+            out[row, k] = weight[k] * (second_pass(x, residual, row, k) / denom)
+
+    @cuda.jit(device=True, inline=True)
+    def partial_sum_of_squares(x, residual, row, first, stride):
+        acc = float32(0)
+        for k in range(first, x.shape[1], stride):
+            v = first_pass(x, residual, row, k)
+            acc = cuda.fma(v, v, acc)
+        return acc
+
+    def rms_norm_warp_kernel(x, residual, weight, eps, out):
+        lane = cuda.threadIdx.x % WARP_SIZE
+        row = cuda.blockIdx.x * NORM_ROWS_PER_CTA + cuda.threadIdx.x // WARP_SIZE
+        if row >= x.shape[0]:
+            return  # the whole warp leaves together
+        total = warp_sum(partial_sum_of_squares(x, residual, row, lane, WARP_SIZE))
+        normalize(x, residual, weight, eps, out, row, lane, WARP_SIZE, total)
+
+    def rms_norm_cta_kernel(x, residual, weight, eps, out):
+        warp_totals = cuda.shared.array(MAX_WARPS_PER_CTA, float32)
+        row = cuda.blockIdx.x
+        t = cuda.threadIdx.x
+        warp_total = warp_sum(partial_sum_of_squares(x, residual, row, t, cuda.blockDim.x))
+        if t % WARP_SIZE == 0:
+            warp_totals[t // WARP_SIZE] = warp_total
+        cuda.syncthreads()
+        total = float32(0)
+        for w in range(cuda.blockDim.x // WARP_SIZE):  # every thread adds the warp totals in warp order
+            total += warp_totals[w]
+        normalize(x, residual, weight, eps, out, row, t, cuda.blockDim.x, total)
+
+    return rms_norm_warp_kernel if warp_per_row else rms_norm_cta_kernel
+
+
+@functools.cache
+def _rms_norm_kernel(fused: bool, warp_per_row: bool):
+    return cuda.jit(rms_norm_function(fused, warp_per_row))
+
+
+def _check_norm(x, weight, out, residual=None):
+    """Check the norm arguments; return them as kernel arrays viewed as ``[rows, n]``."""
+    x, weight, out = (as_kernel_array(n, a) for n, a in (("x", x), ("weight", weight), ("out", out)))
+    if x.ndim < 1 or np.dtype(x.dtype) != np.float32 or x.shape[-1] == 0:
+        reject("x", "float32 [..., n] with n >= 1", x)
+    require_c_contiguous("x", x)
+    n = x.shape[-1]
+    if tuple(weight.shape) != (n,) or np.dtype(weight.dtype) != np.float32:
+        reject("weight", f"float32 [{n}]", weight)
+    require_c_contiguous("weight", weight)
+    arrays = [("out", out)] if residual is None else [("residual", as_kernel_array("residual", residual)), ("out", out)]
+    for name, a in arrays:
+        if tuple(a.shape) != tuple(x.shape) or np.dtype(a.dtype) != np.float32:
+            reject(name, f"float32 of x's shape {tuple(x.shape)}", a)
+        require_c_contiguous(name, a)
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    flat = [a.reshape(rows, n) for a in (x, *(a for _, a in arrays))]
+    return flat, weight, rows, n
+
+
+def _launch_norm(fused, x, residual, weight, eps, out, rows, n, stream):
+    if rows == 0:
+        return
+    threads = rms_norm_threads_per_row(n)
+    warp_per_row = threads == WARP_SIZE
+    grid = -(-rows // NORM_ROWS_PER_CTA) if warp_per_row else rows
+    block = WARP_SIZE * NORM_ROWS_PER_CTA if warp_per_row else threads
+    args = [x, residual, weight, np.float32(eps), out]
+    written = (1, 4) if fused else (4,)
+    _run(_rms_norm_kernel(fused, warp_per_row), grid, block, stream, args, written)
+
+
+def rms_norm(x, weight, eps, out, stream=0):
+    """``out = weight * (x / sqrt(mean(x^2) + eps))`` over the last axis (Qwen3RMSNorm); returns ``out``.
+
+    ``x``, ``out``: float32 ``[..., n]`` of one shape, C-contiguous (``out`` may be ``x``);
+    ``weight``: float32 ``[n]``; ``eps``: a float (used as float32). The summation order is in the
+    module docstring; a warp per row for ``n <= 256`` (q/k-norm over ``[T * heads, head_dim]``),
+    a CTA per row otherwise (the hidden size).
+    """
+    (x2, out2), weight, rows, n = _check_norm(x, weight, out)
+    _launch_norm(False, x2, x2, weight, eps, out2, rows, n, stream)
+    return out
+
+
+def add_rms_norm(x, residual, weight, eps, out, stream=0):
+    """Fused residual add and norm: ``residual += x`` (one float32 addition per element, in place),
+    then ``out = rms_norm(residual, weight, eps)`` of the updated residual; returns ``out``.
+
+    The Qwen3 layer's ``h = residual + attn(...)``; ``residual = h``; ``post_norm(h)`` (and the same
+    after the MLP, the next layer's input norm, or the final norm) in one launch. ``x``,
+    ``residual``, ``out``: float32 ``[..., n]`` of one shape, C-contiguous; ``out`` may be ``x``,
+    never ``residual``. Bit for bit equal to ``add_into(residual, x)`` then ``rms_norm(residual)``.
+    """
+    (x2, residual2, out2), weight, rows, n = _check_norm(x, weight, out, residual)
+    _launch_norm(True, x2, residual2, weight, eps, out2, rows, n, stream)
+    return out
+
+
+# ---------------------------------------------------------------------------- 2. rotary embedding
+
+
+def rope_table(max_positions: int, head_dim: int, theta: float) -> np.ndarray:
+    """float32 ``[max_positions, head_dim]`` (host): ``cos`` of the angles ``p * theta^(-2i / head_dim)``,
+    ``i < head_dim / 2``, in the first half of each row and ``sin`` in the second.
+
+    The angles are computed in float64 and rounded once, the formula of ``fp8lab.engine.backend.rope_cos_sin``
+    (equal to it bit for bit, tested); copy the table to the device once.
+    """
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim: expected a positive even number, got {head_dim}")
+    inv_freq = float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.concatenate([np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)], axis=1)
+
+
+def rope_kernel(x, positions, cos_sin, out):
+    """Launch ``[(T, heads), threads]``: CTA ``(t, h)`` rotates ``x[t, h]``; thread ``i`` the pair ``(i, i + half)``.
+
+    A position outside the table gives a NaN vector (the table is not read).
+    """
+    token = cuda.blockIdx.x
+    head = cuda.blockIdx.y
+    half = x.shape[2] // 2
+    p = positions[token]
+    in_table = p >= 0 and p < cos_sin.shape[0]
+    for i in range(cuda.threadIdx.x, half, cuda.blockDim.x):
+        if in_table:
+            c = cos_sin[p, i]
+            s = cos_sin[p, half + i]
+            x1 = x[token, head, i]
+            x2 = x[token, head, half + i]
+            out[token, head, i] = cuda.fma(x1, c, -(x2 * s))
+            out[token, head, half + i] = cuda.fma(x2, c, x1 * s)
+        else:
+            out[token, head, i] = NAN
+            out[token, head, half + i] = NAN
+
+
+_rope_kernel = cuda.jit(rope_kernel)
+
+
+def rope(x, positions, cos_sin, out, stream=0):
+    """NeoX rotary embedding of ``x[T, heads, head_dim]`` at ``positions[T]`` into ``out`` (may be ``x``); returns ``out``.
+
+    ``x``, ``out``: float32 ``[T, heads, head_dim]`` (``head_dim`` even), C-contiguous;
+    ``positions``: int32 ``[T]``; ``cos_sin``: float32 ``[max_positions, head_dim]`` from
+    ``rope_table``. Dimension ``i < head_dim / 2`` rotates with ``i + head_dim / 2``:
+    ``out_i = x_i cos - x_{i+h} sin``, ``out_{i+h} = x_{i+h} cos + x_i sin`` (fma order in the module
+    docstring). A position outside ``[0, max_positions)`` makes that token's vectors NaN.
+    """
+    x, positions, cos_sin, out = (as_kernel_array(n, a) for n, a in
+                                  (("x", x), ("positions", positions), ("cos_sin", cos_sin), ("out", out)))
+    if x.ndim != 3 or np.dtype(x.dtype) != np.float32 or x.shape[2] == 0 or x.shape[2] % 2:
+        reject("x", "float32 [T, heads, head_dim] with head_dim even", x)
+    require_c_contiguous("x", x)
+    tokens, heads, head_dim = x.shape
+    if tuple(out.shape) != tuple(x.shape) or np.dtype(out.dtype) != np.float32:
+        reject("out", f"float32 of x's shape {tuple(x.shape)}", out)
+    require_c_contiguous("out", out)
+    if positions.ndim != 1 or positions.shape[0] != tokens or np.dtype(positions.dtype) != np.int32:
+        reject("positions", f"int32 [{tokens}]", positions)
+    if cos_sin.ndim != 2 or cos_sin.shape[1] != head_dim or np.dtype(cos_sin.dtype) != np.float32:
+        reject("cos_sin", f"float32 [max_positions, {head_dim}] (rope_table)", cos_sin)
+    require_c_contiguous("cos_sin", cos_sin)
+    if tokens == 0 or heads == 0:
+        return out
+    threads = min(MAX_THREADS_PER_CTA, WARP_SIZE * -(-(head_dim // 2) // WARP_SIZE))
+    _run(_rope_kernel, (tokens, heads), threads, stream, [x, positions, cos_sin, out], (3,))
+    return out
+
+
+# ---------------------------------------------------------------------------- 3. SwiGLU
+
+
+def silu_mul_kernel(gate_up, out):
+    """Launch ``[(T, ceil(I / 256)), 256]``: thread ``j`` of CTA ``(t, b)`` computes ``out[t, 256 b + j]``."""
+    token = cuda.blockIdx.x
+    j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    intermediate = out.shape[1]
+    if j < intermediate:
+        gate = gate_up[token, j]
+        up = gate_up[token, intermediate + j]
+        out[token, j] = gate / (float32(1) + exp_f32(-gate)) * up
+
+
+_silu_mul_kernel = cuda.jit(silu_mul_kernel)
+
+
+def silu_mul(gate_up, out, stream=0):
+    """SwiGLU: ``out[t, j] = silu(gate) * up = gate / (1 + exp(-gate)) * up`` with ``gate = gate_up[t, j]``,
+    ``up = gate_up[t, I + j]``; returns ``out``.
+
+    ``gate_up``: float32 ``[T, 2 I]``, ``out``: float32 ``[T, I]``, C-contiguous. Why one fused
+    array instead of two: gate_proj and up_proj read the same input, so the engine concatenates their
+    weights into one ``[2 I, hidden]`` weight and runs one GEMM (one launch, the activations read
+    once; vLLM's MergedColumnParallelLinear), whose output is this array. (For FP8 weights the
+    concatenation keeps the block scales aligned when ``I`` is a multiple of the block height, 128.)
+    The operations are ReferenceBackend.silu_mul's, in float32; ``exp`` is CUDA's ``expf`` (2 ulp) on
+    a GPU. ``exp(-gate)`` overflows to inf for ``gate < -88.7``, giving ``-0 * up``, as the reference.
+    """
+    gate_up, out = as_kernel_array("gate_up", gate_up), as_kernel_array("out", out)
+    if gate_up.ndim != 2 or np.dtype(gate_up.dtype) != np.float32 or gate_up.shape[1] % 2 or gate_up.shape[1] == 0:
+        reject("gate_up", "float32 [T, 2 * I] (gate in columns [0, I), up in [I, 2 I))", gate_up)
+    require_c_contiguous("gate_up", gate_up)
+    tokens, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
+    if tuple(out.shape) != (tokens, intermediate) or np.dtype(out.dtype) != np.float32:
+        reject("out", f"float32 [{tokens}, {intermediate}]", out)
+    require_c_contiguous("out", out)
+    if tokens == 0:
+        return out
+    grid = (tokens, -(-intermediate // ELEMENTWISE_THREADS))
+    _run(_silu_mul_kernel, grid, ELEMENTWISE_THREADS, stream, [gate_up, out], (1,))
+    return out
+
+
+# ---------------------------------------------------------------------------- 4. embedding
+
+
+def embedding_kernel(table, ids, out):
+    """Launch ``[(T, ceil(hidden / 256)), 256]``: thread ``j`` of CTA ``(t, b)`` writes ``out[t, 256 b + j]``.
+
+    An id outside ``[0, vocab)`` writes NaN (the table is not read).
+    """
+    token = cuda.blockIdx.x
+    j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if j < out.shape[1]:
+        i = ids[token]
+        if i >= 0 and i < table.shape[0]:
+            out[token, j] = bf16_bits_to_f32(uint32(table[i, j]))
+        else:
+            out[token, j] = NAN
+
+
+_embedding_kernel = cuda.jit(embedding_kernel)
+
+
+def as_bf16_patterns(name: str, x):
+    """uint16 BF16 patterns pass; int16 (a torch bfloat16 tensor viewed as ``torch.int16``) is viewed as uint16."""
+    if np.dtype(x.dtype) == np.int16:
+        return x.view(np.uint16)
+    if np.dtype(x.dtype) != np.uint16:
+        reject(name, "BF16 bit patterns (uint16, or int16 as torch exports bfloat16)", x)
+    return x
+
+
+def embedding(table, ids, out, stream=0):
+    """``out[t] = float32(table[ids[t]])`` (exact); returns ``out``.
+
+    ``table``: BF16 bit patterns ``[vocab, hidden]`` (uint16, or int16), C-contiguous: the checkpoint's
+    table as it is (Qwen3-8B: 1.2 GB, half of a float32 copy); ``ids``: int32 ``[T]``; ``out``: float32
+    ``[T, hidden]``. The ids are not read on the host (no synchronization): an id outside
+    ``[0, vocab)`` writes a NaN row, so a bad id shows up downstream instead of reading out of bounds.
+    """
+    table, ids, out = (as_kernel_array(n, a) for n, a in (("table", table), ("ids", ids), ("out", out)))
+    if table.ndim != 2:
+        reject("table", "BF16 bit patterns [vocab, hidden]", table)
+    table = as_bf16_patterns("table", table)
+    require_c_contiguous("table", table)
+    if ids.ndim != 1 or np.dtype(ids.dtype) != np.int32:
+        reject("ids", "int32 [T]", ids)
+    tokens, hidden = ids.shape[0], table.shape[1]
+    if tuple(out.shape) != (tokens, hidden) or np.dtype(out.dtype) != np.float32:
+        reject("out", f"float32 [{tokens}, {hidden}]", out)
+    require_c_contiguous("out", out)
+    if tokens == 0 or hidden == 0:
+        return out
+    grid = (tokens, -(-hidden // ELEMENTWISE_THREADS))
+    _run(_embedding_kernel, grid, ELEMENTWISE_THREADS, stream, [table, ids, out], (2,))
+    return out
+
+
+# ---------------------------------------------------------------------------- 5. BF16 linear
+
+
+def default_rows_per_warp(m_tile: int) -> int:
+    """Weight rows per warp: each x chunk a lane loads is used for this many weight rows. From M = 3 on,
+    4 rows per warp keep the x loads (from L1) below the weight bytes' share of L1 bandwidth; at
+    M <= 2, 2 rows keep more warps in the grid. Untuned guesses (no GPU sweep yet); the result does
+    not depend on them."""
+    return 2 if m_tile <= 2 else 4
+
+
+def bf16_linear_function(m_tile: int, rows_per_warp: int):
+    """The Python source of the BF16 linear kernel for one row tile and weight rows per warp.
+
+    Kernel arguments: flat uint32 views of ``x`` (float32 bits, ``K`` words per row) and ``w`` (two
+    BF16 per word, low half first, ``K / 2`` words per row), the 2-D float32 ``out`` and ``M, N, K``.
+    Launch ``[(ceil(N / (4 rows_per_warp)), ceil(M / m_tile)), 128]``. Warp ``v`` computes weight
+    rows ``n = rows_per_warp v + j`` for the rows ``m`` of row tile ``blockIdx.y``; rows past ``M``
+    (``N``) compute on a copy of row ``M - 1`` (``N - 1``) and are not stored, so the loop has no
+    per-row branch. Lane ``L`` walks its chunks ``c = L, L + 32, ...`` two at a time: the weight
+    loads of both are issued before either is computed.
+    """
+    rows = rows_per_warp
+    group = LINEAR_CHUNKS_PER_ITERATION
+    accumulators = rows * m_tile  # acc[j * m_tile + r]: weight row j, x row r
+    words = group * rows * 4  # the loaded weight words of a group: (chunk g, weight row j) at 4 (g rows + j)
+    weight_count = rows * ELEMENTS_PER_CHUNK  # the widened weights of one chunk: weight row j at 8 j
+
+    @cuda.jit(device=True, inline=True)
+    def load_chunk_weights(w_words, w_start, chunk, loaded, g):
+        for j in range(rows):
+            four = load_u32x4(w_words, w_start[j] + 4 * chunk)
+            for t in range(4):
+                loaded[4 * (g * rows + j) + t] = four[t]
+
+    @cuda.jit(device=True, inline=True)
+    def widen_chunk_weights(loaded, g, weights):
+        """The chunk's 8 BF16 weights of every weight row, as float32 (exact), in k order."""
+        for j in range(rows):
+            for t in range(4):
+                word = loaded[4 * (g * rows + j) + t]
+                weights[8 * j + 2 * t] = bf16_bits_to_f32(word)
+                weights[8 * j + 2 * t + 1] = bf16_bits_to_f32(word >> uint32(16))
+
+    @cuda.jit(device=True, inline=True)
+    def load_chunk_x(x_words, start, chunk, values):
+        """x[m, 8 chunk : 8 chunk + 8] as two 128-bit loads of float32 bits."""
+        for half in range(2):
+            four = load_u32x4(x_words, start + ELEMENTS_PER_CHUNK * chunk + 4 * half)
+            for t in range(4):
+                values[4 * half + t] = u32_as_f32(four[t])
+
+    @cuda.jit(device=True, inline=True)
+    def accumulate_chunk(x_words, x_start, chunk, weights, values, acc):
+        """Every (row, weight row) chain: ``acc = fma(x_k, w_k, acc)`` for the chunk's 8 k in order."""
+        for r in range(m_tile):
+            load_chunk_x(x_words, x_start[r], chunk, values)
+            for j in range(rows):
+                a = acc[j * m_tile + r]
+                for e in range(ELEMENTS_PER_CHUNK):
+                    a = cuda.fma(values[e], weights[8 * j + e], a)
+                acc[j * m_tile + r] = a
+
+    def bf16_linear_kernel(x_words, w_words, out, m, n, k):
+        lane = cuda.threadIdx.x % WARP_SIZE
+        warp = cuda.blockIdx.x * LINEAR_WARPS_PER_CTA + cuda.threadIdx.x // WARP_SIZE
+        first_n = warp * rows
+        if first_n >= n:
+            return  # the whole warp leaves together
+        row0 = cuda.blockIdx.y * m_tile
+        chunks = k // ELEMENTS_PER_CHUNK
+        x_start = cuda.local.array(m_tile, int64)
+        for r in range(m_tile):
+            x_start[r] = min(row0 + r, m - 1) * k
+        w_start = cuda.local.array(rows, int64)
+        for j in range(rows):
+            w_start[j] = min(first_n + j, n - 1) * (k // 2)
+        acc = cuda.local.array(accumulators, float32)
+        for i in range(accumulators):
+            acc[i] = float32(0)
+        loaded = cuda.local.array(words, uint32)
+        weights = cuda.local.array(weight_count, float32)
+        values = cuda.local.array(ELEMENTS_PER_CHUNK, float32)
+
+        for base in range(lane, chunks, WARP_SIZE * group):
+            for g in range(group):
+                chunk = base + WARP_SIZE * g
+                if chunk < chunks:
+                    load_chunk_weights(w_words, w_start, chunk, loaded, g)
+            for g in range(group):
+                chunk = base + WARP_SIZE * g
+                if chunk < chunks:
+                    widen_chunk_weights(loaded, g, weights)
+                    accumulate_chunk(x_words, x_start, chunk, weights, values, acc)
+
+        for i in range(accumulators):
+            acc[i] = warp_sum(acc[i])
+        if lane == 0:
+            for j in range(rows):
+                for r in range(m_tile):
+                    if first_n + j < n and row0 + r < m:
+                        out[row0 + r, first_n + j] = acc[j * m_tile + r]
+
+    return bf16_linear_kernel
+
+
+@functools.cache
+def _bf16_linear_kernel(m_tile: int, rows_per_warp: int):
+    return cuda.jit(bf16_linear_function(m_tile, rows_per_warp))
+
+
+def _require_load_alignment(name: str, x):
+    """Device data must start on a 16-byte boundary for the 128-bit loads (NumPy arrays get fresh device memory)."""
+    if SIMULATOR or isinstance(x, np.ndarray):
+        return
+    address = x.__cuda_array_interface__["data"][0]
+    if address % LOAD_ALIGNMENT:
+        raise ValueError(f"{name}: bf16_linear loads 16 bytes at a time and needs the data to start on a "
+                         f"{LOAD_ALIGNMENT}-byte boundary, got address 0x{address:x}")
+
+
+def bf16_linear(x, w_bits, out, rows_per_warp=None, stream=0):
+    """``out[M, N] = x[M, K] @ W^T`` with ``W`` given as BF16 bit patterns, float32 accumulation; returns ``out``.
+
+    ``x``: float32 ``[M, K]``; ``w_bits``: BF16 patterns ``[N, K]`` (uint16, or int16), C-contiguous,
+    ``K`` a positive multiple of 8 (128-bit weight loads), device data 16-byte aligned; ``out``:
+    float32 ``[M, N]``. The summation order is in the module docstring (bit for bit the same for
+    every ``M``). Rows are computed in tiles of up to 8 sharing each weight load: the decode step
+    (``M <= 8``) reads the weights once; a larger ``M`` reads them ``ceil(M / 8)`` times (fine for the
+    lm_head of the last tokens; a prefill-sized BF16 GEMM wants a tensor-core kernel).
+    ``rows_per_warp`` (1, 2, 4; None: ``default_rows_per_warp``) only changes speed.
+    """
+    x, w_bits, out = (as_kernel_array(n, a) for n, a in (("x", x), ("w_bits", w_bits), ("out", out)))
+    if w_bits.ndim != 2:
+        reject("w_bits", "BF16 bit patterns [N, K]", w_bits)
+    w_bits = as_bf16_patterns("w_bits", w_bits)
+    require_c_contiguous("w_bits", w_bits)
+    n, k = w_bits.shape
+    if k == 0 or k % ELEMENTS_PER_CHUNK:
+        raise ValueError(f"w_bits: bf16_linear needs K to be a positive multiple of {ELEMENTS_PER_CHUNK} "
+                         f"(128-bit loads), got K = {k}")
+    if x.ndim != 2 or x.shape[1] != k or np.dtype(x.dtype) != np.float32:
+        reject("x", f"float32 [M, {k}]", x)
+    require_c_contiguous("x", x)
+    m = x.shape[0]
+    if tuple(out.shape) != (m, n) or np.dtype(out.dtype) != np.float32:
+        reject("out", f"float32 [{m}, {n}]", out)
+    require_c_contiguous("out", out)
+    for name, a in (("x", x), ("w_bits", w_bits)):
+        _require_load_alignment(name, a)
+    if m == 0 or n == 0:
+        return out
+    m_tile = min(m, LINEAR_MAX_M_TILE)
+    rows = default_rows_per_warp(m_tile) if rows_per_warp is None else int(rows_per_warp)
+    if rows not in LINEAR_ROWS_PER_WARP:
+        raise ValueError(f"rows_per_warp: expected one of {LINEAR_ROWS_PER_WARP}, got {rows_per_warp!r}")
+    grid = (-(-n // (LINEAR_WARPS_PER_CTA * rows)), -(-m // m_tile))
+    if grid[1] > MAX_GRID_Y:
+        raise ValueError(f"x: bf16_linear takes at most {MAX_GRID_Y * LINEAR_MAX_M_TILE} rows, got M = {m}")
+    args = [x.view(np.uint32).reshape(-1), w_bits.view(np.uint32).reshape(-1), out, m, n, k]
+    _run(_bf16_linear_kernel(m_tile, rows), grid, WARP_SIZE * LINEAR_WARPS_PER_CTA, stream, args, (2,))
+    return out
+
+
+# ---------------------------------------------------------------------------- 6. greedy sampling
+
+
+@cuda.jit(device=True, inline=True)
+def beats(v, i, best_v, best_i):
+    """Does ``(v, i)`` win over ``(best_v, best_i)`` under ``np.argmax``'s rules? A NaN beats every
+    number (the first NaN wins); otherwise the larger value; equal values (``-0 == 0``) the lower index."""
+    v_nan = v != v
+    best_nan = best_v != best_v
+    if v_nan or best_nan:
+        return v_nan and (not best_nan or i < best_i)
+    if v != best_v:
+        return v > best_v
+    return i < best_i
+
+
+def argmax_kernel(logits, out_ids):
+    """Launch ``[rows, argmax_threads_per_row(V)]``: CTA ``r`` finds row ``r``'s winner.
+
+    Thread ``t`` scans ``k = t, t + B, ...`` in order, a butterfly merges a warp's winners, thread 0
+    merges the warps' winners in warp order (``beats`` is symmetric, so the order changes nothing).
+    """
+    best_values = cuda.shared.array(MAX_WARPS_PER_CTA, float32)
+    best_indices = cuda.shared.array(MAX_WARPS_PER_CTA, int32)
+    row = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    best_v = NEG_INF
+    best_i = int32(NO_INDEX)
+    for k in range(t, logits.shape[1], cuda.blockDim.x):
+        v = logits[row, k]
+        if beats(v, int32(k), best_v, best_i):
+            best_v = v
+            best_i = int32(k)
+    for offset in BUTTERFLY_OFFSETS:
+        other_v = cuda.shfl_xor_sync(FULL_MASK, best_v, offset)
+        other_i = cuda.shfl_xor_sync(FULL_MASK, best_i, offset)
+        if beats(other_v, other_i, best_v, best_i):
+            best_v = other_v
+            best_i = other_i
+    if t % WARP_SIZE == 0:
+        best_values[t // WARP_SIZE] = best_v
+        best_indices[t // WARP_SIZE] = best_i
+    cuda.syncthreads()
+    if t == 0:
+        for w in range(1, cuda.blockDim.x // WARP_SIZE):
+            if beats(best_values[w], best_indices[w], best_v, best_i):
+                best_v = best_values[w]
+                best_i = best_indices[w]
+        # a row holding NaN has no greedy token: -1 (fp8lab.engine.generate reports it as that sequence's error)
+        out_ids[row] = best_i if best_v == best_v else int32(NAN_ROW)
+
+
+_argmax_kernel = cuda.jit(argmax_kernel)
+
+
+def argmax_threads_per_row(vocab: int) -> int:
+    """Threads per row: a warp per ``32 * 32`` logits, at most 1024 (vocab 151936: 1024 threads)."""
+    warps = -(-vocab // (WARP_SIZE * ARGMAX_ELEMENTS_PER_THREAD))
+    return WARP_SIZE * max(1, min(warps, MAX_WARPS_PER_CTA))
+
+
+def argmax_rows(logits, out_ids, stream=0):
+    """Greedy sampling: ``out_ids[r] = np.argmax(logits[r])``; returns ``out_ids``.
+
+    ``logits``: float32 ``[rows, V]`` (``V >= 1``, below 2^31), C-contiguous; ``out_ids``: int32 ``[rows]``.
+    NumPy's rules: the first index of the maximum; but a row holding NaN gives ``NAN_ROW`` (-1), not the
+    index of its first NaN, so that a NaN never passes as a token.
+    """
+    logits, out_ids = as_kernel_array("logits", logits), as_kernel_array("out_ids", out_ids)
+    if logits.ndim != 2 or np.dtype(logits.dtype) != np.float32 or not 0 < logits.shape[1] < NO_INDEX:
+        reject("logits", "float32 [rows, V] with 1 <= V < 2^31", logits)
+    require_c_contiguous("logits", logits)
+    rows, vocab = logits.shape
+    if tuple(out_ids.shape) != (rows,) or np.dtype(out_ids.dtype) != np.int32:
+        reject("out_ids", f"int32 [{rows}]", out_ids)
+    if rows == 0:
+        return out_ids
+    _run(_argmax_kernel, rows, argmax_threads_per_row(vocab), stream, [logits, out_ids], (1,))
+    return out_ids
+
+
+# ---------------------------------------------------------------------------- 7. residual add
+
+
+def add_into_kernel(x, y):
+    """Launch 1-D, a thread per element: ``x[i] += y[i]``."""
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        x[i] += y[i]
+
+
+_add_into_kernel = cuda.jit(add_into_kernel)
+
+
+def add_into(x, y, stream=0):
+    """``x += y`` in place (the residual add; ``add_rms_norm`` fuses it with the next norm); returns ``x``.
+
+    ``x``, ``y``: float32 of one shape, C-contiguous.
+    """
+    x, y = as_kernel_array("x", x), as_kernel_array("y", y)
+    if np.dtype(x.dtype) != np.float32:
+        reject("x", "float32", x)
+    if tuple(y.shape) != tuple(x.shape) or np.dtype(y.dtype) != np.float32:
+        reject("y", f"float32 of x's shape {tuple(x.shape)}", y)
+    require_c_contiguous("x", x)
+    require_c_contiguous("y", y)
+    size = int(np.prod(x.shape, dtype=np.int64))
+    if size == 0:
+        return x
+    args = [x.reshape(size), y.reshape(size)]
+    _run(_add_into_kernel, -(-size // ELEMENTWISE_THREADS), ELEMENTWISE_THREADS, stream, args, (0,))
+    return x
+
+
+def bf16_round_kernel(x, out):
+    """Launch 1-D, a thread per element: ``out[i]`` = the BF16 bits of ``x[i]``, round to nearest even
+    (NaN stays a NaN)."""
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        out[i] = mathops.f32_to_bf16_bits_rne(x[i])
+
+
+_bf16_round_kernel = cuda.jit(bf16_round_kernel)
+
+
+def bf16_round(x, out, stream=0):
+    """``out`` = ``x`` rounded to BF16 (round to nearest even), as uint16 bit patterns; returns ``out``.
+
+    ``x``: float32, ``out``: uint16 of ``x``'s shape, both C-contiguous. The input cast of the FP8
+    tensor-core GEMM, which takes 16-bit activations (``fp8lab.numba_kernels.fp8_gemm``).
+    """
+    x, out = as_kernel_array("x", x), as_kernel_array("out", out)
+    if np.dtype(x.dtype) != np.float32:
+        reject("x", "float32", x)
+    if tuple(out.shape) != tuple(x.shape) or np.dtype(out.dtype) != np.uint16:
+        reject("out", f"uint16 of x's shape {tuple(x.shape)}", out)
+    require_c_contiguous("x", x)
+    require_c_contiguous("out", out)
+    size = int(np.prod(x.shape, dtype=np.int64))
+    if size == 0:
+        return out
+    _run(_bf16_round_kernel, -(-size // ELEMENTWISE_THREADS), ELEMENTWISE_THREADS, stream,
+         [x.reshape(size), out.reshape(size)], (1,))
+    return out
+
+
+# ---------------------------------------------------------------------------- launching
+
+
+def _run(kernel, grid, block, stream, args, written):
+    """Launch ``kernel[grid, block, stream](*args)``; on a GPU NumPy arrays among ``args`` are copied to the
+    device first and the arrays at the positions ``written`` copied back (nothing is copied for device arrays)."""
+    copies = {}  # one device copy per NumPy array, so an array passed twice (out = x) stays one array
+    for a in args:
+        if isinstance(a, np.ndarray) and id(a) not in copies:
+            copies[id(a)] = on_device(a, stream)
+    device = [copies.get(id(a), a) for a in args]
+    kernel[grid, block, stream](*device)
+    for i in written:
+        if device[i] is not args[i]:
+            device[i].copy_to_host(args[i], stream=stream)
+
+
+# ---------------------------------------------------------------------------- every kernel, for the PTX check
+
+
+def kernel_variants():
+    """``(name, python function, numba signature)`` of every kernel (C-contiguous arrays)."""
+    f32_1d, f32_2d, f32_3d = (types.Array(types.float32, d, "C") for d in (1, 2, 3))
+    i32_1d = types.Array(types.int32, 1, "C")
+    u32_1d = types.Array(types.uint32, 1, "C")
+    u16_2d = types.Array(types.uint16, 2, "C")
+    variants = []
+    for fused in (False, True):
+        for warp_per_row in (True, False):
+            name = f"{'add_rms_norm' if fused else 'rms_norm'}[{'warp' if warp_per_row else 'cta'} per row]"
+            signature = types.void(f32_2d, f32_2d, f32_1d, types.float32, f32_2d)
+            variants.append((name, rms_norm_function(fused, warp_per_row), signature))
+    variants.append(("rope", rope_kernel, types.void(f32_3d, i32_1d, f32_2d, f32_3d)))
+    variants.append(("silu_mul", silu_mul_kernel, types.void(f32_2d, f32_2d)))
+    variants.append(("embedding", embedding_kernel, types.void(u16_2d, i32_1d, f32_2d)))
+    for m_tile in range(1, LINEAR_MAX_M_TILE + 1):
+        rows = default_rows_per_warp(m_tile)
+        variants.append((f"bf16_linear[m_tile={m_tile}, rows_per_warp={rows}]", bf16_linear_function(m_tile, rows),
+                         types.void(u32_1d, u32_1d, f32_2d, types.int64, types.int64, types.int64)))
+    variants.append(("bf16_linear[m_tile=1, rows_per_warp=1]", bf16_linear_function(1, 1),
+                     types.void(u32_1d, u32_1d, f32_2d, types.int64, types.int64, types.int64)))
+    variants.append(("argmax_rows", argmax_kernel, types.void(f32_2d, i32_1d)))
+    variants.append(("add_into", add_into_kernel, types.void(f32_1d, f32_1d)))
+    variants.append(("bf16_round", bf16_round_kernel, types.void(f32_1d, types.Array(types.uint16, 1, "C"))))
+    return variants

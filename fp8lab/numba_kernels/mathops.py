@@ -1,0 +1,154 @@
+"""Scalar device functions shared by the KV-cache and decode-attention kernels, in both modes.
+
+- ``exp2(x)``: float32 ``2^x``, the one transcendental of the log2-domain softmax.
+
+  - On a GPU: libdevice's ``__nv_exp2f`` (what CUDA C++'s ``exp2f`` is), which lowers to the
+    hardware ``ex2.approx.f32`` (one ``MUFU.EX2`` plus a few instructions that keep subnormal
+    results, since fp8lab compiles without flush-to-zero). The CUDA Math API documents a maximum
+    error of 2 ulp. ``exp2(-inf) = +0`` (the PTX ISA specifies it for ``ex2``), ``exp2(+inf) = +inf``,
+    ``exp2(NaN) = NaN``.
+  - In the CUDA simulator: ``fp8lab.simulators.splitkv.exp2_f32``, NumPy's float32 ``exp2``, the very
+    function the split-kv simulator uses, so a kernel in the simulator matches
+    ``fp8lab.simulators.splitkv`` bit for bit. (NumPy's float32 ``exp2`` is not correctly rounded either;
+    ``tests/test_splitkv.py`` checks it within 4 ulp.) The GPU and the simulator differ in the last
+    bits of ``exp2``, which is why GPU results are checked against ``fp8lab.reference.attention`` by an
+    error bound, not bit for bit.
+
+- ``nan_max(a, b)``: ``max`` that keeps a NaN (like ``np.maximum``), so a NaN in the data reaches
+  the output instead of being dropped by a comparison.
+
+- ``e4m3_decode(code)``: the exact float32 value of an E4M3 code, by bit placement (no table).
+- ``e4m3_encode_saturating(x)``: float32 to an E4M3 code, round to nearest even, saturating to
+  +-448, by integer arithmetic on the float32 bit pattern; equal to
+  ``fp8lab.reference.e4m3.encode(x, saturate=True)`` for every float32 (``tests/test_kv_cache_kernel.py``).
+
+Every function here is a plain Python function in the simulator (numpy scalars in, numpy scalars
+out) and an inlined ``cuda.jit`` device function on a GPU; the integer ones are the same source in
+both modes. NumPy scalars overflow silently at their width (``uint8 << 24`` is 0), so the integer
+code widens to uint32 before it shifts.
+"""
+
+from __future__ import annotations
+
+from numba import cuda, float32, int32, int64, uint32
+
+from .bits import SIMULATOR, f32_as_u32, u32_as_f32
+
+if SIMULATOR:
+    from fp8lab.simulators.splitkv import exp2_f32
+
+    def exp2(x):
+        """float32 ``2^x``: the simulator's NumPy float32 exp2 (see the module docstring)."""
+        return exp2_f32(x)
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def exp2(x):
+        """float32 ``2^x``: libdevice ``__nv_exp2f`` = ``ex2.approx.f32`` (2 ulp); ``exp2(-inf) = 0``."""
+        return libdevice.exp2f(x)
+
+
+@cuda.jit(device=True, inline=True)
+def nan_max(a, b):
+    """The larger of ``a`` and ``b``; NaN if either is NaN (``np.maximum``'s rule, not ``fmaxf``'s)."""
+    if a != a:
+        return a
+    if b <= a:
+        return a
+    return b  # b > a, or b is NaN
+
+
+# ---------------------------------------------------------------------------- E4M3 <-> float32
+
+TWO_POW_120 = float32(2.0**120)
+"""The power of two that E4M3's bit placement into float32 leaves out (see ``e4m3_decode``)."""
+
+
+FLOAT32_BITS_OF_E4M3 = 0x87F00000
+"""Where bit placement puts an E4M3 code in a float32 pattern: the sign at bit 31, the other 7 bits at 20..26."""
+
+
+@cuda.jit(device=True, inline=True)
+def e4m3_decode(code):
+    """The exact float32 value of E4M3 ``code`` (the low 8 bits of an unsigned integer; higher bits ignored).
+
+    Bit placement: the float32 pattern with the code's sign at bit 31 and its 7 exponent-and-mantissa
+    bits at bits 20..26 is exactly ``decode(code) * 2^-120``, subnormal codes included (they land on
+    float32 subnormals with the same mantissa), so one multiplication by ``2^120`` (exact) gives the
+    value. To place the bits in few instructions, the code's byte goes to the top of a 32-bit
+    integer and an arithmetic shift right by 4 moves it to bits 20..27 while copying the sign into
+    bits 27..31; the mask keeps bit 31 and bits 20..26.
+
+    The NaN codes (0x7F, 0xFF) come out as +-480, a finite number: ``paged_cache_write`` writes them
+    only for a non-finite input, together with a NaN scale, which carries the NaN into the result.
+    """
+    top = int32(uint32(code) << 24)
+    return u32_as_f32(uint32(top >> 4) & FLOAT32_BITS_OF_E4M3) * TWO_POW_120
+
+
+F32_EXPONENT_OF_E4M3_ZERO = 120
+"""float32 biased exponent minus E4M3 biased exponent (127 - 7): normals keep their bits, shifted."""
+F32_BITS_OF_448 = 0x43E00000
+"""448 = 1.75 * 2^8, E4M3's largest finite value: at and above it (and for +-inf) saturate."""
+F32_BITS_OF_MIN_NORMAL = 0x3C800000
+"""2^-6, E4M3's smallest normal value: below it the E4M3 grid is uniform in steps of 2^-9."""
+
+
+@cuda.jit(device=True, inline=True)
+def e4m3_encode_saturating(x):
+    """The E4M3 code (0..255) nearest to float32 ``x``: ties to even, ``|x| >= 448`` and +-inf to +-448.
+
+    NaN gives the NaN code with ``x``'s sign (0x7F or 0xFF); -0.0 gives 0x80. Three ranges of ``|x|``:
+
+    - ``[448, inf]``: saturate to 0x7E. (448 < |x| <= 464 would round to 448 anyway; above 464
+      is overflow, which ``saturate=True`` clamps.)
+    - ``[2^-6, 448)``, E4M3 normals: keep the float32 exponent (rebased by 120) and the top 3 of the
+      23 mantissa bits, rounding the other 20 to nearest even by adding ``0x7FFFF + lsb`` before the
+      shift. A carry out of the mantissa increments the exponent field, which is the right result
+      (the largest input here rounds to 448, never further).
+    - ``[0, 2^-6)``: E4M3 subnormals, ``k * 2^-9`` for ``k = 0..8`` (8 is the smallest normal, code
+      0x08, where the codes continue seamlessly). ``|x| = mant * 2^(e - 150)`` (``mant`` with its
+      implicit bit; float32 subnormals use ``e = 1`` and no implicit bit), so ``|x| / 2^-9 =
+      mant >> (141 - e)``, rounded to nearest even.
+    """
+    bits = int64(f32_as_u32(x))  # int64 throughout: Numba would widen mixed uint32/int64 to float64
+    sign = (bits >> 31) << 7
+    magnitude = bits & 0x7FFFFFFF
+    if magnitude > 0x7F800000:  # NaN
+        return sign | 0x7F
+    if magnitude >= F32_BITS_OF_448:
+        return sign | 0x7E
+    if magnitude >= F32_BITS_OF_MIN_NORMAL:
+        lsb = (magnitude >> 20) & 1
+        rounded = magnitude + 0x7FFFF + lsb - (F32_EXPONENT_OF_E4M3_ZERO << 23)
+        return sign | (rounded >> 20)
+    exponent = magnitude >> 23
+    mantissa = magnitude & 0x7FFFFF
+    if exponent > 0:
+        mantissa = mantissa | 0x800000
+    else:
+        exponent = int64(1)
+    shift = 141 - exponent  # >= 21 here, since exponent <= 120
+    if shift > 25:  # |x| < 2^-11: below half of 2^-9, rounds to zero
+        return sign
+    kept = mantissa >> shift
+    halfway = int64(1) << (shift - 1)
+    steps = (mantissa + halfway - 1 + (kept & 1)) >> shift
+    return sign | steps
+
+
+@cuda.jit(device=True, inline=True)
+def f32_to_bf16_bits_rne(x):
+    """float32 to a BF16 bit pattern, round to nearest even; NaN stays a (quiet) NaN.
+
+    ``bits.f32_to_bf16_bits`` is the same rounding for finite inputs; here a NaN, which that
+    rounding could carry into the sign bit or turn into infinity, keeps its sign and becomes 0x7FC0
+    or 0xFFC0.
+    """
+    if x != x:
+        return ((uint32(f32_as_u32(x)) >> 16) & 0x8000) | 0x7FC0
+    u = uint32(f32_as_u32(x))
+    rounding = 0x7FFF + ((u >> 16) & 1)
+    return ((u + rounding) >> 16) & 0xFFFF

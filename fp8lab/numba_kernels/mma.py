@@ -1,0 +1,49 @@
+"""The tensor-core ``mma.m16n8k16`` (BF16 or F16 in, float32 accumulate) as a device function.
+
+``mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)`` and ``mma_f16(...)`` return this lane's four
+float32 results ``(d0, d1, d2, d3)`` of the warp-wide ``D = A @ B + C``. Every lane of the warp must
+call it together (it is ``mma.sync``). Registers hold two 16-bit values each, lower index in the
+low half, laid out as the PTX ISA's fragments (``fp8lab.simulators.mma.A_COORDS`` etc.).
+
+- On a GPU: CUDA C++ with inline PTX (``mma_m16n8k16.cu``), linked through ``cuda.declare_device``.
+- In the CUDA simulator: a warp-collective twin; the 32 lanes pool their registers and each takes
+  its row of ``fp8lab.simulators.mma.mma_registers``, the model that the GEMM simulator uses too, so a
+  kernel in the simulator matches ``fp8lab.simulators.gemm_mma`` bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from numba import cuda, types
+
+from .bits import SIMULATOR
+
+SOURCE = Path(__file__).with_name("mma_m16n8k16.cu")
+_SIGNATURE = types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4))
+
+if SIMULATOR:
+    from fp8lab.simulators import mma as mma_model
+
+    from . import cudasim
+
+    def _mma_twin(fmt: str, registers: tuple):
+        pooled = cudasim.exchange(f"mma_{fmt}", cudasim.FULL_MASK, tuple(registers))
+        lanes = np.array([pooled[lane] for lane in range(cudasim.WARP_SIZE)], dtype=object)
+        a = lanes[:, 0:4].astype(np.uint32)
+        b = lanes[:, 4:6].astype(np.uint32)
+        c = lanes[:, 6:10].astype(np.float32)
+        d = mma_model.mma_registers(a, b, c, fmt)
+        lane = cudasim._current_thread().thread_id % cudasim.WARP_SIZE
+        return tuple(np.float32(x) for x in d[lane])
+
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _mma_twin("bf16", (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
+
+    def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _mma_twin("f16", (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
+
+else:
+    mma_bf16 = cuda.declare_device("mma_m16n8k16_bf16", _SIGNATURE, link=str(SOURCE))
+    mma_f16 = cuda.declare_device("mma_m16n8k16_f16", _SIGNATURE, link=str(SOURCE))

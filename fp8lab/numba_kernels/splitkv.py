@@ -1,0 +1,772 @@
+"""Split-kv (flash-decoding) paged decode attention over an FP8 or float KV cache, as Numba CUDA kernels.
+
+What it computes (the contract of ``fp8lab.reference.attention.paged_decode``): for each sequence and query
+head ``h``, softmax attention of the new token's query ``q[seq, h]`` over the sequence's
+``seq_lens[seq]`` cached tokens, reading kv head ``h // (num_heads // num_kv_heads)`` (GQA), with an
+optional ALiBi bias ``slope_h * (j - (L - 1))``; float32 ``out[num_seqs, num_heads, head_dim]``, and a
+zero row for a sequence of length 0.
+
+How: exactly the schedule of ``fp8lab.simulators.splitkv`` (read its docstring first), in the same float32
+operations in the same order, so that in the CUDA simulator the kernels match
+``fp8lab.simulators.splitkv.shard_partials`` and ``paged_decode`` bit for bit, and on a GPU they differ from
+it only through ``exp2`` (``fp8lab.numba_kernels.mathops``); GPU results are checked against
+``fp8lab.reference.attention`` with an error bound. Both checks are in ``tests/test_splitkv_kernel.py``.
+
+Kernels and launch shapes:
+
+1. ``split_kernel``, grid ``(num_seqs, num_heads / H, num_splits)``, 128 threads = 4 warps per CTA,
+   ``H = heads_per_cta(num_heads / num_kv_heads)`` query heads sharing one kv head (4 for Qwen3-8B's
+   32/8). The CTA takes shard ``blockIdx.z`` of the sequence (``shard_range``: whole KV blocks). A
+   token is read by ``lanes_per_token = head_dim / 16`` lanes, lane ``r`` of them owning elements
+   ``[16 r, 16 r + 16)``: for an FP8 cache one 128-bit load of 16 codes (two for BF16, four for
+   float32). The CTA's ``num_slots`` groups of lanes (16 at head_dim 128: 4 tokens per warp) each
+   take the shard's tokens ``start + slot, start + slot + num_slots, ...``. Per token: dequantize on
+   load (E4M3 by F16 bit placement, ``decode(c) * 2^-8``; BF16 by a shift), for each of the ``H``
+   heads the lane's 16-fma chain with the query (pre-scaled by ``softmax_scale * log2(e)`` and by
+   256), a ``shfl_xor`` butterfly over the slot's lanes, the per-token ``k_scale``, the ALiBi fma;
+   then one step of the log2-domain online softmax per head (``corr = 1`` when the max holds). Each
+   K and V row is loaded and decoded once for the ``H`` heads. The slots' states merge through
+   shared memory in slot order. The CTA writes its shard's partial ``(m, l, acc)`` per head to the
+   workspace; with ``num_splits == 1`` it writes ``out = acc / l`` directly (bit-identical to a
+   combine of one shard) and no combine kernel runs.
+2. ``combine_kernel``, grid ``(num_seqs, num_heads)``, ``head_dim`` threads (thread ``d`` owns
+   element ``d``): merge the ``num_splits`` partials in shard order and write ``acc / l``; ``l = 0``
+   (nothing attended) gives a zero row, never NaN.
+
+Every shard always writes its partial, an empty shard (and every shard of a length-0 sequence) the
+neutral element ``(-inf, 0, 0)``: nothing stale from an earlier call survives in the workspace or in
+``out``.
+
+Memory-level parallelism without changing the arithmetic: a slot loads its next ``U`` tokens
+(``LaneLayout.tokens_in_flight``: 4 for FP8, 2 for BF16, 1 for float32, about 32 registers of K and
+V words) before it computes any of them, computes their ``U * H`` scores (independent chains and
+butterflies, no branch between them), then runs the softmax updates one token at a time in token
+order, all heads without a branch. Full groups run without per-token tests; the shard's last group
+runs the same code with guards.
+
+Where the time goes on an H200 (``bench/attention_parts.py``, ``bench/RESULTS.md``): the split
+kernel is bound by instruction issue and latency, not by memory (an FP8 cache, half the bytes,
+times the same as BF16): per token and kv head a lane runs about 280 instructions, 128 of them
+fmas. The next step is tensor cores for the scores and ``P V`` (``mma`` with K and V decoded by bit
+placement), which changes the summation order the simulator fixes.
+
+Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` of uint8 E4M3 codes with float32 scales
+``[num_blocks, num_kv_heads, block_size]`` (``fp8lab.reference.kv_cache``; no scales is an error, never a
+fallback), float32, or uint16 BF16 patterns, 16-byte aligned on the device. ``head_dim``: 32, 64,
+128 or 256. ``q``, ``out``: float32. Variants: one split kernel per (cache format, head_dim, heads per
+CTA), compiled on first use; ``kernel_variants()`` lists the ones ``tests/test_kernels_compile.py``
+compiles to sm_90 PTX.
+
+Versions: 1 (first session): CTA per query head, 4 warps dealt tokens round-robin, ``head_dim / 32``
+elements per lane, butterfly over 32 lanes. 2 (this one): CTA per GQA head group, slots of
+``head_dim / 16`` lanes with 16 elements each, auto splits up to 8 per query head: 3.7 to 4.7x faster
+at batch 1 (16k: 184 to 39 us).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, types, uint32, uint64
+
+from . import mathops
+from .arguments import as_kernel_array
+from .bits import SIMULATOR, u32_as_f32
+from .dequantize import placed_codes
+from .gemv_simt import load_u32x4
+from .kv_cache import check_cache, on_device, placeholder, reject, require_c_contiguous, to_host
+
+WARP_SIZE = 32
+FULL_MASK = 0xFFFFFFFF
+NUM_WARPS = 4
+"""Warps per split-kernel CTA."""
+THREADS_PER_CTA = NUM_WARPS * WARP_SIZE
+ELEMENTS_PER_LANE = 16
+"""Head elements a lane owns (``fp8lab.simulators.splitkv.ELEMENTS_PER_LANE``): 16 FP8 codes are one 128-bit load."""
+HEAD_DIMS = (32, 64, 128, 256)
+"""Supported head sizes: ``head_dim / 16`` lanes read a token, a power of two from 2 to 16."""
+MAX_HEADS_PER_CTA = 4
+MAX_SPLITS_PER_HEAD = 8
+CTAS_PER_SM = 2
+DEFAULT_NUM_SMS = 132
+"""SMs of an H100 SXM / H200; used in the CUDA simulator (which has no SM count), as ``fp8lab.simulators.splitkv``."""
+LOG2E = math.log2(math.e)
+LOG2E_F32 = float32(LOG2E)
+"""``log2(e)`` rounded once to float32: ALiBi slopes are scaled by it (``slope2 = slope * LOG2E_F32``)."""
+KV_REGISTER_BUDGET = 32
+"""Registers of K and V words a lane may hold in flight (one word per register): sets ``tokens_in_flight``."""
+WORDS_PER_LOAD = 4
+"""uint32 words of one 128-bit load."""
+LOAD_ALIGNMENT = 16
+CACHE_ELEMENT_BITS = {"fp8": 8, "bf16": 16, "f32": 32}
+VALUE_UNIT = {"fp8": 256.0, "bf16": 1.0, "f32": 1.0}
+"""The decoded cache values are ``value / VALUE_UNIT`` (FP8 codes by F16 bit placement give ``decode(c) * 2^-8``);
+the query and the V weights are multiplied by it instead, which is exact (see ``split_kernel_function``)."""
+
+
+# ---------------------------------------------------------------------------- the work decomposition
+
+
+def lanes_per_token(head_dim: int) -> int:
+    """Lanes that read one token (``fp8lab.simulators.splitkv.lanes_per_token`` for the kernel's head sizes)."""
+    return int(head_dim) // ELEMENTS_PER_LANE
+
+
+def num_slots(head_dim: int) -> int:
+    """Tokens a CTA reads at once, one per group of ``lanes_per_token`` lanes (16 at head_dim 128)."""
+    return NUM_WARPS * (WARP_SIZE // lanes_per_token(head_dim))
+
+
+def heads_per_cta(group: int) -> int:
+    """Query heads per CTA: the largest divisor of the GQA group size that is at most 4
+    (``fp8lab.simulators.splitkv.heads_per_cta``; a test keeps them equal)."""
+    return max(h for h in range(1, MAX_HEADS_PER_CTA + 1) if int(group) % h == 0)
+
+
+def choose_num_splits(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,
+                      num_sms: int = DEFAULT_NUM_SMS, block_size: int = 16) -> int:
+    """The ``"auto"`` split count, ``fp8lab.simulators.splitkv.choose_num_splits``'s rule (a test keeps them equal).
+
+    The largest ``s`` with ``grid * s <= 2 * num_sms`` (``grid = num_seqs * num_heads /
+    heads_per_cta`` CTAs), at most ``8 * heads_per_cta``, at most the KV blocks of the longest
+    sequence, at least 1. (``numba_kernels`` may import ``simulators`` only in simulator mode, so the
+    rule is written out here.)
+    """
+    per_cta = heads_per_cta(int(num_heads) // max(1, int(num_kv_heads)))
+    grid = int(num_seqs) * int(num_heads) // per_cta
+    if grid <= 0:
+        return 1
+    blocks_of_work = -(-int(max_seq_len) // int(block_size))
+    return int(max(1, min(MAX_SPLITS_PER_HEAD * per_cta, CTAS_PER_SM * int(num_sms) // grid, blocks_of_work)))
+
+
+@functools.lru_cache(maxsize=None)
+def device_num_sms() -> int:
+    """The current GPU's SM count (``DEFAULT_NUM_SMS`` in the simulator)."""
+    if SIMULATOR:
+        return DEFAULT_NUM_SMS
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+# ---------------------------------------------------------------------------- how a lane reads a row
+
+
+@dataclass(frozen=True)
+class LaneLayout:
+    """How the slot's lane ``r`` reads its 16 elements ``[16 r, 16 r + 16)`` of one cache row.
+
+    The lane's share of the row is ``words`` uint32 words (4 for FP8, 8 for BF16, 16 for float32),
+    read as ``words / 4`` 128-bit loads. ``tokens_in_flight`` is ``U``: a slot loads its next ``U``
+    tokens (K and V) before it computes any of them (see the module docstring).
+    """
+
+    cache_format: str
+    head_dim: int
+    words: int
+    tokens_in_flight: int
+
+    @property
+    def loads(self) -> int:
+        return self.words // WORDS_PER_LOAD
+
+    @property
+    def row_words(self) -> int:
+        return self.words * lanes_per_token(self.head_dim)
+
+
+def lane_layout(cache_format: str, head_dim: int, tokens_in_flight: int | None = None) -> LaneLayout:
+    """The ``LaneLayout`` of a cache format (``fp8``, ``bf16``, ``f32``) and a head size in ``HEAD_DIMS``."""
+    words = ELEMENTS_PER_LANE * CACHE_ELEMENT_BITS[cache_format] // 32
+    if tokens_in_flight is None:
+        tokens_in_flight = max(1, KV_REGISTER_BUDGET // (2 * words))
+    return LaneLayout(cache_format, head_dim, words, int(tokens_in_flight))
+
+
+@cuda.jit(device=True, inline=True)
+def fp8_values(words, first, values):
+    """16 E4M3 codes (4 words from ``words[first]``) -> ``values[0:16]``, float32 ``decode(c) * 2^-8``, exact."""
+    for w in range(4):
+        v0, v1, v2, v3 = placed_codes(words[first + w])
+        values[4 * w] = v0
+        values[4 * w + 1] = v1
+        values[4 * w + 2] = v2
+        values[4 * w + 3] = v3
+
+
+@cuda.jit(device=True, inline=True)
+def bf16_values(words, first, values):
+    """16 BF16 patterns (8 words) -> ``values[0:16]`` as float32 (exact: a BF16 pattern is the top half of one)."""
+    for w in range(8):
+        word = uint32(words[first + w])
+        values[2 * w] = u32_as_f32(word << uint32(16))
+        values[2 * w + 1] = u32_as_f32(word & uint32(0xFFFF0000))
+
+
+@cuda.jit(device=True, inline=True)
+def f32_values(words, first, values):
+    """16 float32 words -> ``values[0:16]``."""
+    for w in range(16):
+        values[w] = u32_as_f32(words[first + w])
+
+
+VALUE_DECODERS = {"fp8": fp8_values, "bf16": bf16_values, "f32": f32_values}
+
+
+# ---------------------------------------------------------------------------- device functions of the schedule
+
+
+@cuda.jit(device=True, inline=True)
+def shard_range(seq_len, shard, num_splits, block_size):
+    """Token range ``[start, end)`` of ``shard``: ``fp8lab.simulators.splitkv.shard_bounds``, one shard at a time.
+
+    Every shard takes ``ceil(num_blocks / num_splits)`` whole blocks; trailing shards may be empty.
+    """
+    num_blocks = (seq_len + block_size - 1) // block_size
+    tokens_per_shard = (num_blocks + num_splits - 1) // num_splits * block_size
+    start = min(shard * tokens_per_shard, seq_len)
+    end = min(start + tokens_per_shard, seq_len)
+    return start, end
+
+
+@cuda.jit(device=True, inline=True)
+def merge_weight(m_i, m_star):
+    """``exp2(m_i - m*)``, and 0 for the neutral element (``m_i = -inf``, where ``-inf - -inf`` is NaN)."""
+    if m_i == -math.inf:
+        return float32(0)
+    return mathops.exp2(m_i - m_star)
+
+
+@cuda.jit(device=True, inline=True)
+def normalized(acc, l):
+    """``acc / l``, and 0 where ``l == 0`` (nothing attended: a zero row, never NaN).
+
+    A NaN ``l`` (non-finite cache data) gives NaN, here and in the simulator: a NaN in the data must
+    reach the output.
+    """
+    if l == 0:
+        return float32(0)
+    return acc / l
+
+
+# ---------------------------------------------------------------------------- the split kernel
+
+
+def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_in_flight: int | None = None):
+    """The Python source of the split kernel for one cache format, head size and ``heads`` per CTA.
+
+    Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
+    use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out``. The caches come
+    flat, as 1-D arrays of uint32 words (``flat_cache``): the token at ``(block, kv_head, offset)`` is
+    *row* ``(block * num_kv_heads + kv_head) * block_size + offset``, its words are ``row *
+    ROW_WORDS ...`` and its scale is ``k_scales[row]``. A float cache gets placeholder scale arrays
+    (never read), a call without ALiBi a placeholder ``alibi_slopes`` and ``use_alibi = 0``. Launch
+    ``[(num_seqs, num_heads // heads, num_splits), 128]``.
+
+    Exact rescalings: FP8 values are decoded as ``decode(c) * 2^-8`` (two integer instructions and
+    a conversion per pair, no multiply); the query is multiplied by 256 once and each V weight
+    ``p * v_scale`` by 256, both exact (powers of two), and since an fma rounds only once,
+    ``fma(256 q2, k / 256, part)`` is bit for bit ``fma(q2, k, part)``.
+    """
+    layout = lane_layout(cache_format, head_dim, tokens_in_flight)
+    WORDS, LOADS, U, H = layout.words, layout.loads, layout.tokens_in_flight, heads
+    LPT = lanes_per_token(head_dim)
+    TOKENS_PER_WARP = WARP_SIZE // LPT
+    SLOTS = num_slots(head_dim)
+    E = ELEMENTS_PER_LANE
+    HE = H * E
+    GROUP_WORDS = U * WORDS  # local array sizes must be plain constants
+    UH = U * H
+    ROW_WORDS = np.uint64(layout.row_words)  # unsigned, so that word indices stay unsigned
+    HEAD_DIM = head_dim
+    MERGE_SIZE = H * SLOTS * head_dim
+    MERGE_STATES = H * SLOTS
+    IS_FP8 = cache_format == "fp8"
+    UNIT = float32(VALUE_UNIT[cache_format])
+    values_of = VALUE_DECODERS[cache_format]
+
+    def make_load_group(guarded: bool):
+        @cuda.jit(device=True, inline=True)
+        def load_group(token0, end, column, offset, column_step, offset_step, table, rows_per_block, head_row,
+                       lane_words, block_size, k_words, v_words, k_scales, v_scales, k_group, v_group,
+                       k_group_scales, v_group_scales):
+            """Load the slot's next ``U`` tokens (K and V words, scales) before computing any of them.
+
+            The slot's token ``u`` is ``token0 + SLOTS u``. ``guarded`` (the last group of a shard):
+            tokens past ``end`` load nothing and read as zeros. Returns the block column and offset
+            after the group.
+            """
+            for u in range(U):
+                if not guarded or token0 + u * SLOTS < end:
+                    row = uint64(table[column] * rows_per_block + head_row + offset)
+                    for i in range(LOADS):
+                        word = row * ROW_WORDS + uint64(lane_words + WORDS_PER_LOAD * i)
+                        k0, k1, k2, k3 = load_u32x4(k_words, word)
+                        v0, v1, v2, v3 = load_u32x4(v_words, word)
+                        k_group[u * WORDS + 4 * i] = k0
+                        k_group[u * WORDS + 4 * i + 1] = k1
+                        k_group[u * WORDS + 4 * i + 2] = k2
+                        k_group[u * WORDS + 4 * i + 3] = k3
+                        v_group[u * WORDS + 4 * i] = v0
+                        v_group[u * WORDS + 4 * i + 1] = v1
+                        v_group[u * WORDS + 4 * i + 2] = v2
+                        v_group[u * WORDS + 4 * i + 3] = v3
+                    if IS_FP8:
+                        k_group_scales[u] = k_scales[row]
+                        v_group_scales[u] = v_scales[row]
+                else:
+                    for i in range(WORDS):
+                        k_group[u * WORDS + i] = uint32(0)
+                        v_group[u * WORDS + i] = uint32(0)
+                    k_group_scales[u] = float32(1)
+                    v_group_scales[u] = float32(1)
+                column += column_step
+                offset += offset_step
+                if offset >= block_size:
+                    offset -= block_size
+                    column += 1
+            return column, offset
+
+        return load_group
+
+    @cuda.jit(device=True, inline=True)
+    def group_scores(token0, seq_len, q2, slope2, use_alibi, k_group, k_group_scales, scores):
+        """``scores[u * H + h]``: the log2-domain score of the slot's token ``u`` for head ``h``.
+
+        Every lane of the warp runs this, active slot or not, so that the ``shfl_xor`` butterflies
+        see all 32 lanes (an idle slot's score is never used). No branch between the ``U * H`` dot
+        products, so their fma chains and butterflies interleave; ALiBi (a uniform branch) after.
+        """
+        keys = cuda.local.array(E, float32)
+        for u in range(U):
+            values_of(k_group, u * WORDS, keys)
+            for h in range(H):
+                dot = float32(0)
+                for e in range(E):
+                    dot = cuda.fma(q2[h * E + e], keys[e], dot)
+                offset = LPT // 2
+                while offset > 0:  # the butterfly over the slot's lanes
+                    dot += cuda.shfl_xor_sync(FULL_MASK, dot, offset)
+                    offset //= 2
+                scores[u * H + h] = dot * k_group_scales[u] if IS_FP8 else dot
+        if use_alibi:
+            for u in range(U):
+                for h in range(H):
+                    scores[u * H + h] = cuda.fma(slope2[h], float32(token0 + SLOTS * u - (seq_len - 1)),
+                                                 scores[u * H + h])
+
+    def make_group_softmax(guarded: bool):
+        @cuda.jit(device=True, inline=True)
+        def group_softmax(token0, end, scores, v_group, v_group_scales, m, l, acc):
+            """The online softmax of the slot's tokens, one at a time in token order, all heads at once.
+
+            Per token and head: ``m_new``, ``p``, ``corr`` (1 when the max did not move: the
+            contract) and ``l`` without a branch, so the heads interleave; the ``acc * corr``
+            multiplications only when some head's max moved (rare after the first tokens; ``x * 1``
+            is exact for the others); then the 16 fmas per head. ``guarded``: skip tokens past ``end``.
+            """
+            values = cuda.local.array(E, float32)
+            corr = cuda.local.array(H, float32)
+            pv = cuda.local.array(H, float32)
+            for u in range(U):
+                if not guarded or token0 + SLOTS * u < end:
+                    values_of(v_group, u * WORDS, values)
+                    moved = False
+                    for h in range(H):
+                        s = scores[u * H + h]
+                        m_new = mathops.nan_max(m[h], s)
+                        p = mathops.exp2(s - m_new)
+                        c = mathops.exp2(m[h] - m_new)  # 0 on the slot's first token (m = -inf)
+                        head_moved = m_new != m[h]
+                        corr[h] = c if head_moved else float32(1)
+                        moved = moved or head_moved
+                        l[h] = cuda.fma(l[h], corr[h], p)  # fma(l, 1, p) = l + p
+                        pv[h] = p * v_group_scales[u] * UNIT if IS_FP8 else p
+                        m[h] = m_new
+                    if moved:
+                        for h in range(H):
+                            for e in range(E):
+                                acc[h * E + e] = acc[h * E + e] * corr[h]
+                    for h in range(H):
+                        for e in range(E):
+                            acc[h * E + e] = cuda.fma(pv[h], values[e], acc[h * E + e])
+
+        return group_softmax
+
+    load_full_group, load_last_group = make_load_group(False), make_load_group(True)
+    full_group_softmax, last_group_softmax = make_group_softmax(False), make_group_softmax(True)
+
+    def split_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
+                     use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out):
+        seq = cuda.blockIdx.x
+        head0 = cuda.blockIdx.y * H
+        shard = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        warp = tid // WARP_SIZE
+        lane = tid % WARP_SIZE
+        slot = warp * TOKENS_PER_WARP + lane // LPT
+        r = lane % LPT  # the lane's place in its slot: it owns elements [16 r, 16 r + 16)
+        num_heads = q.shape[1]
+        kv_head = head0 // (num_heads // num_kv_heads)
+        seq_len = seq_lens[seq]
+        start, end = shard_range(seq_len, shard, num_splits, block_size)
+
+        # The H queries in the log2 domain (times UNIT, exact), as this lane's 16 elements each.
+        q2 = cuda.local.array(HE, float32)
+        slope2 = cuda.local.array(H, float32)
+        m = cuda.local.array(H, float32)
+        l = cuda.local.array(H, float32)
+        acc = cuda.local.array(HE, float32)
+        for h in range(H):
+            for e in range(E):
+                q2[h * E + e] = (q[seq, head0 + h, r * E + e] * scale_log2) * UNIT
+                acc[h * E + e] = float32(0)
+            slope2[h] = alibi_slopes[head0 + h] * LOG2E_F32 if use_alibi else float32(0)
+            m[h] = float32(-math.inf)
+            l[h] = float32(0)
+
+        k_group = cuda.local.array(GROUP_WORDS, uint32)
+        v_group = cuda.local.array(GROUP_WORDS, uint32)
+        k_group_scales = cuda.local.array(U, float32)
+        v_group_scales = cuda.local.array(U, float32)
+        scores = cuda.local.array(UH, float32)
+
+        # The slot's tokens start + slot, start + slot + SLOTS, ... in groups of U. A group is full
+        # when the warp's last slot has all U of its tokens (then so do the warp's other slots):
+        # no guards. The last group is guarded; the warp runs it while its first slot, which has the
+        # most tokens, has any, so all 32 lanes reach every shuffle.
+        table = block_tables[seq]
+        rows_per_block = num_kv_heads * block_size
+        head_row = kv_head * block_size
+        lane_words = r * WORDS
+        column_step = SLOTS // block_size
+        offset_step = SLOTS % block_size
+        token0 = start + slot
+        warp_first = start + warp * TOKENS_PER_WARP
+        column = token0 // block_size
+        offset = token0 % block_size
+        while warp_first + SLOTS * (U - 1) + TOKENS_PER_WARP - 1 < end:
+            column, offset = load_full_group(token0, end, column, offset, column_step, offset_step, table,
+                                             rows_per_block, head_row, lane_words, block_size, k_words, v_words,
+                                             k_scales, v_scales, k_group, v_group, k_group_scales, v_group_scales)
+            group_scores(token0, seq_len, q2, slope2, use_alibi, k_group, k_group_scales, scores)
+            full_group_softmax(token0, end, scores, v_group, v_group_scales, m, l, acc)
+            token0 += SLOTS * U
+            warp_first += SLOTS * U
+        if warp_first < end:
+            load_last_group(token0, end, column, offset, column_step, offset_step, table, rows_per_block, head_row,
+                            lane_words, block_size, k_words, v_words, k_scales, v_scales, k_group, v_group,
+                            k_group_scales, v_group_scales)
+            group_scores(token0, seq_len, q2, slope2, use_alibi, k_group, k_group_scales, scores)
+            last_group_softmax(token0, end, scores, v_group, v_group_scales, m, l, acc)
+
+        # Merge the slots in slot order through shared memory (a slot without tokens is neutral): each
+        # head's m* and each slot's weight exp2(m_p - m*) once, then the fma chains over the slots.
+        slot_m = cuda.shared.array(MERGE_STATES, float32)
+        slot_l = cuda.shared.array(MERGE_STATES, float32)
+        slot_w = cuda.shared.array(MERGE_STATES, float32)
+        head_m = cuda.shared.array(H, float32)
+        slot_acc = cuda.shared.array(MERGE_SIZE, float32)
+        for h in range(H):
+            if r == 0:
+                slot_m[h * SLOTS + slot] = m[h]
+                slot_l[h * SLOTS + slot] = l[h]
+            for e in range(E):
+                slot_acc[(h * SLOTS + slot) * HEAD_DIM + r * E + e] = acc[h * E + e]
+        cuda.syncthreads()
+        if tid < H:
+            m_star = slot_m[tid * SLOTS]
+            for p in range(1, SLOTS):
+                m_star = mathops.nan_max(m_star, slot_m[tid * SLOTS + p])
+            head_m[tid] = m_star
+        cuda.syncthreads()
+        for i in range(tid, MERGE_STATES, THREADS_PER_CTA):
+            slot_w[i] = merge_weight(slot_m[i], head_m[i // SLOTS])
+        cuda.syncthreads()
+        for i in range(tid, H * HEAD_DIM, THREADS_PER_CTA):
+            h = i // HEAD_DIM
+            d = i % HEAD_DIM
+            l_sum = float32(0)
+            acc_sum = float32(0)
+            for p in range(SLOTS):
+                weight = slot_w[h * SLOTS + p]
+                l_sum = cuda.fma(weight, slot_l[h * SLOTS + p], l_sum)
+                acc_sum = cuda.fma(weight, slot_acc[(h * SLOTS + p) * HEAD_DIM + d], acc_sum)
+            if num_splits == 1:
+                out[seq, head0 + h, d] = normalized(acc_sum, l_sum)
+            else:
+                workspace[seq, head0 + h, shard, d] = acc_sum
+                if d == 0:
+                    workspace[seq, head0 + h, shard, HEAD_DIM] = head_m[h]
+                    workspace[seq, head0 + h, shard, HEAD_DIM + 1] = l_sum
+
+    return split_kernel
+
+
+MAX_SPLITS = 256
+"""Shards a combine can merge (its shared memory holds one weight and one ``l`` per shard)."""
+COMBINE_LOADS_IN_FLIGHT = 8
+
+
+def combine_kernel(workspace, num_splits, out):
+    """Merge the shards' partials in shard order and normalize; thread ``d`` owns element ``d``.
+
+    Launch ``[(num_seqs, num_heads), head_dim]``. Workspace row ``[..., shard, :]`` holds
+    ``acc[0:head_dim], m, l``. The shards' ``m`` and ``l`` are loaded by many threads at once and
+    each weight ``exp2(m_s - m*)`` computed once, into shared memory; each thread then loads its
+    ``acc`` values 8 shards at a time (loads in flight together) before their fmas, in shard order.
+    """
+    seq = cuda.blockIdx.x
+    head = cuda.blockIdx.y
+    d = cuda.threadIdx.x
+    head_dim = out.shape[2]
+    shard_m = cuda.shared.array(MAX_SPLITS, float32)
+    shard_l = cuda.shared.array(MAX_SPLITS, float32)
+    for s in range(d, num_splits, head_dim):
+        shard_m[s] = workspace[seq, head, s, head_dim]
+        shard_l[s] = workspace[seq, head, s, head_dim + 1]
+    cuda.syncthreads()
+    m_star = shard_m[0]
+    for s in range(1, num_splits):
+        m_star = mathops.nan_max(m_star, shard_m[s])
+    cuda.syncthreads()
+    for s in range(d, num_splits, head_dim):
+        shard_m[s] = merge_weight(shard_m[s], m_star)  # now the weight
+    cuda.syncthreads()
+    values = cuda.local.array(COMBINE_LOADS_IN_FLIGHT, float32)
+    l_sum = float32(0)
+    acc_sum = float32(0)
+    for first in range(0, num_splits, COMBINE_LOADS_IN_FLIGHT):
+        for i in range(COMBINE_LOADS_IN_FLIGHT):
+            if first + i < num_splits:
+                values[i] = workspace[seq, head, first + i, d]
+        for i in range(COMBINE_LOADS_IN_FLIGHT):
+            if first + i < num_splits:
+                l_sum = cuda.fma(shard_m[first + i], shard_l[first + i], l_sum)
+                acc_sum = cuda.fma(shard_m[first + i], values[i], acc_sum)
+    out[seq, head, d] = normalized(acc_sum, l_sum)
+
+
+@functools.lru_cache(maxsize=None)
+def _split_kernel(cache_format: str, head_dim: int, heads: int, tokens_in_flight: int | None = None):
+    return cuda.jit(split_kernel_function(cache_format, head_dim, heads, tokens_in_flight))
+
+
+_combine_kernel = cuda.jit(combine_kernel)
+
+
+# ---------------------------------------------------------------------------- host side
+
+
+def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, max_splits: int = MAX_SPLITS_PER_HEAD * MAX_HEADS_PER_CTA):
+    """A workspace for ``paged_decode``: float32 ``[num_seqs, num_heads, max_splits, head_dim + 2]``.
+
+    Row ``[seq, head, shard]`` receives the shard's ``acc`` (``head_dim`` values), then ``m`` and
+    ``l``. Allocate it once and pass it to every call (no allocation per call; CUDA-graph capture
+    needs that). A device array on a GPU, a NumPy array in the simulator.
+    """
+    shape = (int(num_seqs), int(num_heads), int(max_splits), int(head_dim) + 2)
+    return np.empty(shape, np.float32) if SIMULATOR else cuda.device_array(shape, np.float32)
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """A checked ``paged_decode`` call: kernel-ready arrays, the variant and the split count."""
+
+    q: object
+    k_words: object
+    v_words: object
+    k_scales: object
+    v_scales: object
+    block_tables: object
+    seq_lens: object
+    alibi_slopes: object
+    scale_log2: np.float32
+    num_splits: int
+    workspace: object
+    out: object
+    cache_format: str
+    head_dim: int
+    num_kv_heads: int
+    block_size: int
+
+
+def _check_index_values(tables, lens, block_size: int, num_blocks: int) -> None:
+    """Every sequence's length is >= 0 and its used block-table entries are block ids in range."""
+    if lens.size and lens.min() < 0:
+        raise ValueError(f"seq_lens: expected lengths >= 0, got {lens.min()}")
+    needed = -(-lens // block_size)
+    if needed.size and needed.max() > tables.shape[1]:
+        i = int(np.argmax(needed))
+        raise ValueError(f"block_tables: sequence {i} has {lens[i]} tokens, which need {needed[i]} blocks of "
+                         f"{block_size}, but the table has {tables.shape[1]} columns")
+    for i, n_used in enumerate(needed):
+        used = tables[i, :n_used]
+        if used.size and (used.min() < 0 or used.max() >= num_blocks):
+            raise ValueError(f"block_tables: block ids must lie in [0, {num_blocks}), sequence {i} uses "
+                             f"{used.min()}..{used.max()}")
+
+
+def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
+                 alibi_slopes=None, num_splits="auto", workspace=None, max_seq_len=None) -> DecodeCall:
+    """Every argument check of ``paged_decode``; nothing is launched here."""
+    names = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "out")
+    q, k_cache, v_cache, block_tables, seq_lens, out = (
+        as_kernel_array(n, x) for n, x in zip(names, (q, k_cache, v_cache, block_tables, seq_lens, out)))
+    k_scale, v_scale, alibi_slopes, workspace = (
+        None if x is None else as_kernel_array(n, x)
+        for n, x in (("k_scale", k_scale), ("v_scale", v_scale), ("alibi_slopes", alibi_slopes), ("workspace", workspace)))
+
+    if q.ndim != 3 or np.dtype(q.dtype) != np.float32:
+        reject("q", "float32 [num_seqs, num_heads, head_dim]", q)
+    num_seqs, num_heads, head_dim = q.shape
+    cache_format = check_cache("k_cache", k_cache, k_scale, "k_scale")
+    if np.dtype(v_cache.dtype) != np.dtype(k_cache.dtype) or tuple(v_cache.shape) != tuple(k_cache.shape):
+        reject("v_cache", f"the shape {tuple(k_cache.shape)} and dtype {k_cache.dtype} of k_cache", v_cache)
+    check_cache("v_cache", v_cache, v_scale, "v_scale")
+    num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"k_cache: head_dim {cache_head_dim} does not match q's head_dim {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"q: head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) for GQA")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs or np.dtype(block_tables.dtype).kind not in "iu":
+        reject("block_tables", f"an integer array [{num_seqs}, max_blocks_per_seq]", block_tables)
+    if tuple(seq_lens.shape) != (num_seqs,) or np.dtype(seq_lens.dtype).kind not in "iu":
+        reject("seq_lens", f"an integer array [{num_seqs}]", seq_lens)
+    if alibi_slopes is not None and (tuple(alibi_slopes.shape) != (num_heads,) or np.dtype(alibi_slopes.dtype) != np.float32):
+        reject("alibi_slopes", f"float32 [{num_heads}] or None", alibi_slopes)
+    if tuple(out.shape) != (num_seqs, num_heads, head_dim) or np.dtype(out.dtype) != np.float32:
+        reject("out", f"float32 [{num_seqs}, {num_heads}, {head_dim}]", out)
+    require_c_contiguous("out", out)
+
+    # The index arrays' values: read on the host unless the caller vouches for them with max_seq_len.
+    host_indices = isinstance(seq_lens, np.ndarray) and isinstance(block_tables, np.ndarray)
+    if max_seq_len is None or host_indices:
+        lens = to_host(seq_lens).astype(np.int64)
+        _check_index_values(to_host(block_tables).astype(np.int64), lens, block_size, num_blocks)
+        longest = int(lens.max(initial=0))
+        if max_seq_len is not None and int(max_seq_len) < longest:
+            raise ValueError(f"max_seq_len: {max_seq_len} is shorter than the longest sequence ({longest})")
+    else:
+        longest = int(max_seq_len)
+        if longest < 0 or -(-longest // block_size) > block_tables.shape[1]:
+            raise ValueError(f"max_seq_len: {longest} tokens need {-(-longest // block_size)} blocks of {block_size}, "
+                             f"block_tables has {block_tables.shape[1]} columns")
+    max_seq_len = longest if max_seq_len is None else int(max_seq_len)
+
+    if isinstance(num_splits, str) and num_splits == "auto":
+        splits = choose_num_splits(num_seqs, num_heads, num_kv_heads, max_seq_len, device_num_sms(), block_size)
+    elif isinstance(num_splits, (int, np.integer)) and not isinstance(num_splits, bool) and 1 <= num_splits <= MAX_SPLITS:
+        splits = int(num_splits)
+    else:
+        raise ValueError(f"num_splits: expected an int from 1 to {MAX_SPLITS} or 'auto', got {num_splits!r}")
+    if workspace is not None:
+        ok = (workspace.ndim == 4 and tuple(workspace.shape[:2]) == (num_seqs, num_heads) and workspace.shape[2] >= splits
+              and workspace.shape[3] == head_dim + 2 and np.dtype(workspace.dtype) == np.float32)
+        if not ok:
+            reject("workspace", f"float32 [{num_seqs}, {num_heads}, >= {splits}, {head_dim + 2}] (decode_workspace)", workspace)
+        require_c_contiguous("workspace", workspace)
+
+    scale_log2 = np.float32(float(softmax_scale) * LOG2E)  # float64 product, rounded once (as the simulator)
+    k_words, k_scales = flat_cache(k_cache, k_scale)
+    v_words, v_scales = flat_cache(v_cache, v_scale)
+    return DecodeCall(q, k_words, v_words, k_scales, v_scales, _as_int32(block_tables), _as_int32(seq_lens),
+                      alibi_slopes, scale_log2, splits, workspace, out, cache_format, head_dim, num_kv_heads,
+                      block_size)
+
+
+def flat_cache(cache, scales):
+    """The cache as one flat array of uint32 words and its scales flattened (None for a float cache);
+    views, no copies. The kernel reads it with 128-bit loads: on a GPU its address must be 16-byte
+    aligned (a ``ValueError`` otherwise; Numba's and torch's allocations are)."""
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    num_rows = num_blocks * num_kv_heads * block_size
+    words = cache.reshape(num_rows * head_dim).view(np.uint32)
+    device = getattr(words, "__cuda_array_interface__", None)  # (a NumPy array is copied to an aligned one)
+    if not SIMULATOR and device is not None and device["data"][0] % LOAD_ALIGNMENT:
+        raise ValueError(f"cache: its device address must be {LOAD_ALIGNMENT}-byte aligned for 128-bit loads")
+    return words, None if scales is None else scales.reshape(num_rows)
+
+
+def _as_int32(x):
+    """Host index arrays become C-contiguous int32 (one kernel specialization); device arrays stay as they are."""
+    return np.ascontiguousarray(x, dtype=np.int32) if isinstance(x, np.ndarray) else x
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
+                 alibi_slopes=None, num_splits="auto", workspace=None, *, max_seq_len=None, stream=0,
+                 tokens_in_flight=None):
+    """Decode attention of one query token per sequence over a paged cache, into ``out``; returns ``out``.
+
+    ``q``: float32 ``[num_seqs, num_heads, head_dim]``; ``k_cache``, ``v_cache``: ``[num_blocks,
+    num_kv_heads, block_size, head_dim]`` of uint8 E4M3 codes (then float32 ``k_scale``, ``v_scale``
+    ``[num_blocks, num_kv_heads, block_size]`` are required), float32, or uint16 BF16 patterns;
+    ``block_tables``: integer ``[num_seqs, max_blocks_per_seq]`` (entries past a sequence's blocks are
+    never read); ``seq_lens``: integer ``[num_seqs]``, 0 allowed; ``softmax_scale``: a float;
+    ``out``: float32 ``[num_seqs, num_heads, head_dim]``, written entirely; ``alibi_slopes``: float32
+    ``[num_heads]`` or None.
+
+    ``num_splits``: a positive int (any; the workspace must have room), or ``"auto"``
+    (``choose_num_splits`` with this GPU's SM count; at most 8 per query head). ``workspace``: see
+    ``decode_workspace``; allocated per call when None and ``num_splits > 1``.
+
+    ``max_seq_len`` (keyword): an upper bound of ``seq_lens``. Without it the values of
+    ``seq_lens`` and ``block_tables`` are checked on the host (device arrays are copied, a
+    synchronizing copy). With it and device index arrays nothing is read back: only the block
+    table's width is checked against ``max_seq_len`` and ``"auto"`` uses it (the way to run inside
+    CUDA-graph capture); the caller vouches for the values.
+
+    Arrays: NumPy (copied to the device once, ``out`` copied back, on a GPU), Numba device arrays or
+    ``__cuda_array_interface__`` objects. Every bad argument is a ``ValueError`` before any launch.
+    """
+    call = check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale, v_scale,
+                        alibi_slopes, num_splits, workspace, max_seq_len)
+    num_seqs, num_heads, head_dim = call.q.shape
+    if num_seqs == 0 or num_heads == 0:
+        return out
+    fp8 = call.cache_format == "fp8"
+    workspace = call.workspace
+    if workspace is None:
+        workspace = decode_workspace(num_seqs, num_heads, head_dim, call.num_splits) if call.num_splits > 1 else placeholder(4)
+    args = [call.q, call.k_words, call.v_words, call.k_scales if fp8 else placeholder(1),
+            call.v_scales if fp8 else placeholder(1), call.block_tables, call.seq_lens,
+            placeholder(1) if call.alibi_slopes is None else call.alibi_slopes]
+    device = [on_device(x, stream) for x in args]
+    out_device = on_device(call.out, stream)
+    workspace_device = on_device(workspace, stream)
+    heads = heads_per_cta(num_heads // call.num_kv_heads)
+    kernel = _split_kernel(call.cache_format, head_dim, heads, tokens_in_flight)
+    kernel[(num_seqs, num_heads // heads, call.num_splits), THREADS_PER_CTA, stream](
+        *device, int(call.alibi_slopes is not None), call.scale_log2, call.num_kv_heads, call.block_size,
+        call.num_splits, workspace_device, out_device)
+    if call.num_splits > 1:
+        _combine_kernel[(num_seqs, num_heads), head_dim, stream](workspace_device, call.num_splits, out_device)
+    if out_device is not call.out:  # a NumPy out on a GPU
+        out_device.copy_to_host(call.out, stream=stream)
+    return out
+
+
+# ---------------------------------------------------------------------------- every variant, for the PTX check
+
+
+def kernel_variants():
+    """``(name, python function, numba signature)`` of the decode kernel variants the PTX check compiles:
+    every (cache format, head size) with 4 heads per CTA, and FP8 at 128 with 1, 2 and 3 (C-contiguous,
+    int32 indices)."""
+    f32 = types.float32
+    words = types.Array(types.uint32, 1, "C")
+    signature = types.void(
+        types.Array(f32, 3, "C"), words, words, types.Array(f32, 1, "C"), types.Array(f32, 1, "C"),
+        types.Array(types.int32, 2, "C"), types.Array(types.int32, 1, "C"), types.Array(f32, 1, "C"), types.int64,
+        f32, types.int64, types.int64, types.int64, types.Array(f32, 4, "C"), types.Array(f32, 3, "C"))
+    shapes = [(fmt, head_dim, MAX_HEADS_PER_CTA) for fmt in ("fp8", "bf16", "f32") for head_dim in HEAD_DIMS]
+    shapes += [("fp8", 128, heads) for heads in range(1, MAX_HEADS_PER_CTA)]
+    variants = [(f"split[{fmt}, head_dim={head_dim}, heads={heads}]", split_kernel_function(fmt, head_dim, heads),
+                 signature) for fmt, head_dim, heads in shapes]
+    variants.append(("combine", combine_kernel,
+                     types.void(types.Array(f32, 4, "C"), types.int64, types.Array(f32, 3, "C"))))
+    return variants

@@ -1,0 +1,2 @@
+"""Bit-exact, vectorized NumPy models of *how* the FP8 kernels compute (lane layouts, bit
+placement, float32 operation order); each kernel file names the simulator it matches."""
