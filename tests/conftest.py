@@ -1,4 +1,5 @@
-"""Shared test set-up: Hypothesis profiles and the ``gpu`` marker.
+"""Shared test set-up: Hypothesis profiles, the ``gpu`` and ``cudasim`` markers, the ``rng`` and
+``gemm_twins`` fixtures (the helpers the test modules share are in ``helpers/``).
 
 Profiles (choose with ``pytest --hypothesis-profile=NAME``; ``ci`` is the default):
 
@@ -34,8 +35,8 @@ if "FP8LAB_CACHE" not in os.environ:
 
     os.environ["FP8LAB_CACHE"] = tempfile.mkdtemp(prefix="fp8lab-test-cache-")
 
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+import pytest
+from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "ci",
@@ -81,9 +82,20 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def rng(request):
-    """A NumPy generator seeded from the test's name: fresh per test, reproducible across runs."""
+    """A NumPy generator seeded from the test's file name and name (not its folder, so that moving a
+    test module keeps its data): fresh per test, reproducible across runs."""
     import zlib
+    from pathlib import Path
 
     import numpy as np
 
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+    seed_name = f"tests/{Path(request.node.path).name}::{request.node.nodeid.split('::', 1)[1]}"
+    return np.random.default_rng(zlib.crc32(seed_name.encode()))
+
+
+@pytest.fixture
+def gemm_twins(monkeypatch):
+    """The GPU model's GEMM kernels replaced by their bit-exact NumPy simulators (``helpers.cuda_twins``)."""
+    from helpers.cuda_twins import install_gemm_twins
+
+    install_gemm_twins(monkeypatch)

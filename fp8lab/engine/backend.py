@@ -126,7 +126,7 @@ class ReferenceBackend(Backend):
       (``decode(q) * scale_inv`` rounded to float32, once per weight unless
       ``dequantize_once=False``), then one float32 BLAS GEMM. Against the float64 oracle
       ``blockwise.gemm`` the error is within float32 GEMM rounding (tested in
-      ``tests/test_model.py``). Results are not batch-invariant in the last bit: BLAS uses a
+      ``tests/engine/test_model.py``). Results are not batch-invariant in the last bit: BLAS uses a
       different kernel for one row than for many.
     - ``gemm_input``: ``"float32"`` (default) multiplies the FP8 weights by the float32
       activations as they are; ``"bf16"`` first rounds the activations of every FP8 linear to BF16

@@ -86,7 +86,7 @@ needed (and how many were free), not a crash in a kernel. A batch larger than th
 buffers raises ``ValueError`` naming the limit; running out of KV blocks is ``fp8lab.engine.kv_manager``'s
 ``KVCacheExhausted``, raised before any work, as with the reference model.
 
-Checked against ``Qwen3Model`` on the reference backend (``tests/test_cuda_model.py``, which states
+Checked against ``Qwen3Model`` on the reference backend (``tests/engine/test_cuda_model.py``, which states
 and derives the bounds): in the CUDA simulator on a micro model, every non-GEMM kernel for real and
 the three GEMM kernels replaced by their bit-exact NumPy twins (``fp8lab/simulators/``; the simulator spends
 milliseconds per simulated thread, so one real-width GEMM takes seconds to minutes there): greedy

@@ -23,7 +23,7 @@ NaN codes (0x7F / 0xFF) are not special to the placement: they become the finite
 Launch shape (``dequantize_launch_info``): 1-D, ``THREADS_PER_CTA`` threads per CTA, at most
 ``MAX_CTAS`` CTAs, each thread walking a grid-stride loop over the ``N * K / 4`` words of ``q``.
 
-Checked (``tests/test_dequantize_kernel.py``) against ``fp8lab.reference.blockwise.dequantize`` bit for bit,
+Checked (``tests/numba_kernels/test_dequantize_kernel.py``) against ``fp8lab.reference.blockwise.dequantize`` bit for bit,
 in the CUDA simulator and on a GPU; ``placed_codes`` against ``fp8lab.simulators.bit_placement``.
 
 Requirements (``ValueError`` before anything is launched): ``q`` uint8 ``[N, K]`` C-contiguous with

@@ -15,7 +15,7 @@ Both kernels check their arguments before launching (``arguments.check_gemm``); 
 the two rules applies to ``auto`` too, so a call that works for one M works for every M: K and
 block_k multiples of 128, block_n a multiple of 8, 16-bit activations. Nothing is launched on a
 bad call. Checked against ``fp8lab.reference.blockwise.gemm`` through the kernels' own tests and
-``tests/test_fp8_gemm.py``.
+``tests/numba_kernels/test_fp8_gemm.py``.
 """
 
 from __future__ import annotations

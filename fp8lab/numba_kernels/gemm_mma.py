@@ -72,7 +72,7 @@ Float32 operation order is that of ``fp8lab.simulators.gemm_mma`` exactly, so in
 (where ``mma_bf16``/``mma_f16`` are warp-collective twins built on ``fp8lab.simulators.mma``, and
 ``cp.async`` lands as late as allowed) this kernel equals ``fp8lab.simulators.gemm_mma.gemm_mma`` bit for
 bit, for every tiling; on a GPU it is checked against ``fp8lab.reference.blockwise.gemm`` with the GPU
-error budget stated there (``tests/test_gemm_mma_kernel.py``). On a GPU the linked ``mma`` helper
+error budget stated there (``tests/numba_kernels/test_gemm_mma_kernel.py``). On a GPU the linked ``mma`` helper
 is inlined by link-time optimization (numba-cuda's default when nvJitLink is installed).
 
 Versions: v1: register-staged double buffer, 8-byte loads, 4 warps x n8 per CTA (80 / 110
@@ -80,7 +80,7 @@ registers for ``m_blocks`` 1 / 2). v2 (this): ``cp.async`` ring of ``stages`` bu
 copies, tiling knobs. CUDA 13.5, sm_90, no spills in any of the 84 tilings; registers for 4-warp
 CTAs 60-68 ``(m_blocks, n8 tiles) = (1, 1)``, 84-90 ``(1, 2)``, 91-96 ``(2, 1)``, 99-121 ``(2, 2)``;
 1- and 2-warp CTAs hoist one 64-bit address per copy out of the K loop and take 73-255
-(``tests/test_kernels_compile.py`` prints them).
+(``tests/numba_kernels/test_kernels_compile.py`` prints them).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ hardware ``cvt.rn.f16x2.e4m3x2`` decode (two codes per instruction, but NaN code
 instead of the finite values the simulator defines).
 
 Checked against ``fp8lab.simulators.gemv_simt`` bit for bit (CUDA simulator and GPU) and against
-``fp8lab.reference.blockwise.gemm`` by relative error (``tests/test_gemv_kernel.py``).
+``fp8lab.reference.blockwise.gemm`` by relative error (``tests/numba_kernels/test_gemv_kernel.py``).
 
 Requirements (``ValueError`` before anything is launched): those of ``arguments.check_gemm``
 (``K`` and ``BK`` multiples of 128, shapes and dtypes) plus ``1 <= M <= 16``, the knobs in range
@@ -425,7 +425,7 @@ def tuning_candidates(m: int) -> list[dict]:
 
     Registers bound the warps an SM holds (65536 / 32 / registers per thread), and with them the
     bytes in flight; more chunks per group and more columns per warp cost registers but put more
-    bytes in flight per warp and cut instructions per chunk (``tests/test_kernels_compile.py``
+    bytes in flight per warp and cut instructions per chunk (``tests/numba_kernels/test_kernels_compile.py``
     prints registers per variant).
     """
     if m <= 2:

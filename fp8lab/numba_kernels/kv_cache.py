@@ -1,7 +1,7 @@
 """Paged KV-cache write: new K/V tokens into an FP8 (E4M3 + per-token scales) or float paged cache.
 
 What it computes (the contract of ``fp8lab.reference.kv_cache.write``, checked bit for bit in
-``tests/test_kv_cache_kernel.py``): for every new token ``t`` and kv head ``h``, the vectors
+``tests/numba_kernels/test_kv_cache_kernel.py``): for every new token ``t`` and kv head ``h``, the vectors
 ``k[t, h, :]`` and ``v[t, h, :]`` go to slot ``slot_mapping[t] = block * block_size + offset`` of
 the caches ``[num_blocks, num_kv_heads, block_size, head_dim]``:
 

@@ -3,9 +3,9 @@ linear (lm_head), greedy sampling and the residual add.
 
 Each kernel runs on a GPU and unchanged in Numba's CUDA simulator. All arithmetic is float32, and
 every sum has a fixed, documented order (``cuda.fma`` where a product is accumulated, so the GPU
-compiler cannot contract differently), which ``tests/test_layer_kernels.py`` models in NumPy.
+compiler cannot contract differently), which ``tests/numba_kernels/test_layer_kernels.py`` models in NumPy.
 
-Kernels (launch shapes are CTAs x threads; "checked" names the oracle in ``tests/test_layer_kernels.py``):
+Kernels (launch shapes are CTAs x threads; "checked" names the oracle in ``tests/numba_kernels/test_layer_kernels.py``):
 
 1. ``rms_norm(x, weight, eps, out)``: ``weight * (x / sqrt(mean(x^2) + eps))`` over the last axis
    (Qwen3RMSNorm). Launch: for ``n <= 256`` (q/k-norm, head_dim 128) a warp per row, 4 rows per
@@ -33,7 +33,7 @@ Kernels (launch shapes are CTAs x threads; "checked" names the oracle in ``tests
 7. ``add_into(x, y)``: ``x += y``. Launch 1-D, a thread per element. Checked: NumPy, exactly.
 8. ``bf16_round(x, out)``: float32 to BF16 bit patterns, round to nearest even (the input cast of the
    FP8 tensor-core GEMM). Launch 1-D, a thread per element. Checked: ``ml_dtypes`` (in
-   ``tests/test_cuda_model.py``'s model runs and ``tests/test_layer_kernels.py``).
+   ``tests/engine/test_cuda_model.py``'s model runs and ``tests/numba_kernels/test_layer_kernels.py``).
 
 Calling convention (every public function): arrays are Numba device arrays, ``__cuda_array_interface__``
 objects (torch, CuPy) or NumPy arrays (on a GPU copied to the device and the results copied back,

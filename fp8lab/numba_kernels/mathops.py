@@ -10,7 +10,7 @@
   - In the CUDA simulator: ``fp8lab.simulators.splitkv.exp2_f32``, NumPy's float32 ``exp2``, the very
     function the split-kv simulator uses, so a kernel in the simulator matches
     ``fp8lab.simulators.splitkv`` bit for bit. (NumPy's float32 ``exp2`` is not correctly rounded either;
-    ``tests/test_splitkv.py`` checks it within 4 ulp.) The GPU and the simulator differ in the last
+    ``tests/simulators/test_splitkv.py`` checks it within 4 ulp.) The GPU and the simulator differ in the last
     bits of ``exp2``, which is why GPU results are checked against ``fp8lab.reference.attention`` by an
     error bound, not bit for bit.
 
@@ -20,7 +20,7 @@
 - ``e4m3_decode(code)``: the exact float32 value of an E4M3 code, by bit placement (no table).
 - ``e4m3_encode_saturating(x)``: float32 to an E4M3 code, round to nearest even, saturating to
   +-448, by integer arithmetic on the float32 bit pattern; equal to
-  ``fp8lab.reference.e4m3.encode(x, saturate=True)`` for every float32 (``tests/test_kv_cache_kernel.py``).
+  ``fp8lab.reference.e4m3.encode(x, saturate=True)`` for every float32 (``tests/numba_kernels/test_kv_cache_kernel.py``).
 
 Every function here is a plain Python function in the simulator (numpy scalars in, numpy scalars
 out) and an inlined ``cuda.jit`` device function on a GPU; the integer ones are the same source in

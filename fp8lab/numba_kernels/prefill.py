@@ -28,7 +28,7 @@ Kernels and launch shapes:
 2. the split-kv decode kernels on the expanded rows, ``num_query_tokens`` in place of ``num_seqs``:
    their grid, CTA and combine are those of ``fp8lab.numba_kernels.splitkv.paged_decode``.
 
-Checked against (``tests/test_prefill_kernel.py``): in the CUDA simulator, bit for bit against
+Checked against (``tests/numba_kernels/test_prefill_kernel.py``): in the CUDA simulator, bit for bit against
 ``fp8lab.simulators.splitkv.paged_decode`` on the expanded rows (computed there by a plain loop), and
 within the split-kv float32 error bound against ``fp8lab.reference.attention.prefill``; on a GPU against
 ``fp8lab.reference.attention.prefill`` by ``||out - ref|| / ||ref||``.

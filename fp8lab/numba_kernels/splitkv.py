@@ -10,7 +10,7 @@ How: exactly the schedule of ``fp8lab.simulators.splitkv`` (read its docstring f
 operations in the same order, so that in the CUDA simulator the kernels match
 ``fp8lab.simulators.splitkv.shard_partials`` and ``paged_decode`` bit for bit, and on a GPU they differ from
 it only through ``exp2`` (``fp8lab.numba_kernels.mathops``); GPU results are checked against
-``fp8lab.reference.attention`` with an error bound. Both checks are in ``tests/test_splitkv_kernel.py``.
+``fp8lab.reference.attention`` with an error bound. Both checks are in ``tests/numba_kernels/test_splitkv_kernel.py``.
 
 Kernels and launch shapes:
 
@@ -54,7 +54,7 @@ Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` of uint8 E4M3 codes
 ``[num_blocks, num_kv_heads, block_size]`` (``fp8lab.reference.kv_cache``; no scales is an error, never a
 fallback), float32, or uint16 BF16 patterns, 16-byte aligned on the device. ``head_dim``: 32, 64,
 128 or 256. ``q``, ``out``: float32. Variants: one split kernel per (cache format, head_dim, heads per
-CTA), compiled on first use; ``kernel_variants()`` lists the ones ``tests/test_kernels_compile.py``
+CTA), compiled on first use; ``kernel_variants()`` lists the ones ``tests/numba_kernels/test_kernels_compile.py``
 compiles to sm_90 PTX.
 
 Versions: 1 (first session): CTA per query head, 4 warps dealt tokens round-robin, ``head_dim / 32``

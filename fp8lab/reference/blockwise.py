@@ -18,7 +18,7 @@ Two GEMM numerics are in use:
   group of ``BK`` columns (``quantize_activations``), then each K block contributes
   ``a_scale * w_scale * sum_k decode(aq) * decode(q)``.
 
-Error bound of ``dequantize(*quantize(w))`` per element (tested in ``tests/test_blockwise.py``)::
+Error bound of ``dequantize(*quantize(w))`` per element (tested in ``tests/reference/test_blockwise.py``)::
 
     |dequantize(q, s)[n, k] - w[n, k]| <= 2^-4 * |w[n, k]| + 2^-10 * s[n // BN, k // BK]  (+ float32 rounding)
 

@@ -104,7 +104,7 @@ def fma_f32_into(a, b, c, out: np.ndarray, scratch: FmaScratch, fp8_bound: float
       Then ``a * b`` has at most 28 significant bits, and an inexact float64 sum can only be a
       float32 tie if ``c`` vanished in it (sum == ``a * b``, ``0 < |c| <= 2^-53 |a * b|``): any other
       inexact sum needs a gap of over 24 bits between the terms, which keeps it at least one float64
-      ulp from every float32 midpoint (``tests/test_gemv_simt.py`` checks this on adversarial cases).
+      ulp from every float32 midpoint (``tests/simulators/test_gemv_simt.py`` checks this on adversarial cases).
       So no tie needs checking when every nonzero ``|c|`` exceeds ``2^-53 fp8_bound`` (one reduction).
     - ``may_be_tiny=False``: every nonzero ``|a * b| >= 2^-125``. An inexact float64 sum has one term
       below half the other, so it is then at least ``2^-126``: not subnormal.

@@ -1,0 +1,11 @@
+"""What the test modules share; test modules never import each other.
+
+- ``helpers.engine``: tiny seeded random Qwen3 models in memory, runs over a paged cache, a fake
+  tokenizer and I/O for the commands' tests, an independent float64 Qwen3 forward;
+- ``helpers.cuda_twins``: NumPy twins of the GPU model's GEMM kernels, the micro model;
+- ``helpers.attention``: the split-kv simulator's error bound, ALiBi slopes, filled paged caches;
+- ``helpers.ptx``: running sm_90 compile checks in a subprocess, ptxas's resource report.
+
+``tests/`` is on ``sys.path`` under pytest (``conftest.py`` lives there), so ``from helpers.engine
+import ...`` works from every folder of the suite.
+"""

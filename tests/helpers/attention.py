@@ -1,0 +1,90 @@
+"""Shared by the split-kv and prefill tests: the simulator's error bound, ALiBi slopes, filled paged caches.
+
+``tolerance`` is the bound stated (and derived) in ``tests/simulators/test_splitkv.py``'s docstring.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+from fp8lab.reference import kv_cache
+from fp8lab.simulators import splitkv as sk
+
+U = 2.0**-24
+EXP2_ULPS = 4
+"""ulps of error per float32 ``exp2`` (checked for NumPy's float32 ``exp2`` in test_splitkv)."""
+
+
+def gamma(n: int) -> float:
+    return n * U / (1 - n * U)
+
+
+def tolerance(data, slopes, num_splits: int) -> np.ndarray:
+    """The error bound of the module docstring, per (sequence, query head): ``[num_seqs, num_heads]``."""
+    q = data.q.astype(np.float64)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = data.k_cache.shape[1], data.k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    scale_log2 = data.softmax_scale * math.log2(math.e)
+    tol = np.zeros((num_seqs, num_heads))
+    for i, length in enumerate(int(x) for x in data.seq_lens):
+        if length == 0:
+            continue
+        k = kv_cache.gather(data.k_cache, data.k_scale, data.block_tables[i], length).astype(np.float64)
+        v = kv_cache.gather(data.v_cache, data.v_scale, data.block_tables[i], length).astype(np.float64)
+        bounds = sk.shard_bounds(length, num_splits, block_size)
+        slots = sk.num_slots(head_dim)
+        tokens_per_slot = int(np.max(-(-(bounds[:, 1] - bounds[:, 0]) // slots)))
+        for h in range(num_heads):
+            kv = h // group
+            b = np.max(np.abs(k[:, kv, :]) @ np.abs(q[i, h])) * scale_log2
+            a = 0.0 if slopes is None else abs(float(slopes[h])) * (length - 1) * math.log2(math.e)
+            delta = gamma(sk.ELEMENTS_PER_LANE + 9) * (b + a)
+            eta = math.log(2) * delta + (tokens_per_slot + 3) * (EXP2_ULPS * U + 2 * U)
+            v_max = np.max(np.abs(v[:, kv, :]))
+            relative = (2 * eta / (1 - eta) + 2 * math.log(2) * 0.531 * U * length
+                        + 2 * gamma(2 * tokens_per_slot + slots + num_splits + 4) + 3 * U)
+            tol[i, h] = relative * v_max + length * 2.0**-140
+    return tol
+
+
+def random_slopes(rng, num_heads: int) -> np.ndarray:
+    return (2.0 ** -rng.uniform(0, 8, num_heads)).astype(np.float32)
+
+
+def bf16_cache(float_cache: np.ndarray) -> np.ndarray:
+    """A float32 cache rounded to BF16, as the uint16 patterns the kernel takes."""
+    return float_cache.astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def as_float32(cache: np.ndarray) -> np.ndarray:
+    """What a cache holds as float32 (BF16 patterns widened exactly); FP8 codes stay codes."""
+    return cache.view(ml_dtypes.bfloat16).astype(np.float32) if cache.dtype == np.uint16 else cache
+
+
+def filled_cache(rng, lens, block_size, num_kv_heads, head_dim, cache):
+    """A paged FP8 or BF16 cache written by the reference, plus block tables over a shuffled pool."""
+    blocks = -(-np.asarray(lens) // block_size)
+    num_blocks = int(blocks.sum()) + 3
+    pool = rng.permutation(num_blocks)
+    tables = np.full((len(lens), max(1, int(blocks.max()))), -1, np.int32)
+    start = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = pool[start : start + n]
+        start += n
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    caches = []
+    for _ in range(2):
+        if cache == "fp8":
+            codes, scales = np.full(shape, 0x7F, np.uint8), np.full(shape[:3], np.nan, np.float32)
+        else:
+            codes, scales = np.full(shape, np.nan, np.float32), None
+        for table, n in zip(tables, lens):
+            x = rng.standard_normal((int(n), num_kv_heads, head_dim)).astype(np.float32)
+            x *= rng.uniform(0.1, 4.0, (int(n), num_kv_heads, 1)).astype(np.float32)
+            kv_cache.write(codes, scales, x, kv_cache.slots_for_positions(table, np.arange(n), block_size))
+        caches.append((codes if cache == "fp8" else bf16_cache(codes), scales))
+    return caches, tables

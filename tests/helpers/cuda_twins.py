@@ -1,0 +1,90 @@
+"""Bit-exact NumPy twins of the GPU model's GEMM kernels, and the micro model, for the CUDA-model tests.
+
+In Numba's CUDA simulator a simulated GEMM costs seconds; the GPU model's tests under the simulator
+swap its three GEMM kernels for their simulators (``gemm_twins``), which compute the same float32
+operations in the same order, so the rest of the forward (norms, RoPE, KV writes, attention, sampling)
+still runs as simulated kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fp8lab.engine import cuda_model
+from fp8lab.engine.safetensors_io import round_to_bf16
+from fp8lab.numba_kernels import arguments
+from fp8lab.numba_kernels.fp8_gemm import SIMT_MAX_M
+from fp8lab.simulators import gemm_mma as sim_mma
+from fp8lab.simulators import gemv_simt as sim_gemv
+from fp8lab.simulators.fma import fma_f32
+from helpers.engine import quantize_tensors, random_float_tensors, tiny_config
+
+LANES = np.arange(32)
+
+
+def bf16_values(bits) -> np.ndarray:
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def gemv_simt_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **knobs):
+    """``fp8lab.numba_kernels.gemv_simt`` as ``fp8lab.simulators.gemv_simt`` computes it (bit for bit)."""
+    p = arguments.check_gemm(a, q, scale_inv, out, block, kernel="the SIMT GEMV")
+    assert p.output == "f32" and 1 <= p.m <= 16
+    a32 = bf16_values(p.a) if p.activation == "bf16" else np.asarray(p.a, np.float32)
+    out[...] = sim_gemv.gemv_simt(a32, p.q, p.scale_inv, p.block)
+    return out
+
+
+def fp8_gemm_twin(a, q, scale_inv, out, block=(128, 128), path="auto", stream=0):
+    """``fp8lab.numba_kernels.fp8_gemm`` (``auto``: SIMT up to ``SIMT_MAX_M`` rows, else mma) by its simulators."""
+    p = arguments.check_gemm(a, q, scale_inv, out, block, kernel="fp8_gemm", activations=("bf16", "f16"),
+                             block_n_multiple=8)
+    assert p.activation == "bf16" and p.output == "f32"
+    if p.m <= SIMT_MAX_M:
+        out[...] = sim_gemv.gemv_simt(bf16_values(p.a), p.q, p.scale_inv, p.block)
+    else:
+        out[...] = sim_mma.gemm_mma(np.asarray(p.a, np.uint16), p.q, p.scale_inv, p.block, activation="bf16")
+    return out
+
+
+def bf16_linear_twin(x, w_bits, out, rows_per_warp=None, stream=0):
+    """``layers.bf16_linear``'s order: lane ``L`` chains ``fma`` over its 8-element chunks ``L, L + 32, ...``,
+    then the butterfly (the model of ``tests/numba_kernels/test_layer_kernels.py``)."""
+    x, w = np.asarray(x, np.float32), bf16_values(w_bits)
+    m, k = x.shape
+    assert k % 8 == 0 and tuple(out.shape) == (m, w.shape[0])
+    acc = np.zeros((m, w.shape[0], 32), np.float32)
+    for step in range(-(-(k // 8) // 32)):
+        for e in range(8):
+            kk = 8 * (32 * step + LANES) + e
+            kc = np.minimum(kk, k - 1)
+            acc = np.where(kk < k, fma_f32(x[:, None, kc], w[None, :, kc], acc), acc)
+    for off in (16, 8, 4, 2, 1):
+        acc = (acc + acc[..., LANES ^ off]).astype(np.float32)
+    out[...] = acc[..., 0]
+    return out
+
+
+def install_gemm_twins(monkeypatch) -> None:
+    """Swap the GPU model's three GEMM kernels for their twins (the ``gemm_twins`` fixture of conftest)."""
+    monkeypatch.setattr(cuda_model, "gemv_simt", gemv_simt_twin)
+    monkeypatch.setattr(cuda_model, "fp8_gemm", fp8_gemm_twin)
+    monkeypatch.setattr(cuda_model, "bf16_linear", bf16_linear_twin)
+
+
+def micro_config(layers: int = 1, **overrides):
+    """hidden 128 (the GEMMs' K must be a multiple of 128), 2 query heads / 1 kv head of 64, I = 128;
+    FP8 blocks 48 x 128: fused q/k/v (128 + 64 + 64 rows) and gate/up re-block to 16 rows, o/down have a
+    partial edge block; 8 positions, so that with blocks of 4 a sequence has 2 blocks and a decode step
+    2 splits (the combine kernel runs)."""
+    fields = dict(block=(48, 128), hidden_size=128, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=8)
+    fields.update(overrides)
+    return tiny_config(**fields)
+
+
+def micro_tensors(config, seed: int = 3) -> dict[str, np.ndarray]:
+    """Checkpoint tensors; float tensors rounded to BF16, as a Qwen3-FP8 checkpoint stores them (the GPU
+    model keeps embeddings and lm_head as BF16 patterns)."""
+    floats = {name: round_to_bf16(t) for name, t in random_float_tensors(config, np.random.default_rng(seed)).items()}
+    return quantize_tensors(config, floats)

@@ -1,0 +1,68 @@
+"""fp8_gemm routes by M to the SIMT GEMV or the tensor-core GEMM, and checks arguments first."""
+
+import os
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from fp8lab.numba_kernels import fp8_gemm as router
+from fp8lab.reference import blockwise
+from fp8lab.simulators import gemm_mma as sim_mma
+from fp8lab.simulators import gemv_simt as sim_gemv
+
+SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def problem(rng, m, n, k, block=(128, 128)):
+    w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+    q, s = blockwise.quantize(w, block)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    a_bits = (a.view(np.uint32) + 0x7FFF + ((a.view(np.uint32) >> 16) & 1) >> 16).astype(np.uint16)  # RNE to BF16
+    return a_bits, q, s
+
+
+def test_auto_picks_simt_up_to_the_threshold_then_mma():
+    assert [router.choose_path(m) for m in (1, router.SIMT_MAX_M)] == ["simt", "simt"]
+    assert router.choose_path(router.SIMT_MAX_M + 1) == "mma" and router.choose_path(300) == "mma"
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("m", [1, router.SIMT_MAX_M + 1])
+def test_auto_equals_the_chosen_kernels_simulator(rng, m):
+    a_bits, q, s = problem(rng, m, 12, 128)
+    out = np.full((m, 12), np.nan, np.float32)
+    router.fp8_gemm(a_bits, q, s, out)
+    a = (a_bits.astype(np.uint32) << 16).view(np.float32)
+    expected = sim_gemv.gemv_simt(a, q, s) if m <= router.SIMT_MAX_M else sim_mma.gemm_mma(a_bits, q, s)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_bad_calls_raise_before_any_launch(rng, monkeypatch):
+    monkeypatch.setattr(router, "gemv_simt", None)  # a launch would fail with TypeError, not ValueError
+    monkeypatch.setattr(router, "gemm_mma", None)
+    a_bits, q, s = problem(rng, 2, 16, 256)
+    out = np.zeros((2, 16), np.float32)
+    with pytest.raises(ValueError, match="path: expected one of"):
+        router.fp8_gemm(a_bits, q, s, out, path="cublas")
+    with pytest.raises(ValueError, match="block_n to be a positive multiple of 8"):
+        router.fp8_gemm(a_bits, q, np.ones((4, 2), np.float32), out, block=(4, 128))
+    with pytest.raises(ValueError, match=r"a: expected activations \[M, 256\] of bf16 \(uint16\) / f16 \(float16\)"):
+        router.fp8_gemm(a_bits.view(np.int16).astype(np.float32), q, s, out)
+    with pytest.raises(ValueError, match="K to be a positive multiple of 128"):
+        router.fp8_gemm(np.ascontiguousarray(a_bits[:, :200]), np.ascontiguousarray(q[:, :200]), s, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 40])
+def test_gpu_every_m_against_the_reference(m):
+    rng = np.random.default_rng()
+    seed = int(rng.integers(2**31))
+    rng = np.random.default_rng(seed)
+    a_bits, q, s = problem(rng, m, 4096 + 24, 4096)
+    out = cuda.to_device(np.full((m, 4096 + 24), np.nan, np.float32))
+    router.fp8_gemm(cuda.to_device(a_bits), cuda.to_device(q), cuda.to_device(s), out)
+    got = out.copy_to_host()
+    ref = blockwise.gemm((a_bits.astype(np.uint32) << 16).view(np.float32), q, s)
+    assert np.all(np.isfinite(got)), f"seed {seed}"
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5, f"seed {seed}"

@@ -1,0 +1,756 @@
+"""fp8lab.numba_kernels.layers: the dense Qwen3 operators (norms, RoPE, SwiGLU, embedding, BF16 linear, argmax, add).
+
+- CUDA simulator (``cudasim``, tiny shapes): bit for bit against NumPy models of each kernel's
+  float32 order written here (``rms_norm``/``add_rms_norm``: the threads' fma chains, butterfly,
+  warp order; ``rope``: the two fmas; ``bf16_linear``: the lanes' fma chains and the butterfly, with
+  the exact float32 fma of ``fp8lab.simulators.fma``); ``embedding``, ``argmax_rows`` and ``add_into``
+  exactly against ``ReferenceBackend`` / NumPy; ``silu_mul`` within its float32 bound. Every
+  float kernel is also checked against ``fp8lab.engine.backend.ReferenceBackend`` and float64 within the
+  bounds derived next to each test. Outputs are poisoned with NaN before every call; bad
+  arguments raise ``ValueError`` and launch nothing.
+- ``rope_table`` against ``fp8lab.engine.backend.rope_cos_sin`` bit for bit (numba_kernels may not import
+  the engine, so the formula is written twice).
+- The sm_90 PTX of every kernel, compiled in a subprocess with the simulator off: no local memory,
+  no float64, the expected instructions (128-bit loads, fma, butterflies, correctly rounded
+  sqrt and division); no spills where nvJitLink can run ptxas.
+- GPU (``gpu``, Qwen3-8B sizes: hidden 4096, head_dim 128, intermediate 12288, vocab 151936): fresh
+  random inputs each run (the seed is in any failure message), device arrays, poisoned outputs;
+  bit for bit against the same models where the GPU's operations are correctly rounded (all but
+  ``silu_mul``'s ``expf``), otherwise against float64 within the bound; and every kernel captured
+  in a CUDA graph and replayed.
+
+``u = 2^-24`` is float32's unit roundoff, ``gamma(n) = n u / (1 - n u)``.
+"""
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers.ptx import run_compiled
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from fp8lab.engine.backend import ReferenceBackend, rope_cos_sin
+from fp8lab.numba_kernels import layers
+from fp8lab.simulators.fma import fma_f32
+
+U = 2.0**-24
+TINY = 1e-30
+"""Absolute slack for results in or near float32's subnormal range."""
+SIMULATOR_EXAMPLES = max(4, settings().max_examples // 8)
+"""Simulated kernels are slow: few Hypothesis examples (ci: 5)."""
+LANES = np.arange(32)
+REFERENCE = ReferenceBackend()
+
+
+def gamma(n) -> float:
+    return n * U / (1 - n * U)
+
+
+def poisoned(shape) -> np.ndarray:
+    return np.full(shape, np.nan, np.float32)
+
+
+def activations(rng, shape, spread=3.0) -> np.ndarray:
+    """Random float32 with all 24 bits, no zeros, magnitudes varying by row over ``10^+-spread``."""
+    x = rng.standard_normal(shape)
+    x *= 10.0 ** rng.uniform(-spread, spread, shape[:-1] + (1,))
+    return x.astype(np.float32)
+
+
+def random_bf16_bits(rng, shape) -> np.ndarray:
+    """BF16 patterns of random finite values in +-[2^-8, 2^2): random sign and 7 mantissa bits."""
+    bits = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+    exponent = np.uint16(119) + (bits >> np.uint16(7) & np.uint16(7))  # float32 biased exponents 119..126, +1 below
+    return (bits & np.uint16(0x807F)) | (exponent + np.uint16(2)) << np.uint16(7)
+
+
+def bf16_values(bits) -> np.ndarray:
+    return bits.view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def butterfly(acc: np.ndarray) -> np.ndarray:
+    """``acc += shfl_xor(acc, off)``, ``off = 16, 8, 4, 2, 1`` over the last axis (32 lanes); lane 0's total."""
+    for off in (16, 8, 4, 2, 1):
+        acc = acc + acc[..., LANES ^ off]
+    return acc[..., 0]
+
+
+def fresh_rng():
+    seed = int.from_bytes(os.urandom(8), "little")
+    return seed, np.random.default_rng(seed)
+
+
+# ---------------------------------------------------------------------------- rms_norm: model and bound
+
+
+def sum_of_squares_model(x: np.ndarray, threads: int) -> np.ndarray:
+    """The kernel's float32 sum of squares of each row of ``x[rows, n]`` with ``threads`` per row:
+    thread ``t`` chains ``fma(x_k, x_k, acc)`` over ``k = t, t + threads, ...`` from 0, a butterfly
+    per warp, the warp totals added in warp order from 0."""
+    rows, n = x.shape
+    acc = np.zeros((rows, threads), np.float32)
+    for start in range(0, n, threads):
+        k = start + np.arange(threads)
+        v = x[:, np.minimum(k, n - 1)]
+        acc = np.where(k < n, fma_f32(v, v, acc), acc)
+    warp_totals = butterfly(acc.reshape(rows, threads // 32, 32))
+    total = np.zeros(rows, np.float32)
+    for w in range(threads // 32):
+        total = total + warp_totals[:, w]
+    return total
+
+
+def rms_norm_model(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    total = sum_of_squares_model(rows, layers.rms_norm_threads_per_row(n))
+    denom = np.sqrt(total / np.float32(n) + np.float32(eps))
+    return (weight * (rows / denom[:, None])).reshape(x.shape)
+
+
+def rms_norm_bound(x: np.ndarray, weight: np.ndarray, eps: float):
+    """float64 result and the kernel's error bound: the sum of squares has at most ``L = ceil(n / G) + 5
+    + warps`` roundings (``gamma(L)`` relative); the division by n, ``+ eps`` and sqrt halve it and add
+    ``1.5 u``; ``x / denom`` and ``* weight`` add ``2 u``: ``(gamma(L) / 2 + 4 u) |exact|``."""
+    n = x.shape[-1]
+    x64 = x.astype(np.float64)
+    exact = weight * (x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + np.float64(np.float32(eps))))
+    threads = layers.rms_norm_threads_per_row(n)
+    roundings = -(-n // threads) + 5 + threads // 32
+    return exact, 1.01 * (gamma(roundings) / 2 + 4 * U) * np.abs(exact) + TINY
+
+
+def check_rms_norm(x, weight, eps, got):
+    np.testing.assert_array_equal(got.view(np.uint32), rms_norm_model(x, weight, eps).view(np.uint32))
+    exact, bound = rms_norm_bound(x, weight, eps)
+    assert np.all(np.abs(got - exact) <= bound)
+    # ReferenceBackend sums with NumPy's pairwise float32 sum (at most n roundings): within both bounds
+    reference = REFERENCE.rms_norm(x, weight, eps)
+    assert np.all(np.abs(got - reference) <= 2 * bound + gamma(x.shape[-1]) / 2 * np.abs(exact))
+
+
+NORM_SIZES = st.sampled_from([32, 40, 128, 200, 256, 300, 520])
+"""Up to 256 a warp per row (one or several elements per lane, lanes without elements); above, a CTA
+of 2 or 3 warps."""
+
+
+@pytest.mark.cudasim
+@settings(max_examples=SIMULATOR_EXAMPLES)
+@given(rows=st.integers(1, 5), n=NORM_SIZES, eps=st.sampled_from([1e-6, 1e-5, 0.5]), seed=st.integers(0, 2**32 - 1))
+def test_rms_norm_matches_the_model_bit_for_bit(rows, n, eps, seed):
+    rng = np.random.default_rng(seed)
+    x = activations(rng, (rows, n))
+    weight = activations(rng, (n,), spread=1)
+    out = poisoned(x.shape)
+    assert layers.rms_norm(x, weight, eps, out) is out
+    check_rms_norm(x, weight, eps, out)
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("shape", [(3, 2, 128), (2, 300)], ids=["q-norm, warp per row", "cta per row"])
+def test_rms_norm_in_place_and_over_the_last_axis(rng, shape):
+    """``out`` may be ``x``; a ``[T, heads, head_dim]`` array is normalized per head vector."""
+    x = activations(rng, shape)
+    weight = activations(rng, shape[-1:], spread=1)
+    expected = rms_norm_model(x, weight, 1e-6)
+    y = x.copy()
+    layers.rms_norm(y, weight, 1e-6, y)
+    np.testing.assert_array_equal(y.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("rows, n", [(5, 96), (2, 520)], ids=["warp per row", "cta per row"])
+def test_add_rms_norm_adds_then_normalizes(rng, rows, n):
+    """``residual += x`` exactly (one float32 add), then the norm of the new residual; the same bits
+    as ``add_into`` followed by ``rms_norm``; ``out`` may be ``x``."""
+    x = activations(rng, (rows, n))
+    original = activations(rng, (rows, n))
+    weight = activations(rng, (n,), spread=1)
+    residual, out = original.copy(), poisoned(x.shape)
+    layers.add_rms_norm(x, residual, weight, 1e-6, out)
+    np.testing.assert_array_equal(residual.view(np.uint32), (original + x).view(np.uint32))
+    check_rms_norm(original + x, weight, 1e-6, out)
+
+    staged, unfused = original.copy(), poisoned(x.shape)
+    layers.add_into(staged, x)
+    layers.rms_norm(staged, weight, 1e-6, unfused)
+    np.testing.assert_array_equal(unfused.view(np.uint32), out.view(np.uint32))
+
+    in_place, residual = x.copy(), original.copy()
+    layers.add_rms_norm(in_place, residual, weight, 1e-6, in_place)
+    np.testing.assert_array_equal(in_place.view(np.uint32), out.view(np.uint32))
+
+
+# ---------------------------------------------------------------------------- rope
+
+
+@pytest.mark.parametrize("head_dim, theta", [(64, 10000.0), (128, 1000000.0), (128, 10000.0), (256, 5e5)])
+def test_rope_table_equals_the_engine_formula(head_dim, theta):
+    max_positions = 4096
+    table = layers.rope_table(max_positions, head_dim, theta)
+    cos, sin = rope_cos_sin(np.arange(max_positions), head_dim, theta)
+    assert table.dtype == np.float32 and table.shape == (max_positions, head_dim)
+    np.testing.assert_array_equal(table.view(np.uint32), np.concatenate([cos, sin], axis=1).view(np.uint32))
+
+
+def rope_model(x, positions, table):
+    """The kernel's two fmas per pair: ``fma(x1, c, -(x2 s))`` and ``fma(x2, c, x1 s)``."""
+    half = x.shape[-1] // 2
+    c, s = table[positions, None, :half], table[positions, None, half:]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([fma_f32(x1, c, -(x2 * s)), fma_f32(x2, c, x1 * s)], axis=-1)
+
+
+def check_rope(x, positions, table, theta, got):
+    """Bit for bit against the model; against ReferenceBackend.rope (which rounds both products, the
+    model only one): both within ``2 u (|x1 c| + |x2 s|)`` of the exact ``x1 c - x2 s`` (and
+    ``2 u (|x2 c| + |x1 s|)`` of ``x2 c + x1 s``), so within twice that of each other."""
+    np.testing.assert_array_equal(got.view(np.uint32), rope_model(x, positions, table).view(np.uint32))
+    half = x.shape[-1] // 2
+    c, s = table[positions, None, :half].astype(np.float64), table[positions, None, half:].astype(np.float64)
+    x1, x2 = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
+    magnitude = np.concatenate([np.abs(x1 * c) + np.abs(x2 * s), np.abs(x2 * c) + np.abs(x1 * s)], axis=-1)
+    bound = 4 * U * magnitude + TINY
+    assert np.all(np.abs(got - REFERENCE.rope(x, positions, theta)) <= bound)
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("tokens, heads, head_dim", [(3, 2, 128), (2, 3, 64), (1, 1, 96)])
+def test_rope_matches_the_model_bit_for_bit(rng, tokens, heads, head_dim):
+    theta = 1e6
+    table = layers.rope_table(200, head_dim, theta)
+    positions = np.concatenate([[199], rng.integers(0, 200, tokens - 1)]).astype(np.int32)
+    x = activations(rng, (tokens, heads, head_dim))
+    out = poisoned(x.shape)
+    assert layers.rope(x, positions, table, out) is out
+    check_rope(x, positions, table, theta, out)
+    layers.rope(x, positions, table, x)  # in place
+    np.testing.assert_array_equal(x.view(np.uint32), out.view(np.uint32))
+
+
+@pytest.mark.cudasim
+def test_rope_position_outside_the_table_gives_nan(rng):
+    table = layers.rope_table(16, 32, 1e4)
+    positions = np.array([3, -1, 16, 15], np.int32)
+    x = activations(rng, (4, 2, 32))
+    out = poisoned(x.shape)
+    out[...] = 7.0  # not NaN: the kernel must write the NaN itself
+    layers.rope(x, positions, table, out)
+    assert np.all(np.isnan(out[1:3]))
+    ok = [0, 3]
+    np.testing.assert_array_equal(out[ok], rope_model(x[ok], positions[ok], table))
+
+
+# ---------------------------------------------------------------------------- silu_mul
+
+
+def silu_mul_bound(gate_up):
+    """float64 result and bound: ``expf`` within 2 ulp (``4 u`` relative), ``1 + e`` adds ``u`` (``5 u``
+    for the denominator), the division and the product ``u`` each: ``7 u``, asked ``10 u``; plus
+    slack for ``exp(-gate)`` overflowing (``gate < -88.7``), where the exact result is below 1e-36."""
+    half = gate_up.shape[1] // 2
+    gate, up = gate_up[:, :half].astype(np.float64), gate_up[:, half:].astype(np.float64)
+    with np.errstate(over="ignore"):
+        exact = gate / (1 + np.exp(-gate)) * up
+    return exact, 10 * U * np.abs(exact) + TINY * np.maximum(1, np.abs(up))
+
+
+def gate_up_values(rng, tokens, intermediate):
+    gate_up = (rng.standard_normal((tokens, 2 * intermediate)) * 4).astype(np.float32)
+    extremes = np.array([-100, -88.8, -88.5, -20, 30, 88, 100, 1e-30, -1e-30], np.float32)
+    gate_up[0, : extremes.size] = extremes
+    return gate_up
+
+
+@pytest.mark.cudasim
+def test_silu_mul_within_its_bound(rng):
+    gate_up = gate_up_values(rng, 3, 70)
+    out = poisoned((3, 70))
+    assert layers.silu_mul(gate_up, out) is out
+    exact, bound = silu_mul_bound(gate_up)
+    assert np.all(np.abs(out - exact) <= bound)
+    reference = REFERENCE.silu_mul(gate_up[:, :70], gate_up[:, 70:])
+    assert np.all(np.abs(out - reference) <= 2 * bound)
+
+
+# ---------------------------------------------------------------------------- embedding
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("as_int16", [False, True], ids=["uint16", "int16 (torch bfloat16 view)"])
+def test_embedding_rows_are_exact(rng, as_int16):
+    vocab, hidden = 300, 272  # hidden: a full and a partial CTA of columns
+    bits = random_bf16_bits(rng, (vocab, hidden))
+    ids = np.array([0, 299, 17, 17, 150], np.int32)
+    out = poisoned((ids.size, hidden))
+    assert layers.embedding(bits.view(np.int16) if as_int16 else bits, ids, out) is out
+    expected = REFERENCE.embedding(bf16_values(bits), ids)
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.cudasim
+def test_embedding_id_out_of_range_gives_a_nan_row(rng):
+    bits = random_bf16_bits(rng, (300, 40))
+    ids = np.array([5, -1, 300, 2**31 - 1, 299], np.int32)
+    out = np.full((5, 40), 7.0, np.float32)
+    layers.embedding(bits, ids, out)
+    assert np.all(np.isnan(out[1:4]))
+    np.testing.assert_array_equal(out[[0, 4]], bf16_values(bits)[[5, 299]])
+
+
+# ---------------------------------------------------------------------------- bf16_linear
+
+
+def bf16_linear_model(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The kernel's order for ``x[M, K] @ w[N, K]^T`` (``w`` the float32 values of the BF16 weights):
+    lane ``L`` owns the chunks ``c = L, L + 32, ...`` of 8 elements and chains
+    ``acc = fma(x[m, k], w[n, k], acc)`` over its ``k`` in increasing order from 0; then the butterfly."""
+    m, k = x.shape
+    n = w.shape[0]
+    acc = np.zeros((m, n, 32), np.float32)
+    steps = -(-(k // 8) // 32)
+    for step in range(steps):
+        for e in range(8):
+            kk = 8 * (32 * step + LANES) + e
+            kc = np.minimum(kk, k - 1)
+            acc = np.where(kk < k, fma_f32(x[:, None, kc], w[None, :, kc], acc), acc)
+    return butterfly(acc)
+
+
+def bf16_linear_bound(x, w, k):
+    """float64 result and bound: each product passes through at most ``8 ceil(K / 256)`` chain roundings
+    and 5 butterfly roundings: ``gamma(8 ceil(K / 256) + 5) sum_k |x| |w|``."""
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    return x64 @ w64.T, gamma(8 * -(-k // 256) + 5) * (np.abs(x64) @ np.abs(w64).T) + TINY
+
+
+LINEAR_CASES = [
+    # (M, N, K, rows_per_warp): what each covers
+    (1, 8, 264, None),  # M = 1 (2 weight rows per warp); lane 0 has a second chunk (the group's other half)
+    (3, 5, 64, None),  # 4 weight rows per warp, the second warp's clamped rows; lanes without chunks
+    (8, 3, 64, 1),  # a full row tile of 8
+    (11, 2, 64, 2),  # two row tiles, the second partial (rows clamped, not stored)
+    (2, 20, 64, 4),  # five warps: a full CTA and a partial one
+    (1, 2, 520, 1),  # 65 chunks: lane 0 has three, in two groups, the second half-empty
+]
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("m, n, k, rows_per_warp", LINEAR_CASES, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-R{c[3]}" for c in LINEAR_CASES])
+def test_bf16_linear_matches_the_model_bit_for_bit(rng, m, n, k, rows_per_warp):
+    x = activations(rng, (m, k), spread=1)
+    bits = random_bf16_bits(rng, (n, k))
+    out = poisoned((m, n))
+    assert layers.bf16_linear(x, bits, out, rows_per_warp=rows_per_warp) is out
+    w = bf16_values(bits)
+    np.testing.assert_array_equal(out.view(np.uint32), bf16_linear_model(x, w).view(np.uint32))
+    exact, bound = bf16_linear_bound(x, w, k)
+    assert np.all(np.abs(out - exact) <= bound)
+
+
+@pytest.mark.cudasim
+def test_bf16_linear_rows_do_not_depend_on_the_batch(rng):
+    """Row m of a 9-row call (two row tiles), of a 3-row call and alone: the same bits."""
+    x = activations(rng, (9, 64), spread=1)
+    bits = random_bf16_bits(rng, (2, 64)).view(np.int16)  # torch's bfloat16 export
+    full, three, one = poisoned((9, 2)), poisoned((3, 2)), poisoned((1, 2))
+    layers.bf16_linear(x, bits, full, rows_per_warp=2)
+    layers.bf16_linear(x[6:9], bits, three, rows_per_warp=1)
+    layers.bf16_linear(x[8:9], bits, one, rows_per_warp=4)
+    np.testing.assert_array_equal(full[6:9].view(np.uint32), three.view(np.uint32))
+    np.testing.assert_array_equal(full[8:9].view(np.uint32), one.view(np.uint32))
+
+
+# ---------------------------------------------------------------------------- argmax_rows
+
+
+def greedy_ids(logits: np.ndarray) -> np.ndarray:
+    """What ``argmax_rows`` must give: ``np.argmax`` per row, but ``NAN_ROW`` (-1) for a row holding NaN."""
+    return np.where(np.isnan(logits).any(axis=1), layers.NAN_ROW, np.argmax(logits, axis=1))
+
+
+ID_POISON = -7
+"""out_ids before a launch: neither a token nor NAN_ROW."""
+
+
+def logit_rows(rng, vocab):
+    """Rows that exercise np.argmax's rules: random; a repeated maximum (first wins); NaNs (no token,
+    even beside a larger number); all -inf; +-0 maxima; the maximum at the last index."""
+    rows = rng.standard_normal((7, vocab)).astype(np.float32)
+    spots = np.sort(rng.choice(vocab, 3, replace=False))
+    rows[1, spots] = 9.0
+    rows[2, spots[2]], rows[2, spots[1]], rows[2, spots[0]] = np.nan, np.nan, 1e30
+    rows[3] = -np.inf
+    rows[4] = -1.0
+    rows[4, spots[2]], rows[4, spots[1]] = 0.0, -0.0  # equal under ==: the lower index
+    rows[5, -1] = 1e9
+    rows[6, 0] = np.nan
+    return rows
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("vocab", [300, 2100], ids=["one warp", "three warps"])
+def test_argmax_rows_follows_numpy(rng, vocab):
+    logits = logit_rows(rng, vocab)
+    out = np.full(logits.shape[0], ID_POISON, np.int32)
+    assert layers.argmax_rows(logits, out) is out
+    np.testing.assert_array_equal(out, greedy_ids(logits))
+    assert out[2] == out[6] == layers.NAN_ROW
+
+
+@pytest.mark.cudasim
+@settings(max_examples=SIMULATOR_EXAMPLES)
+@given(rows=st.integers(1, 3), vocab=st.integers(1, 200), levels=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
+def test_argmax_rows_on_few_distinct_values(rows, vocab, levels, seed):
+    """Few distinct values (many ties), sometimes a NaN."""
+    rng = np.random.default_rng(seed)
+    values = np.array([-np.inf, -2.5, 0.0, -0.0, 3.0, np.nan], np.float32)[: levels + 2]
+    logits = rng.choice(values, (rows, vocab)).astype(np.float32)
+    out = np.full(rows, ID_POISON, np.int32)
+    layers.argmax_rows(logits, out)
+    np.testing.assert_array_equal(out, greedy_ids(logits))
+
+
+# ---------------------------------------------------------------------------- add_into
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("shape", [(3, 50), (2, 3, 60)])
+def test_add_into_is_the_float32_sum(rng, shape):
+    x, y = activations(rng, shape), activations(rng, shape)
+    expected = x + y
+    assert layers.add_into(x, y) is x
+    np.testing.assert_array_equal(x.view(np.uint32), expected.view(np.uint32))
+
+
+# ---------------------------------------------------------------------------- bad calls and empty calls
+
+
+def good_calls(rng):
+    """Each function with good NumPy arguments: ``name -> (function, kwargs)``."""
+    x = activations(rng, (2, 64))
+    return {
+        "rms_norm": (layers.rms_norm, dict(x=x, weight=np.ones(64, np.float32), eps=1e-6, out=poisoned((2, 64)))),
+        "add_rms_norm": (layers.add_rms_norm, dict(x=x, residual=x.copy(), weight=np.ones(64, np.float32), eps=1e-6,
+                                                   out=poisoned((2, 64)))),
+        "rope": (layers.rope, dict(x=activations(rng, (2, 1, 32)), positions=np.array([0, 1], np.int32),
+                                   cos_sin=layers.rope_table(8, 32, 1e4), out=poisoned((2, 1, 32)))),
+        "silu_mul": (layers.silu_mul, dict(gate_up=x, out=poisoned((2, 32)))),
+        "embedding": (layers.embedding, dict(table=random_bf16_bits(rng, (10, 16)), ids=np.array([1, 2], np.int32),
+                                             out=poisoned((2, 16)))),
+        "bf16_linear": (layers.bf16_linear, dict(x=x, w_bits=random_bf16_bits(rng, (3, 64)), out=poisoned((2, 3)))),
+        "argmax_rows": (layers.argmax_rows, dict(logits=x, out_ids=np.full(2, -1, np.int32))),
+        "add_into": (layers.add_into, dict(x=x.copy(), y=x)),
+    }
+
+
+BAD_CALLS = [
+    ("rms_norm", dict(weight=np.ones(63, np.float32)), "weight: expected float32 \\[64\\]"),
+    ("rms_norm", dict(x=np.ones((2, 64))), "x: expected float32 \\[..., n\\]"),
+    ("rms_norm", dict(x=np.ones((2, 0), np.float32)), "x: expected float32 \\[..., n\\] with n >= 1"),
+    ("rms_norm", dict(out=poisoned((2, 65))), "out: expected float32 of x's shape \\(2, 64\\)"),
+    ("rms_norm", dict(x=np.ones((2, 128), np.float32)[:, ::2]), "x: expected a C-contiguous"),
+    ("rms_norm", dict(x=[[1.0] * 64] * 2), "x: expected a NumPy array, a Numba device array"),
+    ("add_rms_norm", dict(residual=poisoned((1, 64))), "residual: expected float32 of x's shape"),
+    ("rope", dict(x=np.ones((2, 1, 33), np.float32), out=poisoned((2, 1, 33))), "x: expected .* head_dim even"),
+    ("rope", dict(x=np.ones((2, 32), np.float32)), "x: expected float32 \\[T, heads, head_dim\\]"),
+    ("rope", dict(positions=np.array([0, 1], np.int64)), "positions: expected int32 \\[2\\]"),
+    ("rope", dict(positions=np.array([0], np.int32)), "positions: expected int32 \\[2\\]"),
+    ("rope", dict(cos_sin=layers.rope_table(8, 64, 1e4)), "cos_sin: expected float32 \\[max_positions, 32\\]"),
+    ("silu_mul", dict(gate_up=np.ones((2, 63), np.float32)), "gate_up: expected float32 \\[T, 2 \\* I\\]"),
+    ("silu_mul", dict(out=poisoned((2, 64))), "out: expected float32 \\[2, 32\\]"),
+    ("embedding", dict(table=np.ones((10, 16), np.float32)), "table: expected BF16 bit patterns"),
+    ("embedding", dict(ids=np.array([1, 2], np.int64)), "ids: expected int32 \\[T\\]"),
+    ("embedding", dict(out=poisoned((2, 17))), "out: expected float32 \\[2, 16\\]"),
+    ("bf16_linear", dict(w_bits=random_bf16_bits(np.random.default_rng(0), (3, 60)), x=np.ones((2, 60), np.float32)),
+     "w_bits: bf16_linear needs K to be a positive multiple of 8 \\(128-bit loads\\), got K = 60"),
+    ("bf16_linear", dict(x=np.ones((2, 72), np.float32)), "x: expected float32 \\[M, 64\\]"),
+    ("bf16_linear", dict(w_bits=np.ones((3, 64), np.float32)), "w_bits: expected BF16 bit patterns"),
+    ("bf16_linear", dict(out=poisoned((3, 2))), "out: expected float32 \\[2, 3\\]"),
+    ("bf16_linear", dict(rows_per_warp=3), "rows_per_warp: expected one of \\(1, 2, 4\\)"),
+    ("argmax_rows", dict(out_ids=np.zeros(2, np.int64)), "out_ids: expected int32 \\[2\\]"),
+    ("argmax_rows", dict(logits=np.ones((2, 0), np.float32)), "logits: expected float32 \\[rows, V\\]"),
+    ("argmax_rows", dict(logits=np.ones((2, 8), np.float64)), "logits: expected float32"),
+    ("add_into", dict(y=np.ones((2, 63), np.float32)), "y: expected float32 of x's shape \\(2, 64\\)"),
+]
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("function, change, message", BAD_CALLS, ids=[f"{c[0]}-{c[2][:40]}" for c in BAD_CALLS])
+def test_bad_calls_raise_before_launching(rng, function, change, message):
+    fn, kwargs = good_calls(rng)[function]
+    kwargs.update(change)
+    snapshot = {name: np.copy(a) for name, a in kwargs.items() if isinstance(a, np.ndarray)}
+    with pytest.raises(ValueError, match=message):
+        fn(**kwargs)
+    for name, before in snapshot.items():  # nothing was written: nothing was launched
+        assert kwargs[name].tobytes() == before.tobytes(), name
+
+
+@pytest.mark.cudasim
+def test_good_calls_run_and_zero_rows_launch_nothing(rng):
+    calls = good_calls(rng)
+    for fn, kwargs in calls.values():
+        fn(**kwargs)  # the good calls are good
+    empty = np.zeros((0, 64), np.float32)
+    layers.rms_norm(empty, np.ones(64, np.float32), 1e-6, empty)
+    layers.add_rms_norm(empty, empty.copy(), np.ones(64, np.float32), 1e-6, empty)
+    layers.rope(np.zeros((0, 2, 32), np.float32), np.zeros(0, np.int32), layers.rope_table(4, 32, 1e4),
+                np.zeros((0, 2, 32), np.float32))
+    layers.silu_mul(empty, np.zeros((0, 32), np.float32))
+    layers.embedding(random_bf16_bits(rng, (4, 8)), np.zeros(0, np.int32), np.zeros((0, 8), np.float32))
+    layers.bf16_linear(empty, random_bf16_bits(rng, (3, 64)), np.zeros((0, 3), np.float32))
+    layers.argmax_rows(empty, np.zeros(0, np.int32))
+    layers.add_into(empty, empty)
+
+
+# ---------------------------------------------------------------------------- sm_90 PTX of every kernel
+
+COMPILE_ALL = r'''
+import re
+from numba import cuda
+from fp8lab.numba_kernels import layers
+
+
+from helpers.ptx import ptxas_report
+
+
+for name, function, signature in layers.kernel_variants():
+    ptx, _ = cuda.compile_ptx(function, signature, cc=(9, 0))
+    assert ".target sm_90" in ptx, name
+    assert ".local" not in ptx, name  # every per-thread array lives in registers
+    assert ".f64" not in ptx, name  # float32 throughout
+    if "rms_norm" in name:
+        for needle in ("shfl.sync.bfly.b32", "fma.rn.f32", "sqrt.rn.f32", "div.rn.f32"):
+            assert needle in ptx, (name, needle)
+        assert ("bar.sync" in ptx or "barrier.sync" in ptx) == ("cta" in name), name
+    if name == "rope":
+        assert ptx.count("fma.rn.f32") >= 2, name
+    if name == "silu_mul":
+        assert "div.rn.f32" in ptx and "ex2.approx" in ptx, name
+    if name.startswith("bf16_linear"):
+        m_tile, rows = (int(v) for v in re.findall(r"=(\d+)", name))
+        group = layers.LINEAR_CHUNKS_PER_ITERATION
+        wide_loads = len(re.findall(r"ld\.global\.nc\.v4\.[uf]32", ptx))
+        assert wide_loads == group * rows + group * m_tile * 2, (name, wide_loads)  # weights; x (two per row)
+        assert ptx.count("fma.rn.f32") == group * rows * m_tile * 8, name
+        assert ptx.count("shfl.sync.bfly.b32") == 5 * rows * m_tile, name
+    if name == "argmax_rows":
+        assert ptx.count("shfl.sync.bfly.b32") == 10, name  # value and index, 5 steps
+    report = ptxas_report(ptx)
+    if report is not None:
+        assert "0 bytes spill stores" in report, f"{name}: {report}"
+        print(name, [line.split("info    :")[-1].strip() for line in report.splitlines() if "Used" in line])
+print("ok")
+'''
+
+
+def test_every_layer_kernel_compiles_to_sm90_ptx():
+    result = run_compiled(COMPILE_ALL)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    print(result.stdout)
+
+
+# ---------------------------------------------------------------------------- on a GPU, at Qwen3-8B sizes
+
+HIDDEN, HEAD_DIM, HEADS, INTERMEDIATE, VOCAB = 4096, 128, 32, 12288, 151936
+
+
+@pytest.fixture(scope="module")
+def lm_head():
+    """A ``[151936, 4096]`` BF16 matrix (1.2 GB) on the device and on the host, built in slices."""
+    from numba import cuda
+
+    seed, rng = fresh_rng()
+    bits = np.empty((VOCAB, HIDDEN), np.uint16)
+    for start in range(0, VOCAB, 16384):
+        bits[start : start + 16384] = random_bf16_bits(rng, bits[start : start + 16384].shape)
+    return seed, bits, cuda.to_device(bits)
+
+
+def bf16_rows_float64(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, n", [(4, HIDDEN), (1, HIDDEN), (4 * HEADS, HEAD_DIM), (3, 1024)])
+def test_gpu_rms_norm_bit_for_bit(rows, n):
+    from numba import cuda
+
+    seed, rng = fresh_rng()
+    x = activations(rng, (rows, n))
+    residual = activations(rng, (rows, n))
+    weight = activations(rng, (n,), spread=1)
+    out = cuda.to_device(poisoned(x.shape))
+    layers.rms_norm(cuda.to_device(x), cuda.to_device(weight), 1e-6, out)
+    try:
+        check_rms_norm(x, weight, 1e-6, out.copy_to_host())
+        residual_device = cuda.to_device(residual)
+        out = cuda.to_device(poisoned(x.shape))
+        layers.add_rms_norm(cuda.to_device(x), residual_device, cuda.to_device(weight), 1e-6, out)
+        total = residual + x
+        np.testing.assert_array_equal(residual_device.copy_to_host(), total)
+        check_rms_norm(total, weight, 1e-6, out.copy_to_host())
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}") from error
+
+
+@pytest.mark.gpu
+def test_gpu_rope_bit_for_bit():
+    from numba import cuda
+
+    seed, rng = fresh_rng()
+    theta, max_positions = 1e6, 40960
+    table = layers.rope_table(max_positions, HEAD_DIM, theta)
+    positions = rng.integers(0, max_positions, 64).astype(np.int32)
+    x = activations(rng, (64, HEADS, HEAD_DIM))
+    x_device = cuda.to_device(x)
+    layers.rope(x_device, cuda.to_device(positions), cuda.to_device(table), x_device)  # in place
+    try:
+        check_rope(x, positions, table, theta, x_device.copy_to_host())
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}") from error
+
+
+@pytest.mark.gpu
+def test_gpu_silu_mul_within_its_bound():
+    from numba import cuda
+
+    seed, rng = fresh_rng()
+    gate_up = gate_up_values(rng, 4, INTERMEDIATE)
+    out = cuda.to_device(poisoned((4, INTERMEDIATE)))
+    layers.silu_mul(cuda.to_device(gate_up), out)
+    exact, bound = silu_mul_bound(gate_up)
+    assert np.all(np.abs(out.copy_to_host() - exact) <= bound), f"seed {seed}"
+
+
+@pytest.mark.gpu
+def test_gpu_embedding_of_the_real_table(lm_head):
+    from numba import cuda
+
+    seed, bits, bits_device = lm_head
+    ids = np.array([0, VOCAB - 1, 12345, 12345, VOCAB, -7, 99999], np.int32)
+    out = cuda.to_device(poisoned((ids.size, HIDDEN)))
+    layers.embedding(bits_device, cuda.to_device(ids), out)
+    got = out.copy_to_host()
+    good = [0, 1, 2, 3, 6]
+    np.testing.assert_array_equal(got[good], bf16_values(bits[ids[good]]), err_msg=f"seed {seed}")
+    assert np.all(np.isnan(got[4:6]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 8, 13])
+def test_gpu_bf16_linear_lm_head(lm_head, m):
+    """The lm_head at Qwen3-8B size: within the float64 bound everywhere, and bit for bit against the
+    model on 256 random columns (the model emulates every fma: a slice is what fits in seconds)."""
+    from numba import cuda
+
+    seed, bits, bits_device = lm_head
+    rng = np.random.default_rng(seed + m)
+    x = activations(rng, (m, HIDDEN), spread=1)
+    out = cuda.to_device(poisoned((m, VOCAB)))
+    layers.bf16_linear(cuda.to_device(x), bits_device, out)
+    got = out.copy_to_host()
+    gamma_k = gamma(8 * -(-HIDDEN // 256) + 5)
+    x64 = x.astype(np.float64)
+    for start in range(0, VOCAB, 16384):
+        w64 = bf16_rows_float64(bits[start : start + 16384])
+        exact, scale = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+        assert np.all(np.abs(got[:, start : start + 16384] - exact) <= gamma_k * scale + TINY), f"seed {seed}"
+    columns = np.sort(rng.choice(VOCAB, 256, replace=False))
+    model = bf16_linear_model(x, bf16_values(bits[columns]))
+    np.testing.assert_array_equal(got[:, columns].view(np.uint32), model.view(np.uint32), err_msg=f"seed {seed}")
+
+
+@pytest.mark.gpu
+def test_gpu_argmax_rows_at_vocab_size():
+    from numba import cuda
+
+    seed, rng = fresh_rng()
+    logits = logit_rows(rng, VOCAB)
+    out = cuda.to_device(np.full(logits.shape[0], ID_POISON, np.int32))
+    layers.argmax_rows(cuda.to_device(logits), out)
+    np.testing.assert_array_equal(out.copy_to_host(), greedy_ids(logits), err_msg=f"seed {seed}")
+
+
+@pytest.mark.gpu
+def test_gpu_numpy_arguments_are_copied_back():
+    """NumPy in, NumPy out on a GPU: copied to the device and back by the call."""
+    _, rng = fresh_rng()
+    x = activations(rng, (2, 300))
+    weight = activations(rng, (300,), spread=1)
+    out = poisoned(x.shape)
+    layers.rms_norm(x, weight, 1e-6, out)
+    check_rms_norm(x, weight, 1e-6, out)
+
+
+@pytest.mark.gpu
+def test_gpu_a_layer_step_captured_in_a_cuda_graph(lm_head):
+    """embedding -> rms_norm -> rope (q-norm'd) -> silu_mul -> add_rms_norm -> bf16_linear -> argmax, once
+    launched directly and once captured into a CUDA graph (cuda.core) and replayed: the same bits.
+    Capture fails if a call allocates, copies or synchronizes."""
+    from cuda.core import Device
+    from numba import cuda
+
+    seed, _, bits_device = lm_head
+    rng = np.random.default_rng(seed + 1)
+    tokens = 4
+    inputs = dict(ids=cuda.to_device(rng.integers(0, VOCAB, tokens).astype(np.int32)),
+                  positions=cuda.to_device(rng.integers(0, 4096, tokens).astype(np.int32)),
+                  table=cuda.to_device(layers.rope_table(4096, HEAD_DIM, 1e6)),
+                  weight=cuda.to_device(activations(rng, (HIDDEN,), spread=1)),
+                  head_weight=cuda.to_device(activations(rng, (HEAD_DIM,), spread=1)),
+                  gate_up=cuda.to_device(activations(rng, (tokens, 2 * INTERMEDIATE), spread=1)))
+
+    def buffers():
+        return dict(h=cuda.device_array((tokens, HIDDEN), np.float32), normed=cuda.device_array((tokens, HIDDEN), np.float32),
+                    q=cuda.device_array((tokens, HEADS, HEAD_DIM), np.float32),
+                    act=cuda.device_array((tokens, INTERMEDIATE), np.float32),
+                    logits=cuda.device_array((tokens, VOCAB), np.float32), ids_out=cuda.device_array(tokens, np.int32))
+
+    def step(b, stream):
+        layers.embedding(bits_device, inputs["ids"], b["h"], stream=stream)
+        layers.rms_norm(b["h"], inputs["weight"], 1e-6, b["normed"], stream=stream)
+        q_rows = b["q"].reshape(tokens * HEADS, HEAD_DIM)
+        layers.rms_norm(b["normed"].reshape(tokens * HEADS, HEAD_DIM), inputs["head_weight"], 1e-6, q_rows, stream=stream)
+        layers.rope(b["q"], inputs["positions"], inputs["table"], b["q"], stream=stream)
+        layers.silu_mul(inputs["gate_up"], b["act"], stream=stream)
+        layers.add_rms_norm(b["q"].reshape(tokens, HIDDEN), b["h"], inputs["weight"], 1e-6, b["normed"], stream=stream)
+        layers.bf16_linear(b["normed"], bits_device, b["logits"], stream=stream)
+        layers.argmax_rows(b["logits"], b["ids_out"], stream=stream)
+
+    direct = buffers()
+    step(direct, 0)
+    cuda.synchronize()
+
+    captured = buffers()
+    device = Device()
+    device.set_current()
+    builder = device.create_graph_builder()
+    builder.begin_building()
+    step(captured, builder)
+    graph = builder.end_building().complete()
+    stream = device.create_stream()
+    graph.launch(stream)
+    stream.sync()
+    for name in direct:
+        np.testing.assert_array_equal(captured[name].copy_to_host().view(np.uint8), direct[name].copy_to_host().view(np.uint8),
+                                      err_msg=f"{name}, seed {seed}")
+
+
+@pytest.mark.cudasim
+def test_bf16_round_is_ml_dtypes_round_to_nearest_even(rng):
+    import ml_dtypes
+
+    x = (rng.standard_normal((3, 37)) * 10.0 ** rng.integers(-30, 30, (3, 37))).astype(np.float32)
+    x[0, :4] = [np.nan, np.inf, -np.inf, -0.0]
+    out = np.full(x.shape, 0xDEAD, np.uint16)
+    layers.bf16_round(x, out)
+    want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    finite = np.isfinite(x)
+    np.testing.assert_array_equal(out[finite], want[finite])
+    assert np.all(np.isnan(out.view(ml_dtypes.bfloat16).astype(np.float32)[np.isnan(x)]))
+    assert list(out[0, 1:4]) == [0x7F80, 0xFF80, 0x8000]

@@ -1,0 +1,360 @@
+"""fp8lab.numba_kernels.splitkv (split-kv paged decode attention) against fp8lab.simulators.splitkv and fp8lab.reference.attention.
+
+In the CUDA simulator (``cudasim``; tiny shapes, since a simulated CTA costs about 0.1 s and each
+token a few ms): outputs and per-shard partials bit for bit equal to ``fp8lab.simulators.splitkv`` for every
+split count 1 to 8 (empty shards included), GQA, ALiBi, FP8, BF16 and float32 caches, lengths 0 and
+1, random layouts; within the simulator's float32 bound of ``fp8lab.reference.attention``; the regression
+tests (a length-0 row after a call with data comes back zero, not stale; an FP8 cache without scales
+fails loudly); every bad argument a ``ValueError`` before anything is launched.
+
+On a GPU (``gpu``, run by hand on an H200): Qwen3-8B heads (32 query, 8 kv, head_dim 128), batch 1 and
+8, contexts up to 16k, FP8 and BF16 caches, split on and off, against ``fp8lab.reference.attention`` on fresh
+random data with ``out`` poisoned before every launch: elementwise within the bound of
+``tests/simulators/test_splitkv.py`` (it assumes an ``exp2`` within 4 ulp; the GPU's ``ex2.approx.f32`` is within
+2) and ``||out - ref|| / ||ref|| <= 1e-5``. A NaN anywhere fails both checks.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from helpers.attention import (
+    as_float32,
+    bf16_cache,
+    filled_cache,
+    random_slopes,
+    tolerance,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba import cuda
+
+import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from fp8lab.numba_kernels import splitkv as kernels
+from fp8lab.numba_kernels.kv_cache import paged_cache_write
+from fp8lab.reference import attention, kv_cache
+from fp8lab.reference import strategies as fst
+from fp8lab.simulators import splitkv as sk
+
+SIMULATOR_EXAMPLES = max(3, settings().max_examples // 10)
+"""Simulated kernels are slow: few Hypothesis examples (ci: 4)."""
+
+
+def make_data(rng, lens, num_heads=2, num_kv_heads=1, head_dim=32, block_size=4, cache="fp8", spare_blocks=2):
+    """A paged batch with permuted block tables (padded with -1) and NaN-poisoned unused slots.
+
+    ``cache``: ``"fp8"`` (codes + scales), ``"f32"``, or ``"bf16"`` (the f32 data rounded to BF16 patterns).
+    """
+    lens = np.asarray(lens, np.int32)
+    blocks = -(-lens // block_size)
+    num_blocks = int(blocks.sum()) + spare_blocks
+    pool = rng.permutation(num_blocks)
+    tables = np.full((len(lens), max(1, int(blocks.max(initial=0)))), -1, np.int32)
+    start = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = pool[start : start + n]
+        start += n
+    layout = fst.PagedKVLayout(num_heads, num_kv_heads, head_dim, block_size, num_blocks, tables, lens)
+    data = layout.random_data(rng, fp8=cache == "fp8")
+    if cache == "bf16":
+        data = fst.PagedKVData(data.q, bf16_cache(data.k_cache), bf16_cache(data.v_cache), None, None,
+                               data.block_tables, data.seq_lens, data.softmax_scale)
+    return data
+
+
+def simulator_args(data):
+    """``decode_args()`` with BF16 caches widened to float32 (exact): the simulator's view of them."""
+    return (data.q, as_float32(data.k_cache), as_float32(data.v_cache), data.block_tables, data.seq_lens,
+            data.softmax_scale, data.k_scale, data.v_scale)
+
+
+def run_kernel(data, num_splits, slopes=None, out=None, workspace=None, **kwargs):
+    if out is None:
+        out = np.full(data.q.shape, np.nan, np.float32)  # poisoned: every element must be written
+    kernels.paged_decode(data.q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens, data.softmax_scale,
+                         out, data.k_scale, data.v_scale, alibi_slopes=slopes, num_splits=num_splits,
+                         workspace=workspace, **kwargs)
+    return out
+
+
+def assert_bit_exact(data, num_splits, slopes=None):
+    """The kernel's output, and with splits its workspace, equal the simulator's bit for bit."""
+    num_seqs, num_heads, head_dim = data.q.shape
+    workspace = np.full((num_seqs, num_heads, max(num_splits, 1), head_dim + 2), np.nan, np.float32)
+    got = run_kernel(data, num_splits, slopes, workspace=workspace)
+    expected = sk.paged_decode(*simulator_args(data), alibi_slopes=slopes, num_splits=num_splits)
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    if num_splits > 1:
+        partials = sk.shard_partials(*simulator_args(data), alibi_slopes=slopes, num_splits=num_splits)
+        np.testing.assert_array_equal(workspace[..., :head_dim], partials.acc)
+        np.testing.assert_array_equal(workspace[..., head_dim], partials.m)
+        np.testing.assert_array_equal(workspace[..., head_dim + 1], partials.l)
+    return got
+
+
+# ---------------------------------------------------------------------------- the "auto" rule
+
+
+@given(num_seqs=st.integers(0, 300), num_kv_heads=st.integers(1, 16), group=st.integers(1, 8),
+       max_seq_len=st.integers(0, 100_000), num_sms=st.sampled_from([1, 16, 78, 108, 132, 148]),
+       block_size=st.sampled_from([1, 4, 16, 32]))
+def test_auto_rule_is_the_simulators(num_seqs, num_kv_heads, group, max_seq_len, num_sms, block_size):
+    num_heads = num_kv_heads * group
+    assert kernels.heads_per_cta(group) == sk.heads_per_cta(group)
+    assert kernels.choose_num_splits(num_seqs, num_heads, num_kv_heads, max_seq_len, num_sms, block_size) == (
+        sk.choose_num_splits(num_seqs, num_heads, num_kv_heads, max_seq_len, num_sms=num_sms, block_size=block_size))
+
+
+def test_lane_layouts_are_the_simulators():
+    for head_dim in kernels.HEAD_DIMS:
+        assert kernels.lanes_per_token(head_dim) == sk.lanes_per_token(head_dim)
+        assert kernels.num_slots(head_dim) == sk.num_slots(head_dim)
+        for cache, bits in (("fp8", 8), ("bf16", 16), ("f32", 32)):
+            layout = kernels.lane_layout(cache, head_dim)
+            assert layout.words * 32 == kernels.ELEMENTS_PER_LANE * bits  # 16 elements per lane
+            assert layout.loads * kernels.WORDS_PER_LOAD == layout.words
+            assert layout.row_words * 32 == head_dim * bits
+    assert kernels.lane_layout("fp8", 128).loads == 1  # one 128-bit load of 16 codes per lane
+    assert kernels.lane_layout("fp8", 128).tokens_in_flight == 4
+
+
+# ---------------------------------------------------------------------------- bit for bit against the simulator
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("num_splits", range(1, 9))
+def test_every_split_count_is_bit_exact(rng, num_splits):
+    """21 tokens in blocks of 4 are 6 blocks: 7 and 8 splits leave shards empty; a 1-token sequence too."""
+    data = make_data(rng, [21, 1], num_heads=1)
+    assert_bit_exact(data, num_splits)
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("cache, alibi, head_dim, num_splits", [
+    ("fp8", True, 64, 3), ("fp8", False, 32, 2), ("bf16", True, 32, 2), ("bf16", False, 64, 1),
+    ("f32", True, 32, 1), ("f32", False, 64, 3)])
+def test_caches_gqa_and_alibi_are_bit_exact(rng, cache, alibi, head_dim, num_splits):
+    data = make_data(rng, [0, 1, 11], num_heads=2, num_kv_heads=1, head_dim=head_dim, cache=cache)
+    slopes = random_slopes(rng, 2) if alibi else None
+    out = assert_bit_exact(data, num_splits, slopes)
+    assert np.all(out[0] == 0) and np.all(np.isfinite(out))
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("cache, head_dim, block_size, length", [("fp8", 32, 2, 340), ("bf16", 64, 16, 150),
+                                                                ("f32", 128, 16, 45)])
+def test_full_groups_of_tokens_in_flight_are_bit_exact(rng, cache, head_dim, block_size, length):
+    """Shards long enough for several groups of U tokens per slot and a partial last one: FP8 at head_dim
+    32 has 64 slots and U = 4 (340 tokens: 5 or 6 per slot), BF16 at 64 has 32 slots and U = 2, float32
+    at 128 has 16 slots and U = 1."""
+    tokens_in_flight = kernels.lane_layout(cache, head_dim).tokens_in_flight
+    assert length // kernels.num_slots(head_dim) > tokens_in_flight
+    data = make_data(rng, [length], num_heads=1, head_dim=head_dim, block_size=block_size, cache=cache)
+    assert_bit_exact(data, 1, random_slopes(rng, 1))
+
+
+@pytest.mark.cudasim
+@settings(max_examples=SIMULATOR_EXAMPLES)
+@given(layout=fst.paged_kv_layouts(max_seqs=2, max_seq_len=20, block_sizes=(1, 4, 16), head_dims=(32, 64),
+                                   max_kv_heads=1, gqa_ratios=(1, 2), spare_blocks=2),
+       num_splits=st.integers(1, 8), fp8=st.booleans(), alibi=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_random_layouts_are_bit_exact_and_within_the_bound(layout, num_splits, fp8, alibi, seed):
+    rng = np.random.default_rng(seed)
+    data = layout.random_data(rng, fp8=fp8)
+    slopes = random_slopes(rng, layout.num_heads) if alibi else None
+    got = assert_bit_exact(data, num_splits, slopes)
+    expected = attention.paged_decode(*data.decode_args(), alibi_slopes=slopes)
+    error = np.max(np.abs(got.astype(np.float64) - expected), axis=-1, initial=0.0)
+    assert np.all(error <= tolerance(data, slopes, num_splits))
+
+
+@pytest.mark.cudasim
+def test_auto_splits_are_bit_exact(rng):
+    data = make_data(rng, [9, 3], num_heads=2)
+    assert kernels.choose_num_splits(2, 2, 1, 9, block_size=4) == 3  # 2 CTAs would not fill 132 SMs; 3 blocks of work
+    got = run_kernel(data, "auto")
+    np.testing.assert_array_equal(got.view(np.uint32), sk.paged_decode(*simulator_args(data)).view(np.uint32))
+
+
+# ---------------------------------------------------------------------------- regressions
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_length_zero_after_a_call_with_data_comes_back_zero(rng, num_splits):
+    """Regression: the same out (and workspace) reused; a sequence now of length 0 must give zeros, not stale values."""
+    data = make_data(rng, [9, 5], num_heads=1)
+    out = np.full(data.q.shape, np.nan, np.float32)
+    workspace = np.full((2, 1, num_splits, 34), np.nan, np.float32)
+    run_kernel(data, num_splits, out=out, workspace=workspace)
+    assert np.all(np.isfinite(out)) and np.all(out[0] != 0)
+    first = out.copy()
+    emptied = fst.PagedKVData(data.q, data.k_cache, data.v_cache, data.k_scale, data.v_scale, data.block_tables,
+                              np.array([0, 5], np.int32), data.softmax_scale)
+    run_kernel(emptied, num_splits, out=out, workspace=workspace)
+    assert np.all(out[0] == 0)
+    np.testing.assert_array_equal(out[1], first[1])
+    if num_splits > 1:  # every shard of the empty sequence published the neutral element
+        assert np.all(workspace[0, :, :, 32] == -np.inf) and np.all(workspace[0, :, :, 33] == 0)
+        assert np.all(workspace[0, :, :, :32] == 0)
+
+
+@pytest.mark.cudasim
+def test_all_sequences_empty_give_zero_rows(rng):
+    data = make_data(rng, [0, 0], num_heads=1, spare_blocks=1)
+    for num_splits in (1, 3):
+        out = run_kernel(data, num_splits)
+        assert np.all(out == 0)
+
+
+@pytest.mark.cudasim
+def test_fp8_cache_without_scales_fails_loudly(rng):
+    """Regression: codes without their scales must never be read as if the scales were 1."""
+    data = make_data(rng, [5], num_heads=1)
+    out = np.full(data.q.shape, np.nan, np.float32)
+    for k_scale, v_scale, name in ((None, data.v_scale, "k"), (data.k_scale, None, "v")):
+        with pytest.raises(ValueError, match=f"{name}_cache: an FP8 cache of codes \\(uint8\\) needs its scales"):
+            kernels.paged_decode(data.q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens,
+                                 data.softmax_scale, out, k_scale, v_scale)
+    assert np.all(np.isnan(out))  # nothing was launched
+
+
+# ---------------------------------------------------------------------------- bad calls
+
+
+def bad_calls(data):
+    """(case, keyword changes, message) of calls that must fail before launching."""
+    q, k, v, s = data.q, data.k_cache, data.v_cache, data.k_scale
+    return [
+        ("scales wrong shape", dict(k_scale=s[:, :, :2]), "k_scale: expected float32 scales of shape"),
+        ("scales wrong dtype", dict(v_scale=s.astype(np.float64)), "v_scale: expected float32 scales"),
+        ("float cache with scales", dict(k_cache=np.zeros(k.shape, np.float32), v_cache=np.zeros(k.shape, np.float32)),
+         "a float cache \\(float32\\) takes k_scale=None"),
+        ("float16 cache", dict(k_cache=k.astype(np.float16), v_cache=v.astype(np.float16), k_scale=None, v_scale=None),
+         "k_cache: expected"),
+        ("v_cache differs", dict(v_cache=v[:1]), "v_cache: expected the shape"),
+        ("heads do not divide", dict(q=np.zeros((2, 3, 32), np.float32), out=np.zeros((2, 3, 32), np.float32),
+                                     k_cache=np.zeros((k.shape[0], 2) + k.shape[2:], np.uint8),
+                                     v_cache=np.zeros((k.shape[0], 2) + k.shape[2:], np.uint8),
+                                     k_scale=np.zeros((k.shape[0], 2, k.shape[2]), np.float32),
+                                     v_scale=np.zeros((k.shape[0], 2, k.shape[2]), np.float32)), "GQA"),
+        ("head_dim 48", dict(q=np.zeros((2, 2, 48), np.float32), out=np.zeros((2, 2, 48), np.float32),
+                             k_cache=np.zeros(k.shape[:3] + (48,), np.uint8), v_cache=np.zeros(k.shape[:3] + (48,), np.uint8)),
+         "head_dim must be one of"),
+        ("head_dim mismatch", dict(q=np.zeros((2, 2, 64), np.float32)), "head_dim 32 does not match"),
+        ("q float64", dict(q=q.astype(np.float64)), "q: expected float32"),
+        ("out wrong shape", dict(out=np.zeros((2, 2, 16), np.float32)), "out: expected float32 \\[2, 2, 32\\]"),
+        ("out wrong dtype", dict(out=np.zeros(q.shape, np.float64)), "out: expected float32"),
+        ("table too short", dict(block_tables=data.block_tables[:, :1]), "block_tables: sequence 0 has 9 tokens"),
+        ("block id out of range", dict(block_tables=data.block_tables + 100), "block_tables: block ids must lie in"),
+        ("negative length", dict(seq_lens=np.array([-1, 2], np.int32)), "seq_lens: expected lengths >= 0"),
+        ("seq_lens shape", dict(seq_lens=np.array([1], np.int32)), "seq_lens: expected an integer array \\[2\\]"),
+        ("float seq_lens", dict(seq_lens=np.array([1.0, 2.0])), "seq_lens: expected an integer array"),
+        ("alibi shape", dict(alibi_slopes=np.ones(3, np.float32)), "alibi_slopes: expected float32 \\[2\\]"),
+        ("num_splits 0", dict(num_splits=0), "num_splits: expected an int from 1 to 256 or 'auto'"),
+        ("num_splits word", dict(num_splits="many"), "num_splits"),
+        ("workspace small", dict(num_splits=3, workspace=np.zeros((2, 2, 2, 34), np.float32)), "workspace: expected"),
+        ("max_seq_len short", dict(max_seq_len=3), "max_seq_len: 3 is shorter than the longest sequence"),
+    ]
+
+
+@pytest.mark.cudasim
+def test_bad_calls_raise_before_launching(rng):
+    data = make_data(rng, [9, 2], num_heads=2)
+    base = dict(q=data.q, k_cache=data.k_cache, v_cache=data.v_cache, block_tables=data.block_tables,
+                seq_lens=data.seq_lens, softmax_scale=data.softmax_scale, k_scale=data.k_scale, v_scale=data.v_scale)
+    for case, change, message in bad_calls(data):
+        args = dict(base, out=np.full(data.q.shape, np.nan, np.float32))
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            kernels.paged_decode(**args)
+        if "out" not in change:
+            assert np.all(np.isnan(args["out"])), case  # nothing was launched
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+
+def fresh_rng():
+    seed = int.from_bytes(os.urandom(8), "little")
+    return seed, np.random.default_rng(seed)
+
+
+def relative_error(got, expected) -> float:
+    """``||got - expected|| / ||expected||``; infinite when ``got`` holds a NaN or infinity."""
+    got = np.asarray(got, np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.linalg.norm(got - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+RELATIVE_ERROR_BOUND = 1e-5
+"""For float32 accumulation over up to 16k tokens with a 2-ulp exp2: the elementwise bound of
+tests/simulators/test_splitkv.py, summed over a row, stays below this for the data below; a wrong token, a wrong
+scale or a missing shard is off by far more (order 1e-2 and up)."""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+@pytest.mark.parametrize("lens", [[16384], [1000], [16384, 1, 0, 4097, 9000, 15, 2048, 12000]], ids=["16k", "1k", "batch8"])
+def test_gpu_qwen3_8b_heads_against_the_reference(cache, lens):
+    """32 query heads on 8 kv heads of 128, blocks of 16; each split setting on the same fresh data, out poisoned
+    before every launch; ALiBi in the batch of 8 (which also holds lengths 0 and 1)."""
+    seed, rng = fresh_rng()
+    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
+    caches, tables = filled_cache(rng, lens, block_size, num_kv_heads, head_dim, cache)
+    (k, k_scale), (v, v_scale) = caches
+    q = rng.standard_normal((len(lens), num_heads, head_dim)).astype(np.float32)
+    slopes = random_slopes(rng, num_heads) if len(lens) > 1 else None
+    seq_lens = np.asarray(lens, np.int32)
+    reference_view = fst.PagedKVData(q, as_float32(k), as_float32(v), k_scale, v_scale, tables, seq_lens, head_dim**-0.5)
+    expected = attention.paged_decode(*reference_view.decode_args(), alibi_slopes=slopes)
+    device = [cuda.to_device(x) for x in (q, k, v, tables, seq_lens)]
+    scales = [None if s is None else cuda.to_device(s) for s in (k_scale, v_scale)]
+    auto = kernels.choose_num_splits(len(lens), num_heads, num_kv_heads, max(lens), kernels.device_num_sms(), block_size)
+    for num_splits in ("auto", 1, 4, 8, 32):
+        out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+        kernels.paged_decode(*device, head_dim**-0.5, out, *scales, alibi_slopes=slopes, num_splits=num_splits)
+        got = out.copy_to_host()
+        error = relative_error(got, expected)
+        assert error <= RELATIVE_ERROR_BOUND, (seed, num_splits, error)
+        splits = auto if num_splits == "auto" else num_splits
+        elementwise = np.max(np.abs(got.astype(np.float64) - expected), axis=-1)
+        assert np.all(elementwise <= tolerance(reference_view, slopes, splits)), (seed, num_splits)
+        assert np.all(got[seq_lens == 0] == 0), (seed, num_splits)
+
+
+@pytest.mark.gpu
+def test_gpu_write_then_decode_and_reuse_with_length_zero():
+    """The kernels end to end: paged_cache_write fills an FP8 cache on the GPU, paged_decode reads it; then the
+    same out with one sequence emptied comes back zero there (the stale-row regression at real size)."""
+    seed, rng = fresh_rng()
+    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
+    lens = np.array([3000, 777, 1], np.int32)
+    blocks = -(-lens // block_size)
+    tables = np.full((3, int(blocks.max())), -1, np.int32)
+    pool = rng.permutation(int(blocks.sum()))
+    start = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = pool[start : start + n]
+        start += n
+    shape = (int(blocks.sum()), num_kv_heads, block_size, head_dim)
+    k_cache, v_cache = (cuda.to_device(np.full(shape, 0x7F, np.uint8)) for _ in range(2))
+    k_scale, v_scale = (cuda.to_device(np.full(shape[:3], np.nan, np.float32)) for _ in range(2))
+    slots = np.concatenate([kv_cache.slots_for_positions(tables[i], np.arange(n), block_size) for i, n in enumerate(lens)])
+    k = rng.standard_normal((len(slots), num_kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((len(slots), num_kv_heads, head_dim)).astype(np.float32)
+    paged_cache_write(cuda.to_device(k), cuda.to_device(v), k_cache, v_cache, cuda.to_device(slots), k_scale, v_scale)
+    codes = [c.copy_to_host() for c in (k_cache, v_cache)]
+    scales = [s.copy_to_host() for s in (k_scale, v_scale)]
+    q = rng.standard_normal((3, num_heads, head_dim)).astype(np.float32)
+    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+    workspace = kernels.decode_workspace(3, num_heads, head_dim)
+    for lengths in (lens, np.array([0, 777, 1], np.int32)):
+        expected = attention.paged_decode(q, codes[0], codes[1], tables, lengths, head_dim**-0.5, scales[0], scales[1])
+        kernels.paged_decode(cuda.to_device(q), k_cache, v_cache, cuda.to_device(tables), cuda.to_device(lengths),
+                             head_dim**-0.5, out, k_scale, v_scale, num_splits=8, workspace=workspace,
+                             max_seq_len=int(lens.max()))
+        got = out.copy_to_host()
+        assert relative_error(got, expected) <= RELATIVE_ERROR_BOUND, seed
+        assert np.all(got[lengths == 0] == 0), seed
