@@ -21,7 +21,6 @@ import sys
 
 from . import checkpoint, tiny
 
-
 INTERRUPTED_STATUS = 130
 """The shell's status for a command ended by Ctrl-C (128 + SIGINT)."""
 

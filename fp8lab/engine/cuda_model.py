@@ -121,9 +121,9 @@ from fp8lab.reference import blockwise
 
 from .config import Qwen3Config
 from .kv_manager import KV_CACHE_DTYPES
-from .safetensors_io import round_to_bf16
 from .layout import is_fp8_projection
 from .model import ForwardBatch, check_tensors
+from .safetensors_io import round_to_bf16
 
 DEFAULT_F32_MAX_ROWS = 4
 """GEMMs of at most this many rows take float32 activations by default (see the module docstring)."""

@@ -26,8 +26,15 @@ from pathlib import Path
 
 from .checkpoint import quantize_checkpoint
 from .config import Qwen3Config
-from .tiny import (added_token_ids, cache_root, cached_build, generation_config, tokenizer_config, train_byte_level_bpe,
-                   write_tokenizer_files)  # fmt: skip
+from .tiny import (
+    added_token_ids,
+    cache_root,
+    cached_build,
+    generation_config,
+    tokenizer_config,
+    train_byte_level_bpe,
+    write_tokenizer_files,  # fmt: skip
+)
 from .tokenizer import ENDOFTEXT, IM_END
 
 DEMO_DIR = Path(__file__).parent / "data" / "demo"

@@ -146,7 +146,17 @@ def train_byte_level_bpe(files, learned_tokens: int):
     """A byte-level BPE as Qwen3's (NFC normalizer, Qwen's split regex) with ``learned_tokens`` tokens
     learned from ``files``, followed by Qwen's added tokens (``TOKEN_IDS`` shifted to start at
     ``learned_tokens``): a ``tokenizers.Tokenizer``."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()

@@ -94,7 +94,13 @@ from numba import cuda, float32, uint16, uint32, uint64
 
 from . import bits
 from .arguments import check_gemm
-from .cp_async import commit_group, copy_4_ca, copy_16_ca, copy_16_cg, wait_group_function
+from .cp_async import (
+    commit_group,
+    copy_4_ca,
+    copy_16_ca,
+    copy_16_cg,
+    wait_group_function,
+)
 from .mma import mma_bf16, mma_f16
 
 # ---------------------------------------------------------------------------- the schedule's constants

@@ -81,15 +81,19 @@ from numba import cuda, float32, uint32
 from . import arguments
 from .bits import SIMULATOR, bf16_bits_to_f32, f16_bits_to_f32, u32_as_f32
 from .dequantize import F16_PLACEMENT_SCALE, STORE, output_bits_view, placed_codes
+from .warp import (
+    LOAD_ALIGNMENT,
+    WARP_SIZE,
+    WORDS_PER_LOAD,
+    load_u32x4,
+    warp_sum,
+)
 
-WARP_SIZE = 32
-FULL_MASK = 0xFFFFFFFF
 WARPS_PER_CTA = 4
 """Warps per CTA when nothing else is known; see the module docstring for why small CTAs."""
 MAX_WARPS_PER_CTA = 32
 BYTES_PER_LANE = 16
 """One 128-bit load per lane per chunk: 16 FP8 codes, 4 uint32 words."""
-WORDS_PER_LOAD = 4
 K_PER_STEP = WARP_SIZE * BYTES_PER_LANE
 MAX_ROWS = 16
 M_TILES = tuple(range(1, MAX_ROWS + 1))
@@ -101,60 +105,10 @@ MAX_GROUP_SLOTS = 8
 (more spills registers)."""
 MAX_ACCUMULATORS = 32
 """``columns_per_warp * m_tile`` at most: one float32 accumulator each per lane (more spills)."""
-BUTTERFLY_OFFSETS = (16, 8, 4, 2, 1)
-LOAD_ALIGNMENT = 16
-"""Bytes: a 128-bit load needs a 16-byte aligned address."""
 MAX_WORDS = 2**32
 """Arrays are indexed with 32-bit words: fewer than this many uint32 words (16 GiB of codes)."""
 WORDS_PER_CHUNK = {"bf16": 8, "f16": 8, "f32": 16}
 """uint32 words of one row's 16 activations, by activation format."""
-
-
-# ---------------------------------------------------------------------------- the 128-bit load
-
-if SIMULATOR:
-
-    def load_u32x4(words, index):
-        """``words[index : index + 4]`` of a 1-D uint32 array (one 128-bit load on a GPU; ``index % 4 == 0``)."""
-        index = int(index)
-        if index % WORDS_PER_LOAD:
-            raise RuntimeError(f"load_u32x4: index {index} is not a multiple of 4 (the GPU load would be misaligned)")
-        return words[index], words[index + 1], words[index + 2], words[index + 3]
-
-else:
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda import cgutils
-    from numba.cuda.extending import intrinsic
-
-    _GLOBAL_ADDRESS_SPACE = 1
-
-    @intrinsic
-    def load_u32x4(typingctx, words, index):
-        """``words[index : index + 4]`` of a 1-D uint32 array as one ``ld.global.nc.v4.u32``.
-
-        The address must be 16-byte aligned (``index % 4 == 0`` and a 16-byte aligned array; the
-        host checks the data pointer). The data is read-only for the kernel's lifetime, which the
-        ``invariant.load`` mark tells the compiler, so it uses the non-coherent (read-only data
-        cache) path. An unsigned index needs no negative-index fix-up.
-        """
-        if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
-            return None
-
-        def codegen(context, builder, signature, args):
-            array_type, index_type = signature.args
-            array = context.make_array(array_type)(context, builder, value=args[0])
-            index = [context.cast(builder, args[1], index_type, types.intp)]
-            pointer = cgutils.get_item_pointer(context, builder, array_type, array, index, wraparound=False)
-            vector = ir.VectorType(ir.IntType(32), WORDS_PER_LOAD)
-            global_pointer = builder.addrspacecast(pointer, ir.PointerType(ir.IntType(32), _GLOBAL_ADDRESS_SPACE))
-            loaded = builder.load(builder.bitcast(global_pointer, ir.PointerType(vector, _GLOBAL_ADDRESS_SPACE)),
-                                  align=LOAD_ALIGNMENT)
-            loaded.set_metadata("invariant.load", builder.module.add_metadata([]))
-            lanes = [builder.extract_element(loaded, ir.Constant(ir.IntType(32), i)) for i in range(WORDS_PER_LOAD)]
-            return context.make_tuple(builder, signature.return_type, lanes)
-
-        return types.UniTuple(types.uint32, WORDS_PER_LOAD)(words, index), codegen
 
 
 # ---------------------------------------------------------------------------- one chunk of 16 elements
@@ -216,14 +170,6 @@ def chunk_partial(activations, weights, first):
     for i in range(BYTES_PER_LANE):
         part = cuda.fma(activations[i], weights[first + i], part)
     return part
-
-
-@cuda.jit(device=True, inline=True)
-def warp_sum(value):
-    """Butterfly: ``value += shfl_xor(value, off)`` for off = 16, 8, 4, 2, 1; every lane gets the total."""
-    for off in BUTTERFLY_OFFSETS:
-        value += cuda.shfl_xor_sync(FULL_MASK, value, off)
-    return value
 
 
 # ---------------------------------------------------------------------------- the kernel

@@ -7,8 +7,8 @@
     results, since fp8lab compiles without flush-to-zero). The CUDA Math API documents a maximum
     error of 2 ulp. ``exp2(-inf) = +0`` (the PTX ISA specifies it for ``ex2``), ``exp2(+inf) = +inf``,
     ``exp2(NaN) = NaN``.
-  - In the CUDA simulator: ``fp8lab.simulators.splitkv.exp2_f32``, NumPy's float32 ``exp2``, the very
-    function the split-kv simulator uses, so a kernel in the simulator matches
+  - In the CUDA simulator: ``fp8lab.simulators.common.exp2_f32``, NumPy's float32 ``exp2``, the very
+    function the simulators use, so a kernel in the simulator matches
     ``fp8lab.simulators.splitkv`` bit for bit. (NumPy's float32 ``exp2`` is not correctly rounded either;
     ``tests/simulators/test_splitkv.py`` checks it within 4 ulp.) The GPU and the simulator differ in the last
     bits of ``exp2``, which is why GPU results are checked against ``fp8lab.reference.attention`` by an
@@ -35,7 +35,7 @@ from numba import cuda, float32, int32, int64, uint32
 from .bits import SIMULATOR, f32_as_u32, u32_as_f32
 
 if SIMULATOR:
-    from fp8lab.simulators.splitkv import exp2_f32
+    from fp8lab.simulators.common import exp2_f32
 
     def exp2(x):
         """float32 ``2^x``: the simulator's NumPy float32 exp2 (see the module docstring)."""

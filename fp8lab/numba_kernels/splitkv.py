@@ -77,7 +77,14 @@ from .arguments import as_kernel_array
 from .bits import SIMULATOR, u32_as_f32
 from .dequantize import placed_codes
 from .gemv_simt import load_u32x4
-from .kv_cache import check_cache, on_device, placeholder, reject, require_c_contiguous, to_host
+from .kv_cache import (
+    check_cache,
+    on_device,
+    placeholder,
+    reject,
+    require_c_contiguous,
+    to_host,
+)
 
 WARP_SIZE = 32
 FULL_MASK = 0xFFFFFFFF

@@ -46,9 +46,9 @@ import numpy as np
 from fp8lab.reference import blockwise
 from fp8lab.reference._checks import as_block, as_codes, as_float
 
+from .common import BUTTERFLY_OFFSETS, WARP_SIZE
 from .fma import FmaScratch, fma_f32_into, smallest_nonzero_magnitude
 
-WARP_SIZE = 32
 BYTES_PER_LANE = 16
 """One 128-bit load per lane per step: 16 FP8 codes."""
 K_PER_STEP = WARP_SIZE * BYTES_PER_LANE
@@ -57,7 +57,6 @@ K_MULTIPLE = 128
 """``K`` and ``BK`` must be multiples of this."""
 MAX_ROWS = 16
 M_TILES = (1, 2, 4, 8, 16)
-BUTTERFLY_OFFSETS = (16, 8, 4, 2, 1)
 F16_PLACEMENT_SCALE = 2.0**8
 """The F16 bit placement yields ``decode(c) / 2^8``; the block scale is multiplied by this instead."""
 
@@ -184,18 +183,6 @@ def promote_partials(part: np.ndarray, scales: np.ndarray) -> np.ndarray:
             scratch = FmaScratch(lanes.shape)
         step_chunks = slice(first, first + active)
         fma_f32_into(scales[None, :, step_chunks], part[..., step_chunks], lanes, lanes, scratch)
-    return acc
-
-
-def butterfly_sum(acc: np.ndarray) -> np.ndarray:
-    """``acc += shfl_xor(acc, off)`` for ``off = 16, 8, 4, 2, 1`` over the last (lane) axis, float32.
-
-    Lane ``L`` adds lane ``L ^ off``'s value; afterwards every lane holds the warp's total (float32
-    addition commutes, so the partners compute the same bits).
-    """
-    lanes = np.arange(WARP_SIZE)
-    for off in BUTTERFLY_OFFSETS:
-        acc = acc + acc[..., lanes ^ off]
     return acc
 
 

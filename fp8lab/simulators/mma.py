@@ -51,10 +51,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import bit_placement
+from .common import WARP_SIZE
 
 MMA_M, MMA_N, MMA_K = 16, 8, 16
 """The instruction shape m16n8k16."""
-WARP_SIZE = 32
 A_PER_LANE, B_PER_LANE, C_PER_LANE = 8, 4, 4
 """Elements per lane: A 16*16/32, B 16*8/32, C 16*8/32."""
 A_REGISTERS, B_REGISTERS, C_REGISTERS = 4, 2, 4

@@ -74,8 +74,14 @@ import numpy as np
 from fp8lab.reference import e4m3, kv_cache
 from fp8lab.reference._checks import as_float, as_index, require_ndim, require_shape
 
-from .fma import FmaScratch, fma_f32, fma_f32_into, fma_f32_round_to_odd, smallest_nonzero_magnitude
-from .gemv_simt import WARP_SIZE
+from .common import WARP_SIZE
+from .fma import (
+    FmaScratch,
+    fma_f32,
+    fma_f32_into,
+    fma_f32_round_to_odd,
+    smallest_nonzero_magnitude,
+)
 
 NUM_WARPS = 4
 """Warps per CTA."""
@@ -653,13 +659,3 @@ def _checked_arguments(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_s
     if tables.shape[1] == 0:  # no columns at all (every length 0): give the gather something to read
         tables = np.zeros((num_seqs, 1), dtype=np.int64)
     return q32, tables, lens, slopes
-
-
-def exp2_f32(x) -> np.float32:
-    """``2^x`` of one float32 through the same NumPy loop as the arrays above (for kernels in the CUDA simulator).
-
-    ``fp8lab.numba_kernels.mathops.exp2`` calls this in simulator mode, so a kernel matches this model bit
-    for bit. It evaluates a contiguous 1-element array rather than a scalar so that NumPy takes the
-    same (SIMD) inner loop as for the model's arrays.
-    """
-    return np.exp2(np.array([x], dtype=np.float32))[0]

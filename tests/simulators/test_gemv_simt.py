@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from fp8lab.reference import blockwise, e4m3
 from fp8lab.simulators import fma
+from fp8lab.simulators import common
 from fp8lab.simulators import gemv_simt as gs
 
 U = 2.0**-24
@@ -276,7 +277,7 @@ def test_matches_the_loop_nest_bit_for_bit(rng):
 
 def test_butterfly_leaves_the_total_in_every_lane(rng):
     acc = rng.integers(-1000, 1000, size=(2, 32)).astype(np.float32)
-    total = gs.butterfly_sum(acc)
+    total = common.butterfly_sum(acc)
     assert np.array_equal(total, np.repeat(acc.sum(axis=1, keepdims=True), 32, axis=1))
 
 
@@ -334,7 +335,7 @@ def gemv_from_the_public_steps(a, q, scale_inv, block, m_tile) -> np.ndarray:
     for rows in gs.row_tiles(m, m_tile):
         a_chunks = np.ascontiguousarray(a.astype(np.float32).reshape(m, chunks, 16).transpose(2, 0, 1)[:, rows])
         part = gs.lane_partials(a_chunks, w_chunks, gs.products_fit_float32(a_chunks))
-        out[rows] = gs.butterfly_sum(gs.promote_partials(part, scales))[..., 0]
+        out[rows] = common.butterfly_sum(gs.promote_partials(part, scales))[..., 0]
     return out
 
 

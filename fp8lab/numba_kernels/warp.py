@@ -1,0 +1,78 @@
+"""Warp-level building blocks shared by the kernels, in both modes (GPU and CUDA simulator).
+
+- ``WARP_SIZE``, ``FULL_MASK``: 32 lanes, all of them taking part in a shuffle;
+- ``load_u32x4(words, index)``: four uint32 words in one 128-bit global load (``ld.global.nc.v4.u32``
+  on a GPU; in the simulator a plain read that refuses a misaligned index, as the GPU would fault);
+- ``warp_sum(value)``: the butterfly reduction ``value += shfl_xor(value, off)`` for
+  ``off = 16, 8, 4, 2, 1``, after which every lane holds the total. Its float32 order is that of
+  ``fp8lab.simulators.common.butterfly_sum``.
+"""
+
+from __future__ import annotations
+
+from numba import cuda
+
+from .bits import SIMULATOR
+
+WARP_SIZE = 32
+FULL_MASK = 0xFFFFFFFF
+BUTTERFLY_OFFSETS = (16, 8, 4, 2, 1)
+WORDS_PER_LOAD = 4
+LOAD_ALIGNMENT = 16
+"""Bytes: a 128-bit load needs a 16-byte aligned address."""
+
+
+# ---------------------------------------------------------------------------- the 128-bit load
+
+if SIMULATOR:
+
+    def load_u32x4(words, index):
+        """``words[index : index + 4]`` of a 1-D uint32 array (one 128-bit load on a GPU; ``index % 4 == 0``)."""
+        index = int(index)
+        if index % WORDS_PER_LOAD:
+            raise RuntimeError(f"load_u32x4: index {index} is not a multiple of 4 (the GPU load would be misaligned)")
+        return words[index], words[index + 1], words[index + 2], words[index + 3]
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _GLOBAL_ADDRESS_SPACE = 1
+
+    @intrinsic
+    def load_u32x4(typingctx, words, index):
+        """``words[index : index + 4]`` of a 1-D uint32 array as one ``ld.global.nc.v4.u32``.
+
+        The address must be 16-byte aligned (``index % 4 == 0`` and a 16-byte aligned array; the
+        host checks the data pointer). The data is read-only for the kernel's lifetime, which the
+        ``invariant.load`` mark tells the compiler, so it uses the non-coherent (read-only data
+        cache) path. An unsigned index needs no negative-index fix-up.
+        """
+        if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            array_type, index_type = signature.args
+            array = context.make_array(array_type)(context, builder, value=args[0])
+            index = [context.cast(builder, args[1], index_type, types.intp)]
+            pointer = cgutils.get_item_pointer(context, builder, array_type, array, index, wraparound=False)
+            vector = ir.VectorType(ir.IntType(32), WORDS_PER_LOAD)
+            global_pointer = builder.addrspacecast(pointer, ir.PointerType(ir.IntType(32), _GLOBAL_ADDRESS_SPACE))
+            loaded = builder.load(builder.bitcast(global_pointer, ir.PointerType(vector, _GLOBAL_ADDRESS_SPACE)),
+                                  align=LOAD_ALIGNMENT)
+            loaded.set_metadata("invariant.load", builder.module.add_metadata([]))
+            lanes = [builder.extract_element(loaded, ir.Constant(ir.IntType(32), i)) for i in range(WORDS_PER_LOAD)]
+            return context.make_tuple(builder, signature.return_type, lanes)
+
+        return types.UniTuple(types.uint32, WORDS_PER_LOAD)(words, index), codegen
+
+
+
+@cuda.jit(device=True, inline=True)
+def warp_sum(value):
+    """Butterfly: ``value += shfl_xor(value, off)`` for off = 16, 8, 4, 2, 1; every lane gets the total."""
+    for off in BUTTERFLY_OFFSETS:
+        value += cuda.shfl_xor_sync(FULL_MASK, value, off)
+    return value

@@ -1,0 +1,38 @@
+"""What every simulated kernel shares: the warp's width, its butterfly reduction, float32 ``exp2``.
+
+- ``WARP_SIZE``: 32 lanes;
+- ``butterfly_sum(acc)``: ``acc += shfl_xor(acc, off)`` for ``off = 16, 8, 4, 2, 1`` over the last
+  (lane) axis, the float32 order of ``fp8lab.numba_kernels.warp.warp_sum``;
+- ``exp2_f32(x)``: float32 ``2^x`` of one value by NumPy's float32 loop, which
+  ``fp8lab.numba_kernels.mathops.exp2`` calls in the CUDA simulator, so a simulated kernel and its
+  simulator agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+WARP_SIZE = 32
+BUTTERFLY_OFFSETS = (16, 8, 4, 2, 1)
+
+
+def butterfly_sum(acc: np.ndarray) -> np.ndarray:
+    """``acc += shfl_xor(acc, off)`` for ``off = 16, 8, 4, 2, 1`` over the last (lane) axis, float32.
+
+    Lane ``L`` adds lane ``L ^ off``'s value; afterwards every lane holds the warp's total (float32
+    addition commutes, so the partners compute the same bits).
+    """
+    lanes = np.arange(WARP_SIZE)
+    for off in BUTTERFLY_OFFSETS:
+        acc = acc + acc[..., lanes ^ off]
+    return acc
+
+
+def exp2_f32(x) -> np.float32:
+    """``2^x`` of one float32 through the same NumPy loop as the arrays above (for kernels in the CUDA simulator).
+
+    ``fp8lab.numba_kernels.mathops.exp2`` calls this in simulator mode, so a kernel matches this model bit
+    for bit. It evaluates a contiguous 1-element array rather than a scalar so that NumPy takes the
+    same (SIMD) inner loop as for the model's arrays.
+    """
+    return np.exp2(np.array([x], dtype=np.float32))[0]
