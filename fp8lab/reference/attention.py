@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kv_cache
-from ._checks import as_float, as_index, require_ndim, require_shape
+from .checks import as_float, as_index, check_block_tables, require_ndim, require_shape
 
 
 def _kv_head_of_query_heads(num_heads: int, num_kv_heads: int) -> np.ndarray:
@@ -121,6 +121,7 @@ def paged_decode(
     lens = as_index("seq_lens", seq_lens)
     require_shape("seq_lens", lens, (num_seqs,))
     require_shape("block_tables", tables, (num_seqs, tables.shape[1]))
+    check_block_tables(tables, lens, k_cache.shape[2], k_cache.shape[0])
     slopes = _checked_slopes(alibi_slopes, num_heads)
 
     out = np.zeros((num_seqs, num_heads, head_dim), dtype=np.float64)  # length 0 keeps its zero row

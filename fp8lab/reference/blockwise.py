@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import e4m3
-from ._checks import as_block, as_codes, as_float, ceil_div, require_ndim, require_shape
+from .checks import as_block, as_codes, as_float, ceil_div, require_ndim, require_shape
 
 DEFAULT_BLOCK = (128, 128)
 DEFAULT_ACTIVATION_EPS = 1e-10

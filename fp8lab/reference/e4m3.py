@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import as_codes, as_float
+from .checks import as_codes, as_float
 
 EXPONENT_BITS = 4
 MANTISSA_BITS = 3

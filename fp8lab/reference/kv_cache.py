@@ -25,7 +25,15 @@ from __future__ import annotations
 import numpy as np
 
 from . import e4m3
-from ._checks import as_codes, as_float, as_index, ceil_div, require_ndim, require_shape
+from .checks import (
+    as_codes,
+    as_float,
+    as_index,
+    ceil_div,
+    check_block_tables,
+    require_ndim,
+    require_shape,
+)
 
 
 def quantize_kv(x) -> tuple[np.ndarray, np.ndarray]:
@@ -128,12 +136,8 @@ def gather(cache, scales, block_table, seq_len: int) -> np.ndarray:
     seq_len = int(seq_len)
     if seq_len < 0:
         raise ValueError(f"seq_len: expected a length >= 0, got {seq_len}")
-    needed = ceil_div(seq_len, block_size)
-    if needed > table.shape[0]:
-        raise ValueError(f"block_table: {seq_len} tokens need {needed} blocks of {block_size}, the table has {table.shape[0]}")
-    used = table[:needed]
-    if used.size and (used.min() < 0 or used.max() >= num_blocks):
-        raise ValueError(f"block_table: block ids must lie in [0, {num_blocks}), got {used.min()}..{used.max()}")
+    check_block_tables(table[None], np.array([seq_len]), block_size, num_blocks, "block_table")
+    used = table[:ceil_div(seq_len, block_size)]
     positions = np.arange(seq_len)
     blocks, offsets = used[positions // block_size], positions % block_size
     values = cache[blocks, :, offsets, :]

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fp8lab.reference import blockwise
-from fp8lab.reference._checks import as_block, ceil_div
+from fp8lab.reference.checks import as_block, ceil_div
 
 from . import bit_placement, mma
 from .fma import fma_f32

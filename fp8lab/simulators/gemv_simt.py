@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 from fp8lab.reference import blockwise
-from fp8lab.reference._checks import as_block, as_codes, as_float
+from fp8lab.reference.checks import as_block, as_codes, as_float
 
 from .common import BUTTERFLY_OFFSETS, WARP_SIZE
 from .fma import FmaScratch, fma_f32_into, smallest_nonzero_magnitude

@@ -72,7 +72,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from fp8lab.reference import e4m3, kv_cache
-from fp8lab.reference._checks import as_float, as_index, require_ndim, require_shape
+from fp8lab.reference.checks import (
+    as_float,
+    as_index,
+    check_block_tables,
+    require_ndim,
+    require_shape,
+)
 
 from .common import WARP_SIZE
 from .fma import (
@@ -641,17 +647,7 @@ def _checked_arguments(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_s
     require_shape("block_tables", tables, (num_seqs, tables.shape[1]))
     lens = as_index("seq_lens", seq_lens)
     require_shape("seq_lens", lens, (num_seqs,))
-    if lens.size and lens.min() < 0:
-        raise ValueError(f"seq_lens: expected lengths >= 0, got {lens.min()}")
-    needed = -(-lens // block_size)
-    if needed.size and needed.max() > tables.shape[1]:
-        raise ValueError(f"block_tables: a sequence of {lens.max()} tokens needs {needed.max()} blocks of "
-                         f"{block_size}, the table has {tables.shape[1]} columns")
-    for i, n_used in enumerate(needed):  # only the blocks a sequence uses must be valid ids
-        used = tables[i, :n_used]
-        if used.size and (used.min() < 0 or used.max() >= num_blocks):
-            raise ValueError(f"block_tables: block ids must lie in [0, {num_blocks}), sequence {i} has "
-                             f"{used.min()}..{used.max()}")
+    check_block_tables(tables, lens, block_size, num_blocks)
     slopes = None
     if alibi_slopes is not None:
         slopes = as_float("alibi_slopes", alibi_slopes, np.float32)

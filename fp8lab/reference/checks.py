@@ -1,6 +1,6 @@
-"""Argument checks shared by the reference modules.
+"""Argument checks shared by the oracles (``fp8lab.reference``) and the simulators (``fp8lab.simulators``).
 
-Every failure is a ``ValueError`` that names the argument and says what was expected and what
+One copy of each check, so that the two views refuse the same calls with the same messages. Every failure is a ``ValueError`` that names the argument and says what was expected and what
 was given, so that a wrong call fails loudly at the boundary instead of computing garbage.
 """
 
@@ -74,3 +74,26 @@ def as_block(name: str, block) -> tuple[int, int]:
 def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` for non-negative ints."""
     return -(-a // b)
+
+
+def check_block_tables(tables: np.ndarray, lens: np.ndarray, block_size: int, num_blocks: int,
+                       name: str = "block_tables") -> None:
+    """Raise unless every sequence's blocks are in its table row and are block ids of the cache.
+
+    ``tables``: integer ``[num_seqs, max_blocks_per_seq]``; ``lens``: integer ``[num_seqs]``, the
+    tokens read per sequence (>= 0); a cache of ``num_blocks`` blocks of ``block_size`` tokens.
+    Sequence ``i`` reads the first ``ceil(lens[i] / block_size)`` entries of row ``i``; they must
+    exist and lie in ``[0, num_blocks)``. Entries past them are never read (``-1`` padding is fine).
+    """
+    if lens.size and lens.min() < 0:
+        raise ValueError(f"seq_lens: expected lengths >= 0, got {lens.min()}")
+    needed = -(-lens // block_size)
+    if needed.size and needed.max() > tables.shape[1]:
+        i = int(np.argmax(needed))
+        raise ValueError(f"{name}: sequence {i} has {lens[i]} tokens, which need {needed[i]} blocks of "
+                         f"{block_size}, the table has {tables.shape[1]} columns")
+    for i, n_used in enumerate(needed):
+        used = tables[i, :n_used]
+        if used.size and (used.min() < 0 or used.max() >= num_blocks):
+            raise ValueError(f"{name}: block ids must lie in [0, {num_blocks}), sequence {i} uses "
+                             f"{used.min()}..{used.max()}")
