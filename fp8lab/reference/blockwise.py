@@ -26,6 +26,11 @@ The first term is half a unit in the last place of the 3-bit mantissa (relative 
 normals, the second half the subnormal spacing 2^-9 scaled by the block scale. The ``2^-126``
 floor of the scale keeps the bound for blocks whose ``amax / 448`` would be a float32 subnormal.
 
+Concatenating weights along N (``concatenate_rows``: the GPU engine fuses q/k/v and gate/up into one
+GEMM each) is exact: codes and scale rows are concatenated, and when a part is not whole blocks every
+part is re-blocked to ``BN' = gcd(BN, part sizes)`` rows per scale (``reblock_rows``: each scale row
+repeated), so the fused weight dequantizes to exactly the row-concatenation of the dequantized parts.
+
 NaN and infinity follow the formulas, never a finite wrong number: a NaN or infinity in a
 block of ``w`` (or in a group of activations) makes its scale NaN or infinite and every element
 of it dequantize to NaN (``x / inf`` codes are 0 or NaN, ``0 * inf`` is NaN). NaN codes, NaN or
@@ -34,6 +39,8 @@ arithmetic. A loader rejects NaN codes in a checkpoint (``nan_code_positions``).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -115,6 +122,47 @@ def dequantize(q, scale_inv, block=DEFAULT_BLOCK) -> np.ndarray:
 def nan_code_positions(q) -> np.ndarray:
     """Indices ``[count, 2]`` of NaN codes (0x7F / 0xFF) in a weight; a loader must reject any."""
     return np.argwhere(e4m3.is_nan(q))
+
+
+def reblock_rows(scale_inv, rows: int, block_n: int, new_block_n: int) -> np.ndarray:
+    """The ``scale_inv`` of a weight of ``rows`` rows for blocks of ``new_block_n`` rows instead of ``block_n``.
+
+    ``new_block_n`` must divide ``block_n``: new block ``r`` (rows ``r * new_block_n`` on) then lies inside
+    old block ``r * new_block_n // block_n``, whose scale row it repeats. Returns float32
+    ``[ceil(rows / new_block_n), KB]``; the weight dequantizes to exactly the same matrix with it.
+    """
+    rows, block_n, new_block_n = int(rows), int(block_n), int(new_block_n)
+    if new_block_n <= 0 or block_n % new_block_n:
+        raise ValueError(f"new_block_n: expected a positive divisor of block_n = {block_n}, got {new_block_n}")
+    s = as_float("scale_inv", scale_inv, np.float32)
+    require_ndim("scale_inv", s, 2, "[ceil(N/BN), ceil(K/BK)]")
+    if s.shape[0] != ceil_div(rows, block_n):
+        raise ValueError(f"scale_inv: expected {ceil_div(rows, block_n)} rows for {rows} weight rows in blocks of "
+                         f"{block_n}, got shape {s.shape}")
+    return s[np.arange(ceil_div(rows, new_block_n)) * new_block_n // block_n]
+
+
+def concatenate_rows(parts, block=DEFAULT_BLOCK) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+    """Concatenate blockwise FP8 weights ``(codes [N_i, K], scale_inv)`` along N (rows) into one weight.
+
+    Returns ``(codes [sum N_i, K], scale_inv, (BN', BK))`` with ``BN' = gcd(BN, N_0, N_1, ...)``: when every
+    part is whole blocks that is ``BN`` and the scales are concatenated as they are; otherwise each part is
+    re-blocked (``reblock_rows``) so that no block straddles two parts. Contract: the fused weight
+    dequantizes to exactly the row-concatenation of the dequantized parts, bit for bit. Every part must
+    have the same K and a ``scale_inv`` of the shape its codes and ``block`` imply.
+    """
+    bn, bk = as_block("block", block)
+    if len(parts) == 0:
+        raise ValueError("parts: expected at least one (codes, scale_inv) pair")
+    codes = [as_codes(f"parts[{i}] codes", q) for i, (q, _) in enumerate(parts)]
+    for i, q in enumerate(codes):
+        require_ndim(f"parts[{i}] codes", q, 2, "[N, K]")
+        if q.shape[1] != codes[0].shape[1]:
+            raise ValueError(f"parts[{i}] codes: expected K = {codes[0].shape[1]} (the first part's), got {q.shape}")
+    scales = [checked_scales(s, q.shape, (bn, bk)) for q, (_, s) in zip(codes, parts)]
+    new_bn = math.gcd(bn, *(q.shape[0] for q in codes))
+    rows = [reblock_rows(s, q.shape[0], bn, new_bn) for q, s in zip(codes, scales)]
+    return np.concatenate(codes), np.ascontiguousarray(np.concatenate(rows), np.float32), (new_bn, bk)
 
 
 def _activations_2d(a, k: int) -> tuple[np.ndarray, tuple[int, ...]]:

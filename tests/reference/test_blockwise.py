@@ -1,5 +1,7 @@
 """fp8lab.reference.blockwise: the quantization error bound, GEMMs against independent formulations, bad input."""
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -169,3 +171,56 @@ def test_bf16_and_f16_scales_are_accepted(rng):
         np.testing.assert_array_equal(
             blockwise.dequantize(q, stored), e4m3.decode(q) * np.repeat(np.repeat(stored.astype(np.float32), 128, 0), 128, 1)[:130, :130]
         )
+
+
+# ---------------------------------------------------------------------------- concatenating weights along N
+
+
+@given(st.lists(st.integers(1, 70), min_size=1, max_size=4), st.sampled_from([(8, 32), (16, 16), (48, 128)]),
+       st.integers(1, 100), st.integers(0, 2**32 - 1))
+def test_concatenate_rows_dequantizes_to_the_concatenated_parts(sizes, block, k, seed):
+    """Random parts with partial edge blocks (in N and K): the fused weight dequantizes bit for bit to the
+    row-concatenation of the dequantized parts, with block_n = gcd(block_n, sizes)."""
+    rng = np.random.default_rng(seed)
+    parts = [blockwise.quantize((rng.standard_normal((n, k)) * rng.uniform(0.01, 100)).astype(np.float32), block)
+             for n in sizes]
+    codes, scale_inv, new_block = blockwise.concatenate_rows(parts, block)
+    assert new_block == (math.gcd(block[0], *sizes), block[1])
+    assert codes.dtype == np.uint8 and scale_inv.dtype == np.float32
+    assert scale_inv.shape == blockwise.scale_shape(codes.shape, new_block)
+    want = np.concatenate([blockwise.dequantize(q, s, block) for q, s in parts])
+    np.testing.assert_array_equal(blockwise.dequantize(codes, scale_inv, new_block), want)
+
+
+def test_concatenate_rows_of_whole_blocks_keeps_the_scales(rng):
+    block = (64, 128)
+    parts = [blockwise.quantize(rng.standard_normal((n, 200)).astype(np.float32), block) for n in (128, 64, 64)]
+    codes, scale_inv, new_block = blockwise.concatenate_rows(parts, block)
+    assert new_block == block
+    np.testing.assert_array_equal(scale_inv, np.concatenate([s for _, s in parts]))
+    np.testing.assert_array_equal(codes, np.concatenate([q for q, _ in parts]))
+
+
+def test_reblock_rows_repeats_each_scale_row(rng):
+    scale_inv = rng.uniform(0.5, 2, (3, 2)).astype(np.float32)  # 40 rows in blocks of 16: the last is partial
+    got = blockwise.reblock_rows(scale_inv, 40, 16, 8)
+    np.testing.assert_array_equal(got, scale_inv[[0, 0, 1, 1, 2]])
+    np.testing.assert_array_equal(blockwise.reblock_rows(scale_inv, 40, 16, 16), scale_inv)
+
+
+def test_concatenate_rows_bad_input_names_the_problem(rng):
+    block = (16, 32)
+    a = blockwise.quantize(rng.standard_normal((16, 64)).astype(np.float32), block)
+    b = blockwise.quantize(rng.standard_normal((8, 32)).astype(np.float32), block)
+    with pytest.raises(ValueError, match="at least one"):
+        blockwise.concatenate_rows([], block)
+    with pytest.raises(ValueError, match=r"parts\[1\] codes: expected K = 64"):
+        blockwise.concatenate_rows([a, b], block)
+    with pytest.raises(ValueError, match=r"scale_inv: expected shape \(1, 2\)"):
+        blockwise.concatenate_rows([a, (a[0], a[1][:, :1])], block)
+    with pytest.raises(ValueError, match="parts.* codes: expected E4M3 codes"):
+        blockwise.concatenate_rows([(a[0].astype(np.float32), a[1])], block)
+    with pytest.raises(ValueError, match="new_block_n: expected a positive divisor of block_n = 16"):
+        blockwise.reblock_rows(a[1], 16, 16, 6)
+    with pytest.raises(ValueError, match="scale_inv: expected 1 rows"):
+        blockwise.reblock_rows(np.ones((2, 2), np.float32), 16, 16, 8)
