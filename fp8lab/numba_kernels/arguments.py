@@ -1,4 +1,8 @@
-"""Argument checks for the FP8 weight kernels, done on the host before anything is launched.
+"""Argument checks of every kernel host wrapper, done on the host before anything is launched.
+
+One copy of each check the kernels share: ``reject``/``require`` (the error of a bad array), ``require_c_contiguous``,
+``require_load_alignment`` (device data for 128-bit loads), ``check_block_tables`` (the values of a paged
+cache's block tables), and ``check_gemm`` (the FP8 weight GEMMs' whole call).
 
 The kernels accept NumPy arrays (copied to the device by Numba; in the CUDA simulator that is the
 normal case), Numba device arrays, and any object with ``__cuda_array_interface__`` (torch, CuPy).
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from .warp import LOAD_ALIGNMENT
+
 K_MULTIPLE = 128
 """Every kernel walks K in 128-wide chunks (one block scale per chunk)."""
 
@@ -41,15 +47,60 @@ def as_kernel_array(name: str, x):
                      f"got {type(x).__name__}")
 
 
-def _require(name: str, x, dtype_names: str, ok: bool):
+def reject(name: str, expected: str, x):
+    """Raise the ``ValueError`` of a bad array argument: its name, what was expected, its shape and dtype."""
+    raise ValueError(f"{name}: expected {expected}, got shape {tuple(x.shape)} dtype {x.dtype}")
+
+
+def require(name: str, x, expected: str, ok: bool):
+    """``reject(name, expected, x)`` unless ``ok``."""
     if not ok:
-        raise ValueError(f"{name}: expected {dtype_names}, got shape {tuple(x.shape)} dtype {x.dtype}")
+        reject(name, expected, x)
 
 
-def _require_c_contiguous(name: str, x):
+def require_c_contiguous(name: str, x):
+    """Raise unless ``x`` (NumPy or device array) is C-contiguous."""
     contiguous = x.flags["C_CONTIGUOUS"] if isinstance(x, np.ndarray) else x.is_c_contiguous()
     if not contiguous:
         raise ValueError(f"{name}: expected a C-contiguous (row-major) array, got strides {x.strides}")
+
+
+def require_load_alignment(name: str, x, kernel: str):
+    """Raise unless the device data of ``x`` starts on a 16-byte boundary (``kernel`` reads it 16 bytes at a time).
+
+    A NumPy array passes: it is copied into a fresh, aligned device allocation at launch (Numba's and
+    torch's allocations are aligned; a view into one may not be).
+    """
+    interface = getattr(x, "__cuda_array_interface__", None)
+    if interface is None:
+        return
+    address = interface["data"][0]
+    if address % LOAD_ALIGNMENT:
+        raise ValueError(f"{name}: {kernel} reads {LOAD_ALIGNMENT} bytes at a time, so its device data must be "
+                         f"{LOAD_ALIGNMENT}-byte aligned (start on a {LOAD_ALIGNMENT}-byte boundary); "
+                         f"got address 0x{address:x}")
+
+
+def check_block_tables(tables: np.ndarray, lens: np.ndarray, block_size: int, num_blocks: int) -> None:
+    """Raise unless every sequence's blocks are in its table row and are block ids of the cache.
+
+    Host copies: ``tables`` integer ``[num_seqs, max_blocks_per_seq]``, ``lens`` integer ``[num_seqs]``
+    (the tokens a kernel reads per sequence, >= 0), a cache of ``num_blocks`` blocks of ``block_size``
+    tokens. Sequence ``i`` reads the first ``ceil(lens[i] / block_size)`` entries of row ``i``; they
+    must exist and lie in ``[0, num_blocks)``. Entries past them are never read (``-1`` padding is fine).
+    """
+    if lens.size and lens.min() < 0:
+        raise ValueError(f"seq_lens: expected lengths >= 0, got {lens.min()}")
+    needed = -(-lens // block_size)
+    if needed.size and needed.max() > tables.shape[1]:
+        i = int(np.argmax(needed))
+        raise ValueError(f"block_tables: sequence {i} has {lens[i]} tokens, which need {needed[i]} blocks of "
+                         f"{block_size}, the table has {tables.shape[1]} columns")
+    for i, n_used in enumerate(needed):
+        used = tables[i, :n_used]
+        if used.size and (used.min() < 0 or used.max() >= num_blocks):
+            raise ValueError(f"block_tables: block ids must lie in [0, {num_blocks}), sequence {i} uses "
+                             f"{used.min()}..{used.max()}")
 
 
 @dataclass(frozen=True)
@@ -76,8 +127,8 @@ def check_gemm(a, q, scale_inv, out, block, *, kernel: str, activations=("bf16",
         bn, bk = (int(b) for b in block)
     except (TypeError, ValueError):
         raise ValueError(f"block: expected a pair (block_n, block_k), got {block!r}") from None
-    _require("q", q, "uint8 E4M3 codes [N, K]", q.ndim == 2 and q.dtype == np.uint8)
-    _require_c_contiguous("q", q)
+    require("q", q, "uint8 E4M3 codes [N, K]", q.ndim == 2 and q.dtype == np.uint8)
+    require_c_contiguous("q", q)
     n, k = q.shape
     if k == 0 or k % K_MULTIPLE:
         raise ValueError(f"q: {kernel} needs K to be a positive multiple of {K_MULTIPLE}, got K = {k}")
@@ -86,17 +137,17 @@ def check_gemm(a, q, scale_inv, out, block, *, kernel: str, activations=("bf16",
     if bn <= 0 or bn % block_n_multiple:
         raise ValueError(f"block: {kernel} needs block_n to be a positive multiple of {block_n_multiple}, got {bn}")
     expected_scales = (-(-n // bn), -(-k // bk))
-    _require("scale_inv", scale_inv, f"float32 [{expected_scales[0]}, {expected_scales[1]}] for block {(bn, bk)}",
+    require("scale_inv", scale_inv, f"float32 [{expected_scales[0]}, {expected_scales[1]}] for block {(bn, bk)}",
              tuple(scale_inv.shape) == expected_scales and scale_inv.dtype == np.float32)
-    _require_c_contiguous("scale_inv", scale_inv)
+    require_c_contiguous("scale_inv", scale_inv)
     activation = ACTIVATION_FORMATS.get(np.dtype(a.dtype))
     allowed = " / ".join(f for f in ("bf16 (uint16)", "f16 (float16)", "f32 (float32)") if f.split()[0] in activations)
-    _require("a", a, f"activations [M, {k}] of {allowed}", a.ndim == 2 and a.shape[1] == k and activation in activations)
-    _require_c_contiguous("a", a)
+    require("a", a, f"activations [M, {k}] of {allowed}", a.ndim == 2 and a.shape[1] == k and activation in activations)
+    require_c_contiguous("a", a)
     m = a.shape[0]
     if m == 0:
         raise ValueError("a: expected at least one row (M >= 1), got M = 0")
     output = OUTPUT_FORMATS.get(np.dtype(out.dtype))
-    _require("out", out, f"[{m}, {n}] of float32, float16 or uint16 (BF16)", tuple(out.shape) == (m, n) and output is not None)
-    _require_c_contiguous("out", out)
+    require("out", out, f"[{m}, {n}] of float32, float16 or uint16 (BF16)", tuple(out.shape) == (m, n) and output is not None)
+    require_c_contiguous("out", out)
     return GemmProblem(a, q, scale_inv, out, m, n, k, (bn, bk), activation, output)

@@ -32,8 +32,8 @@ import time
 import weakref
 from collections import defaultdict
 
-WARP_SIZE = 32
-FULL_MASK = 0xFFFFFFFF
+from .warp import FULL_MASK, WARP_SIZE
+
 TIMEOUT_S = 300.0  # generous: a loaded 2-core CI machine can stall simulated threads for many seconds
 _POLL_S = 0.002
 

@@ -181,8 +181,8 @@ def check_dequantize(q, scale_inv, out, block):
         raise ValueError(f"block: expected a pair (block_n, block_k), got {block!r}") from None
     if bn <= 0 or bk <= 0:
         raise ValueError(f"block: block sizes must be positive, got {(bn, bk)}")
-    arguments._require("q", q, "uint8 E4M3 codes [N, K]", q.ndim == 2 and q.dtype == np.uint8)
-    arguments._require_c_contiguous("q", q)
+    arguments.require("q", q, "uint8 E4M3 codes [N, K]", q.ndim == 2 and q.dtype == np.uint8)
+    arguments.require_c_contiguous("q", q)
     n, k = q.shape
     if n == 0:
         raise ValueError("q: expected at least one row (N >= 1), got N = 0")
@@ -190,14 +190,14 @@ def check_dequantize(q, scale_inv, out, block):
         raise ValueError(f"q: dequantize reads 4 codes per 32-bit load and needs K to be a positive multiple "
                          f"of {CODES_PER_WORD}, got K = {k}")
     expected_scales = (-(-n // bn), -(-k // bk))
-    arguments._require("scale_inv", scale_inv,
+    arguments.require("scale_inv", scale_inv,
                        f"float32 [{expected_scales[0]}, {expected_scales[1]}] for block {(bn, bk)}",
                        tuple(scale_inv.shape) == expected_scales and scale_inv.dtype == np.float32)
-    arguments._require_c_contiguous("scale_inv", scale_inv)
+    arguments.require_c_contiguous("scale_inv", scale_inv)
     output = arguments.OUTPUT_FORMATS.get(np.dtype(out.dtype))
-    arguments._require("out", out, f"[{n}, {k}] of float32, float16 or uint16 (BF16)",
+    arguments.require("out", out, f"[{n}, {k}] of float32, float16 or uint16 (BF16)",
                        tuple(out.shape) == (n, k) and output is not None)
-    arguments._require_c_contiguous("out", out)
+    arguments.require_c_contiguous("out", out)
     return q, scale_inv, out, (bn, bk), output
 
 

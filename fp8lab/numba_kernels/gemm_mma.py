@@ -93,7 +93,7 @@ import numpy as np
 from numba import cuda, float32, uint16, uint32, uint64
 
 from . import bits
-from .arguments import check_gemm
+from .arguments import check_gemm, require_load_alignment
 from .cp_async import (
     commit_group,
     copy_4_ca,
@@ -102,11 +102,11 @@ from .cp_async import (
     wait_group_function,
 )
 from .mma import mma_bf16, mma_f16
+from .warp import WARP_SIZE
 
 # ---------------------------------------------------------------------------- the schedule's constants
 # (the same numbers as fp8lab.simulators.gemm_mma; tests check that they agree)
 
-WARP_SIZE = 32
 MMA_M, MMA_N, MMA_K = 16, 8, 16
 M_BLOCKS_CHOICES = (1, 2)
 """m16 tiles per warp: M tile 16 or 32."""
@@ -532,19 +532,10 @@ def compiled_kernel(tiling: Tiling, activation: str, output: str):
 
 # ---------------------------------------------------------------------------- the host side
 
-COPY_ALIGNMENT = COPY_BYTES
-
-
 def _as_words(name: str, x, dtype):
-    """``x`` (C-contiguous, row bytes a multiple of 16) reinterpreted as ``dtype`` words.
-
-    A device array must be 16-byte aligned: the kernel copies 16 bytes at a time. (A NumPy array
-    is copied into a fresh, aligned device allocation at launch.)
-    """
-    interface = getattr(x, "__cuda_array_interface__", None)
-    if interface is not None and interface["data"][0] % COPY_ALIGNMENT:
-        raise ValueError(f"{name}: the kernel copies {COPY_ALIGNMENT} bytes at a time, so the data must be "
-                         f"{COPY_ALIGNMENT}-byte aligned; got address 0x{interface['data'][0]:x}")
+    """``x`` (C-contiguous, row bytes a multiple of 16) reinterpreted as ``dtype`` words; device data must be
+    16-byte aligned, as the kernel copies 16 bytes at a time (``cp.async``)."""
+    require_load_alignment(name, x, "gemm_mma")
     return x.view(dtype)
 
 

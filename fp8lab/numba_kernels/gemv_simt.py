@@ -79,10 +79,9 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from . import arguments
-from .bits import SIMULATOR, bf16_bits_to_f32, f16_bits_to_f32, u32_as_f32
+from .bits import bf16_bits_to_f32, f16_bits_to_f32, u32_as_f32
 from .dequantize import F16_PLACEMENT_SCALE, STORE, output_bits_view, placed_codes
 from .warp import (
-    LOAD_ALIGNMENT,
     WARP_SIZE,
     WORDS_PER_LOAD,
     load_u32x4,
@@ -416,16 +415,6 @@ def gemv_simt_launch_info(m: int, n: int, k: int, m_tile: int | None = None, war
     return GemvLaunch(grid=grid, block=(knobs["warps_per_cta"] * WARP_SIZE,), steps=-(-k // K_PER_STEP), **knobs)
 
 
-def _require_load_alignment(name: str, x):
-    """Device arrays must start on a 16-byte boundary (NumPy arrays are copied to fresh device memory)."""
-    if isinstance(x, np.ndarray) or SIMULATOR:
-        return
-    address = x.__cuda_array_interface__["data"][0]
-    if address % LOAD_ALIGNMENT:
-        raise ValueError(f"{name}: the SIMT GEMV loads 16 bytes at a time and needs the data to start on a "
-                         f"{LOAD_ALIGNMENT}-byte boundary, got address 0x{address:x}")
-
-
 def gemv_simt(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta=None, chunks_per_iteration=None,
               columns_per_warp=None, stream=0):
     """``out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]``, float32
@@ -449,7 +438,7 @@ def gemv_simt(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta
     launch = gemv_simt_launch_info(problem.m, problem.n, problem.k, m_tile, warps_per_cta, chunks_per_iteration,
                                    columns_per_warp)
     for name in ("a", "q"):
-        _require_load_alignment(name, getattr(problem, name))
+        arguments.require_load_alignment(name, getattr(problem, name), "the SIMT GEMV")
     if problem.n * problem.k // 4 >= MAX_WORDS:
         raise ValueError(f"q: the SIMT GEMV indexes the codes with 32-bit words and needs N * K < 2^34, "
                          f"got {problem.n} x {problem.k}")

@@ -45,12 +45,10 @@ import numpy as np
 from numba import cuda, float32, types, uint32
 
 from . import mathops
-from .arguments import as_kernel_array
+from .arguments import as_kernel_array, reject, require_c_contiguous
 from .bits import SIMULATOR, bf16_bits_to_f32, f16_bits_to_f32
+from .warp import BUTTERFLY_OFFSETS, FULL_MASK, WARP_SIZE
 
-WARP_SIZE = 32
-FULL_MASK = 0xFFFFFFFF
-BUTTERFLY_OFFSETS = (16, 8, 4, 2, 1)
 E4M3_MAX = float32(448.0)
 MIN_SCALE = float32(2.0**-126)
 """The smallest scale (the float32 minimum normal): below it ``amax / 448`` would be subnormal and inexact."""
@@ -192,18 +190,6 @@ def placeholder(ndim: int):
     """
     array = np.zeros((1,) * ndim, np.float32)
     return array if SIMULATOR else cuda.to_device(array)
-
-
-def reject(name: str, expected: str, x):
-    """Raise the ``ValueError`` of a bad array argument: its name, what was expected, its shape and dtype."""
-    raise ValueError(f"{name}: expected {expected}, got shape {tuple(x.shape)} dtype {x.dtype}")
-
-
-def require_c_contiguous(name: str, x):
-    """Raise unless ``x`` (NumPy or device array) is C-contiguous."""
-    contiguous = x.flags["C_CONTIGUOUS"] if isinstance(x, np.ndarray) else x.is_c_contiguous()
-    if not contiguous:
-        raise ValueError(f"{name}: expected a C-contiguous (row-major) array, got strides {x.strides}")
 
 
 def as_16bit_patterns(x):

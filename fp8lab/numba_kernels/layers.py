@@ -72,10 +72,10 @@ import numpy as np
 from numba import cuda, float32, int32, int64, types, uint32
 
 from . import mathops
-from .arguments import as_kernel_array
+from .arguments import as_kernel_array, reject, require_c_contiguous
 from .bits import SIMULATOR, bf16_bits_to_f32, u32_as_f32
 from .gemv_simt import load_u32x4, warp_sum
-from .kv_cache import on_device, reject, require_c_contiguous
+from .kv_cache import on_device
 
 WARP_SIZE = 32
 FULL_MASK = 0xFFFFFFFF

@@ -49,13 +49,12 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, types
 
-from .arguments import as_kernel_array
+from .arguments import as_kernel_array, check_block_tables, reject, require_c_contiguous
 from .bits import SIMULATOR
-from .kv_cache import check_cache, on_device, reject, require_c_contiguous, to_host
+from .kv_cache import check_cache, on_device, to_host
 from .splitkv import paged_decode
+from .warp import WARP_SIZE
 
-WARP_SIZE = 32
-"""Threads per expansion CTA: one warp per expanded row."""
 MAX_HEAD_DIM = 256
 
 
@@ -175,7 +174,8 @@ def _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_lens, o
 
 
 def _check_values(tables, context, queries, num_tokens: int, block_size: int, num_blocks: int) -> None:
-    """The index arrays' values (host copies): lengths, the token count, block ids in range."""
+    """The index arrays' values (host copies): lengths, the token count, and the blocks of every sequence
+    that has query rows (a sequence without new tokens adds no row, so nothing reads its table)."""
     for name, lens in (("context_lens", context), ("query_lens", queries)):
         if lens.size and lens.min() < 0:
             s = int(np.argmin(lens))
@@ -187,18 +187,7 @@ def _check_values(tables, context, queries, num_tokens: int, block_size: int, nu
     if int(queries.sum()) != num_tokens:
         raise ValueError(f"query_lens: sum(query_lens) = {int(queries.sum())} does not match q's "
                          f"{num_tokens} query tokens (q.shape[0])")
-    needed = -(-context // block_size)
-    if needed.size and needed.max() > tables.shape[1]:
-        s = int(np.argmax(needed))
-        raise ValueError(f"block_tables: sequence {s} has {context[s]} tokens, which need {needed[s]} blocks of "
-                         f"{block_size}, but the table has {tables.shape[1]} columns")
-    for s, n_used in enumerate(needed):
-        if queries[s] == 0:
-            continue  # no row reads this sequence's blocks
-        used = tables[s, :n_used]
-        if used.size and (used.min() < 0 or used.max() >= num_blocks):
-            raise ValueError(f"block_tables: block ids must lie in [0, {num_blocks}), sequence {s} uses "
-                             f"{used.min()}..{used.max()}")
+    check_block_tables(tables, np.where(queries > 0, context, 0), block_size, num_blocks)  # what the rows read
 
 
 def _check_rows(rows, num_tokens: int, width: int) -> PrefillRows:

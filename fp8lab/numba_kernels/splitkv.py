@@ -72,89 +72,58 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, types, uint32, uint64
 
-from . import mathops
-from .arguments import as_kernel_array
-from .bits import SIMULATOR, u32_as_f32
-from .dequantize import placed_codes
-from .gemv_simt import load_u32x4
-from .kv_cache import (
-    check_cache,
-    on_device,
-    placeholder,
-    reject,
-    require_c_contiguous,
-    to_host,
+from fp8lab.simulators.splitkv import (
+    ELEMENTS_PER_LANE,
+    MAX_HEADS_PER_CTA,
+    MAX_SPLITS_PER_HEAD,
+    NUM_SMS,
+    NUM_WARPS,
+    choose_num_splits,
+    heads_per_cta,
+    lanes_per_token,
+    num_slots,
 )
 
-WARP_SIZE = 32
-FULL_MASK = 0xFFFFFFFF
-NUM_WARPS = 4
-"""Warps per split-kernel CTA."""
+from . import mathops
+from .arguments import (
+    as_kernel_array,
+    check_block_tables,
+    reject,
+    require_c_contiguous,
+    require_load_alignment,
+)
+from .bits import SIMULATOR, u32_as_f32
+from .dequantize import placed_codes
+from .kv_cache import check_cache, on_device, placeholder, to_host
+from .warp import FULL_MASK, WARP_SIZE, WORDS_PER_LOAD, load_u32x4
+
 THREADS_PER_CTA = NUM_WARPS * WARP_SIZE
-ELEMENTS_PER_LANE = 16
-"""Head elements a lane owns (``fp8lab.simulators.splitkv.ELEMENTS_PER_LANE``): 16 FP8 codes are one 128-bit load."""
 HEAD_DIMS = (32, 64, 128, 256)
 """Supported head sizes: ``head_dim / 16`` lanes read a token, a power of two from 2 to 16."""
-MAX_HEADS_PER_CTA = 4
-MAX_SPLITS_PER_HEAD = 8
-CTAS_PER_SM = 2
-DEFAULT_NUM_SMS = 132
-"""SMs of an H100 SXM / H200; used in the CUDA simulator (which has no SM count), as ``fp8lab.simulators.splitkv``."""
 LOG2E = math.log2(math.e)
 LOG2E_F32 = float32(LOG2E)
 """``log2(e)`` rounded once to float32: ALiBi slopes are scaled by it (``slope2 = slope * LOG2E_F32``)."""
 KV_REGISTER_BUDGET = 32
 """Registers of K and V words a lane may hold in flight (one word per register): sets ``tokens_in_flight``."""
-WORDS_PER_LOAD = 4
-"""uint32 words of one 128-bit load."""
-LOAD_ALIGNMENT = 16
 CACHE_ELEMENT_BITS = {"fp8": 8, "bf16": 16, "f32": 32}
 VALUE_UNIT = {"fp8": 256.0, "bf16": 1.0, "f32": 1.0}
 """The decoded cache values are ``value / VALUE_UNIT`` (FP8 codes by F16 bit placement give ``decode(c) * 2^-8``);
 the query and the V weights are multiplied by it instead, which is exact (see ``split_kernel_function``)."""
 
 
-# ---------------------------------------------------------------------------- the work decomposition
-
-
-def lanes_per_token(head_dim: int) -> int:
-    """Lanes that read one token (``fp8lab.simulators.splitkv.lanes_per_token`` for the kernel's head sizes)."""
-    return int(head_dim) // ELEMENTS_PER_LANE
-
-
-def num_slots(head_dim: int) -> int:
-    """Tokens a CTA reads at once, one per group of ``lanes_per_token`` lanes (16 at head_dim 128)."""
-    return NUM_WARPS * (WARP_SIZE // lanes_per_token(head_dim))
-
-
-def heads_per_cta(group: int) -> int:
-    """Query heads per CTA: the largest divisor of the GQA group size that is at most 4
-    (``fp8lab.simulators.splitkv.heads_per_cta``; a test keeps them equal)."""
-    return max(h for h in range(1, MAX_HEADS_PER_CTA + 1) if int(group) % h == 0)
-
-
-def choose_num_splits(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,
-                      num_sms: int = DEFAULT_NUM_SMS, block_size: int = 16) -> int:
-    """The ``"auto"`` split count, ``fp8lab.simulators.splitkv.choose_num_splits``'s rule (a test keeps them equal).
-
-    The largest ``s`` with ``grid * s <= 2 * num_sms`` (``grid = num_seqs * num_heads /
-    heads_per_cta`` CTAs), at most ``8 * heads_per_cta``, at most the KV blocks of the longest
-    sequence, at least 1. (``numba_kernels`` may import ``simulators`` only in simulator mode, so the
-    rule is written out here.)
-    """
-    per_cta = heads_per_cta(int(num_heads) // max(1, int(num_kv_heads)))
-    grid = int(num_seqs) * int(num_heads) // per_cta
-    if grid <= 0:
-        return 1
-    blocks_of_work = -(-int(max_seq_len) // int(block_size))
-    return int(max(1, min(MAX_SPLITS_PER_HEAD * per_cta, CTAS_PER_SM * int(num_sms) // grid, blocks_of_work)))
+# ---------------------------------------------------------------------------- the launch plan
+#
+# The contract fixes the plan (which query heads a CTA serves, how many shards, which tokens each
+# shard and slot reads), so the host side takes it from ``fp8lab.simulators.splitkv``:
+# ``heads_per_cta``, ``choose_num_splits``, ``lanes_per_token``, ``num_slots``, ``ELEMENTS_PER_LANE``.
+# What a CTA computes per token is written out below, independently of the simulator.
 
 
 @functools.lru_cache(maxsize=None)
 def device_num_sms() -> int:
-    """The current GPU's SM count (``DEFAULT_NUM_SMS`` in the simulator)."""
+    """The current GPU's SM count (``fp8lab.simulators.splitkv.NUM_SMS``, an H100/H200's, in the simulator)."""
     if SIMULATOR:
-        return DEFAULT_NUM_SMS
+        return NUM_SMS
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
@@ -600,22 +569,6 @@ class DecodeCall:
     block_size: int
 
 
-def _check_index_values(tables, lens, block_size: int, num_blocks: int) -> None:
-    """Every sequence's length is >= 0 and its used block-table entries are block ids in range."""
-    if lens.size and lens.min() < 0:
-        raise ValueError(f"seq_lens: expected lengths >= 0, got {lens.min()}")
-    needed = -(-lens // block_size)
-    if needed.size and needed.max() > tables.shape[1]:
-        i = int(np.argmax(needed))
-        raise ValueError(f"block_tables: sequence {i} has {lens[i]} tokens, which need {needed[i]} blocks of "
-                         f"{block_size}, but the table has {tables.shape[1]} columns")
-    for i, n_used in enumerate(needed):
-        used = tables[i, :n_used]
-        if used.size and (used.min() < 0 or used.max() >= num_blocks):
-            raise ValueError(f"block_tables: block ids must lie in [0, {num_blocks}), sequence {i} uses "
-                             f"{used.min()}..{used.max()}")
-
-
 def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
                  alibi_slopes=None, num_splits="auto", workspace=None, max_seq_len=None) -> DecodeCall:
     """Every argument check of ``paged_decode``; nothing is launched here."""
@@ -654,7 +607,7 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     host_indices = isinstance(seq_lens, np.ndarray) and isinstance(block_tables, np.ndarray)
     if max_seq_len is None or host_indices:
         lens = to_host(seq_lens).astype(np.int64)
-        _check_index_values(to_host(block_tables).astype(np.int64), lens, block_size, num_blocks)
+        check_block_tables(to_host(block_tables).astype(np.int64), lens, block_size, num_blocks)
         longest = int(lens.max(initial=0))
         if max_seq_len is not None and int(max_seq_len) < longest:
             raise ValueError(f"max_seq_len: {max_seq_len} is shorter than the longest sequence ({longest})")
@@ -693,9 +646,7 @@ def flat_cache(cache, scales):
     num_blocks, num_kv_heads, block_size, head_dim = cache.shape
     num_rows = num_blocks * num_kv_heads * block_size
     words = cache.reshape(num_rows * head_dim).view(np.uint32)
-    device = getattr(words, "__cuda_array_interface__", None)  # (a NumPy array is copied to an aligned one)
-    if not SIMULATOR and device is not None and device["data"][0] % LOAD_ALIGNMENT:
-        raise ValueError(f"cache: its device address must be {LOAD_ALIGNMENT}-byte aligned for 128-bit loads")
+    require_load_alignment("cache", words, "the split-kv kernel")
     return words, None if scales is None else scales.reshape(num_rows)
 
 

@@ -92,26 +92,26 @@ def assert_bit_exact(data, num_splits, slopes=None):
     return got
 
 
-# ---------------------------------------------------------------------------- the "auto" rule
+# ---------------------------------------------------------------------------- the plan, as the device code reads it
 
 
-@given(num_seqs=st.integers(0, 300), num_kv_heads=st.integers(1, 16), group=st.integers(1, 8),
-       max_seq_len=st.integers(0, 100_000), num_sms=st.sampled_from([1, 16, 78, 108, 132, 148]),
-       block_size=st.sampled_from([1, 4, 16, 32]))
-def test_auto_rule_is_the_simulators(num_seqs, num_kv_heads, group, max_seq_len, num_sms, block_size):
-    num_heads = num_kv_heads * group
-    assert kernels.heads_per_cta(group) == sk.heads_per_cta(group)
-    assert kernels.choose_num_splits(num_seqs, num_heads, num_kv_heads, max_seq_len, num_sms, block_size) == (
-        sk.choose_num_splits(num_seqs, num_heads, num_kv_heads, max_seq_len, num_sms=num_sms, block_size=block_size))
+@pytest.mark.cudasim
+@given(seq_len=st.integers(0, 2000), num_splits=st.integers(1, 40), block_size=st.sampled_from([1, 4, 16, 32]))
+def test_shard_range_is_the_plans_shard_bounds(seq_len, num_splits, block_size):
+    """The device function a CTA calls for its own shard gives the plan's ``shard_bounds`` row."""
+    bounds = sk.shard_bounds(seq_len, num_splits, block_size)
+    for shard in range(num_splits):
+        assert kernels.shard_range(seq_len, shard, num_splits, block_size) == tuple(bounds[shard])
 
 
-def test_lane_layouts_are_the_simulators():
+# ---------------------------------------------------------------------------- how a lane reads a row
+
+
+def test_lane_layouts():
     for head_dim in kernels.HEAD_DIMS:
-        assert kernels.lanes_per_token(head_dim) == sk.lanes_per_token(head_dim)
-        assert kernels.num_slots(head_dim) == sk.num_slots(head_dim)
         for cache, bits in (("fp8", 8), ("bf16", 16), ("f32", 32)):
             layout = kernels.lane_layout(cache, head_dim)
-            assert layout.words * 32 == kernels.ELEMENTS_PER_LANE * bits  # 16 elements per lane
+            assert layout.words * 32 == sk.ELEMENTS_PER_LANE * bits  # 16 elements per lane
             assert layout.loads * kernels.WORDS_PER_LOAD == layout.words
             assert layout.row_words * 32 == head_dim * bits
     assert kernels.lane_layout("fp8", 128).loads == 1  # one 128-bit load of 16 codes per lane
@@ -148,7 +148,7 @@ def test_full_groups_of_tokens_in_flight_are_bit_exact(rng, cache, head_dim, blo
     32 has 64 slots and U = 4 (340 tokens: 5 or 6 per slot), BF16 at 64 has 32 slots and U = 2, float32
     at 128 has 16 slots and U = 1."""
     tokens_in_flight = kernels.lane_layout(cache, head_dim).tokens_in_flight
-    assert length // kernels.num_slots(head_dim) > tokens_in_flight
+    assert length // sk.num_slots(head_dim) > tokens_in_flight
     data = make_data(rng, [length], num_heads=1, head_dim=head_dim, block_size=block_size, cache=cache)
     assert_bit_exact(data, 1, random_slopes(rng, 1))
 
@@ -171,7 +171,7 @@ def test_random_layouts_are_bit_exact_and_within_the_bound(layout, num_splits, f
 @pytest.mark.cudasim
 def test_auto_splits_are_bit_exact(rng):
     data = make_data(rng, [9, 3], num_heads=2)
-    assert kernels.choose_num_splits(2, 2, 1, 9, block_size=4) == 3  # 2 CTAs would not fill 132 SMs; 3 blocks of work
+    assert sk.choose_num_splits(2, 2, 1, 9, block_size=4) == 3  # 2 CTAs would not fill 132 SMs; 3 blocks of work
     got = run_kernel(data, "auto")
     np.testing.assert_array_equal(got.view(np.uint32), sk.paged_decode(*simulator_args(data)).view(np.uint32))
 
@@ -311,7 +311,7 @@ def test_gpu_qwen3_8b_heads_against_the_reference(cache, lens):
     expected = attention.paged_decode(*reference_view.decode_args(), alibi_slopes=slopes)
     device = [cuda.to_device(x) for x in (q, k, v, tables, seq_lens)]
     scales = [None if s is None else cuda.to_device(s) for s in (k_scale, v_scale)]
-    auto = kernels.choose_num_splits(len(lens), num_heads, num_kv_heads, max(lens), kernels.device_num_sms(), block_size)
+    auto = sk.choose_num_splits(len(lens), num_heads, num_kv_heads, max(lens), kernels.device_num_sms(), block_size)
     for num_splits in ("auto", 1, 4, 8, 32):
         out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
         kernels.paged_decode(*device, head_dim**-0.5, out, *scales, alibi_slopes=slopes, num_splits=num_splits)
