@@ -144,7 +144,7 @@ def samples(model, tokenizer, torch, new_tokens: int = 48) -> dict[str, str]:
 
 def bf16_tensors(model) -> dict[str, np.ndarray]:
     """The weights under Qwen3's names as float32 arrays holding BF16 values (the tied lm_head left out)."""
-    from fp8lab.engine.safetensors_io import round_to_bf16
+    from fp8lab.reference.dense import round_to_bf16
 
     state = model.state_dict()
     return {name: round_to_bf16(t.detach().float().cpu().numpy()) for name, t in state.items()

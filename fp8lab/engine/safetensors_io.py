@@ -43,6 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
+# the one BF16 rounding and widening (fp8lab.reference.dense)
+from fp8lab.reference.dense import bf16_bits_to_float32, float32_to_bf16_bits
+
 HEADER_LENGTH_BYTES = 8
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """The safetensors library refuses headers above 100 MB; so do we (a corrupt length is usually huge)."""
@@ -79,35 +82,6 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
-
-
-# ----------------------------------------------------------------------------------------------
-# BF16 <-> float32 bit manipulation
-
-
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """BF16 bit patterns (uint16) -> float32, exactly: BF16 is the upper half of a float32."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> BF16 bit patterns (uint16), rounding to nearest, ties to even.
-
-    Adding ``0x7FFF + lsb`` to the 32-bit pattern and dropping the low 16 bits rounds half to
-    even (the carry propagates into the exponent, so overflow correctly becomes infinity).
-    NaN is kept a (quiet) NaN with its sign rather than risking a carry into infinity.
-    """
-    x = np.asarray(x, dtype=np.float32)
-    bits = x.view(np.uint32)
-    lsb = (bits >> 16) & 1
-    rounded = ((bits + np.uint32(0x7FFF) + lsb) >> 16).astype(np.uint16)
-    quiet_nan = ((bits >> 16) | 0x0040).astype(np.uint16)
-    return np.where(np.isnan(x), quiet_nan, rounded)
-
-
-def round_to_bf16(x: np.ndarray) -> np.ndarray:
-    """The float32 values that storing ``x`` as BF16 and reading it back gives."""
-    return bf16_bits_to_float32(float32_to_bf16_bits(x))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -42,10 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
+from fp8lab.reference.dense import round_to_bf16
+
 from .checkpoint import build_atomically, quantize_tensors, save_checkpoint
 from .config import FP8QuantConfig, Qwen3Config
 from .layout import expected_tensors
-from .safetensors_io import round_to_bf16
 from .tokenizer import ENDOFTEXT, IM_END, IM_START, THINK_CLOSE, THINK_OPEN
 
 RECIPE_VERSION = "1"

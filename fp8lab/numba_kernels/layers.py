@@ -1,39 +1,33 @@
-"""The dense operators of a Qwen3 layer as Numba CUDA kernels: norms, RoPE, SwiGLU, embedding, the BF16
-linear (lm_head), greedy sampling and the residual add.
+"""The dense operators of a Qwen3 layer as Numba CUDA kernels: RMSNorm (and the fused residual add),
+RoPE, SwiGLU, embedding, the BF16 linear (lm_head), greedy argmax, the residual add, BF16 rounding.
 
-Each kernel runs on a GPU and unchanged in Numba's CUDA simulator. All arithmetic is float32, and
-every sum has a fixed, documented order (``cuda.fma`` where a product is accumulated, so the GPU
-compiler cannot contract differently), which ``tests/numba_kernels/test_layer_kernels.py`` models in NumPy.
+What they compute is ``fp8lab.reference.dense``; how (each kernel's float32 operations in its order,
+``cuda.fma`` wherever a product is accumulated, so the GPU compiler cannot contract differently) is
+``fp8lab.simulators.dense``. In the CUDA simulator each kernel matches that simulator bit for bit; on a
+GPU it matches it wherever the GPU's operations are correctly rounded (all but ``silu_mul``'s ``expf``)
+and the oracle within a stated float32 bound (``tests/numba_kernels/test_layer_kernels.py``).
 
-Kernels (launch shapes are CTAs x threads; "checked" names the oracle in ``tests/numba_kernels/test_layer_kernels.py``):
+Kernels and launch shapes (CTAs x threads):
 
-1. ``rms_norm(x, weight, eps, out)``: ``weight * (x / sqrt(mean(x^2) + eps))`` over the last axis
-   (Qwen3RMSNorm). Launch: for ``n <= 256`` (q/k-norm, head_dim 128) a warp per row, 4 rows per
-   CTA; otherwise (the hidden size) a CTA of ``rms_norm_threads_per_row(n)`` threads per row.
-   Checked: a NumPy model of the order bit for bit (simulator and GPU); ReferenceBackend.rms_norm
-   and float64 within a bound. ``add_rms_norm(x, residual, weight, eps, out)``: ``residual += x``,
-   then the same norm of the new residual, in one launch; also checked equal to ``add_into`` +
-   ``rms_norm``.
-2. ``rope(x, positions, cos_sin, out)``: NeoX rotation of ``x[T, heads, head_dim]`` (in place
-   allowed) by a table from ``rope_table`` (host NumPy, once at load). Launch ``(T, heads)``, a
-   thread per pair ``(i, i + head_dim / 2)``. Checked: a NumPy model with exact fma bit for bit;
-   ReferenceBackend.rope within a bound; ``rope_table`` against ``fp8lab.engine.backend.rope_cos_sin`` bit
-   for bit.
+1. ``rms_norm(x, weight, eps, out)``: ``weight * (x / sqrt(mean(x^2) + eps))`` over the last axis. For
+   ``n <= 256`` (q/k-norm) a warp per row, 4 rows per CTA; otherwise a CTA of
+   ``rms_norm_threads_per_row(n)`` threads per row. ``add_rms_norm(x, residual, weight, eps, out)``:
+   ``residual += x``, then the norm of the new residual, in one launch (bit for bit ``add_into`` +
+   ``rms_norm``). The order depends on ``n`` only: batch-invariant.
+2. ``rope(x, positions, cos_sin, out)``: NeoX rotation of ``x[T, heads, head_dim]`` (in place allowed)
+   by the float32 table of ``rope_table`` (``reference.dense.rope_cos_sin``, once at load). Launch
+   ``(T, heads)``, a thread per pair ``(i, i + head_dim / 2)``.
 3. ``silu_mul(gate_up, out)``: ``silu(gate) * up`` of a fused ``gate_up[T, 2I]``. Launch
-   ``(T, ceil(I / 256))`` x 256, a thread per element. Checked: ReferenceBackend.silu_mul and float64
-   within a bound (``expf`` is not correctly rounded).
-4. ``embedding(table, ids, out)``: BF16 table rows as float32 (exact). Launch
-   ``(T, ceil(hidden / 256))`` x 256. Checked: ReferenceBackend.embedding bit for bit.
+   ``(T, ceil(I / 256))`` x 256, a thread per element.
+4. ``embedding(table, ids, out)``: BF16 table rows as float32 (exact). Launch ``(T, ceil(hidden / 256))`` x 256.
 5. ``bf16_linear(x, w_bits, out)``: ``out[M, N] = x[M, K] @ W^T``, ``W`` BF16 bit patterns. Launch
    ``(ceil(N / (4 rows_per_warp)), ceil(M / 8))`` x 128: a warp per ``rows_per_warp`` weight rows and
-   a tile of up to 8 rows of ``x``. Checked: a NumPy model of the order bit for bit; float64 within
-   a bound.
-6. ``argmax_rows(logits, out_ids)``: greedy sampling, ``np.argmax`` per row (first maximum; a row
-   holding NaN gives -1). Launch: a CTA of ``argmax_threads_per_row(V)`` threads per row. Checked: ``np.argmax``.
-7. ``add_into(x, y)``: ``x += y``. Launch 1-D, a thread per element. Checked: NumPy, exactly.
-8. ``bf16_round(x, out)``: float32 to BF16 bit patterns, round to nearest even (the input cast of the
-   FP8 tensor-core GEMM). Launch 1-D, a thread per element. Checked: ``ml_dtypes`` (in
-   ``tests/engine/test_cuda_model.py``'s model runs and ``tests/numba_kernels/test_layer_kernels.py``).
+   a tile of up to 8 rows of ``x``; the order depends on ``K`` only (batch-invariant).
+6. ``argmax_rows(logits, out_ids)``: greedy sampling, the lowest index among equal maxima; a row
+   holding NaN gives ``NAN_ROW`` (-1). Launch: a CTA of ``argmax_threads_per_row(V)`` threads per row.
+7. ``add_into(x, y)``: ``x += y``. Launch 1-D, a thread per element.
+8. ``bf16_round(x, out)``: float32 to BF16 bit patterns, round to nearest even, NaN kept NaN (the input
+   cast of the FP8 tensor-core GEMM). Launch 1-D, a thread per element.
 
 Calling convention (every public function): arrays are Numba device arrays, ``__cuda_array_interface__``
 objects (torch, CuPy) or NumPy arrays (on a GPU copied to the device and the results copied back,
@@ -44,23 +38,6 @@ captured in a CUDA graph; shapes, dtypes, contiguity and alignment are checked o
 launching (``ValueError`` naming the argument, expected against got). A call with zero rows or
 tokens launches nothing. Index arrays are never read on the host: an out-of-range token id or
 position gives a NaN row (documented per function) instead of an out-of-bounds read.
-
-Summation orders (``u = 2^-24``):
-
-- ``rms_norm``: the row's ``G`` threads (``G = 32`` for a warp per row, else the CTA) each sum
-  ``fma(x_k, x_k, acc)`` over ``k = t, t + G, t + 2G, ...`` in increasing ``k`` from ``acc = 0``;
-  a butterfly ``acc += shfl_xor(acc, off)``, ``off = 16, 8, 4, 2, 1`` per warp; the warps' totals
-  are added in warp order from 0 (a CTA per row). Then ``mean = ss / n``,
-  ``denom = sqrt(mean + eps)``, ``out = weight * (x / denom)``, each correctly rounded, as
-  ``ReferenceBackend.rms_norm`` does, whose only difference is NumPy's pairwise sum of squares.
-  The order depends on ``n`` only: a row's result never depends on the other rows (batch-invariant).
-- ``rope``: ``out_i = fma(x_i, cos_i, -(x_{i+h} * sin_i))``, ``out_{i+h} = fma(x_{i+h}, cos_i,
-  x_i * sin_i)`` (``h = head_dim / 2``); the reference rounds both products.
-- ``bf16_linear``: lane ``L`` of a weight row's warp owns the 8-element chunks ``c = L, L + 32, ...``
-  (``k in [8c, 8c + 8)``, one 128-bit load of BF16 weights); per output ``(m, n)`` it runs
-  ``acc = fma(x[m, k], w[n, k], acc)`` over its ``k`` in increasing order from 0, then the
-  butterfly ``off = 16, 8, 4, 2, 1``; lane 0 stores. The order depends on ``K`` only (not on ``M``,
-  the row tile or ``rows_per_warp``): batch-invariant.
 """
 
 from __future__ import annotations
@@ -71,15 +48,25 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64, types, uint32
 
-from . import mathops
-from .arguments import as_kernel_array, reject, require_c_contiguous
-from .bits import SIMULATOR, bf16_bits_to_f32, u32_as_f32
-from .gemv_simt import load_u32x4, warp_sum
-from .kv_cache import on_device
+from fp8lab.reference.dense import NAN_ROW, rope_cos_sin
 
-WARP_SIZE = 32
-FULL_MASK = 0xFFFFFFFF
-BUTTERFLY_OFFSETS = (16, 8, 4, 2, 1)
+from . import mathops
+from .arguments import (
+    as_kernel_array,
+    reject,
+    require_c_contiguous,
+    require_load_alignment,
+)
+from .bits import SIMULATOR, bf16_bits_to_f32, u32_as_f32
+from .kv_cache import on_device
+from .warp import (
+    BUTTERFLY_OFFSETS,
+    FULL_MASK,
+    WARP_SIZE,
+    load_u32x4,
+    warp_sum,
+)
+
 MAX_THREADS_PER_CTA = 1024
 MAX_WARPS_PER_CTA = MAX_THREADS_PER_CTA // WARP_SIZE
 MAX_GRID_Y = 65535
@@ -101,11 +88,8 @@ LINEAR_CHUNKS_PER_ITERATION = 2
 """A lane issues the weight loads of 2 of its chunks before computing either (more bytes in flight)."""
 ELEMENTS_PER_CHUNK = 8
 """8 BF16 weights = 16 bytes = one 128-bit load; K must be a multiple of 8."""
-LOAD_ALIGNMENT = 16
 NO_INDEX = 0x7FFFFFFF
 """argmax_rows' starting index: loses every tie against a real element."""
-NAN_ROW = -1
-"""argmax_rows' answer for a row that holds a NaN: no token."""
 NAN = float32(np.nan)
 NEG_INF = float32(-np.inf)
 
@@ -113,11 +97,8 @@ NEG_INF = float32(-np.inf)
 # ---------------------------------------------------------------------------- scalar helpers
 
 if SIMULATOR:
-
-    def exp_f32(x):
-        """float32 ``e^x``: NumPy's float32 exp in the simulator (overflow gives inf, silently)."""
-        with np.errstate(over="ignore", under="ignore"):
-            return np.exp(np.float32(x))
+    # NumPy's float32 exp through the loop of the simulator's silu_mul
+    from fp8lab.simulators.dense import exp_f32
 
 else:
     from numba.cuda import libdevice
@@ -296,14 +277,10 @@ def rope_table(max_positions: int, head_dim: int, theta: float) -> np.ndarray:
     """float32 ``[max_positions, head_dim]`` (host): ``cos`` of the angles ``p * theta^(-2i / head_dim)``,
     ``i < head_dim / 2``, in the first half of each row and ``sin`` in the second.
 
-    The angles are computed in float64 and rounded once, the formula of ``fp8lab.engine.backend.rope_cos_sin``
-    (equal to it bit for bit, tested); copy the table to the device once.
+    The angles are ``fp8lab.reference.dense.rope_cos_sin``'s (float64, rounded once); copy the table
+    to the device once.
     """
-    if head_dim <= 0 or head_dim % 2:
-        raise ValueError(f"head_dim: expected a positive even number, got {head_dim}")
-    inv_freq = float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.concatenate([np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)], axis=1)
+    return np.concatenate(rope_cos_sin(np.arange(max_positions), head_dim, theta), axis=1)
 
 
 def rope_kernel(x, positions, cos_sin, out):
@@ -388,7 +365,7 @@ def silu_mul(gate_up, out, stream=0):
     weights into one ``[2 I, hidden]`` weight and runs one GEMM (one launch, the activations read
     once; vLLM's MergedColumnParallelLinear), whose output is this array. (For FP8 weights the
     concatenation keeps the block scales aligned when ``I`` is a multiple of the block height, 128.)
-    The operations are ReferenceBackend.silu_mul's, in float32; ``exp`` is CUDA's ``expf`` (2 ulp) on
+    The operations are fp8lab.reference.dense.silu_mul's, in float32; ``exp`` is CUDA's ``expf`` (2 ulp) on
     a GPU. ``exp(-gate)`` overflows to inf for ``gate < -88.7``, giving ``-0 * up``, as the reference.
     """
     gate_up, out = as_kernel_array("gate_up", gate_up), as_kernel_array("out", out)
@@ -573,16 +550,6 @@ def _bf16_linear_kernel(m_tile: int, rows_per_warp: int):
     return cuda.jit(bf16_linear_function(m_tile, rows_per_warp))
 
 
-def _require_load_alignment(name: str, x):
-    """Device data must start on a 16-byte boundary for the 128-bit loads (NumPy arrays get fresh device memory)."""
-    if SIMULATOR or isinstance(x, np.ndarray):
-        return
-    address = x.__cuda_array_interface__["data"][0]
-    if address % LOAD_ALIGNMENT:
-        raise ValueError(f"{name}: bf16_linear loads 16 bytes at a time and needs the data to start on a "
-                         f"{LOAD_ALIGNMENT}-byte boundary, got address 0x{address:x}")
-
-
 def bf16_linear(x, w_bits, out, rows_per_warp=None, stream=0):
     """``out[M, N] = x[M, K] @ W^T`` with ``W`` given as BF16 bit patterns, float32 accumulation; returns ``out``.
 
@@ -611,7 +578,7 @@ def bf16_linear(x, w_bits, out, rows_per_warp=None, stream=0):
         reject("out", f"float32 [{m}, {n}]", out)
     require_c_contiguous("out", out)
     for name, a in (("x", x), ("w_bits", w_bits)):
-        _require_load_alignment(name, a)
+        require_load_alignment(name, a, "bf16_linear")
     if m == 0 or n == 0:
         return out
     m_tile = min(m, LINEAR_MAX_M_TILE)

@@ -21,8 +21,8 @@ from fp8lab.engine.kv_manager import (
     blocks_for,
     kv_block_bytes,
 )
-from fp8lab.engine.safetensors_io import round_to_bf16
 from fp8lab.reference import kv_cache
+from fp8lab.reference.dense import round_to_bf16
 
 NUM_BLOCKS, BLOCK_SIZE = 12, 3
 

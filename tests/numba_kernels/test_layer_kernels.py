@@ -1,23 +1,22 @@
 """fp8lab.numba_kernels.layers: the dense Qwen3 operators (norms, RoPE, SwiGLU, embedding, BF16 linear, argmax, add).
 
-- CUDA simulator (``cudasim``, tiny shapes): bit for bit against NumPy models of each kernel's
-  float32 order written here (``rms_norm``/``add_rms_norm``: the threads' fma chains, butterfly,
-  warp order; ``rope``: the two fmas; ``bf16_linear``: the lanes' fma chains and the butterfly, with
-  the exact float32 fma of ``fp8lab.simulators.fma``); ``embedding``, ``argmax_rows`` and ``add_into``
-  exactly against ``ReferenceBackend`` / NumPy; ``silu_mul`` within its float32 bound. Every
-  float kernel is also checked against ``fp8lab.engine.backend.ReferenceBackend`` and float64 within the
-  bounds derived next to each test. Outputs are poisoned with NaN before every call; bad
+- CUDA simulator (``cudasim``, tiny shapes): bit for bit against ``fp8lab.simulators.dense``, the
+  kernels' float32 order (``rms_norm``/``add_rms_norm``: the threads' fma chains, butterfly, warp
+  order; ``rope``: the two fmas; ``silu_mul``; ``bf16_linear``: the lanes' fma chains and the
+  butterfly; ``argmax_rows``: the threads' scans and merges); ``embedding``, ``argmax_rows``,
+  ``add_into`` and ``bf16_round`` exactly against ``fp8lab.reference.dense`` / NumPy / ``ml_dtypes``.
+  Every float kernel is also checked against ``fp8lab.reference.dense`` (float32 and float64) within
+  the bounds derived next to each test. Outputs are poisoned with NaN before every call; bad
   arguments raise ``ValueError`` and launch nothing.
-- ``rope_table`` against ``fp8lab.engine.backend.rope_cos_sin`` bit for bit (numba_kernels may not import
-  the engine, so the formula is written twice).
+- ``rope_table`` against ``fp8lab.reference.dense.rope_cos_sin`` bit for bit.
 - The sm_90 PTX of every kernel, compiled in a subprocess with the simulator off: no local memory,
   no float64, the expected instructions (128-bit loads, fma, butterflies, correctly rounded
   sqrt and division); no spills where nvJitLink can run ptxas.
 - GPU (``gpu``, Qwen3-8B sizes: hidden 4096, head_dim 128, intermediate 12288, vocab 151936): fresh
   random inputs each run (the seed is in any failure message), device arrays, poisoned outputs;
-  bit for bit against the same models where the GPU's operations are correctly rounded (all but
-  ``silu_mul``'s ``expf``), otherwise against float64 within the bound; and every kernel captured
-  in a CUDA graph and replayed.
+  bit for bit against the same simulators where the GPU's operations are correctly rounded (all but
+  ``silu_mul``'s ``expf``), and against ``fp8lab.reference.dense`` in float64 within the bound; and
+  every kernel captured in a CUDA graph and replayed.
 
 ``u = 2^-24`` is float32's unit roundoff, ``gamma(n) = n u / (1 - n u)``.
 """
@@ -32,17 +31,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
-from fp8lab.engine.backend import ReferenceBackend, rope_cos_sin
 from fp8lab.numba_kernels import layers
-from fp8lab.simulators.fma import fma_f32
+from fp8lab.reference import dense
+from fp8lab.simulators import dense as sim
 
 U = 2.0**-24
 TINY = 1e-30
 """Absolute slack for results in or near float32's subnormal range."""
 SIMULATOR_EXAMPLES = max(4, settings().max_examples // 8)
 """Simulated kernels are slow: few Hypothesis examples (ci: 5)."""
-LANES = np.arange(32)
-REFERENCE = ReferenceBackend()
 
 
 def gamma(n) -> float:
@@ -71,44 +68,17 @@ def bf16_values(bits) -> np.ndarray:
     return bits.view(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def butterfly(acc: np.ndarray) -> np.ndarray:
-    """``acc += shfl_xor(acc, off)``, ``off = 16, 8, 4, 2, 1`` over the last axis (32 lanes); lane 0's total."""
-    for off in (16, 8, 4, 2, 1):
-        acc = acc + acc[..., LANES ^ off]
-    return acc[..., 0]
-
-
 def fresh_rng():
     seed = int.from_bytes(os.urandom(8), "little")
     return seed, np.random.default_rng(seed)
 
 
-# ---------------------------------------------------------------------------- rms_norm: model and bound
+# ---------------------------------------------------------------------------- rms_norm
 
 
-def sum_of_squares_model(x: np.ndarray, threads: int) -> np.ndarray:
-    """The kernel's float32 sum of squares of each row of ``x[rows, n]`` with ``threads`` per row:
-    thread ``t`` chains ``fma(x_k, x_k, acc)`` over ``k = t, t + threads, ...`` from 0, a butterfly
-    per warp, the warp totals added in warp order from 0."""
-    rows, n = x.shape
-    acc = np.zeros((rows, threads), np.float32)
-    for start in range(0, n, threads):
-        k = start + np.arange(threads)
-        v = x[:, np.minimum(k, n - 1)]
-        acc = np.where(k < n, fma_f32(v, v, acc), acc)
-    warp_totals = butterfly(acc.reshape(rows, threads // 32, 32))
-    total = np.zeros(rows, np.float32)
-    for w in range(threads // 32):
-        total = total + warp_totals[:, w]
-    return total
-
-
-def rms_norm_model(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    n = x.shape[-1]
-    rows = x.reshape(-1, n)
-    total = sum_of_squares_model(rows, layers.rms_norm_threads_per_row(n))
-    denom = np.sqrt(total / np.float32(n) + np.float32(eps))
-    return (weight * (rows / denom[:, None])).reshape(x.shape)
+def rms_norm_model(x, weight, eps):
+    """The simulator of the kernel launched for rows of ``x``'s length."""
+    return sim.rms_norm(x, weight, eps, layers.rms_norm_threads_per_row(x.shape[-1]))
 
 
 def rms_norm_bound(x: np.ndarray, weight: np.ndarray, eps: float):
@@ -116,8 +86,7 @@ def rms_norm_bound(x: np.ndarray, weight: np.ndarray, eps: float):
     + warps`` roundings (``gamma(L)`` relative); the division by n, ``+ eps`` and sqrt halve it and add
     ``1.5 u``; ``x / denom`` and ``* weight`` add ``2 u``: ``(gamma(L) / 2 + 4 u) |exact|``."""
     n = x.shape[-1]
-    x64 = x.astype(np.float64)
-    exact = weight * (x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + np.float64(np.float32(eps))))
+    exact = dense.rms_norm_float64(x, weight, eps)
     threads = layers.rms_norm_threads_per_row(n)
     roundings = -(-n // threads) + 5 + threads // 32
     return exact, 1.01 * (gamma(roundings) / 2 + 4 * U) * np.abs(exact) + TINY
@@ -127,8 +96,8 @@ def check_rms_norm(x, weight, eps, got):
     np.testing.assert_array_equal(got.view(np.uint32), rms_norm_model(x, weight, eps).view(np.uint32))
     exact, bound = rms_norm_bound(x, weight, eps)
     assert np.all(np.abs(got - exact) <= bound)
-    # ReferenceBackend sums with NumPy's pairwise float32 sum (at most n roundings): within both bounds
-    reference = REFERENCE.rms_norm(x, weight, eps)
+    # the float32 reference sums with NumPy's pairwise float32 sum (at most n roundings): within both bounds
+    reference = dense.rms_norm(x, weight, eps)
     assert np.all(np.abs(got - reference) <= 2 * bound + gamma(x.shape[-1]) / 2 * np.abs(exact))
 
 
@@ -173,6 +142,10 @@ def test_add_rms_norm_adds_then_normalizes(rng, rows, n):
     layers.add_rms_norm(x, residual, weight, 1e-6, out)
     np.testing.assert_array_equal(residual.view(np.uint32), (original + x).view(np.uint32))
     check_rms_norm(original + x, weight, 1e-6, out)
+    simulated, total = sim.add_rms_norm(x, original, weight, 1e-6, layers.rms_norm_threads_per_row(n))
+    np.testing.assert_array_equal(out.view(np.uint32), simulated.view(np.uint32))
+    np.testing.assert_array_equal(residual.view(np.uint32), total.view(np.uint32))
+    np.testing.assert_array_equal(residual.view(np.uint32), dense.add_rms_norm(x, original, weight, 1e-6)[1].view(np.uint32))
 
     staged, unfused = original.copy(), poisoned(x.shape)
     layers.add_into(staged, x)
@@ -188,33 +161,25 @@ def test_add_rms_norm_adds_then_normalizes(rng, rows, n):
 
 
 @pytest.mark.parametrize("head_dim, theta", [(64, 10000.0), (128, 1000000.0), (128, 10000.0), (256, 5e5)])
-def test_rope_table_equals_the_engine_formula(head_dim, theta):
+def test_rope_table_is_the_reference_cos_sin(head_dim, theta):
     max_positions = 4096
     table = layers.rope_table(max_positions, head_dim, theta)
-    cos, sin = rope_cos_sin(np.arange(max_positions), head_dim, theta)
+    cos, sin = dense.rope_cos_sin(np.arange(max_positions), head_dim, theta)
     assert table.dtype == np.float32 and table.shape == (max_positions, head_dim)
     np.testing.assert_array_equal(table.view(np.uint32), np.concatenate([cos, sin], axis=1).view(np.uint32))
 
 
-def rope_model(x, positions, table):
-    """The kernel's two fmas per pair: ``fma(x1, c, -(x2 s))`` and ``fma(x2, c, x1 s)``."""
-    half = x.shape[-1] // 2
-    c, s = table[positions, None, :half], table[positions, None, half:]
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([fma_f32(x1, c, -(x2 * s)), fma_f32(x2, c, x1 * s)], axis=-1)
-
-
 def check_rope(x, positions, table, theta, got):
-    """Bit for bit against the model; against ReferenceBackend.rope (which rounds both products, the
-    model only one): both within ``2 u (|x1 c| + |x2 s|)`` of the exact ``x1 c - x2 s`` (and
+    """Bit for bit against the simulator; against the float32 reference (which rounds both products,
+    the kernel only one): both within ``2 u (|x1 c| + |x2 s|)`` of the exact ``x1 c - x2 s`` (and
     ``2 u (|x2 c| + |x1 s|)`` of ``x2 c + x1 s``), so within twice that of each other."""
-    np.testing.assert_array_equal(got.view(np.uint32), rope_model(x, positions, table).view(np.uint32))
+    np.testing.assert_array_equal(got.view(np.uint32), sim.rope(x, positions, table).view(np.uint32))
     half = x.shape[-1] // 2
     c, s = table[positions, None, :half].astype(np.float64), table[positions, None, half:].astype(np.float64)
     x1, x2 = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
     magnitude = np.concatenate([np.abs(x1 * c) + np.abs(x2 * s), np.abs(x2 * c) + np.abs(x1 * s)], axis=-1)
     bound = 4 * U * magnitude + TINY
-    assert np.all(np.abs(got - REFERENCE.rope(x, positions, theta)) <= bound)
+    assert np.all(np.abs(got - dense.rope(x, positions, theta)) <= bound)
 
 
 @pytest.mark.cudasim
@@ -240,8 +205,7 @@ def test_rope_position_outside_the_table_gives_nan(rng):
     out[...] = 7.0  # not NaN: the kernel must write the NaN itself
     layers.rope(x, positions, table, out)
     assert np.all(np.isnan(out[1:3]))
-    ok = [0, 3]
-    np.testing.assert_array_equal(out[ok], rope_model(x[ok], positions[ok], table))
+    np.testing.assert_array_equal(out.view(np.uint32), sim.rope(x, positions, table).view(np.uint32))
 
 
 # ---------------------------------------------------------------------------- silu_mul
@@ -252,9 +216,8 @@ def silu_mul_bound(gate_up):
     for the denominator), the division and the product ``u`` each: ``7 u``, asked ``10 u``; plus
     slack for ``exp(-gate)`` overflowing (``gate < -88.7``), where the exact result is below 1e-36."""
     half = gate_up.shape[1] // 2
-    gate, up = gate_up[:, :half].astype(np.float64), gate_up[:, half:].astype(np.float64)
-    with np.errstate(over="ignore"):
-        exact = gate / (1 + np.exp(-gate)) * up
+    up = gate_up[:, half:].astype(np.float64)
+    exact = dense.silu_mul_float64(gate_up[:, :half], gate_up[:, half:])
     return exact, 10 * U * np.abs(exact) + TINY * np.maximum(1, np.abs(up))
 
 
@@ -266,13 +229,14 @@ def gate_up_values(rng, tokens, intermediate):
 
 
 @pytest.mark.cudasim
-def test_silu_mul_within_its_bound(rng):
+def test_silu_mul_matches_the_simulator_and_its_bound(rng):
     gate_up = gate_up_values(rng, 3, 70)
     out = poisoned((3, 70))
     assert layers.silu_mul(gate_up, out) is out
+    np.testing.assert_array_equal(out.view(np.uint32), sim.silu_mul(gate_up).view(np.uint32))
     exact, bound = silu_mul_bound(gate_up)
     assert np.all(np.abs(out - exact) <= bound)
-    reference = REFERENCE.silu_mul(gate_up[:, :70], gate_up[:, 70:])
+    reference = dense.silu_mul(gate_up[:, :70], gate_up[:, 70:])
     assert np.all(np.abs(out - reference) <= 2 * bound)
 
 
@@ -287,7 +251,7 @@ def test_embedding_rows_are_exact(rng, as_int16):
     ids = np.array([0, 299, 17, 17, 150], np.int32)
     out = poisoned((ids.size, hidden))
     assert layers.embedding(bits.view(np.int16) if as_int16 else bits, ids, out) is out
-    expected = REFERENCE.embedding(bf16_values(bits), ids)
+    expected = dense.embedding(bf16_values(bits), ids)
     np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
 
 
@@ -304,27 +268,10 @@ def test_embedding_id_out_of_range_gives_a_nan_row(rng):
 # ---------------------------------------------------------------------------- bf16_linear
 
 
-def bf16_linear_model(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The kernel's order for ``x[M, K] @ w[N, K]^T`` (``w`` the float32 values of the BF16 weights):
-    lane ``L`` owns the chunks ``c = L, L + 32, ...`` of 8 elements and chains
-    ``acc = fma(x[m, k], w[n, k], acc)`` over its ``k`` in increasing order from 0; then the butterfly."""
-    m, k = x.shape
-    n = w.shape[0]
-    acc = np.zeros((m, n, 32), np.float32)
-    steps = -(-(k // 8) // 32)
-    for step in range(steps):
-        for e in range(8):
-            kk = 8 * (32 * step + LANES) + e
-            kc = np.minimum(kk, k - 1)
-            acc = np.where(kk < k, fma_f32(x[:, None, kc], w[None, :, kc], acc), acc)
-    return butterfly(acc)
-
-
 def bf16_linear_bound(x, w, k):
     """float64 result and bound: each product passes through at most ``8 ceil(K / 256)`` chain roundings
     and 5 butterfly roundings: ``gamma(8 ceil(K / 256) + 5) sum_k |x| |w|``."""
-    x64, w64 = x.astype(np.float64), w.astype(np.float64)
-    return x64 @ w64.T, gamma(8 * -(-k // 256) + 5) * (np.abs(x64) @ np.abs(w64).T) + TINY
+    return dense.linear_float64(x, w), gamma(8 * -(-k // 256) + 5) * dense.linear_float64(np.abs(x), np.abs(w)) + TINY
 
 
 LINEAR_CASES = [
@@ -346,7 +293,7 @@ def test_bf16_linear_matches_the_model_bit_for_bit(rng, m, n, k, rows_per_warp):
     out = poisoned((m, n))
     assert layers.bf16_linear(x, bits, out, rows_per_warp=rows_per_warp) is out
     w = bf16_values(bits)
-    np.testing.assert_array_equal(out.view(np.uint32), bf16_linear_model(x, w).view(np.uint32))
+    np.testing.assert_array_equal(out.view(np.uint32), sim.bf16_linear(x, bits).view(np.uint32))
     exact, bound = bf16_linear_bound(x, w, k)
     assert np.all(np.abs(out - exact) <= bound)
 
@@ -367,9 +314,14 @@ def test_bf16_linear_rows_do_not_depend_on_the_batch(rng):
 # ---------------------------------------------------------------------------- argmax_rows
 
 
-def greedy_ids(logits: np.ndarray) -> np.ndarray:
-    """What ``argmax_rows`` must give: ``np.argmax`` per row, but ``NAN_ROW`` (-1) for a row holding NaN."""
-    return np.where(np.isnan(logits).any(axis=1), layers.NAN_ROW, np.argmax(logits, axis=1))
+def check_argmax(logits, got):
+    """The simulator's threads and merges, bit for bit; the reference's tokens (``np.argmax`` per row,
+    but ``NAN_ROW`` for a row holding NaN); and ``np.argmax`` itself on the rows without NaN."""
+    np.testing.assert_array_equal(got, sim.argmax_rows(logits, layers.argmax_threads_per_row(logits.shape[1])))
+    np.testing.assert_array_equal(got, dense.argmax_rows(logits))
+    nan_rows = np.isnan(logits).any(axis=1)
+    np.testing.assert_array_equal(got[~nan_rows], np.argmax(logits[~nan_rows], axis=1))
+    assert np.all(got[nan_rows] == layers.NAN_ROW)
 
 
 ID_POISON = -7
@@ -397,7 +349,7 @@ def test_argmax_rows_follows_numpy(rng, vocab):
     logits = logit_rows(rng, vocab)
     out = np.full(logits.shape[0], ID_POISON, np.int32)
     assert layers.argmax_rows(logits, out) is out
-    np.testing.assert_array_equal(out, greedy_ids(logits))
+    check_argmax(logits, out)
     assert out[2] == out[6] == layers.NAN_ROW
 
 
@@ -411,7 +363,7 @@ def test_argmax_rows_on_few_distinct_values(rows, vocab, levels, seed):
     logits = rng.choice(values, (rows, vocab)).astype(np.float32)
     out = np.full(rows, ID_POISON, np.int32)
     layers.argmax_rows(logits, out)
-    np.testing.assert_array_equal(out, greedy_ids(logits))
+    check_argmax(logits, out)
 
 
 # ---------------------------------------------------------------------------- add_into
@@ -658,10 +610,10 @@ def test_gpu_bf16_linear_lm_head(lm_head, m):
     x64 = x.astype(np.float64)
     for start in range(0, VOCAB, 16384):
         w64 = bf16_rows_float64(bits[start : start + 16384])
-        exact, scale = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+        exact, scale = dense.linear_float64(x64, w64), dense.linear_float64(np.abs(x64), np.abs(w64))
         assert np.all(np.abs(got[:, start : start + 16384] - exact) <= gamma_k * scale + TINY), f"seed {seed}"
     columns = np.sort(rng.choice(VOCAB, 256, replace=False))
-    model = bf16_linear_model(x, bf16_values(bits[columns]))
+    model = sim.bf16_linear(x, bits[columns])
     np.testing.assert_array_equal(got[:, columns].view(np.uint32), model.view(np.uint32), err_msg=f"seed {seed}")
 
 
@@ -673,7 +625,9 @@ def test_gpu_argmax_rows_at_vocab_size():
     logits = logit_rows(rng, VOCAB)
     out = cuda.to_device(np.full(logits.shape[0], ID_POISON, np.int32))
     layers.argmax_rows(cuda.to_device(logits), out)
-    np.testing.assert_array_equal(out.copy_to_host(), greedy_ids(logits), err_msg=f"seed {seed}")
+    got = out.copy_to_host()
+    np.testing.assert_array_equal(got, dense.argmax_rows(logits), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(got, sim.argmax_rows(logits, layers.argmax_threads_per_row(VOCAB)), err_msg=f"seed {seed}")
 
 
 @pytest.mark.gpu
@@ -752,5 +706,6 @@ def test_bf16_round_is_ml_dtypes_round_to_nearest_even(rng):
     want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
     finite = np.isfinite(x)
     np.testing.assert_array_equal(out[finite], want[finite])
+    np.testing.assert_array_equal(out[~np.isnan(x)], dense.float32_to_bf16_bits(x)[~np.isnan(x)])
     assert np.all(np.isnan(out.view(ml_dtypes.bfloat16).astype(np.float32)[np.isnan(x)]))
     assert list(out[0, 1:4]) == [0x7F80, 0xFF80, 0x8000]
