@@ -6,7 +6,7 @@
 For each shape (``fp8lab.engine.shapes``: random FP8 checkpoints of the Qwen3-0.6B and Qwen3-8B
 architectures, built in memory, seeded) and each batch size it measures, in one process on one GPU:
 
-1. **ours**: ``fp8lab.engine.cuda_model.CudaQwen3Model`` over a paged KV cache (FP8 by default), driven
+1. **ours**: ``fp8lab.engine.cuda.model.CudaQwen3Model`` over a paged KV cache (FP8 by default), driven
    by a plain loop of ``forward`` calls and ``fp8lab.engine.kv_manager`` (no scheduler): a warm-up run
    first (kernel compilation, CUDA-graph capture for this batch size), then a timed run. Prefill:
    the wall time of one ``forward`` of all the batch's prompts (``P`` random token ids each), the
@@ -248,7 +248,7 @@ def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: in
 
 def bench_ours(checkpoint, prompts: np.ndarray, rows: dict, args) -> None:
     """Fill the ``ours_*`` fields of ``rows`` (batch -> Row); errors are recorded per batch."""
-    from fp8lab.engine.cuda_model import CudaQwen3Model
+    from fp8lab.engine.cuda.model import CudaQwen3Model
 
     max_batch = max(args.batches)
     # the engine's defaults (f32_max_rows among them), as fp8lab generate runs them
@@ -532,7 +532,7 @@ def run(args: argparse.Namespace) -> int:
         log(f"{label}: checkpoint ready in {time.perf_counter() - start:.1f} s")
         try:
             bench_ours(checkpoint, prompts, rows, args)
-        except Exception as e:  # noqa: BLE001 - e.g. fp8lab.engine.cuda_model missing: still run the peer
+        except Exception as e:  # noqa: BLE001 - e.g. fp8lab.engine.cuda missing: still run the peer
             traceback.print_exc()
             for r in rows.values():
                 r.errors.append(f"ours: {type(e).__name__}: {e}")

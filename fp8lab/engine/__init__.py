@@ -2,8 +2,9 @@
 
 Read in this order: ``config`` and ``layout`` (what a checkpoint holds), ``checkpoint`` and
 ``safetensors_io`` (reading and writing it), ``tokenizer``, ``backend`` (the operators, with the
-NumPy reference backend), ``model`` (the Qwen3 forward), ``kv_manager`` (the paged cache),
-``sampling`` and ``generate``; ``evaluate`` (perplexity, KL, greedy agreement: ``fp8lab eval``); ``cli``
+NumPy reference backend), ``model`` (the Qwen3 forward and ``CausalLM``, the interface every model
+implements), ``kv_manager`` (the paged cache), ``sampling`` and ``generate``; ``cuda`` (the same model
+as GPU kernels) and ``loading`` (choosing a backend: ``load_model``); ``evaluate`` (perplexity, KL, greedy agreement: ``fp8lab eval``); ``cli``
 is the ``fp8lab`` command line. ``demo`` is the embedded trained model (``fp8lab generate``'s default),
 ``tiny`` the random model of the fast tests.
 """

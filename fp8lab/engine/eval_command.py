@@ -15,7 +15,7 @@
 
 ``--backend cudasim`` is for testing the kernels on micro models: the simulator runs every GPU thread in
 Python, about ten minutes per token on the demo model, so a bigger model needs ``--allow-slow-simulator``
-(``fp8lab.engine.backend.simulator_too_slow``).
+(``fp8lab.engine.loading.simulator_too_slow``).
 
 Defaults: ``--model``: the embedded demo model (FP8 for a perplexity run, BF16 for ``--compare``;
 ``_default_model``); ``--text``: the shipped held-out text (``fp8lab.engine.evaluate.default_eval_text``).
@@ -32,8 +32,9 @@ import json
 import sys
 from pathlib import Path
 
-from .backend import BACKEND_CHOICES, GEMM_INPUTS, SIMULATOR_HELP
+from .backend import GEMM_INPUTS
 from .kv_manager import KVCacheExhausted
+from .loading import BACKEND_CHOICES, SIMULATOR_HELP
 
 SCHEMA_VERSION = 1
 
@@ -134,8 +135,8 @@ def _check_lengths(config, longest_chunk: int, greedy_tokens: int | None) -> Non
 def _run(args: argparse.Namespace) -> int:
     # imported here: the I/O half (checkpoint, tokenizer, tiny model) loads only when used
     from . import evaluate as ev
-    from .backend import check_simulator_size, gpu_available, resolve_backend
     from .checkpoint import load_checkpoint
+    from .loading import check_simulator_size, gpu_available, resolve_backend
     from .tokenizer import Tokenizer
 
     compare = args.compare or args.compare_backends

@@ -42,7 +42,7 @@ Models: a BF16 checkpoint as loaded is the BF16-weights model; its FP8 twin is
 ``fp8lab.engine.checkpoint.quantize_tensors`` of it (128 x 128 blocks, what ``fp8lab quantize`` writes),
 made in memory (``fp8_checkpoint``). GEMM inputs: ``ReferenceBackend(gemm_input=...)``; on the GPU
 model ``"bf16"`` is ``f32_max_rows=0`` and ``"float32"`` is ``f32_max_rows=16`` with at most 16
-tokens per forward (``fp8lab.engine.backend.load_model``).
+tokens per forward (``fp8lab.engine.loading.load_model``).
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ from typing import Iterable, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from .backend import GEMM_INPUTS, load_model
+from .backend import GEMM_INPUTS
 from .kv_manager import KVCacheManager, blocks_for
+from .loading import load_model
 from .model import make_batch
 
 WEIGHTS = ("bf16", "fp8")

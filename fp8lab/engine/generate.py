@@ -45,11 +45,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .kv_manager import KVCacheExhausted, KVCacheManager, blocks_for
-from .model import Qwen3Model, make_batch
-from .sampling import SamplingParams, sample
-
-NAN_ROW = -1
-"""A model's greedy id for a logits row holding NaN (``CudaQwen3Model.greedy_tokens``, ``layers.argmax_rows``)."""
+from .model import CausalLM, make_batch
+from .sampling import NAN_ROW, SamplingParams, sample
 
 
 @dataclass
@@ -147,7 +144,7 @@ def _default_stream_decoder(tokenizer):
 
 
 class Generator:
-    """Generates text with a ``Qwen3Model`` over a paged KV cache of its own.
+    """Generates text with a model (``fp8lab.engine.model.CausalLM``) over a paged KV cache of its own.
 
     ``num_blocks=None`` sizes the cache for every request of a ``generate`` call at once.
     ``prefill_chunk_size`` splits long prompts into chunks (None: one chunk).
@@ -157,7 +154,7 @@ class Generator:
 
     def __init__(
         self,
-        model: Qwen3Model,
+        model: CausalLM,
         tokenizer=None,
         *,
         kv_cache_dtype: str = "fp8",
@@ -300,10 +297,9 @@ class Generator:
 
     def _greedy_on_device(self, sampling: SamplingParams) -> bool:
         """Whether a decode step takes the model's own greedy ids (``greedy_tokens``: the argmax
-        where the logits are, on the GPU) instead of the logits. Only when no id is padding: that
-        argmax runs over every id, and the host cannot mask what it never sees."""
-        return (sampling.greedy and hasattr(self.model, "greedy_tokens")
-                and self.num_token_ids == self.model.config.vocab_size)
+        where the logits are, on the device for the GPU model) instead of the logits. Only when no id
+        is padding: that argmax runs over every id, and the host cannot mask what it never sees."""
+        return sampling.greedy and self.num_token_ids == self.model.config.vocab_size
 
     def _mask_padding(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` with the padding ids' columns at ``-inf``: they can never be chosen."""

@@ -24,7 +24,7 @@ alone is refused before any work. An explicit ``--num-blocks`` is checked agains
 The rest of the memory is headroom: the reference backend's attention gathers a sequence's cache
 into float64 temporaries. Where the system does not report free memory there is no cap.
 
-Backends (``--backend``, ``fp8lab.engine.backend.load_model``): ``cuda`` runs ``fp8lab.engine.cuda_model`` on an
+Backends (``--backend``, ``fp8lab.engine.loading.load_model``): ``cuda`` runs ``fp8lab.engine.cuda`` on an
 NVIDIA GPU, sized for this call (every prompt prefilled in one forward, every sequence in one decode
 step); ``reference`` the NumPy model; ``cudasim`` the GPU model in Numba's CUDA simulator, which is
 for testing the kernels on micro models (about ten minutes per token on the demo model, so bigger
@@ -38,8 +38,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .backend import BACKEND_CHOICES, SIMULATOR_HELP
 from .kv_manager import KVCacheExhausted
+from .loading import BACKEND_CHOICES, SIMULATOR_HELP
 
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.5
 """Share of the available memory the KV cache may take by default; the rest is headroom (``vLLM``'s
@@ -196,8 +196,8 @@ def _cache_blocks(args: argparse.Namespace, config, backend: str, request_blocks
     ``request_blocks``: each request's worst case in blocks. The budget is ``--kv-cache-memory-fraction`` of
     the memory available now (after the model is loaded); None from the system means no budget.
     """
-    from .backend import kv_cache_memory_available
     from .kv_manager import blocks_in_budget, kv_block_bytes
+    from .loading import kv_cache_memory_available
 
     worst_case = sum(request_blocks)
     available, where = kv_cache_memory_available(backend)
@@ -232,10 +232,10 @@ def _cache_blocks(args: argparse.Namespace, config, backend: str, request_blocks
 
 def _run(args: argparse.Namespace) -> int:
     # imported here: the I/O half (checkpoint, tokenizer, tiny model) loads only when used
-    from .backend import check_simulator_size, load_model, resolve_backend
     from .checkpoint import load_checkpoint
     from .generate import Generator, collect_stop_token_ids
     from .kv_manager import blocks_for
+    from .loading import check_simulator_size, load_model, resolve_backend
     from .tokenizer import Tokenizer
 
     _check_options(args)

@@ -22,6 +22,10 @@ to the backend's paged decode attention, the others to its prefill attention ove
 prefix. The forward returns float32 logits of the last new token of every sequence (or of
 every new token, for tests).
 
+``CausalLM`` is the interface the generator drives (``allocate_kv_cache``, ``forward``, ``greedy_tokens``);
+``Qwen3Model`` implements it on a backend on the host, ``fp8lab.engine.cuda.model.CudaQwen3Model`` with
+kernels on the device.
+
 Non-finite values: weights or scales that load fine can still overflow float32 at run time. The
 forward checks the residual stream after each block, K and V before each cache write, and the
 logits, once per tensor (``np.isfinite(...).all()``), and raises ``NonFiniteError`` naming the
@@ -32,7 +36,7 @@ oracles in ``fp8lab/reference/`` still propagate NaN where a test asks them to.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Protocol, Sequence
 
 import numpy as np
 
@@ -40,6 +44,7 @@ from .backend import Backend, ReferenceBackend
 from .config import Qwen3Config
 from .kv_manager import KVCacheManager, LayerKVCache
 from .layout import PROJECTIONS, expected_tensors, is_fp8_projection
+from .sampling import greedy_token_ids
 
 
 class NonFiniteError(RuntimeError):
@@ -94,6 +99,27 @@ class ForwardBatch:
             raise ValueError("ForwardBatch: context_lens and block_tables need one entry per sequence")
 
 
+
+class CausalLM(Protocol):
+    """A Qwen3 causal LM over a paged KV cache, as ``fp8lab.engine.generate.Generator`` drives it.
+
+    - ``allocate_kv_cache(num_blocks, block_size, kv_cache_dtype)``: a cache of its own kind (one entry per
+      layer), poisoned with NaN;
+    - ``forward(batch, kv_cache, all_logits=False)``: writes the batch's K/V and returns float32 host logits
+      ``[num_seqs, vocab]`` of each sequence's last new token (``[T, vocab]`` with ``all_logits``);
+    - ``greedy_tokens(batch, kv_cache)``: the same forward, then int64 ``[num_seqs]`` greedy ids by the rule
+      of ``fp8lab.engine.sampling.greedy_token_ids`` (lowest index among equal maxima; a row holding NaN
+      gives -1), computed where the logits are (on the device for the GPU model).
+    """
+
+    config: Qwen3Config
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str) -> Sequence: ...
+
+    def forward(self, batch: ForwardBatch, kv_cache: Sequence, all_logits: bool = False) -> np.ndarray: ...
+
+    def greedy_tokens(self, batch: ForwardBatch, kv_cache: Sequence) -> np.ndarray: ...
+
 def make_batch(manager: KVCacheManager, chunks: Sequence[tuple[Hashable, Sequence[int]]]) -> ForwardBatch:
     """Reserve cache slots for each ``(sequence, new token ids)`` chunk and describe the forward.
 
@@ -147,7 +173,7 @@ def check_tensors(config: Qwen3Config, tensors: dict[str, np.ndarray]) -> None:
             raise ValueError(f"tensor {name!r}: expected {expected}, got dtype {t.dtype}")
 
 
-class Qwen3Model:
+class Qwen3Model(CausalLM):
     """A Qwen3 causal LM: weights prepared by a backend, forward over a paged KV cache.
 
     ``tensors`` maps Hugging Face names to arrays as ``fp8lab.engine.checkpoint`` loads them: FP8
@@ -225,6 +251,10 @@ class Qwen3Model:
         logits = b.linear(b.rms_norm(h, self.norm, eps), self.lm_head)
         check_finite(logits, "the output of the final norm and lm_head (the logits)")
         return logits
+
+    def greedy_tokens(self, batch: ForwardBatch, kv_cache: list[LayerKVCache]) -> np.ndarray:
+        """``forward``, then each sequence's greedy id on the host (``sampling.greedy_token_ids``)."""
+        return greedy_token_ids(self.forward(batch, kv_cache))
 
     def _attention_block(self, layer: DecoderLayer, x: np.ndarray, batch: ForwardBatch, cache: LayerKVCache,
                          index: int):

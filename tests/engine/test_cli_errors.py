@@ -82,7 +82,7 @@ def test_generate_cudasim_refuses_a_big_model_naming_the_override(monkeypatch, t
 
 
 def test_allow_slow_simulator_goes_on_to_load_the_model(monkeypatch, tmp_path, capsys):
-    import fp8lab.engine.backend
+    import fp8lab.engine.loading
 
     install_fake_io(monkeypatch, tmp_path, big_config(), tensors={})
 
@@ -90,7 +90,7 @@ def test_allow_slow_simulator_goes_on_to_load_the_model(monkeypatch, tmp_path, c
         assert backend == "cudasim"
         raise RuntimeError("load_model reached")
 
-    monkeypatch.setattr(fp8lab.engine.backend, "load_model", load_model)
+    monkeypatch.setattr(fp8lab.engine.loading, "load_model", load_model)
     argv = ["generate", "--prompt", "hi", "--backend", "cudasim", "--allow-slow-simulator"]
     assert "load_model reached" in one_line_error(capsys, argv)
 
@@ -102,7 +102,7 @@ def test_eval_cudasim_refuses_a_big_model(monkeypatch, tmp_path, capsys):
 
 
 def test_the_micro_models_of_the_simulator_tests_pass_the_check():
-    from fp8lab.engine.backend import simulator_too_slow
+    from fp8lab.engine.loading import simulator_too_slow
 
     assert simulator_too_slow(tiny_config(hidden_size=128, intermediate_size=128, num_hidden_layers=2)) is None
     assert simulator_too_slow(tiny_config()) is None

@@ -1,4 +1,4 @@
-"""``fp8lab.engine.cuda_model.CudaQwen3Model`` (the forward pass as ``numba_kernels``) against ``Qwen3Model`` on the
+"""``fp8lab.engine.cuda.model.CudaQwen3Model`` (the forward pass as ``numba_kernels``) against ``Qwen3Model`` on the
 reference backend.
 
 In the CUDA simulator (``cudasim``), on a micro model (1 to 2 layers, hidden 128, GQA 2:1, head_dim
@@ -48,17 +48,13 @@ from helpers.engine import (
 )
 
 import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
-from fp8lab.engine import cuda_model
-from fp8lab.engine.backend import get_backend, load_model, resolve_backend
-from fp8lab.engine.cuda_model import (
-    CudaQwen3Model,
-    decode_buckets,
-    fuse_fp8,
-    unsupported_reason,
-)
+from fp8lab.engine.cuda.model import CudaQwen3Model, decode_buckets
+from fp8lab.engine.cuda.weights import fuse_fp8_for_gemm, unsupported_reason
 from fp8lab.engine.generate import Generator
 from fp8lab.engine.kv_manager import KVCacheExhausted, KVCacheManager
+from fp8lab.engine.loading import get_backend, load_model, resolve_backend
 from fp8lab.engine.model import Qwen3Model, make_batch
+from fp8lab.numba_kernels.bits import SIMULATOR
 from fp8lab.reference import blockwise
 
 MICRO_F32_BOUND = {"bf16": 1e-4, "fp8": 1e-3}
@@ -228,16 +224,17 @@ def test_unsupported_shapes_and_foreign_caches_are_refused(small_model):
 # ---------------------------------------------------------------------------- host-side pieces
 
 
-def test_fused_fp8_weights_dequantize_to_the_parts():
-    """Re-blocking keeps the dequantized matrix exactly: rows 128 + 64 + 64 in blocks of 48 -> 16."""
+def test_fp8_weights_fuse_only_into_blocks_the_tensor_core_gemm_takes():
+    """``fuse_fp8_for_gemm`` is ``blockwise.concatenate_rows`` (tested in ``tests/reference/test_blockwise.py``)
+    when the re-blocked block_n is a multiple of 8: rows 128 + 64 + 64 in blocks of 48 -> 16; else None."""
     rng = np.random.default_rng(0)
     block = (48, 128)
     parts = [blockwise.quantize(rng.standard_normal((n, 256)).astype(np.float32), block) for n in (128, 64, 64)]
-    codes, scales, new_block = fuse_fp8(parts, block)
+    codes, scales, new_block = fuse_fp8_for_gemm(parts, block)
     assert new_block == (16, 128) and scales.shape == (16, 2)
-    want = np.concatenate([blockwise.dequantize(q, s, block) for q, s in parts])
-    np.testing.assert_array_equal(blockwise.dequantize(codes, scales, new_block), want)
-    assert fuse_fp8([parts[0], (parts[1][0][:60], parts[1][1])], block) is None  # gcd 12: no multiple of 8
+    for got, want in zip((codes, scales, new_block), blockwise.concatenate_rows(parts, block)):
+        np.testing.assert_array_equal(got, want)
+    assert fuse_fp8_for_gemm([parts[0], (parts[1][0][:60], parts[1][1])], block) is None  # gcd 4: no multiple of 8
 
 
 def test_decode_buckets():
@@ -247,7 +244,7 @@ def test_decode_buckets():
 
 
 def test_backend_selection_without_a_gpu():
-    if cuda_model.SIMULATOR is False:
+    if SIMULATOR is False:
         pytest.skip("this process drives a GPU")
     assert resolve_backend("auto") == "reference"
     assert resolve_backend("cudasim") == "cudasim"

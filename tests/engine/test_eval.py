@@ -36,8 +36,9 @@ from helpers.engine import dense_ppl64, float_config, random_float_tensors, tiny
 
 from fp8lab.engine import cli, eval_command
 from fp8lab.engine import evaluate as ev
-from fp8lab.engine.backend import ReferenceBackend, load_model
+from fp8lab.engine.backend import ReferenceBackend
 from fp8lab.engine.checkpoint import load_checkpoint
+from fp8lab.engine.loading import load_model
 from fp8lab.engine.model import Qwen3Model
 from fp8lab.engine.tiny import make_tiny
 from fp8lab.reference import blockwise

@@ -22,7 +22,7 @@ from helpers.engine import (
 from fp8lab.engine import cli
 from fp8lab.engine.generate import Generator, collect_stop_token_ids
 from fp8lab.engine.kv_manager import KVCacheExhausted
-from fp8lab.engine.sampling import SamplingParams
+from fp8lab.engine.sampling import SamplingParams, greedy_token_ids
 
 PROMPTS = ["The cat", "A longer prompt, with more bytes in it", "x"]
 
@@ -56,6 +56,9 @@ class ScriptedModel:
             assert step >= 0 and int(batch.context_lens[i]) == int(batch.positions[row]) + 1
             logits[i, self.script[min(step, len(self.script) - 1)]] = 10.0
         return logits
+
+    def greedy_tokens(self, batch, kv_cache):
+        return greedy_token_ids(self.forward(batch, kv_cache))
 
 
 # ---------------------------------------------------------------------------- stopping

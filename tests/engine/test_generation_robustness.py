@@ -19,7 +19,7 @@ from helpers.engine import (
 )
 
 from fp8lab.engine.generate import Generator, sampleable_token_ids
-from fp8lab.engine.sampling import SamplingParams
+from fp8lab.engine.sampling import SamplingParams, greedy_token_ids
 from fp8lab.engine.tiny import make_tiny
 from fp8lab.engine.tokenizer import Tokenizer
 
@@ -41,14 +41,7 @@ class PaddingLovingModel:
     def __init__(self, nan_at: tuple[int, int] | None = None, greedy_ids=None):
         self.config = tiny_config()
         self.nan_at, self.steps = nan_at, 0
-        if greedy_ids is not None:  # a device-side greedy path, as CudaQwen3Model's
-            self.greedy_calls = 0
-
-            def greedy_tokens(batch, kv_cache):
-                self.greedy_calls += 1
-                return np.full(batch.num_seqs, greedy_ids, dtype=np.int64)
-
-            self.greedy_tokens = greedy_tokens
+        self.greedy_ids, self.greedy_calls = greedy_ids, 0
 
     def allocate_kv_cache(self, num_blocks, block_size, kv_cache_dtype):
         return []
@@ -61,6 +54,13 @@ class PaddingLovingModel:
             logits[self.nan_at[0]] = np.nan
         self.steps += 1
         return logits
+
+    def greedy_tokens(self, batch, kv_cache):
+        """``greedy_ids`` for every sequence (a device-side greedy path, as CudaQwen3Model's), or the host's."""
+        self.greedy_calls += 1
+        if self.greedy_ids is None:
+            return greedy_token_ids(self.forward(batch, kv_cache))
+        return np.full(batch.num_seqs, self.greedy_ids, dtype=np.int64)
 
 
 def generator(model, tokenizer=None, **kw) -> Generator:
@@ -198,7 +198,7 @@ def test_a_nan_greedy_id_from_the_device_is_that_sequences_error():
     with an error naming NaN, never with a token."""
     import types
 
-    from fp8lab.engine.generate import NAN_ROW
+    from fp8lab.engine.sampling import NAN_ROW
 
     gen = Generator.__new__(Generator)
     gen.num_token_ids = 16

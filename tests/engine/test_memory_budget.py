@@ -10,16 +10,16 @@ import types
 import pytest
 from helpers.engine import install_fake_io, one_line_error, tiny_config
 
-import fp8lab.engine.backend
 import fp8lab.engine.generate
+import fp8lab.engine.loading
 from fp8lab.engine import cli, kv_manager
-from fp8lab.engine.backend import kv_cache_memory_available
 from fp8lab.engine.kv_manager import (
     blocks_for,
     blocks_in_budget,
     host_available_bytes,
     kv_block_bytes,
 )
+from fp8lab.engine.loading import kv_cache_memory_available
 
 # ---------------------------------------------------------------------------- what is free
 
@@ -54,17 +54,17 @@ def test_host_available_bytes_is_positive_here():
 
 
 def test_gpu_memory_info_asks_the_current_context(monkeypatch):
-    from fp8lab.engine import cuda_model
+    from fp8lab.engine.cuda import memory
 
     context = types.SimpleNamespace(get_memory_info=lambda: (3 * 2**30, 80 * 2**30))
-    monkeypatch.setattr(cuda_model, "cuda", types.SimpleNamespace(current_context=lambda: context))
-    assert cuda_model.gpu_memory_info() == (3 * 2**30, 80 * 2**30)
-    monkeypatch.setattr(cuda_model, "gpu_memory_info", lambda: (5, 10))
+    monkeypatch.setattr(memory, "cuda", types.SimpleNamespace(current_context=lambda: context))
+    assert memory.gpu_memory_info() == (3 * 2**30, 80 * 2**30)
+    monkeypatch.setattr(memory, "gpu_memory_info", lambda: (5, 10))
     assert kv_cache_memory_available("cuda") == (5, "free GPU memory")
 
 
 def test_the_reference_backend_and_the_simulator_budget_host_memory(monkeypatch):
-    monkeypatch.setattr(fp8lab.engine.backend, "host_available_bytes", lambda: 1234)
+    monkeypatch.setattr(fp8lab.engine.loading, "host_available_bytes", lambda: 1234)
     assert kv_cache_memory_available("reference") == (1234, "available host memory")
     assert kv_cache_memory_available("cudasim") == (1234, "available host memory")
 
@@ -102,7 +102,7 @@ def run(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(fp8lab.engine.generate, "Generator", Generator)
 
     def run(available, *options):
-        monkeypatch.setattr(fp8lab.engine.backend, "kv_cache_memory_available", lambda backend: (available, "test memory"))
+        monkeypatch.setattr(fp8lab.engine.loading, "kv_cache_memory_available", lambda backend: (available, "test memory"))
         argv = ["generate", "--backend", "reference", "--block-size", "4", "--max-new-tokens", str(NEW)]
         for p in PROMPTS:
             argv += ["--prompt", p]

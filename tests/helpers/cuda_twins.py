@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from fp8lab.engine import cuda_model
-from fp8lab.engine.safetensors_io import round_to_bf16
+from fp8lab.engine.cuda import plan
 from fp8lab.numba_kernels import arguments
 from fp8lab.numba_kernels.fp8_gemm import SIMT_MAX_M
+from fp8lab.reference.dense import round_to_bf16
 from fp8lab.simulators import gemm_mma as sim_mma
 from fp8lab.simulators import gemv_simt as sim_gemv
 from fp8lab.simulators.fma import fma_f32
@@ -66,10 +66,11 @@ def bf16_linear_twin(x, w_bits, out, rows_per_warp=None, stream=0):
 
 
 def install_gemm_twins(monkeypatch) -> None:
-    """Swap the GPU model's three GEMM kernels for their twins (the ``gemm_twins`` fixture of conftest)."""
-    monkeypatch.setattr(cuda_model, "gemv_simt", gemv_simt_twin)
-    monkeypatch.setattr(cuda_model, "fp8_gemm", fp8_gemm_twin)
-    monkeypatch.setattr(cuda_model, "bf16_linear", bf16_linear_twin)
+    """Swap the GPU model's three GEMM kernels for their twins (the ``gemm_twins`` fixture of conftest): in
+    ``fp8lab.engine.cuda.plan``, whose plans name the kernels every forward launches."""
+    monkeypatch.setattr(plan, "gemv_simt", gemv_simt_twin)
+    monkeypatch.setattr(plan, "fp8_gemm", fp8_gemm_twin)
+    monkeypatch.setattr(plan, "bf16_linear", bf16_linear_twin)
 
 
 def micro_config(layers: int = 1, **overrides):

@@ -1,0 +1,155 @@
+"""The GPU model's paged KV cache and the index buffers of its forwards.
+
+The cache is ``fp8lab.engine.kv_manager``'s layout on the device, one ``DeviceLayerKVCache`` per layer,
+poisoned with 0xFF bytes (NaN in every format) so that a slot read before it was written shows.
+
+Beside the pages, a cache owns the persistent int32 index buffers that its forwards read (they hold no
+per-model state, and CUDA graphs captured with a cache read exactly these addresses):
+
+- ``decode_index`` (``DecodeIndex``): a decode step's token ids, positions, slots and context lengths
+  (``max_num_seqs`` each) and its block tables ``[max_num_seqs, width]``; a step of bucket ``b`` uses the
+  first ``b`` rows;
+- ``eager_index`` (``EagerIndex``): any other forward's token ids, positions, slots (``max_num_tokens``
+  each), context and query lengths (``max_num_seqs`` each) and block tables (``[S, the batch's width]``,
+  packed);
+- ``prefill_row_tables`` / ``prefill_row_lens``: ``paged_prefill``'s expanded rows.
+
+Each index is a dataclass of named arrays that lie end to end in one device buffer, with a page-locked
+host twin of the same layout (``StagedIndex``): a forward fills the host side by name and moves it in
+with one copy. Graphs (``graphs``, by bucket) belong to the cache they were captured with and are
+dropped with it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from ..config import Qwen3Config
+from .memory import DeviceMemory, to_device
+
+
+@dataclass(frozen=True)
+class DecodeIndex:
+    """The index arrays of a decode step: ``token_ids``, ``positions``, ``slots``, ``context_lens``
+    ``[max_num_seqs]`` and ``block_tables [max_num_seqs, width]`` (int32)."""
+
+    token_ids: object
+    positions: object
+    slots: object
+    context_lens: object
+    block_tables: object
+
+
+@dataclass(frozen=True)
+class EagerIndex:
+    """The index arrays of any other forward: ``token_ids``, ``positions``, ``slots`` ``[max_num_tokens]``,
+    ``context_lens``, ``query_lens`` ``[max_num_seqs]`` and ``block_tables [max_num_seqs * width]``, flat:
+    a batch's ``[S, its width]`` table packed at the front (int32)."""
+
+    token_ids: object
+    positions: object
+    slots: object
+    context_lens: object
+    query_lens: object
+    block_tables: object
+
+
+Index = TypeVar("Index", DecodeIndex, EagerIndex)
+
+
+class StagedIndex(Generic[Index]):
+    """Named int32 arrays (the fields of ``layout``, of ``shapes``) laid end to end in field order in one
+    device buffer (``device``) and in a page-locked host buffer of the same layout (``host``), so that one
+    copy moves them in. ``block_tables``, the last field, is the one whose used part varies."""
+
+    def __init__(self, memory: DeviceMemory, what: str, layout: type[Index], shapes: dict[str, tuple[int, ...]]):
+        names = [f.name for f in fields(layout)]
+        assert names == list(shapes) and names[-1] == "block_tables", (names, list(shapes))
+        sizes = [math.prod(shapes[n]) for n in names]
+        self._tables_at = sum(sizes[:-1])
+        self._device = memory.empty(what, (sum(sizes),), np.int32)
+        self._host = memory.pinned((sum(sizes),), np.int32)
+        self.device: Index = layout(**self._views(self._device, shapes, sizes))
+        self.host: Index = layout(**self._views(self._host, shapes, sizes))
+
+    @staticmethod
+    def _views(flat, shapes, sizes) -> dict:
+        views, at = {}, 0
+        for (name, shape), size in zip(shapes.items(), sizes):
+            views[name] = flat[at : at + size].reshape(shape)
+            at += size
+        return views
+
+    def copy_in(self, table_entries: int, stream) -> None:
+        """Copy the host side to the device: every field whole but ``block_tables``, of which only the first
+        ``table_entries`` entries (in row-major order)."""
+        used = self._tables_at + int(table_entries)
+        to_device(self._device[:used], self._host[:used], stream)
+
+
+@dataclass
+class DeviceLayerKVCache:
+    """One layer's paged caches on the device: ``k``, ``v`` ``[num_blocks, num_kv_heads, block_size,
+    head_dim]`` (uint8 E4M3 codes, uint16 BF16 patterns or float32) and, for FP8, float32 scales
+    ``k_scale``, ``v_scale`` ``[num_blocks, num_kv_heads, block_size]`` (None otherwise)."""
+
+    k: object
+    v: object
+    k_scale: object
+    v_scale: object
+    kv_cache_dtype: str
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+
+class DeviceKVCache:
+    """A model's paged KV cache on the device: one ``DeviceLayerKVCache`` per layer (``len``, indexing and
+    iteration as a list) plus the index buffers of the module docstring and the decode step's CUDA graphs.
+
+    ``width``: block-table columns per sequence (``min(num_blocks, ceil(max_position_embeddings /
+    block_size))``); ``capacity``: ``width * block_size`` tokens, the ``max_seq_len`` of every decode step.
+    ``model_id`` names the model whose forwards may use it.
+    """
+
+    def __init__(self, config: Qwen3Config, memory: DeviceMemory, model_id: int, max_num_tokens: int,
+                 max_num_seqs: int, num_blocks: int, block_size: int, kv_cache_dtype: str):
+        c, mem = config, memory
+        self.model_id = model_id
+        self.num_blocks, self.block_size, self.kv_cache_dtype = int(num_blocks), int(block_size), kv_cache_dtype
+        shape = (self.num_blocks, c.num_key_value_heads, self.block_size, c.head_dim)
+        dtype = {"fp8": np.uint8, "bf16": np.uint16, "fp32": np.float32}[kv_cache_dtype]
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            k = mem.poisoned(f"KV cache layer {i} K {list(shape)} {kv_cache_dtype}", shape, dtype)
+            v = mem.poisoned(f"KV cache layer {i} V {list(shape)} {kv_cache_dtype}", shape, dtype)
+            ks = vs = None
+            if kv_cache_dtype == "fp8":
+                ks = mem.poisoned(f"KV cache layer {i} K scales {list(shape[:3])}", shape[:3], np.float32)
+                vs = mem.poisoned(f"KV cache layer {i} V scales {list(shape[:3])}", shape[:3], np.float32)
+            self.layers.append(DeviceLayerKVCache(k, v, ks, vs, kv_cache_dtype))
+        self.width = max(1, min(self.num_blocks, -(-c.max_position_embeddings // self.block_size)))
+        self.capacity = self.width * self.block_size
+        smax, tmax, width = int(max_num_seqs), int(max_num_tokens), self.width
+        self.decode_index = StagedIndex(mem, "decode-step index buffer", DecodeIndex, dict(
+            token_ids=(smax,), positions=(smax,), slots=(smax,), context_lens=(smax,), block_tables=(smax, width)))
+        self.eager_index = StagedIndex(mem, "forward index buffer", EagerIndex, dict(
+            token_ids=(tmax,), positions=(tmax,), slots=(tmax,), context_lens=(smax,), query_lens=(smax,),
+            block_tables=(smax * width,)))
+        self.prefill_row_tables = mem.empty("prefill expanded block tables", (tmax * width,), np.int32)
+        self.prefill_row_lens = mem.empty("prefill expanded lengths", (tmax,), np.int32)
+        self.graphs: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def __iter__(self):
+        return iter(self.layers)

@@ -1,0 +1,268 @@
+"""``CudaQwen3Model``: the Qwen3-FP8 forward pass as ``numba_kernels`` on an NVIDIA GPU (and, unchanged, in
+Numba's CUDA simulator).
+
+It implements ``fp8lab.engine.model.CausalLM`` as ``Qwen3Model`` does and computes what ``Qwen3Model``
+computes, in the same order (see ``fp8lab/engine/model.py``); every operator is a kernel and every
+activation stays on the device. A forward copies in the small index arrays (token ids, positions,
+slots, block tables, lengths: int32, one copy), runs its plan (``fp8lab.engine.cuda.plan``), and copies
+the logits (or, for ``greedy_tokens``, the greedy ids) out; nothing is allocated and nothing else is
+read back.
+
+Prefill and decode: a batch whose sequences all have one new token is a *decode step*: padded to its
+bucket, run eagerly once and then replayed as a CUDA graph on a GPU (``fp8lab.engine.cuda.graphs``); any
+other batch runs eagerly with ``paged_prefill`` over all its rows (a one-token chunk is a prefill chunk
+whose attention is exactly a decode; ``fp8lab.engine.generate`` never mixes the two). Logits are
+computed only for each sequence's last token (``all_logits``: every token, in chunks of
+``max_num_seqs``). ``stats`` reports launches per decode step, graph replays and host time per step.
+
+A batch larger than the preallocated buffers raises ``ValueError`` naming the limit; running out of KV
+blocks is ``fp8lab.engine.kv_manager``'s ``KVCacheExhausted``, raised before any work, as with the
+reference model; running out of device memory is a ``RuntimeError`` naming the array
+(``fp8lab.engine.cuda.memory``).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+
+from fp8lab.numba_kernels.bits import SIMULATOR
+from fp8lab.numba_kernels.gemv_simt import MAX_ROWS as SIMT_MAX_ROWS
+
+from ..config import Qwen3Config
+from ..kv_manager import KV_CACHE_DTYPES
+from ..model import CausalLM, ForwardBatch, check_tensors
+from ..sampling import greedy_token_ids
+from . import graphs
+from .kv_cache import DeviceKVCache
+from .memory import DeviceMemory, device_copy, new_stream, synchronize, to_host
+from .plan import DEFAULT_F32_MAX_ROWS, Plan, Planner, allocate_activations
+from .stats import CudaModelStats
+from .weights import unsupported_reason, upload_weights
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes a decode step is padded to: powers of two below ``max_num_seqs``, and ``max_num_seqs``."""
+    buckets, b = [], 1
+    while b < max_num_seqs:
+        buckets.append(b)
+        b *= 2
+    return tuple(buckets + [int(max_num_seqs)])
+
+
+class CudaQwen3Model(CausalLM):
+    """A Qwen3 (FP8) causal LM whose forward runs as ``numba_kernels`` on the device; see the module docstring.
+
+    ``tensors``: checkpoint tensors as ``fp8lab.engine.checkpoint`` loads them (``Qwen3Model``'s input).
+    ``max_num_tokens``: most tokens in one forward (a prefill's prompt tokens); ``max_num_seqs``: most
+    sequences in one forward (the decode batch); ``f32_max_rows``: GEMMs of at most this many rows take
+    float32 activations (SIMT GEMV), larger ones BF16 (tensor cores); ``cuda_graphs``: capture and
+    replay decode steps (GPU only).
+    """
+
+    def __init__(self, config: Qwen3Config, tensors: dict[str, np.ndarray], *, max_num_tokens: int = 2048,
+                 max_num_seqs: int = 16, f32_max_rows: int = DEFAULT_F32_MAX_ROWS, cuda_graphs: bool = True):
+        reason = unsupported_reason(config)
+        if reason is not None:
+            raise ValueError(f"CudaQwen3Model: unsupported model: {reason}")
+        check_tensors(config, tensors)
+        if int(max_num_seqs) < 1 or int(max_num_tokens) < int(max_num_seqs):
+            raise ValueError(f"max_num_seqs ({max_num_seqs}) must be >= 1 and max_num_tokens ({max_num_tokens}) "
+                             f">= max_num_seqs")
+        if not 0 <= int(f32_max_rows) <= SIMT_MAX_ROWS:
+            raise ValueError(f"f32_max_rows: expected 0 to {SIMT_MAX_ROWS} (the SIMT GEMV's row limit), got {f32_max_rows}")
+        self.config = config
+        self.max_num_tokens, self.max_num_seqs = int(max_num_tokens), int(max_num_seqs)
+        self.f32_max_rows = int(f32_max_rows)
+        self.cuda_graphs = bool(cuda_graphs) and not SIMULATOR
+        self.buckets = decode_buckets(self.max_num_seqs)
+        self.memory = DeviceMemory()
+        self.stats = CudaModelStats()
+        self._stream = new_stream()
+        self._core_stream = None
+        self.weights = upload_weights(config, tensors, self.memory)
+        self.activations = allocate_activations(config, self.memory, self.max_num_tokens, self.max_num_seqs,
+                                                self.f32_max_rows)
+        self.planner = Planner(config, self.weights, self.activations, self.f32_max_rows)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint, **options) -> "CudaQwen3Model":
+        """Build from an ``fp8lab.engine.checkpoint.Checkpoint`` (its ``config`` and ``tensors``); ``options``
+        are the constructor's keywords."""
+        return cls(checkpoint.config, checkpoint.tensors, **options)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str) -> DeviceKVCache:
+        """A paged KV cache on the device, poisoned with NaN (``memory.POISON_BYTE``); ``kv_cache_dtype``
+        ``"fp8"`` (E4M3 codes + float32 scales per token and kv head), ``"bf16"`` or ``"fp32"``."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        if int(num_blocks) <= 0 or int(block_size) <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        return DeviceKVCache(self.config, self.memory, id(self), self.max_num_tokens, self.max_num_seqs,
+                             num_blocks, block_size, kv_cache_dtype)
+
+    # -- the forward pass
+
+    def forward(self, batch: ForwardBatch, kv_cache: DeviceKVCache, all_logits: bool = False) -> np.ndarray:
+        """Run the batch's new tokens through the model, writing their K/V into ``kv_cache``.
+
+        Returns float32 host logits ``[num_seqs, vocab]`` of each sequence's last new token, or
+        ``[T, vocab]`` of every new token with ``all_logits``.
+        """
+        start = time.perf_counter()
+        self._check(batch, kv_cache)
+        if np.all(batch.query_lens == 1):
+            return self._decode_step(batch, kv_cache, start)
+        self.stats.prefill_forwards += 1
+        return self._prefill(batch, kv_cache, all_logits)
+
+    def greedy_tokens(self, batch: ForwardBatch, kv_cache: DeviceKVCache) -> np.ndarray:
+        """``forward`` then greedy sampling: int ``[num_seqs]``, the argmax of each sequence's last logits
+        row (``np.argmax``'s rule: the first maximum; a row holding NaN gives -1, no token, which
+        ``fp8lab.engine.generate`` turns into that sequence's error). A decode step samples on the device
+        (``layers.argmax_rows``, part of the captured graph) and copies 4 bytes per sequence back instead
+        of the logits; a prefill samples the host logits with the same rule (``sampling.greedy_token_ids``)."""
+        start = time.perf_counter()
+        self._check(batch, kv_cache)
+        if np.all(batch.query_lens == 1):
+            return self._decode_step(batch, kv_cache, start, ids_only=True)
+        self.stats.prefill_forwards += 1
+        return greedy_token_ids(self._prefill(batch, kv_cache, False))
+
+    def _check(self, batch: ForwardBatch, cache) -> None:
+        batch.check()
+        c = self.config
+        if not isinstance(cache, DeviceKVCache) or cache.model_id != id(self):
+            raise ValueError("kv_cache: expected a cache from this model's allocate_kv_cache")
+        t, s = len(batch.token_ids), batch.num_seqs
+        if t > self.max_num_tokens:
+            raise ValueError(f"batch of {t} tokens: more than max_num_tokens={self.max_num_tokens}, the size of the "
+                             "preallocated activation buffers (build the model with a larger max_num_tokens, or prefill "
+                             "in smaller chunks)")
+        if s > self.max_num_seqs:
+            raise ValueError(f"batch of {s} sequences: more than max_num_seqs={self.max_num_seqs}, the size of the "
+                             "preallocated per-sequence buffers (build the model with a larger max_num_seqs)")
+        if np.any(batch.token_ids < 0) or np.any(batch.token_ids >= c.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {c.vocab_size})")
+        if np.any(batch.positions < 0) or np.any(batch.positions >= c.max_position_embeddings):
+            raise ValueError(f"positions must lie in [0, {c.max_position_embeddings}) (max_position_embeddings)")
+        slots = np.asarray(batch.slot_mapping)
+        num_slots = cache.num_blocks * cache.block_size
+        if np.any(slots < 0) or np.any(slots >= num_slots) or np.unique(slots).size != slots.size:
+            raise ValueError(f"slot_mapping: slots must be distinct and lie in [0, {num_slots})")
+        if batch.block_tables.shape[1] > cache.width or np.any(batch.context_lens > cache.capacity):
+            raise ValueError(f"block_tables: at most {cache.width} blocks ({cache.capacity} tokens) per sequence in "
+                             "this cache")
+
+    # -- decode steps
+
+    def _bucket(self, num_seqs: int) -> int:
+        return next(b for b in self.buckets if b >= num_seqs)
+
+    @staticmethod
+    def _stage_decode_index(batch: ForwardBatch, cache: DeviceKVCache, bucket: int) -> None:
+        """Fill the host side of the cache's decode index for ``batch`` padded to ``bucket`` rows: padding rows
+        have slot -1 (no cache write) and length 0 (a zero attention row)."""
+        host, s = cache.decode_index.host, batch.num_seqs
+        for array in (host.token_ids, host.positions, host.slots, host.context_lens):
+            array[...] = 0
+        host.token_ids[:s] = batch.token_ids
+        host.positions[:s] = batch.positions
+        host.slots[:bucket] = -1  # padding rows write no slot
+        host.slots[:s] = batch.slot_mapping
+        host.context_lens[:s] = batch.context_lens  # padding rows: length 0, a zero attention row
+        tables = host.block_tables[:bucket]
+        tables[...] = 0
+        tables[:s, : batch.block_tables.shape[1]] = batch.block_tables
+
+    def _decode_step(self, batch: ForwardBatch, cache: DeviceKVCache, start: float, ids_only: bool = False):
+        s, a, stream = batch.num_seqs, self.activations, self._stream
+        bucket = self._bucket(s)
+        self._stage_decode_index(batch, cache, bucket)
+        cache.decode_index.copy_in(bucket * cache.width, stream)
+        graph = cache.graphs.get(bucket)
+        replay = graph is not None
+        if replay:
+            graph.launch(self._graph_stream())
+            self.stats.graph_replays += 1
+        else:
+            plan = self.planner.decode(bucket, cache)
+            plan.run(stream)
+            self.stats.launches_by_bucket[bucket] = plan.kernel_launches
+        if ids_only:  # greedy_tokens: 4 bytes per sequence
+            out = a.greedy_ids_host[:s]
+            to_host(out, a.greedy_ids[:s], stream)
+        else:  # forward: the logits
+            out = a.logits_host[:s]
+            to_host(out, a.logits[:s], stream)
+        enqueued = time.perf_counter()
+        synchronize(stream)
+        done = time.perf_counter()
+        self.stats.decode_steps += 1
+        self.stats.last_decode_bucket = bucket
+        self.stats.decode_host_seconds += enqueued - start
+        self.stats.decode_wall_seconds += done - start
+        if replay:
+            self.stats.replay_host_seconds += enqueued - start
+            self.stats.replay_wall_seconds += done - start
+        result = np.array(out, dtype=np.int64 if ids_only else np.float32)
+        if not replay and self.cuda_graphs:
+            self._capture(bucket, cache, plan)
+        return result
+
+    def _graph_stream(self):
+        """The model's Numba stream as a ``cuda.core`` stream (what ``Graph.launch`` takes)."""
+        if self._core_stream is None:
+            self._core_stream = graphs.core_stream(self._stream)
+        return self._core_stream
+
+    def _capture(self, bucket: int, cache: DeviceKVCache, plan: Plan) -> None:
+        """Capture the decode ``plan`` of ``bucket`` that just ran eagerly into a graph of ``cache``. A failure
+        turns graphs off for this model, with a warning."""
+        begin = time.perf_counter()
+        try:
+            cache.graphs[bucket] = graphs.capture(plan, self._graph_stream())
+        except Exception as e:
+            self.cuda_graphs = False
+            self.stats.graph_error = f"{type(e).__name__}: {e}"
+            warnings.warn(f"CudaQwen3Model: CUDA graph capture of the decode step failed, running eagerly: {e}")
+            return
+        self.stats.graphs_captured += 1
+        self.stats.capture_seconds += time.perf_counter() - begin
+
+    # -- prefill (and any batch that is not a pure decode step): eager
+
+    def _stage_eager_index(self, batch: ForwardBatch, cache: DeviceKVCache) -> None:
+        """Fill the host side of the cache's eager index with ``batch`` and copy it in."""
+        host, t, s = cache.eager_index.host, len(batch.token_ids), batch.num_seqs
+        host.token_ids[:t] = batch.token_ids
+        host.positions[:t] = batch.positions
+        host.slots[:t] = batch.slot_mapping
+        host.context_lens[:s] = batch.context_lens
+        host.query_lens[:s] = batch.query_lens
+        tables = batch.block_tables.reshape(-1)
+        host.block_tables[: tables.size] = tables
+        cache.eager_index.copy_in(tables.size, self._stream)
+
+    def _prefill(self, batch: ForwardBatch, cache: DeviceKVCache, all_logits: bool) -> np.ndarray:
+        t, s, smax = len(batch.token_ids), batch.num_seqs, self.max_num_seqs
+        a, stream = self.activations, self._stream
+        self._stage_eager_index(batch, cache)
+        self.planner.prefill(t, s, batch.block_tables.shape[1], int(np.max(batch.context_lens)), cache).run(stream)
+        if all_logits:
+            logits = np.empty((t, self.config.vocab_size), np.float32)
+            for first in range(0, t, smax):
+                n = min(smax, t - first)
+                self.planner.lm_head(a.x[first : first + n], n)(stream)
+                to_host(a.logits_host[:n], a.logits[:n], stream)
+                synchronize(stream)
+                logits[first : first + n] = a.logits_host[:n]
+            return logits
+        for i, row in enumerate(batch.last_token_rows):
+            device_copy(a.selected[i : i + 1], a.x[int(row) : int(row) + 1], stream)
+        self.planner.lm_head(a.selected[:s], s)(stream)
+        to_host(a.logits_host[:s], a.logits[:s], stream)
+        synchronize(stream)
+        return np.array(a.logits_host[:s], dtype=np.float32)

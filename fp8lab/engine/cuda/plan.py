@@ -1,0 +1,277 @@
+"""The GPU model's forward as a plan: the sequence of kernel launches over its activation buffers.
+
+A forward over ``T`` tokens is a ``Plan``, a tuple of ``Launch`` values (a kernel wrapper with its
+arguments, the stream left open), built by ``Planner`` and then run on a stream, or on a CUDA graph
+builder (``fp8lab.engine.cuda.graphs``): every wrapper takes ``stream=``. The sequence of a decode step
+is fixed by its bucket and its cache, so its launch count is a property of the plan
+(``Plan.kernel_launches``), not something counted while it runs.
+
+Launches per layer: ``add_rms_norm`` (the previous residual add fused with this norm; ``rms_norm`` in
+layer 0), the q/k/v GEMM (one fused launch for ``T = 1``, else three: a token's q, k and v are not
+contiguous in a fused ``[T, N]`` output, and the norm, RoPE and cache-write kernels take contiguous
+arrays), q-norm, k-norm, RoPE (one launch over q and k for ``T = 1``, else two), ``paged_cache_write``,
+attention (decode: ``paged_decode``, the split kernel and, with more than one split, the combine kernel;
+prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the combine), o_proj,
+``add_rms_norm``, the gate/up GEMM, ``silu_mul``, down_proj; plus one ``bf16_round`` before each FP8 GEMM
+input when ``T > f32_max_rows``. Around the layers: the embedding, the final ``add_rms_norm`` and the
+lm_head (``bf16_linear``); a decode step ends with the greedy argmax (``layers.argmax_rows``, for
+``greedy_tokens``). A decode step of batch 1 is 12 or 13 launches per layer plus 4, e.g. 13 * 36 + 4 = 472
+for Qwen3-8B.
+
+The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (default
+``DEFAULT_F32_MAX_ROWS = 4``, at most 16) runs ``gemv_simt`` directly on the float32 activations, so the
+product is the reference's float32 linear up to the summation order; a larger one (long prompts, decode
+batches of more than 4) rounds the activations to BF16 (a small kernel, ``layers.bf16_round``) and runs
+``fp8_gemm`` (tensor cores), W8A16 as the kernels are designed. The default comes from the accuracy table
+of the trained demo model (``docs/08_accuracy.md``, ``bench/RESULTS.md``): BF16 inputs into FP8 weights
+cost far less than the FP8 weights themselves, while at M = 5..16 the tensor-core GEMM is 3 to 5 times
+faster than the SIMT GEMV. (The random tiny model is much more sensitive: its flat logits let BF16
+inputs change greedy tokens within a few steps, which is why its GPU tests ask for ``f32_max_rows=16``.)
+
+Activations live in buffers preallocated for ``max_num_tokens`` tokens and ``max_num_seqs`` sequences
+(``Activations``): the residual ``h``, the normed ``x``, a block output ``y`` (all float32
+``[T, hidden]``), q/k/v (one flat float32 buffer: ``[T, Hq, D]``, then ``[T, Hkv, D]`` twice), the
+attention output, ``gate_up [T, 2 I]``, the SwiGLU output ``[T, I]``, the BF16 GEMM input, the split-kv
+workspace and the logits of ``max_num_seqs`` rows. Nothing in a plan allocates or reads back: a decode
+step passes ``check_slots=False`` and ``max_seq_len`` = the cache's capacity, and its split count is
+chosen from the bucket and that capacity, so an eager step and its graph replays run the same kernels
+on the same arguments and give the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from fp8lab.numba_kernels import layers, splitkv
+from fp8lab.numba_kernels.fp8_gemm import fp8_gemm
+from fp8lab.numba_kernels.gemv_simt import gemv_simt
+from fp8lab.numba_kernels.kv_cache import paged_cache_write
+from fp8lab.numba_kernels.layers import bf16_linear
+from fp8lab.numba_kernels.prefill import PrefillRows, paged_prefill
+
+from ..config import Qwen3Config
+from .kv_cache import DeviceKVCache, DeviceLayerKVCache
+from .memory import DeviceMemory
+from .weights import DeviceLinear, DeviceWeights
+
+DEFAULT_F32_MAX_ROWS = 4
+"""GEMMs of at most this many rows take float32 activations by default (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel wrapper call: ``kernel(*args, stream=stream, **options)``, which makes ``kernels``
+    kernel launches (the split-kv attention adds its combine kernel)."""
+
+    kernel: Callable
+    args: tuple
+    options: dict = field(default_factory=dict)
+    kernels: int = 1
+
+    def __call__(self, stream) -> None:
+        self.kernel(*self.args, stream=stream, **self.options)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A forward's launches, in order."""
+
+    launches: tuple[Launch, ...]
+
+    @property
+    def kernel_launches(self) -> int:
+        """How many kernels running the plan launches (what one graph replay of it runs)."""
+        return sum(launch.kernels for launch in self.launches)
+
+    def run(self, stream) -> None:
+        """Enqueue every launch on ``stream`` (a Numba stream, or a ``cuda.core`` graph builder)."""
+        for launch in self.launches:
+            launch(stream)
+
+
+@dataclass
+class Activations:
+    """The preallocated activation buffers (see the module docstring); ``*_host`` are page-locked twins."""
+
+    h: object
+    x: object
+    y: object
+    qkv: object
+    attn: object
+    gate_up: object
+    act: object
+    bf16: object
+    selected: object
+    logits: object
+    logits_host: np.ndarray
+    greedy_ids: object
+    greedy_ids_host: np.ndarray
+    workspace: object
+
+
+def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_tokens: int, max_num_seqs: int,
+                         f32_max_rows: int) -> Activations:
+    """The buffers of every forward of at most ``max_num_tokens`` tokens and ``max_num_seqs`` sequences."""
+    c, mem, tmax, smax = config, memory, max_num_tokens, max_num_seqs
+    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    widest = max(c.hidden_size, hq * d, c.intermediate_size)
+    needs_bf16 = f32_max_rows < tmax
+    # the split-kv workspace: enough for the split count "auto" picks for any number of rows
+    sms, most = splitkv.device_num_sms(), 0
+    for rows in range(1, tmax + 1):
+        s = splitkv.choose_num_splits(rows, hq, hkv, 2**62, sms, 1)
+        if s > 1:
+            most = max(most, rows * hq * s * (d + 2))
+    return Activations(
+        h=mem.empty("activations h", (tmax, c.hidden_size), np.float32),
+        x=mem.empty("activations x", (tmax, c.hidden_size), np.float32),
+        y=mem.empty("activations y", (tmax, c.hidden_size), np.float32),
+        qkv=mem.empty("activations q/k/v", (tmax * (hq + 2 * hkv) * d,), np.float32),
+        attn=mem.empty("activations attention output", (tmax, hq, d), np.float32),
+        gate_up=mem.empty("activations gate_up", (tmax, 2 * c.intermediate_size), np.float32),
+        act=mem.empty("activations SwiGLU", (tmax, c.intermediate_size), np.float32),
+        bf16=mem.empty("activations BF16 GEMM input", (tmax * widest if needs_bf16 else 1,), np.uint16),
+        selected=mem.empty("last-token rows", (smax, c.hidden_size), np.float32),
+        logits=mem.empty(f"logits [{smax}, {c.vocab_size}]", (smax, c.vocab_size), np.float32),
+        logits_host=mem.pinned((smax, c.vocab_size), np.float32),
+        greedy_ids=mem.empty("greedy token ids", (smax,), np.int32),
+        greedy_ids_host=mem.pinned((smax,), np.int32),
+        workspace=mem.empty("attention split-kv workspace", (max(most, 1),), np.float32),
+    )
+
+
+Attend = Callable[[object, DeviceLayerKVCache, object], Launch]
+"""``attend(q, layer_cache, out)``: the attention launch of one layer."""
+
+
+class Planner:
+    """Builds the plans of one model's forwards over its ``weights`` and ``activations``."""
+
+    def __init__(self, config: Qwen3Config, weights: DeviceWeights, activations: Activations, f32_max_rows: int):
+        self.config, self.weights, self.activations = config, weights, activations
+        self.f32_max_rows = f32_max_rows
+        self.softmax_scale = config.head_dim ** -0.5
+
+    def decode(self, bucket: int, cache: DeviceKVCache) -> Plan:
+        """A decode step of ``bucket`` rows, reading only the cache's decode index buffers (what a CUDA graph
+        captures); leaves the logits in ``activations.logits[:bucket]`` and their argmax in ``greedy_ids``."""
+        w, a, index = self.weights, self.activations, cache.decode_index.device
+        lens, tables = index.context_lens[:bucket], index.block_tables[:bucket]
+        splits = self.num_splits(bucket, cache.capacity, cache.block_size)
+        workspace = self.workspace(bucket, splits)
+
+        def attend(q, layer_cache, out):
+            return Launch(splitkv.paged_decode, (q, layer_cache.k, layer_cache.v, tables, lens, self.softmax_scale,
+                                                 out, layer_cache.k_scale, layer_cache.v_scale),
+                          dict(num_splits=splits, workspace=workspace, max_seq_len=cache.capacity),
+                          kernels=1 + (splits > 1))
+
+        return Plan((Launch(layers.embedding, (w.embed_tokens, index.token_ids[:bucket], a.h[:bucket])),
+                     *self.decoder_layers(bucket, index.positions[:bucket], index.slots[:bucket], cache, attend),
+                     self.lm_head(a.x[:bucket], bucket),
+                     Launch(layers.argmax_rows, (a.logits[:bucket], a.greedy_ids[:bucket]))))
+
+    def prefill(self, num_tokens: int, num_seqs: int, width: int, max_context: int, cache: DeviceKVCache) -> Plan:
+        """Any forward that is not a decode step, over ``num_tokens`` tokens of ``num_seqs`` sequences whose
+        block tables (``width`` columns) are in the cache's eager index; leaves the final norm of every
+        token in ``activations.x`` (``lm_head`` makes the logits)."""
+        t, s = num_tokens, num_seqs
+        index = cache.eager_index.device
+        tables = index.block_tables[: s * width].reshape(s, width)
+        context_lens, query_lens = index.context_lens[:s], index.query_lens[:s]
+        rows = PrefillRows(cache.prefill_row_tables[: t * width].reshape(t, width), cache.prefill_row_lens[:t])
+        workspace = self.workspace(t, self.num_splits(t, max_context, cache.block_size))
+
+        def attend(q, layer_cache, out):
+            return Launch(paged_prefill, (q, layer_cache.k, layer_cache.v, tables, context_lens, query_lens,
+                                          self.softmax_scale, out, layer_cache.k_scale, layer_cache.v_scale),
+                          dict(max_context_len=max_context, rows=rows, workspace=workspace),
+                          kernels=2 + (workspace is not None))
+
+        return Plan((Launch(layers.embedding, (self.weights.embed_tokens, index.token_ids[:t], self.activations.h[:t])),
+                     *self.decoder_layers(t, index.positions[:t], index.slots[:t], cache, attend)))
+
+    def lm_head(self, x, rows: int) -> Launch:
+        """``logits[:rows] = x @ lm_head^T`` (``x``: ``rows`` final-norm rows on the device)."""
+        return Launch(bf16_linear, (x, self.weights.lm_head, self.activations.logits[:rows]))
+
+    def decoder_layers(self, t: int, positions, slots, cache: DeviceKVCache, attend: Attend) -> list[Launch]:
+        """The decoder layers over ``t`` tokens whose embeddings are in ``h[:t]``, then the final norm of
+        the residual stream into ``x[:t]``."""
+        c, a, plan = self.config, self.activations, []
+        eps = c.rms_norm_eps
+        h, x, y = a.h[:t], a.x[:t], a.y[:t]
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qd, kd = hq * d, hkv * d
+        q = a.qkv[0 : t * qd].reshape(t, hq, d)
+        k = a.qkv[t * qd : t * (qd + kd)].reshape(t, hkv, d)
+        v = a.qkv[t * (qd + kd) : t * (qd + 2 * kd)].reshape(t, hkv, d)
+        attn, gate_up, act = a.attn[:t], a.gate_up[:t], a.act[:t]
+        rope = self.weights.rope_cos_sin
+        for i, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache)):
+            if i == 0:
+                plan.append(Launch(layers.rms_norm, (h, layer.input_layernorm, eps, x)))
+            else:  # the previous layer's MLP residual add, fused with this layer's input norm
+                plan.append(Launch(layers.add_rms_norm, (y, h, layer.input_layernorm, eps, x)))
+            group = layer.qkv
+            x_bf16 = self.gemm_input(x, any(p.kind == "fp8" for p in group.parts), plan)
+            if t == 1 and group.fused is not None:  # one token: q, k, v are contiguous pieces of one row
+                plan.append(self.linear(group.fused, x, a.qkv[0 : qd + 2 * kd].reshape(1, qd + 2 * kd), x_bf16))
+            else:
+                for part, out in zip(group.parts, (q, k, v)):
+                    plan.append(self.linear(part, x, out.reshape(t, part.n), x_bf16 if part.kind == "fp8" else None))
+            plan.append(Launch(layers.rms_norm, (q, layer.q_norm, eps, q)))
+            plan.append(Launch(layers.rms_norm, (k, layer.k_norm, eps, k)))
+            if t == 1:  # q and k of one token: [1, Hq + Hkv, D], contiguous
+                qk = a.qkv[0 : qd + kd].reshape(1, hq + hkv, d)
+                plan.append(Launch(layers.rope, (qk, positions, rope, qk)))
+            else:
+                plan.append(Launch(layers.rope, (q, positions, rope, q)))
+                plan.append(Launch(layers.rope, (k, positions, rope, k)))
+            plan.append(Launch(paged_cache_write, (k, v, layer_cache.k, layer_cache.v, slots, layer_cache.k_scale,
+                                                   layer_cache.v_scale), dict(check_slots=False)))
+            plan.append(attend(q, layer_cache, attn))
+            o_in = attn.reshape(t, qd)
+            plan.append(self.linear(layer.o_proj, o_in, y, self.gemm_input(o_in, layer.o_proj.kind == "fp8", plan)))
+            plan.append(Launch(layers.add_rms_norm, (y, h, layer.post_attention_layernorm, eps, x)))
+            plan.append(self.linear(layer.gate_up, x, gate_up, self.gemm_input(x, layer.gate_up.kind == "fp8", plan)))
+            plan.append(Launch(layers.silu_mul, (gate_up, act)))
+            plan.append(self.linear(layer.down_proj, act, y, self.gemm_input(act, layer.down_proj.kind == "fp8", plan)))
+        plan.append(Launch(layers.add_rms_norm, (y, h, self.weights.norm, eps, x)))
+        return plan
+
+    def linear(self, linear: DeviceLinear, x, out, x_bf16) -> Launch:
+        """``out [M, N] = x [M, K] @ W^T``: float32 ``x`` for a SIMT GEMV (``x_bf16`` None) or ``x_bf16``, its
+        BF16 rounding, for ``fp8_gemm``; BF16 weights take the float32 ``x`` in ``bf16_linear``."""
+        if linear.kind == "bf16":
+            return Launch(bf16_linear, (x, linear.weight, out))
+        if x_bf16 is None:
+            return Launch(gemv_simt, (x, linear.weight, linear.scale_inv, out, linear.block))
+        return Launch(fp8_gemm, (x_bf16, linear.weight, linear.scale_inv, out, linear.block))
+
+    def gemm_input(self, x, uses_fp8: bool, plan: list[Launch]):
+        """The BF16 rounding of float32 ``x [M, K]`` when ``M > f32_max_rows`` and an FP8 GEMM reads it (its
+        ``bf16_round`` launch appended to ``plan``), else None."""
+        m, k = x.shape
+        if not uses_fp8 or m <= self.f32_max_rows:
+            return None
+        out = self.activations.bf16[: m * k].reshape(m, k)
+        plan.append(Launch(layers.bf16_round, (x.reshape(m * k), out.reshape(m * k))))
+        return out
+
+    def num_splits(self, rows: int, max_len: int, block_size: int) -> int:
+        """The split-kv shard count ``auto`` picks for ``rows`` query rows over at most ``max_len`` tokens."""
+        c = self.config
+        return splitkv.choose_num_splits(rows, c.num_attention_heads, c.num_key_value_heads, max_len,
+                                         splitkv.device_num_sms(), block_size)
+
+    def workspace(self, rows: int, splits: int):
+        """A view of the split-kv workspace for ``rows`` rows and ``splits`` shards (None for one shard)."""
+        if splits <= 1:
+            return None
+        c = self.config
+        shape = (rows, c.num_attention_heads, splits, c.head_dim + 2)
+        return self.activations.workspace[: int(np.prod(shape))].reshape(shape)
