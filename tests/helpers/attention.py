@@ -1,4 +1,5 @@
-"""Shared by the split-kv and prefill tests: the simulator's error bound, ALiBi slopes, filled paged caches.
+"""Shared by the split-kv and prefill tests: the simulator's error bound, ALiBi slopes, filled paged caches,
+prefill as decode rows and its reference.
 
 ``tolerance`` is the bound stated (and derived) in ``tests/simulators/test_splitkv.py``'s docstring.
 """
@@ -10,7 +11,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from fp8lab.reference import kv_cache
+from fp8lab.reference import attention, kv_cache
 from fp8lab.simulators import splitkv as sk
 
 U = 2.0**-24
@@ -88,3 +89,28 @@ def filled_cache(rng, lens, block_size, num_kv_heads, head_dim, cache):
             kv_cache.write(codes, scales, x, kv_cache.slots_for_positions(table, np.arange(n), block_size))
         caches.append((codes if cache == "fp8" else bf16_cache(codes), scales))
     return caches, tables
+
+
+def prefill_rows(tables, context_lens, query_lens):
+    """Causal prefill as decode rows, written out by hand: one (table row, causal length) per query token
+    (query ``i`` of sequence ``s`` reads ``context_lens[s] - query_lens[s] + i + 1`` tokens)."""
+    row_tables, row_lens = [], []
+    for s in range(len(context_lens)):
+        for i in range(int(query_lens[s])):
+            row_tables.append(tables[s])
+            row_lens.append(int(context_lens[s]) - int(query_lens[s]) + i + 1)
+    if not row_tables:
+        return np.zeros((0, tables.shape[1]), np.int32), np.zeros(0, np.int32)
+    return np.array(row_tables, np.int32), np.array(row_lens, np.int32)
+
+
+def reference_prefill(q, k_cache, v_cache, k_scale, v_scale, tables, context_lens, query_lens, softmax_scale):
+    """``fp8lab.reference.attention.prefill`` per sequence over its gathered cache (BF16 caches widened exactly)."""
+    k_cache, v_cache = as_float32(k_cache), as_float32(v_cache)
+    out, start = [], 0
+    for table, context_len, n in zip(tables, context_lens, query_lens):
+        k = kv_cache.gather(k_cache, k_scale, table, int(context_len))
+        v = kv_cache.gather(v_cache, v_scale, table, int(context_len))
+        out.append(attention.prefill(q[start : start + n], k, v, softmax_scale))
+        start += int(n)
+    return np.concatenate(out)
