@@ -247,8 +247,8 @@ def rms_norm(x, weight, eps, out, stream=0):
     """``out = weight * (x / sqrt(mean(x^2) + eps))`` over the last axis (Qwen3RMSNorm); returns ``out``.
 
     ``x``, ``out``: float32 ``[..., n]`` of one shape, C-contiguous (``out`` may be ``x``);
-    ``weight``: float32 ``[n]``; ``eps``: a float (used as float32). The summation order is in the
-    module docstring; a warp per row for ``n <= 256`` (q/k-norm over ``[T * heads, head_dim]``),
+    ``weight``: float32 ``[n]``; ``eps``: a float (used as float32). The summation order is
+    ``fp8lab.simulators.dense.rms_norm``'s; a warp per row for ``n <= 256`` (q/k-norm over ``[T * heads, head_dim]``),
     a CTA per row otherwise (the hidden size).
     """
     (x2, out2), weight, rows, n = _check_norm(x, weight, out)
@@ -315,8 +315,8 @@ def rope(x, positions, cos_sin, out, stream=0):
     ``x``, ``out``: float32 ``[T, heads, head_dim]`` (``head_dim`` even), C-contiguous;
     ``positions``: int32 ``[T]``; ``cos_sin``: float32 ``[max_positions, head_dim]`` from
     ``rope_table``. Dimension ``i < head_dim / 2`` rotates with ``i + head_dim / 2``:
-    ``out_i = x_i cos - x_{i+h} sin``, ``out_{i+h} = x_{i+h} cos + x_i sin`` (fma order in the module
-    docstring). A position outside ``[0, max_positions)`` makes that token's vectors NaN.
+    ``out_i = x_i cos - x_{i+h} sin``, ``out_{i+h} = x_{i+h} cos + x_i sin`` (the fmas of
+    ``fp8lab.simulators.dense.rope``). A position outside ``[0, max_positions)`` makes that token's vectors NaN.
     """
     x, positions, cos_sin, out = (as_kernel_array(n, a) for n, a in
                                   (("x", x), ("positions", positions), ("cos_sin", cos_sin), ("out", out)))
@@ -555,8 +555,8 @@ def bf16_linear(x, w_bits, out, rows_per_warp=None, stream=0):
 
     ``x``: float32 ``[M, K]``; ``w_bits``: BF16 patterns ``[N, K]`` (uint16, or int16), C-contiguous,
     ``K`` a positive multiple of 8 (128-bit weight loads), device data 16-byte aligned; ``out``:
-    float32 ``[M, N]``. The summation order is in the module docstring (bit for bit the same for
-    every ``M``). Rows are computed in tiles of up to 8 sharing each weight load: the decode step
+    float32 ``[M, N]``. The summation order is ``fp8lab.simulators.dense.bf16_linear``'s (bit for bit
+    the same for every ``M``). Rows are computed in tiles of up to 8 sharing each weight load: the decode step
     (``M <= 8``) reads the weights once; a larger ``M`` reads them ``ceil(M / 8)`` times (fine for the
     lm_head of the last tokens; a prefill-sized BF16 GEMM wants a tensor-core kernel).
     ``rows_per_warp`` (1, 2, 4; None: ``default_rows_per_warp``) only changes speed.

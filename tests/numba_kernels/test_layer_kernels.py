@@ -76,7 +76,7 @@ def fresh_rng():
 # ---------------------------------------------------------------------------- rms_norm
 
 
-def rms_norm_model(x, weight, eps):
+def simulated_rms_norm(x, weight, eps):
     """The simulator of the kernel launched for rows of ``x``'s length."""
     return sim.rms_norm(x, weight, eps, layers.rms_norm_threads_per_row(x.shape[-1]))
 
@@ -93,7 +93,7 @@ def rms_norm_bound(x: np.ndarray, weight: np.ndarray, eps: float):
 
 
 def check_rms_norm(x, weight, eps, got):
-    np.testing.assert_array_equal(got.view(np.uint32), rms_norm_model(x, weight, eps).view(np.uint32))
+    np.testing.assert_array_equal(got.view(np.uint32), simulated_rms_norm(x, weight, eps).view(np.uint32))
     exact, bound = rms_norm_bound(x, weight, eps)
     assert np.all(np.abs(got - exact) <= bound)
     # the float32 reference sums with NumPy's pairwise float32 sum (at most n roundings): within both bounds
@@ -109,7 +109,7 @@ of 2 or 3 warps."""
 @pytest.mark.cudasim
 @settings(max_examples=SIMULATOR_EXAMPLES)
 @given(rows=st.integers(1, 5), n=NORM_SIZES, eps=st.sampled_from([1e-6, 1e-5, 0.5]), seed=st.integers(0, 2**32 - 1))
-def test_rms_norm_matches_the_model_bit_for_bit(rows, n, eps, seed):
+def test_rms_norm_matches_the_simulator_bit_for_bit(rows, n, eps, seed):
     rng = np.random.default_rng(seed)
     x = activations(rng, (rows, n))
     weight = activations(rng, (n,), spread=1)
@@ -124,7 +124,7 @@ def test_rms_norm_in_place_and_over_the_last_axis(rng, shape):
     """``out`` may be ``x``; a ``[T, heads, head_dim]`` array is normalized per head vector."""
     x = activations(rng, shape)
     weight = activations(rng, shape[-1:], spread=1)
-    expected = rms_norm_model(x, weight, 1e-6)
+    expected = simulated_rms_norm(x, weight, 1e-6)
     y = x.copy()
     layers.rms_norm(y, weight, 1e-6, y)
     np.testing.assert_array_equal(y.view(np.uint32), expected.view(np.uint32))
@@ -184,7 +184,7 @@ def check_rope(x, positions, table, theta, got):
 
 @pytest.mark.cudasim
 @pytest.mark.parametrize("tokens, heads, head_dim", [(3, 2, 128), (2, 3, 64), (1, 1, 96)])
-def test_rope_matches_the_model_bit_for_bit(rng, tokens, heads, head_dim):
+def test_rope_matches_the_simulator_bit_for_bit(rng, tokens, heads, head_dim):
     theta = 1e6
     table = layers.rope_table(200, head_dim, theta)
     positions = np.concatenate([[199], rng.integers(0, 200, tokens - 1)]).astype(np.int32)
@@ -287,7 +287,7 @@ LINEAR_CASES = [
 
 @pytest.mark.cudasim
 @pytest.mark.parametrize("m, n, k, rows_per_warp", LINEAR_CASES, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-R{c[3]}" for c in LINEAR_CASES])
-def test_bf16_linear_matches_the_model_bit_for_bit(rng, m, n, k, rows_per_warp):
+def test_bf16_linear_matches_the_simulator_bit_for_bit(rng, m, n, k, rows_per_warp):
     x = activations(rng, (m, k), spread=1)
     bits = random_bf16_bits(rng, (n, k))
     out = poisoned((m, n))
@@ -597,7 +597,7 @@ def test_gpu_embedding_of_the_real_table(lm_head):
 @pytest.mark.parametrize("m", [1, 4, 8, 13])
 def test_gpu_bf16_linear_lm_head(lm_head, m):
     """The lm_head at Qwen3-8B size: within the float64 bound everywhere, and bit for bit against the
-    model on 256 random columns (the model emulates every fma: a slice is what fits in seconds)."""
+    simulator on 256 random columns (it emulates every fma: a slice is what fits in seconds)."""
     from numba import cuda
 
     seed, bits, bits_device = lm_head
