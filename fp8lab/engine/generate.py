@@ -44,9 +44,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from fp8lab.reference.dense import NAN_ROW
+
 from .kv_manager import KVCacheExhausted, KVCacheManager, blocks_for
 from .model import CausalLM, make_batch
-from .sampling import NAN_ROW, SamplingParams, sample
+from .sampling import SamplingParams, sample
 
 
 @dataclass

@@ -40,11 +40,12 @@ from typing import Hashable, Protocol, Sequence
 
 import numpy as np
 
+from fp8lab.reference.dense import argmax_rows
+
 from .backend import Backend, ReferenceBackend
 from .config import Qwen3Config
 from .kv_manager import KVCacheManager, LayerKVCache
 from .layout import PROJECTIONS, expected_tensors, is_fp8_projection
-from .sampling import greedy_token_ids
 
 
 class NonFiniteError(RuntimeError):
@@ -108,8 +109,8 @@ class CausalLM(Protocol):
     - ``forward(batch, kv_cache, all_logits=False)``: writes the batch's K/V and returns float32 host logits
       ``[num_seqs, vocab]`` of each sequence's last new token (``[T, vocab]`` with ``all_logits``);
     - ``greedy_tokens(batch, kv_cache)``: the same forward, then int64 ``[num_seqs]`` greedy ids by the rule
-      of ``fp8lab.engine.sampling.greedy_token_ids`` (lowest index among equal maxima; a row holding NaN
-      gives -1), computed where the logits are (on the device for the GPU model).
+      of ``fp8lab.reference.dense.argmax_rows`` (lowest index among equal maxima; a row holding NaN gives
+      ``NAN_ROW``, -1), computed where the logits are (on the device for the GPU model).
     """
 
     config: Qwen3Config
@@ -253,8 +254,8 @@ class Qwen3Model(CausalLM):
         return logits
 
     def greedy_tokens(self, batch: ForwardBatch, kv_cache: list[LayerKVCache]) -> np.ndarray:
-        """``forward``, then each sequence's greedy id on the host (``sampling.greedy_token_ids``)."""
-        return greedy_token_ids(self.forward(batch, kv_cache))
+        """``forward``, then each sequence's greedy id on the host (``fp8lab.reference.dense.argmax_rows``)."""
+        return argmax_rows(self.forward(batch, kv_cache))
 
     def _attention_block(self, layer: DecoderLayer, x: np.ndarray, batch: ForwardBatch, cache: LayerKVCache,
                          index: int):

@@ -28,10 +28,6 @@ Rejected with a ``ValueError`` naming what is wrong: a temperature that is negat
 NaN; logits with a NaN or a ``+inf`` (a broken forward, never something to sample), and a row with
 no finite logit (nothing can be sampled). ``-inf`` is a masked token: probability 0, never greedy's
 choice unless every logit is masked (rejected).
-
-A batch's greedy ids at once (``greedy_token_ids``, what a model's ``greedy_tokens`` answers): the
-same lowest-index rule per row, but a row holding NaN gives ``NAN_ROW`` (-1), no token, as the GPU's
-``layers.argmax_rows`` does; the generator makes that the sequence's error.
 """
 
 from __future__ import annotations
@@ -40,16 +36,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-
-NAN_ROW = -1
-"""The greedy id of a logits row holding NaN: no token (``greedy_token_ids``, ``layers.argmax_rows``)."""
-
-
-def greedy_token_ids(logits: np.ndarray) -> np.ndarray:
-    """int64 ``[rows]``: each row's argmax of ``logits [rows, vocab]``, the lowest index among equal maxima,
-    or ``NAN_ROW`` for a row holding NaN (the rule of the GPU's ``layers.argmax_rows``)."""
-    logits = np.asarray(logits)
-    return np.where(np.isnan(logits).any(axis=1), NAN_ROW, np.argmax(logits, axis=1)).astype(np.int64)
 
 
 @dataclass(frozen=True)

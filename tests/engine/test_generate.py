@@ -22,7 +22,8 @@ from helpers.engine import (
 from fp8lab.engine import cli
 from fp8lab.engine.generate import Generator, collect_stop_token_ids
 from fp8lab.engine.kv_manager import KVCacheExhausted
-from fp8lab.engine.sampling import SamplingParams, greedy_token_ids
+from fp8lab.engine.sampling import SamplingParams
+from fp8lab.reference.dense import argmax_rows
 
 PROMPTS = ["The cat", "A longer prompt, with more bytes in it", "x"]
 
@@ -58,7 +59,7 @@ class ScriptedModel:
         return logits
 
     def greedy_tokens(self, batch, kv_cache):
-        return greedy_token_ids(self.forward(batch, kv_cache))
+        return argmax_rows(self.forward(batch, kv_cache))
 
 
 # ---------------------------------------------------------------------------- stopping

@@ -19,9 +19,10 @@ from helpers.engine import (
 )
 
 from fp8lab.engine.generate import Generator, sampleable_token_ids
-from fp8lab.engine.sampling import SamplingParams, greedy_token_ids
+from fp8lab.engine.sampling import SamplingParams
 from fp8lab.engine.tiny import make_tiny
 from fp8lab.engine.tokenizer import Tokenizer
+from fp8lab.reference.dense import argmax_rows
 
 PROMPTS = ["The cat", "A longer prompt", "x"]
 SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.95)
@@ -59,7 +60,7 @@ class PaddingLovingModel:
         """``greedy_ids`` for every sequence (a device-side greedy path, as CudaQwen3Model's), or the host's."""
         self.greedy_calls += 1
         if self.greedy_ids is None:
-            return greedy_token_ids(self.forward(batch, kv_cache))
+            return argmax_rows(self.forward(batch, kv_cache))
         return np.full(batch.num_seqs, self.greedy_ids, dtype=np.int64)
 
 
@@ -198,7 +199,7 @@ def test_a_nan_greedy_id_from_the_device_is_that_sequences_error():
     with an error naming NaN, never with a token."""
     import types
 
-    from fp8lab.engine.sampling import NAN_ROW
+    from fp8lab.reference.dense import NAN_ROW
 
     gen = Generator.__new__(Generator)
     gen.num_token_ids = 16

@@ -201,6 +201,15 @@ def test_concatenate_rows_of_whole_blocks_keeps_the_scales(rng):
     np.testing.assert_array_equal(codes, np.concatenate([q for q, _ in parts]))
 
 
+def test_concatenate_rows_reblocks_parts_that_are_not_whole_blocks(rng):
+    """Rows 128 + 64 + 64 in blocks of 48 (the GPU tests' micro model): re-blocked to 16 rows per scale."""
+    block = (48, 128)
+    parts = [blockwise.quantize(rng.standard_normal((n, 256)).astype(np.float32), block) for n in (128, 64, 64)]
+    codes, scale_inv, new_block = blockwise.concatenate_rows(parts, block)
+    assert new_block == (16, 128) and scale_inv.shape == (16, 2)
+    want = np.concatenate([blockwise.dequantize(q, s, block) for q, s in parts])
+    np.testing.assert_array_equal(blockwise.dequantize(codes, scale_inv, new_block), want)
+
 def test_reblock_rows_repeats_each_scale_row(rng):
     scale_inv = rng.uniform(0.5, 2, (3, 2)).astype(np.float32)  # 40 rows in blocks of 16: the last is partial
     got = blockwise.reblock_rows(scale_inv, 40, 16, 8)

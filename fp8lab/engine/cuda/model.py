@@ -30,11 +30,11 @@ import numpy as np
 
 from fp8lab.numba_kernels.bits import SIMULATOR
 from fp8lab.numba_kernels.gemv_simt import MAX_ROWS as SIMT_MAX_ROWS
+from fp8lab.reference.dense import argmax_rows
 
 from ..config import Qwen3Config
 from ..kv_manager import KV_CACHE_DTYPES
 from ..model import CausalLM, ForwardBatch, check_tensors
-from ..sampling import greedy_token_ids
 from . import graphs
 from .kv_cache import DeviceKVCache
 from .memory import DeviceMemory, device_copy, new_stream, synchronize, to_host
@@ -123,13 +123,13 @@ class CudaQwen3Model(CausalLM):
         row (``np.argmax``'s rule: the first maximum; a row holding NaN gives -1, no token, which
         ``fp8lab.engine.generate`` turns into that sequence's error). A decode step samples on the device
         (``layers.argmax_rows``, part of the captured graph) and copies 4 bytes per sequence back instead
-        of the logits; a prefill samples the host logits with the same rule (``sampling.greedy_token_ids``)."""
+        of the logits; a prefill samples the host logits with the same rule (``fp8lab.reference.dense.argmax_rows``)."""
         start = time.perf_counter()
         self._check(batch, kv_cache)
         if np.all(batch.query_lens == 1):
             return self._decode_step(batch, kv_cache, start, ids_only=True)
         self.stats.prefill_forwards += 1
-        return greedy_token_ids(self._prefill(batch, kv_cache, False))
+        return argmax_rows(self._prefill(batch, kv_cache, False))
 
     def _check(self, batch: ForwardBatch, cache) -> None:
         batch.check()
