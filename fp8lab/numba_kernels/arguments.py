@@ -2,7 +2,8 @@
 
 One copy of each check the kernels share: ``reject``/``require`` (the error of a bad array), ``require_c_contiguous``,
 ``require_load_alignment`` (device data for 128-bit loads), ``check_block_tables`` (the values of a paged
-cache's block tables), and ``check_gemm`` (the FP8 weight GEMMs' whole call).
+cache's block tables), and ``check_gemm`` (the FP8 weight GEMMs' whole call). No kernel here; each
+kernel's test file checks its bad calls (``tests/numba_kernels/test_*_kernel.py``, ``test_fp8_gemm.py``).
 
 The kernels accept NumPy arrays (copied to the device by Numba; in the CUDA simulator that is the
 normal case), Numba device arrays, and any object with ``__cuda_array_interface__`` (torch, CuPy).

@@ -1,5 +1,8 @@
 """Bit reinterpretation inside kernels, the same calls on a GPU and in the CUDA simulator.
 
+Device functions, no kernel. Checked in ``tests/numba_kernels/test_cudasim.py`` (the F16/BF16/F32
+helpers, exactly) and through the kernels that use them.
+
 Kernels that place E4M3 bits into BF16/F16/F32 patterns need to read an integer as a float
 without conversion. On a GPU these are LLVM ``bitcast`` intrinsics (free: no instruction) and
 ``cvt`` for F16; in the simulator, where kernels are plain Python, they are NumPy views.

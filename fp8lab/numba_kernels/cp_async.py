@@ -1,5 +1,9 @@
 """``cp.async`` (sm_80 and later): global -> shared memory copies that bypass registers.
 
+Device functions, no kernel; in the simulator they land copies as late as the hardware may. Checked
+in ``tests/numba_kernels/test_gemm_mma_kernel.py`` (stale reads shown, the GEMM bit for bit against
+``fp8lab.simulators.gemm_mma``).
+
 A thread issues copies (``copy_16_cg``, ``copy_16_ca``, ``copy_4_ca``), closes the ones issued so
 far into a *group* (``commit_group``), and later waits until at most ``n`` of its most recent
 groups are still in flight (``wait_group(n)``, ``n`` a compile-time constant: one function per

@@ -1,5 +1,9 @@
 """Warp intrinsics for Numba's CUDA simulator, with CUDA's semantics.
 
+Simulator only, no kernel; checked against CUDA's documented semantics in
+``tests/numba_kernels/test_cudasim.py``. ``WARP_SIZE`` and ``FULL_MASK`` are those of
+``fp8lab.numba_kernels.warp`` (one definition for the view).
+
 numba-cuda 0.30's simulator (``NUMBA_ENABLE_CUDASIM=1``) runs every CUDA thread of a block as a
 Python thread but has no warp-level intrinsics. ``install()`` adds them to the simulator's fake
 ``cuda`` module, so a kernel written idiomatically (``cuda.shfl_xor_sync(0xFFFFFFFF, x, 16)``)

@@ -1,5 +1,10 @@
 """Blockwise FP8 dequantize: ``out[n, k] = decode(q[n, k]) * scale_inv[n // BN, k // BK]``.
 
+Computes ``fp8lab.reference.blockwise.dequantize``. Launch: 1-D, ``THREADS_PER_CTA`` threads per CTA, a
+thread per 4 codes in a grid-stride loop (``dequantize_launch_info``). Checked
+(``tests/numba_kernels/test_dequantize_kernel.py``): bit for bit against the oracle (simulator and GPU), the
+placement against ``fp8lab.simulators.bit_placement``.
+
 What it computes: ``fp8lab.reference.blockwise.dequantize`` (one float32 product per element), stored as
 float32, or that float32 value rounded once more to float16 or BF16 (round to nearest, ties to
 even), which is what ``fp8lab.reference.blockwise.dequantize(q, s).astype(float16 / bfloat16)`` gives.

@@ -1,5 +1,9 @@
 """``fp8_gemm``: the one entry point for FP8 blockwise weight GEMMs; it picks a kernel by M.
 
+Computes ``fp8lab.reference.blockwise.gemm``; launches no kernel of its own, only the chosen kernel
+(``gemv_simt`` or ``gemm_mma``, with their launch shapes and simulators). Checked in
+``tests/numba_kernels/test_fp8_gemm.py``.
+
     out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]
 
 Paths (``path=``):

@@ -1,5 +1,10 @@
 """Tensor-core W8A16 GEMM for FP8 (E4M3) blockwise weights: ``mma.m16n8k16`` fed by bit placement.
 
+Computes ``fp8lab.reference.blockwise.gemm``. Launch: grid ``(ceil(N / CTA_N), ceil(M / M_TILE))`` x
+``32 warps_per_cta`` threads, ``stages`` stages of dynamic shared memory (``launch_info``). Checked
+(``tests/numba_kernels/test_gemm_mma_kernel.py``): bit for bit against ``fp8lab.simulators.gemm_mma.gemm_mma``
+in the CUDA simulator for every tiling, against the oracle within its GPU error budget on a GPU.
+
 What it computes (``fp8lab.reference.blockwise.gemm``, float32 accumulation)::
 
     out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]
@@ -75,12 +80,8 @@ bit, for every tiling; on a GPU it is checked against ``fp8lab.reference.blockwi
 error budget stated there (``tests/numba_kernels/test_gemm_mma_kernel.py``). On a GPU the linked ``mma`` helper
 is inlined by link-time optimization (numba-cuda's default when nvJitLink is installed).
 
-Versions: v1: register-staged double buffer, 8-byte loads, 4 warps x n8 per CTA (80 / 110
-registers for ``m_blocks`` 1 / 2). v2 (this): ``cp.async`` ring of ``stages`` buffers, 16-byte
-copies, tiling knobs. CUDA 13.5, sm_90, no spills in any of the 84 tilings; registers for 4-warp
-CTAs 60-68 ``(m_blocks, n8 tiles) = (1, 1)``, 84-90 ``(1, 2)``, 91-96 ``(2, 1)``, 99-121 ``(2, 2)``;
-1- and 2-warp CTAs hoist one 64-bit address per copy out of the K loop and take 73-255
-(``tests/numba_kernels/test_kernels_compile.py`` prints them).
+Register counts of the variants: ``tests/numba_kernels/test_kernels_compile.py`` prints them; dated
+measurements are in ``bench/RESULTS.md``.
 """
 
 from __future__ import annotations

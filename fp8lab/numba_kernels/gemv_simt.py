@@ -1,6 +1,11 @@
 """SIMT decode GEMV for FP8 weights: ``out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]``
 for ``1 <= M <= 16`` rows (the decode step of an LLM: a handful of tokens against a big weight).
 
+Computes ``fp8lab.reference.blockwise.gemm``. Launch: a warp per ``columns_per_warp`` output columns,
+``warps_per_cta`` warps per CTA, grid ``(ceil(N / (warps_per_cta * columns_per_warp)), ceil(M / m_tile))``.
+Checked (``tests/numba_kernels/test_gemv_kernel.py``): bit for bit against ``fp8lab.simulators.gemv_simt``
+(CUDA simulator and GPU), against the oracle by relative error.
+
 What it computes: the W8A16 product of ``fp8lab.reference.blockwise.gemm`` in float32, in exactly the
 order of ``fp8lab.simulators.gemv_simt`` (the schedule, below). Activations are BF16 bits (uint16/int16),
 float16 or float32, widened exactly to float32 on load; the output is float32, float16 or BF16
@@ -49,12 +54,10 @@ nothing and keeps the grid fine-grained, which shortens the last, partial wave. 
 (``default_knobs``) come from an H200 sweep (``bench/gemm_tuning.py``, ``bench/RESULTS.md``);
 ``tuning_candidates`` lists the knob sets worth timing per M.
 
-Instructions per (column, 16-byte chunk) in the loop's SASS (sm_90, BF16 in; the measured first
-version: 127 at M = 1, 404 at M = 8): about 44 decode 16 codes (7 integer operations and 4
-``HADD2.F32`` per 4 codes; byte spreading with ``prmt`` needs as many), 17 ``FFMA`` per row, 16
-widen a row's BF16 activations (``/ NC``), and a few load, address and loop instructions. Here:
-96 (G = 1), 94 (G = 2), 82 (NC = 2), 80 (G = 2, NC = 2), 75 (NC = 4) at M = 1; 359, 289 (NC = 2),
-260 (NC = 4) at M = 8. Considered and left out: activations widened once per CTA into shared
+Where the instructions of the loop go (per column and 16-byte chunk): decoding the 16 codes (integer
+operations and ``HADD2.F32``; byte spreading with ``prmt`` needs as many), one ``FFMA`` per element and
+row, widening a row's BF16 activations (``/ NC``), and a few load, address and loop instructions; the
+SASS counts are in ``bench/RESULTS.md``. Considered and left out: activations widened once per CTA into shared
 memory as float32 (saves the widening too, but doubles the bytes read per activation, needs a
 barrier, and fits 48 KB only for M <= 2; columns per warp save as much for every M), and the
 hardware ``cvt.rn.f16x2.e4m3x2`` decode (two codes per instruction, but NaN codes would become NaN

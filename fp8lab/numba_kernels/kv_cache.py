@@ -1,5 +1,10 @@
 """Paged KV-cache write: new K/V tokens into an FP8 (E4M3 + per-token scales) or float paged cache.
 
+Computes ``fp8lab.reference.kv_cache.write``. Launch: grid ``(num_tokens, num_kv_heads)`` x 64 threads
+(warp 0 writes K, warp 1 V). Checked (``tests/numba_kernels/test_kv_cache_kernel.py``): bit for bit against
+the oracle, in the CUDA simulator and on a GPU (the write is exact float32 arithmetic, so it needs no
+simulator of its own).
+
 What it computes (the contract of ``fp8lab.reference.kv_cache.write``, checked bit for bit in
 ``tests/numba_kernels/test_kv_cache_kernel.py``): for every new token ``t`` and kv head ``h``, the vectors
 ``k[t, h, :]`` and ``v[t, h, :]`` go to slot ``slot_mapping[t] = block * block_size + offset`` of

@@ -1,5 +1,9 @@
 """The tensor-core ``mma.m16n8k16`` (BF16 or F16 in, float32 accumulate) as a device function.
 
+A warp-collective device function, no kernel. Checked (``tests/numba_kernels/test_mma_helper.py``): its
+simulator twin bit for bit against ``fp8lab.simulators.mma``, integer-valued fragments exactly, the
+CUDA source compiled to the ``mma.sync`` instructions.
+
 ``mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)`` and ``mma_f16(...)`` return this lane's four
 float32 results ``(d0, d1, d2, d3)`` of the warp-wide ``D = A @ B + C``. Every lane of the warp must
 call it together (it is ``mma.sync``). Registers hold two 16-bit values each, lower index in the

@@ -1,5 +1,7 @@
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 as device functions that
 // Numba kernels call through cuda.declare_device(..., link=this file).
+// Checked: tests/numba_kernels/test_mma_helper.py (compiles to these instructions; its simulator twin
+// matches fp8lab/simulators/mma.py bit for bit), and on a GPU through tests/numba_kernels/test_gemm_mma_kernel.py.
 //
 // One call is one warp-wide D = A @ B + C on a 16x16 A (row-major fragments), a 16x8 B
 // (column-major fragments) and a 16x8 float32 C/D. Each lane passes its registers:

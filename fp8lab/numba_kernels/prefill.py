@@ -1,7 +1,12 @@
 """Causal prefill attention over a paged FP8 or float KV cache, as decode of every query token.
 
-What it computes (the contract of ``fp8lab.engine.backend.ReferenceBackend.prefill_attention``, which is
-``fp8lab.reference.attention.prefill`` per sequence over ``fp8lab.reference.kv_cache.gather``): ``q`` float32
+Computes ``fp8lab.reference.attention.prefill`` per sequence over ``fp8lab.reference.kv_cache.gather``.
+Launch: the expansion ``(num_query_tokens,)`` x 32 (device index arrays only), then the split-kv
+decode kernels of ``fp8lab.numba_kernels.splitkv`` with one row per query token. Checked
+(``tests/numba_kernels/test_prefill_kernel.py``): bit for bit against ``fp8lab.simulators.splitkv.paged_decode``
+on the expanded rows in the CUDA simulator, against the oracle by an error bound.
+
+What it computes: ``q`` float32
 ``[num_query_tokens, num_heads, head_dim]`` holds the new tokens of every sequence back to back;
 sequence ``s`` has ``context_lens[s]`` tokens in the cache (already written; its new tokens are the
 last ``query_lens[s]`` of them), so its query ``i`` sits at position
@@ -38,8 +43,6 @@ tokens after a prefix of ``P`` reads about ``T * (P + T / 2)`` K and V rows per 
 multiplies on tensor cores. This is SIMT decode work, O(T * L) reads and O(T * L * head_dim) FMAs
 without tensor cores: fine for short prompts and small prefill chunks, and the decode kernels are
 already validated; not a replacement for a tensor-core flash-attention prefill on long prompts.
-
-Versions: 1 (this file): expansion to one decode row per query token, then the split-kv decode.
 """
 
 from __future__ import annotations

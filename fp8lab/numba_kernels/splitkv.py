@@ -1,5 +1,12 @@
 """Split-kv (flash-decoding) paged decode attention over an FP8 or float KV cache, as Numba CUDA kernels.
 
+Computes ``fp8lab.reference.attention.paged_decode``. Launch: ``split_kernel`` grid ``(num_seqs,
+num_heads / H, num_splits)`` x 128 threads, then (``num_splits > 1``) ``combine_kernel`` grid
+``(num_seqs, num_heads)`` x ``head_dim``. Checked (``tests/numba_kernels/test_splitkv_kernel.py``): bit for bit
+against ``fp8lab.simulators.splitkv`` in the CUDA simulator, against the oracle by an error bound on a GPU.
+The launch plan (heads per CTA, the ``"auto"`` split count, shards, lanes and slots) is the simulator's,
+imported from it: the contract fixes it. The arithmetic a CTA does per token is written out here.
+
 What it computes (the contract of ``fp8lab.reference.attention.paged_decode``): for each sequence and query
 head ``h``, softmax attention of the new token's query ``q[seq, h]`` over the sequence's
 ``seq_lens[seq]`` cached tokens, reading kv head ``h // (num_heads // num_kv_heads)`` (GQA), with an
@@ -44,11 +51,10 @@ butterflies, no branch between them), then runs the softmax updates one token at
 order, all heads without a branch. Full groups run without per-token tests; the shard's last group
 runs the same code with guards.
 
-Where the time goes on an H200 (``bench/attention_parts.py``, ``bench/RESULTS.md``): the split
-kernel is bound by instruction issue and latency, not by memory (an FP8 cache, half the bytes,
-times the same as BF16): per token and kv head a lane runs about 280 instructions, 128 of them
-fmas. The next step is tensor cores for the scores and ``P V`` (``mma`` with K and V decoded by bit
-placement), which changes the summation order the simulator fixes.
+Where the time goes (measurements: ``bench/RESULTS.md``, ``bench/attention_parts.py``): the split kernel
+is bound by instruction issue and latency rather than memory. The next step is tensor cores for the
+scores and ``P V`` (``mma`` with K and V decoded by bit placement), which changes the summation order
+the simulator fixes.
 
 Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` of uint8 E4M3 codes with float32 scales
 ``[num_blocks, num_kv_heads, block_size]`` (``fp8lab.reference.kv_cache``; no scales is an error, never a
@@ -56,11 +62,6 @@ fallback), float32, or uint16 BF16 patterns, 16-byte aligned on the device. ``he
 128 or 256. ``q``, ``out``: float32. Variants: one split kernel per (cache format, head_dim, heads per
 CTA), compiled on first use; ``kernel_variants()`` lists the ones ``tests/numba_kernels/test_kernels_compile.py``
 compiles to sm_90 PTX.
-
-Versions: 1 (first session): CTA per query head, 4 warps dealt tokens round-robin, ``head_dim / 32``
-elements per lane, butterfly over 32 lanes. 2 (this one): CTA per GQA head group, slots of
-``head_dim / 16`` lanes with 16 elements each, auto splits up to 8 per query head: 3.7 to 4.7x faster
-at batch 1 (16k: 184 to 39 us).
 """
 
 from __future__ import annotations

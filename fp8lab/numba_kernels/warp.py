@@ -1,5 +1,10 @@
 """Warp-level building blocks shared by the kernels, in both modes (GPU and CUDA simulator).
 
+One definition per view: every kernel file (and ``cudasim``) takes its warp constants and 128-bit load
+from here. Device functions, no kernel; checked through the kernels that use them
+(``tests/numba_kernels/test_gemv_kernel.py``, ``test_splitkv_kernel.py``), ``warp_sum`` against
+``fp8lab.simulators.common.butterfly_sum``.
+
 - ``WARP_SIZE``, ``FULL_MASK``: 32 lanes, all of them taking part in a shuffle;
 - ``load_u32x4(words, index)``: four uint32 words in one 128-bit global load (``ld.global.nc.v4.u32``
   on a GPU; in the simulator a plain read that refuses a misaligned index, as the GPU would fault);

@@ -1,5 +1,9 @@
 """Bit placement: how an FP8 GEMM kernel turns E4M3 weight codes into BF16/F16 tensor-core operands.
 
+Models the decode of ``fp8lab.numba_kernels.dequantize.placed_codes`` (used by the dequantize, SIMT GEMV
+and split-kv kernels) and ``gemm_mma``'s code pairs. Checked (``tests/simulators/test_bit_placement.py``):
+every non-NaN code exactly against ``fp8lab.reference.e4m3.decode`` (NaN codes become a finite 480).
+
 A tensor core multiplies 16-bit floats, so an FP8 weight must become a BF16 or F16 number before
 ``mma``. Decoding ``decode(c)`` properly (branches for subnormals, a table, or a ``cvt``) is slow;
 instead a kernel *places the code's bits* inside a 16-bit pattern with one mask and one shift::

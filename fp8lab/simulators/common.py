@@ -1,5 +1,9 @@
 """What every simulated kernel shares: the warp's width, its butterfly reduction, float32 ``exp2``.
 
+One definition for the view (the kernels' twin is ``fp8lab.numba_kernels.warp``). Checked through the
+simulators that use it (``tests/simulators/test_gemv_simt.py``, ``test_splitkv.py``: ``exp2_f32`` within
+4 ulp of the exact power).
+
 - ``WARP_SIZE``: 32 lanes;
 - ``butterfly_sum(acc)``: ``acc += shfl_xor(acc, off)`` for ``off = 16, 8, 4, 2, 1`` over the last
   (lane) axis, the float32 order of ``fp8lab.numba_kernels.warp.warp_sum``;

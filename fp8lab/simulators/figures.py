@@ -1,5 +1,5 @@
 """Figures of the mma.m16n8k16 fragment layouts and of bit placement, in the manner of NVIDIA CuTe's
-layout pictures: each matrix drawn as a grid, each cell labelled with the lane that holds it and
+layout pictures (no kernel, no oracle; ``tests/simulators/test_mma.py`` checks the tables): each matrix drawn as a grid, each cell labelled with the lane that holds it and
 which of that lane's values it is (``T5 a2``: lane 5, element a2), coloured by lane.
 
 The tables behind the pictures (``layout_table``) are plain NumPy and need nothing else; the

@@ -1,5 +1,8 @@
 """Exact float32 fused multiply-add in NumPy: ``fma_f32(a, b, c) = fl32(a * b + c)``, one rounding.
 
+Models the GPU's ``FFMA``; checked against exact rational arithmetic on random and adversarial cases
+(``tests/simulators/test_gemv_simt.py``, ``test_gemm_mma.py``, ``test_splitkv.py``).
+
 The simulators model kernels whose float32 chains are built from FFMA instructions, and the CUDA
 simulator's ``cuda.fma`` (see ``fp8lab.numba_kernels.cudasim``) uses this too, so both views round alike.
 

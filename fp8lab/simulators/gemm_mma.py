@@ -1,5 +1,9 @@
 """The schedule of fp8lab's tensor-core W8A16 GEMM kernel, as a vectorized NumPy model.
 
+Models ``fp8lab.numba_kernels.gemm_mma`` (grid of m16 x n8 output tiles, 128-wide K chunks) bit for bit.
+Checked (``tests/simulators/test_gemm_mma.py``): against ``fp8lab.reference.blockwise.gemm`` exactly on
+integer-valued data and within the float32 bound below otherwise.
+
 It computes what ``fp8lab.reference.blockwise.gemm`` computes::
 
     out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]

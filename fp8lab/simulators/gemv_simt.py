@@ -1,5 +1,9 @@
 """How the SIMT decode GEMV computes a W8A16 product, modelled in vectorized NumPy.
 
+Models ``fp8lab.numba_kernels.gemv_simt`` (a warp per output column, 16 bytes per lane and step) bit for
+bit. Checked (``tests/simulators/test_gemv_simt.py``): against ``fp8lab.reference.blockwise.gemm`` exactly
+on integer-valued data and within a float32 bound otherwise.
+
 What it computes (the contract of ``fp8lab.reference.blockwise.gemm``, for ``M <= 16`` rows)::
 
     out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]

@@ -1,5 +1,9 @@
 """Warp-level model of the tensor-core instruction ``mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32``.
 
+Models one warp's ``mma`` (``fp8lab.numba_kernels.mma``; its simulator twin is built on this). Checked
+(``tests/simulators/test_mma.py``): fragment maps against ARCHITECTURE.md's table, ``D`` against float64
+``A @ B + C``.
+
 One ``mma`` is a *warp* instruction: 32 lanes together compute ``D = A @ B + C`` for a 16x16
 A (row-major, ``.row``), a 16x8 B (k x n, column-major, ``.col``) and a 16x8 float32 C/D. No lane
 holds a whole matrix; each holds a *fragment*, a few elements at fixed coordinates. With lane

@@ -1,5 +1,11 @@
 """How split-kv flash decoding computes paged decode attention, modelled in vectorized NumPy.
 
+Models ``fp8lab.numba_kernels.splitkv`` (grid ``(num_seqs, num_heads / H, num_splits)`` of 4-warp CTAs,
+then the combine) bit for bit, and writes its launch plan once: ``heads_per_cta``, ``choose_num_splits``,
+``shard_bounds``, ``lanes_per_token``, ``num_slots`` are what the kernel's host side launches with.
+Checked (``tests/simulators/test_splitkv.py``): against ``fp8lab.reference.attention.paged_decode`` within
+a float32 error bound.
+
 What it computes (the contract of ``fp8lab.reference.attention.paged_decode``): for each sequence and
 query head ``h``, softmax attention of the new token's query over the sequence's ``L`` cached
 tokens, reading kv head ``h // (num_heads // num_kv_heads)`` (GQA), with an optional ALiBi bias
