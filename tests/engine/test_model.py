@@ -57,7 +57,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8lab.engine.backend import ReferenceBackend, rope_cos_sin
-from fp8lab.engine.model import NonFiniteError, Qwen3Model
+from fp8lab.engine.model import NonFiniteError, Qwen3Model, make_batch
 from fp8lab.reference import blockwise
 from fp8lab.reference import strategies as fst
 from fp8lab.reference.dense import round_to_bf16
@@ -237,6 +237,17 @@ def test_last_token_logits_are_the_last_rows(model):
     np.testing.assert_allclose(last[0], prefill_logits(model, _tokens(6, 5))[-1], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(last[1], prefill_logits(model, _tokens(7, 8))[-1], rtol=1e-5, atol=1e-5)
 
+
+
+def test_greedy_tokens_are_the_argmax_of_the_last_logits(model):
+    """``CausalLM.greedy_tokens`` on the host: the same forward, then ``argmax_rows`` (lowest index first)."""
+    prompts = [("x", _tokens(8, 4)), ("y", _tokens(9, 6))]
+    logits = Runner(model).step(prompts)
+    runner = Runner(model)
+    for seq, _ in prompts:
+        runner.manager.add_sequence(seq)
+    ids = model.greedy_tokens(make_batch(runner.manager, prompts), runner.cache)
+    assert ids.dtype == np.int64 and ids.tolist() == np.argmax(logits, axis=1).tolist()
 
 # ---------------------------------------------------------------------------- FP8 against BF16
 
