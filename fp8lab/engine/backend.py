@@ -36,9 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fp8lab.reference import attention as ref_attention
-from fp8lab.reference import blockwise
+from fp8lab.reference import blockwise, dense
 from fp8lab.reference import kv_cache as ref_kv
-from fp8lab.reference.dense import round_to_bf16
 
 from .kv_manager import LayerKVCache, allocate_kv_cache
 
@@ -108,19 +107,8 @@ class PreparedLinear:
         return (self.codes if self.is_fp8 else self.weight).shape
 
 
-def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """``cos``, ``sin`` ``[T, head_dim // 2]`` (float32) of the angles ``position * theta^(-2i / head_dim)``.
-
-    The angles are computed in float64 and rounded once; transformers computes them in float32,
-    which differs by about ``position * 2^-24`` radians.
-    """
-    inv_freq = float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
 class ReferenceBackend(Backend):
-    """CPU backend: FP8 math by ``fp8lab/reference/``, dense math in float32 NumPy.
+    """CPU backend: every operator is an oracle of ``fp8lab.reference`` (dense operators: ``reference.dense``, float32).
 
     - ``linear``: W8A16; the FP8 weight is dequantized with ``fp8lab.reference.blockwise.dequantize``
       (``decode(q) * scale_inv`` rounded to float32, once per weight unless
@@ -169,32 +157,22 @@ class ReferenceBackend(Backend):
         w = prepared.weight
         if w is None:
             w = blockwise.dequantize(prepared.codes, prepared.scale_inv, prepared.block)
-        x = x.astype(np.float32, copy=False)
+        x = np.asarray(x, dtype=np.float32)
         if prepared.is_fp8 and self.gemm_input == "bf16":
-            x = round_to_bf16(x)
-        return np.matmul(x, w.T)
+            x = dense.round_to_bf16(x)
+        return dense.linear(x, w)
 
     def embedding(self, table, ids) -> np.ndarray:
-        return np.asarray(table, dtype=np.float32)[np.asarray(ids, dtype=np.int64)]
+        return dense.embedding(table, ids)
 
     def rms_norm(self, x, weight, eps) -> np.ndarray:
-        # Qwen3RMSNorm: normalize in float32, then multiply by the weight
-        x = x.astype(np.float32, copy=False)
-        variance = np.mean(x * x, axis=-1, keepdims=True)
-        return weight * (x / np.sqrt(variance + np.float32(eps)))
+        return dense.rms_norm(x, weight, eps)
 
     def rope(self, x, positions, theta) -> np.ndarray:
-        # NeoX style: dimension i rotates with dimension i + head_dim / 2 (not with i + 1)
-        half = x.shape[-1] // 2
-        cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-        x1, x2 = x[..., :half], x[..., half:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return dense.rope(x, positions, theta)
 
     def silu_mul(self, gate, up) -> np.ndarray:
-        # exp(-gate) overflows to inf for gate < -88 (silu -> -0) and underflows for large gate: both fine
-        with np.errstate(over="ignore", under="ignore"):
-            return gate / (np.float32(1) + np.exp(-gate)) * up
+        return dense.silu_mul(gate, up)
 
     # -- paged KV cache and attention
 
@@ -203,7 +181,7 @@ class ReferenceBackend(Backend):
 
     def write_kv(self, cache: LayerKVCache, k, v, slot_mapping) -> None:
         if cache.kv_cache_dtype == "bf16":
-            k, v = round_to_bf16(k), round_to_bf16(v)
+            k, v = dense.round_to_bf16(k), dense.round_to_bf16(v)
         ref_kv.write(cache.k, cache.k_scale, k, slot_mapping)
         ref_kv.write(cache.v, cache.v_scale, v, slot_mapping)
 

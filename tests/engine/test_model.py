@@ -56,11 +56,11 @@ from helpers.engine import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp8lab.engine.backend import ReferenceBackend, rope_cos_sin
+from fp8lab.engine.backend import ReferenceBackend
 from fp8lab.engine.model import NonFiniteError, Qwen3Model, make_batch
 from fp8lab.reference import blockwise
 from fp8lab.reference import strategies as fst
-from fp8lab.reference.dense import round_to_bf16
+from fp8lab.reference.dense import rope_cos_sin, round_to_bf16
 
 SAME_ORDER_BOUND = 1e-5
 FLIP_BOUND = {"fp32": SAME_ORDER_BOUND, "bf16": 1e-3, "fp8": 1e-2}

@@ -14,12 +14,10 @@ from fp8lab.engine.cuda import plan
 from fp8lab.numba_kernels import arguments
 from fp8lab.numba_kernels.fp8_gemm import SIMT_MAX_M
 from fp8lab.reference.dense import round_to_bf16
+from fp8lab.simulators import dense as sim_dense
 from fp8lab.simulators import gemm_mma as sim_mma
 from fp8lab.simulators import gemv_simt as sim_gemv
-from fp8lab.simulators.fma import fma_f32
 from helpers.engine import quantize_tensors, random_float_tensors, tiny_config
-
-LANES = np.arange(32)
 
 
 def bf16_values(bits) -> np.ndarray:
@@ -48,20 +46,9 @@ def fp8_gemm_twin(a, q, scale_inv, out, block=(128, 128), path="auto", stream=0)
 
 
 def bf16_linear_twin(x, w_bits, out, rows_per_warp=None, stream=0):
-    """``layers.bf16_linear``'s order: lane ``L`` chains ``fma`` over its 8-element chunks ``L, L + 32, ...``,
-    then the butterfly (the model of ``tests/numba_kernels/test_layer_kernels.py``)."""
-    x, w = np.asarray(x, np.float32), bf16_values(w_bits)
-    m, k = x.shape
-    assert k % 8 == 0 and tuple(out.shape) == (m, w.shape[0])
-    acc = np.zeros((m, w.shape[0], 32), np.float32)
-    for step in range(-(-(k // 8) // 32)):
-        for e in range(8):
-            kk = 8 * (32 * step + LANES) + e
-            kc = np.minimum(kk, k - 1)
-            acc = np.where(kk < k, fma_f32(x[:, None, kc], w[None, :, kc], acc), acc)
-    for off in (16, 8, 4, 2, 1):
-        acc = (acc + acc[..., LANES ^ off]).astype(np.float32)
-    out[...] = acc[..., 0]
+    """``layers.bf16_linear`` as ``fp8lab.simulators.dense.bf16_linear`` computes it (bit for bit)."""
+    assert tuple(out.shape) == (np.asarray(x).shape[0], np.asarray(w_bits).shape[0])
+    out[...] = sim_dense.bf16_linear(x, w_bits)
     return out
 
 

@@ -37,7 +37,7 @@ from fp8lab.numba_kernels import layers, splitkv
 from fp8lab.numba_kernels.arguments import K_MULTIPLE
 from fp8lab.numba_kernels.gemm_mma import BLOCK_N_MULTIPLE
 from fp8lab.reference import blockwise
-from fp8lab.reference.dense import round_to_bf16
+from fp8lab.reference.dense import float32_to_bf16_bits
 
 from ..config import Qwen3Config
 from ..layout import is_fp8_projection
@@ -107,11 +107,6 @@ class DeviceWeights:
     layers: list[DeviceLayer]
 
 
-def bf16_patterns(x: np.ndarray) -> np.ndarray:
-    """float32 values as BF16 bit patterns (uint16), rounded to nearest even (exact for BF16 values)."""
-    return (round_to_bf16(np.ascontiguousarray(x, np.float32)).view(np.uint32) >> 16).astype(np.uint16)
-
-
 def fuse_fp8_for_gemm(parts: list[tuple[np.ndarray, np.ndarray]], block: tuple[int, int]):
     """``blockwise.concatenate_rows(parts, block)`` when ``fp8_gemm`` can run the result (its block_n a
     multiple of ``BLOCK_N_MULTIPLE``), else None: the parts then stay separate weights."""
@@ -147,9 +142,9 @@ class _Uploader:
 
     def weights(self) -> DeviceWeights:
         c, mem, tensors = self.config, self.memory, self.tensors
-        embed = mem.upload("model.embed_tokens.weight (BF16)", bf16_patterns(tensors["model.embed_tokens.weight"]))
+        embed = mem.upload("model.embed_tokens.weight (BF16)", float32_to_bf16_bits(tensors["model.embed_tokens.weight"]))
         lm_head = embed if c.tie_word_embeddings else mem.upload("lm_head.weight (BF16)",
-                                                                 bf16_patterns(tensors["lm_head.weight"]))
+                                                                 float32_to_bf16_bits(tensors["lm_head.weight"]))
         rope = mem.upload("RoPE table", layers.rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta))
         return DeviceWeights(embed, lm_head, self.f32("model.norm.weight"), rope,
                              [self.layer(i) for i in range(c.num_hidden_layers)])
@@ -188,7 +183,7 @@ class _Uploader:
             return DeviceLinear("fp8", self.memory.upload(f"{name} (FP8 codes)", codes),
                                 self.memory.upload(f"{name}.weight_scale_inv", scales),
                                 self.config.quantization.weight_block_size)
-        return DeviceLinear("bf16", self.memory.upload(f"{name} (BF16)", bf16_patterns(self.tensors[name + ".weight"])))
+        return DeviceLinear("bf16", self.memory.upload(f"{name} (BF16)", float32_to_bf16_bits(self.tensors[name + ".weight"])))
 
     def group(self, names: list[str]) -> LinearGroup:
         """Projections that read the same input, fused into one weight when their formats agree."""
@@ -205,7 +200,7 @@ class _Uploader:
                 fused = DeviceLinear("fp8", self.memory.upload(f"{what} (FP8 codes)", codes),
                                      self.memory.upload(f"{what} scale_inv", scales), block)
         elif not any(fp8):
-            bits = np.concatenate([bf16_patterns(self.tensors[n + ".weight"]) for n in names])
+            bits = np.concatenate([float32_to_bf16_bits(self.tensors[n + ".weight"]) for n in names])
             fused = DeviceLinear("bf16", self.memory.upload(f"{what} (BF16)", bits))
         if fused is None:  # mixed formats, or blocks that do not fuse: one weight each
             parts = [self.one(n) for n in names]
