@@ -48,6 +48,14 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32, types, uint32
+from numba.np.numpy_support import from_dtype as numba_dtype
+
+from fp8lab.reference.kv_cache import (
+    KV_CACHE_FORMATS,
+    KVCacheFormat,
+    kernel_cache_format,
+    kv_cache_format,
+)
 
 from . import mathops
 from .arguments import as_kernel_array, reject, require_c_contiguous
@@ -63,8 +71,6 @@ THREADS_PER_CTA = 2 * WARP_SIZE
 INPUT_FORMATS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16",
                  np.dtype(np.int16): "bf16"}
 """k/v dtype -> format; 16-bit inputs reach the kernel as uint16 bit patterns (``as_16bit_patterns``)."""
-CACHE_FORMATS = {np.dtype(np.uint8): "fp8", np.dtype(np.float32): "f32", np.dtype(np.uint16): "bf16"}
-"""cache dtype -> format: uint8 = E4M3 codes (needs scales), float32, uint16 = BF16 bit patterns."""
 
 
 # ---------------------------------------------------------------------------- device functions
@@ -128,7 +134,7 @@ def _make_vector_writers(load):
         for d in range(lane, cache.shape[3], WARP_SIZE):
             cache[block, head, offset, d] = mathops.f32_to_bf16_bits_rne(load(x, token, head, d))
 
-    return {"fp8": write_fp8, "f32": write_f32, "bf16": write_bf16}
+    return {"fp8": write_fp8, "fp32": write_f32, "bf16": write_bf16}
 
 
 def cache_write_function(input_format: str, cache_format: str):
@@ -202,21 +208,24 @@ def as_16bit_patterns(x):
     return x.view(np.uint16) if np.dtype(x.dtype) in (np.dtype(np.int16), np.dtype(np.float16)) else x
 
 
-def check_cache(name: str, cache, scales, scales_name: str) -> str:
-    """Check a paged cache and its scales; return its format (``fp8``, ``f32``, ``bf16``).
+def check_cache(name: str, cache, scales, scales_name: str, kv_format=None) -> KVCacheFormat:
+    """Check a paged cache and its scales against ``kv_format``; return the format.
 
-    ``cache``: C-contiguous ``[num_blocks, num_kv_heads, block_size, head_dim]`` of uint8 (E4M3
-    codes), float32 or uint16 (BF16 patterns); an FP8 cache needs float32 ``scales`` of shape
-    ``cache.shape[:3]``, a float cache takes ``scales=None``.
+    ``cache``: C-contiguous ``[num_blocks, num_kv_heads, block_size, head_dim]`` of the format's
+    kernel storage (``fp8lab.reference.kv_cache.KV_CACHE_FORMATS``: uint8 E4M3 codes, uint16 BF16
+    patterns, float32); a scaled format (FP8) needs float32 ``scales`` of shape ``cache.shape[:3]``,
+    the others take ``scales=None``. ``kv_format`` (a format or its name) is what the caller says
+    the cache holds; without it the cache's dtype names the format.
     """
-    fmt = CACHE_FORMATS.get(np.dtype(cache.dtype))
-    if cache.ndim != 4 or fmt is None:
-        reject(name, "[num_blocks, num_kv_heads, block_size, head_dim] of uint8 (E4M3 codes), float32 or "
-                    "uint16 (BF16 patterns)", cache)
+    fmt = kernel_cache_format(cache.dtype) if kv_format is None else kv_cache_format(kv_format)
+    if cache.ndim != 4 or fmt is None or np.dtype(cache.dtype) != fmt.kernel_storage:
+        formats = ", ".join(f"{f.kernel_storage} ({f.name})" for f in KV_CACHE_FORMATS.values())
+        wanted = formats if kv_format is None else f"{fmt.kernel_storage} (kv_format {fmt.name})"
+        reject(name, f"[num_blocks, num_kv_heads, block_size, head_dim] of {wanted}", cache)
     require_c_contiguous(name, cache)
-    if fmt == "fp8":
+    if fmt.scaled:
         if scales is None:
-            raise ValueError(f"{name}: an FP8 cache of codes (uint8) needs its scales, got {scales_name}=None")
+            raise ValueError(f"{name}: an FP8 cache of codes ({fmt.kernel_storage}) needs its scales, got {scales_name}=None")
         if tuple(scales.shape) != tuple(cache.shape[:3]) or np.dtype(scales.dtype) != np.float32:
             reject(scales_name, f"float32 scales of shape {tuple(cache.shape[:3])}", scales)
         require_c_contiguous(scales_name, scales)
@@ -240,7 +249,8 @@ class CacheWrite:
     cache_format: str
 
 
-def check_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, check_slots=True) -> CacheWrite:
+def check_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, check_slots=True,
+                      kv_format=None) -> CacheWrite:
     """Every argument check of ``paged_cache_write``; nothing is launched or modified here.
 
     ``check_slots=False`` skips the check of the slot values, which reads ``slot_mapping`` on the host.
@@ -249,10 +259,10 @@ def check_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scal
     k, v, k_cache, v_cache, slot_mapping = (as_kernel_array(n, x) for n, x in zip(names, (k, v, k_cache, v_cache, slot_mapping)))
     k_scale = None if k_scale is None else as_kernel_array("k_scale", k_scale)
     v_scale = None if v_scale is None else as_kernel_array("v_scale", v_scale)
-    cache_format = check_cache("k_cache", k_cache, k_scale, "k_scale")
+    cache_format = check_cache("k_cache", k_cache, k_scale, "k_scale", kv_format).name
     if np.dtype(v_cache.dtype) != np.dtype(k_cache.dtype) or tuple(v_cache.shape) != tuple(k_cache.shape):
         reject("v_cache", f"the shape {tuple(k_cache.shape)} and dtype {k_cache.dtype} of k_cache", v_cache)
-    check_cache("v_cache", v_cache, v_scale, "v_scale")
+    check_cache("v_cache", v_cache, v_scale, "v_scale", cache_format)
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     if slot_mapping.ndim != 1 or np.dtype(slot_mapping.dtype).kind not in "iu":
         reject("slot_mapping", "a 1-D integer array [num_tokens]", slot_mapping)
@@ -279,8 +289,8 @@ def _check_slot_values(slots: np.ndarray, num_slots: int) -> None:
         raise ValueError("slot_mapping: a slot appears more than once in one write (a token would be lost)")
 
 
-def paged_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, *, stream=0,
-                      check_slots=True) -> None:
+def paged_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, *, kv_format=None,
+                      stream=0, check_slots=True) -> None:
     """Write ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` into the paged caches at ``slot_mapping``, in place.
 
     ``k_cache``, ``v_cache``: ``[num_blocks, num_kv_heads, block_size, head_dim]`` of uint8 (E4M3;
@@ -290,12 +300,14 @@ def paged_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scal
     and back on a GPU), Numba device arrays or ``__cuda_array_interface__`` objects. Raises
     ``ValueError`` before launching on a bad call.
 
+    ``kv_format`` (keyword; a ``fp8lab.reference.kv_cache.KVCacheFormat`` or its name): the format
+    the caches hold, checked against their dtype (the engine passes it; without it the dtype names it).
     ``check_slots=False`` (keyword) skips reading ``slot_mapping`` back to check its values (a
     synchronizing copy for a device array; the way to run inside CUDA-graph capture): the caller
     vouches for them. The kernel still never writes outside the cache, but a repeated slot is then
     a race.
     """
-    w = check_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, check_slots)
+    w = check_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, check_slots, kv_format)
     if w.slot_mapping.shape[0] == 0:
         return
     fp8 = w.cache_format == "fp8"
@@ -315,10 +327,10 @@ def paged_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scal
 def kernel_variants():
     """``(name, python function, numba signature)`` of every cache-write kernel variant (C-contiguous, int32 slots)."""
     element = {"f32": types.float32, "f16": types.uint16, "bf16": types.uint16}
-    cache_element = {"fp8": types.uint8, "f32": types.float32, "bf16": types.uint16}
+    cache_element = {f.name: numba_dtype(f.kernel_storage) for f in KV_CACHE_FORMATS.values()}
     variants = []
     for input_format in ("f32", "f16", "bf16"):
-        for cache_format in ("fp8", "f32", "bf16"):
+        for cache_format in KV_CACHE_FORMATS:
             x = types.Array(element[input_format], 3, "C", readonly=False)
             cache = types.Array(cache_element[cache_format], 4, "C")
             scales = types.Array(types.float32, 3, "C")

@@ -149,15 +149,15 @@ def _is_host(x) -> bool:
     return isinstance(x, np.ndarray)
 
 
-def _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale, v_scale):
+def _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale, v_scale, kv_format):
     """Shapes and dtypes of every array (values are checked by ``_check_values``)."""
     if q.ndim != 3 or np.dtype(q.dtype) != np.float32:
         reject("q", "float32 [num_query_tokens, num_heads, head_dim]", q)
     num_tokens, num_heads, head_dim = q.shape
-    check_cache("k_cache", k_cache, k_scale, "k_scale")
+    kv_format = check_cache("k_cache", k_cache, k_scale, "k_scale", kv_format)
     if np.dtype(v_cache.dtype) != np.dtype(k_cache.dtype) or tuple(v_cache.shape) != tuple(k_cache.shape):
         reject("v_cache", f"the shape {tuple(k_cache.shape)} and dtype {k_cache.dtype} of k_cache", v_cache)
-    check_cache("v_cache", v_cache, v_scale, "v_scale")
+    check_cache("v_cache", v_cache, v_scale, "v_scale", kv_format)
     num_kv_heads, cache_head_dim = k_cache.shape[1], k_cache.shape[3]
     if cache_head_dim != head_dim:
         raise ValueError(f"k_cache: head_dim {cache_head_dim} does not match q's head_dim {head_dim}")
@@ -210,7 +210,7 @@ def _check_rows(rows, num_tokens: int, width: int) -> PrefillRows:
 
 
 def check_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale=None, v_scale=None,
-                  max_context_len=None, rows=None) -> PrefillCall:
+                  max_context_len=None, rows=None, kv_format=None) -> PrefillCall:
     """Every argument check of ``paged_prefill``; nothing is launched here."""
     names = ("q", "k_cache", "v_cache", "block_tables", "context_lens", "query_lens", "out")
     arrays = (q, k_cache, v_cache, block_tables, context_lens, query_lens, out)
@@ -218,7 +218,7 @@ def check_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, o
         as_kernel_array(n, x) for n, x in zip(names, arrays))
     k_scale = None if k_scale is None else as_kernel_array("k_scale", k_scale)
     v_scale = None if v_scale is None else as_kernel_array("v_scale", v_scale)
-    _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale, v_scale)
+    _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale, v_scale, kv_format)
     num_tokens = q.shape[0]
     num_blocks, _, block_size, _ = k_cache.shape
     if rows is not None:
@@ -273,7 +273,7 @@ def expand_rows(call: PrefillCall, stream=0) -> PrefillRows:
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, softmax_scale, out, k_scale=None,
-                  v_scale=None, *, max_context_len=None, rows=None, workspace=None, stream=0):
+                  v_scale=None, *, kv_format=None, max_context_len=None, rows=None, workspace=None, stream=0):
     """Causal prefill attention of ``q`` over a paged cache, into ``out``; returns ``out``.
 
     ``q``: float32 ``[sum(query_lens), num_heads, head_dim]``, the new tokens of every sequence back to
@@ -283,6 +283,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
     ``block_tables``: integer ``[num_seqs, max_blocks_per_seq]``; ``context_lens``, ``query_lens``:
     integer ``[num_seqs]``, ``0 <= query_lens <= context_lens``; ``out``: float32 like ``q``, written
     entirely.
+
+    ``kv_format`` (keyword): the format the caches hold (as ``splitkv.paged_decode``).
 
     ``max_context_len`` (keyword): an upper bound of ``context_lens``. Without it the index arrays are
     checked on the host (device arrays copied back). With it and device index arrays nothing is read
@@ -296,12 +298,13 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
     ``ValueError`` before any launch.
     """
     call = check_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale, v_scale,
-                         max_context_len, rows)
+                         max_context_len, rows, kv_format)
     if call.q.shape[0] == 0:
         return out
     expanded = expand_rows(call, stream)
     paged_decode(call.q, k_cache, v_cache, expanded.block_tables, expanded.seq_lens, softmax_scale, call.out, k_scale,
-                 v_scale, num_splits="auto", workspace=workspace, max_seq_len=call.max_seq_len, stream=stream)
+                 v_scale, num_splits="auto", workspace=workspace, kv_format=kv_format, max_seq_len=call.max_seq_len,
+                 stream=stream)
     return out
 
 

@@ -73,6 +73,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, types, uint32, uint64
 
+from fp8lab.reference.kv_cache import KV_CACHE_FORMATS, kv_cache_format
 from fp8lab.simulators.splitkv import (
     ELEMENTS_PER_LANE,
     MAX_HEADS_PER_CTA,
@@ -106,8 +107,7 @@ LOG2E_F32 = float32(LOG2E)
 """``log2(e)`` rounded once to float32: ALiBi slopes are scaled by it (``slope2 = slope * LOG2E_F32``)."""
 KV_REGISTER_BUDGET = 32
 """Registers of K and V words a lane may hold in flight (one word per register): sets ``tokens_in_flight``."""
-CACHE_ELEMENT_BITS = {"fp8": 8, "bf16": 16, "f32": 32}
-VALUE_UNIT = {"fp8": 256.0, "bf16": 1.0, "f32": 1.0}
+VALUE_UNIT = {"fp8": 256.0, "bf16": 1.0, "fp32": 1.0}
 """The decoded cache values are ``value / VALUE_UNIT`` (FP8 codes by F16 bit placement give ``decode(c) * 2^-8``);
 the query and the V weights are multiplied by it instead, which is exact (see ``split_kernel_function``)."""
 
@@ -156,7 +156,7 @@ class LaneLayout:
 
 def lane_layout(cache_format: str, head_dim: int, tokens_in_flight: int | None = None) -> LaneLayout:
     """The ``LaneLayout`` of a cache format (``fp8``, ``bf16``, ``f32``) and a head size in ``HEAD_DIMS``."""
-    words = ELEMENTS_PER_LANE * CACHE_ELEMENT_BITS[cache_format] // 32
+    words = ELEMENTS_PER_LANE * kv_cache_format(cache_format).kernel_storage.itemsize // 4
     if tokens_in_flight is None:
         tokens_in_flight = max(1, KV_REGISTER_BUDGET // (2 * words))
     return LaneLayout(cache_format, head_dim, words, int(tokens_in_flight))
@@ -189,7 +189,7 @@ def f32_values(words, first, values):
         values[w] = u32_as_f32(words[first + w])
 
 
-VALUE_DECODERS = {"fp8": fp8_values, "bf16": bf16_values, "f32": f32_values}
+VALUE_DECODERS = {"fp8": fp8_values, "bf16": bf16_values, "fp32": f32_values}
 
 
 # ---------------------------------------------------------------------------- device functions of the schedule
@@ -571,7 +571,7 @@ class DecodeCall:
 
 
 def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
-                 alibi_slopes=None, num_splits="auto", workspace=None, max_seq_len=None) -> DecodeCall:
+                 alibi_slopes=None, num_splits="auto", workspace=None, max_seq_len=None, kv_format=None) -> DecodeCall:
     """Every argument check of ``paged_decode``; nothing is launched here."""
     names = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "out")
     q, k_cache, v_cache, block_tables, seq_lens, out = (
@@ -583,10 +583,10 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     if q.ndim != 3 or np.dtype(q.dtype) != np.float32:
         reject("q", "float32 [num_seqs, num_heads, head_dim]", q)
     num_seqs, num_heads, head_dim = q.shape
-    cache_format = check_cache("k_cache", k_cache, k_scale, "k_scale")
+    cache_format = check_cache("k_cache", k_cache, k_scale, "k_scale", kv_format).name
     if np.dtype(v_cache.dtype) != np.dtype(k_cache.dtype) or tuple(v_cache.shape) != tuple(k_cache.shape):
         reject("v_cache", f"the shape {tuple(k_cache.shape)} and dtype {k_cache.dtype} of k_cache", v_cache)
-    check_cache("v_cache", v_cache, v_scale, "v_scale")
+    check_cache("v_cache", v_cache, v_scale, "v_scale", cache_format)
     num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
         raise ValueError(f"k_cache: head_dim {cache_head_dim} does not match q's head_dim {head_dim}")
@@ -657,7 +657,7 @@ def _as_int32(x):
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
-                 alibi_slopes=None, num_splits="auto", workspace=None, *, max_seq_len=None, stream=0,
+                 alibi_slopes=None, num_splits="auto", workspace=None, *, kv_format=None, max_seq_len=None, stream=0,
                  tokens_in_flight=None):
     """Decode attention of one query token per sequence over a paged cache, into ``out``; returns ``out``.
 
@@ -673,6 +673,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     (``choose_num_splits`` with this GPU's SM count; at most 8 per query head). ``workspace``: see
     ``decode_workspace``; allocated per call when None and ``num_splits > 1``.
 
+    ``kv_format`` (keyword; a ``fp8lab.reference.kv_cache.KVCacheFormat`` or its name): the format
+    the caches hold, checked against their dtype (without it the dtype names it).
+
     ``max_seq_len`` (keyword): an upper bound of ``seq_lens``. Without it the values of
     ``seq_lens`` and ``block_tables`` are checked on the host (device arrays are copied, a
     synchronizing copy). With it and device index arrays nothing is read back: only the block
@@ -683,7 +686,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     ``__cuda_array_interface__`` objects. Every bad argument is a ``ValueError`` before any launch.
     """
     call = check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale, v_scale,
-                        alibi_slopes, num_splits, workspace, max_seq_len)
+                        alibi_slopes, num_splits, workspace, max_seq_len, kv_format)
     num_seqs, num_heads, head_dim = call.q.shape
     if num_seqs == 0 or num_heads == 0:
         return out
@@ -722,7 +725,7 @@ def kernel_variants():
         types.Array(f32, 3, "C"), words, words, types.Array(f32, 1, "C"), types.Array(f32, 1, "C"),
         types.Array(types.int32, 2, "C"), types.Array(types.int32, 1, "C"), types.Array(f32, 1, "C"), types.int64,
         f32, types.int64, types.int64, types.int64, types.Array(f32, 4, "C"), types.Array(f32, 3, "C"))
-    shapes = [(fmt, head_dim, MAX_HEADS_PER_CTA) for fmt in ("fp8", "bf16", "f32") for head_dim in HEAD_DIMS]
+    shapes = [(fmt, head_dim, MAX_HEADS_PER_CTA) for fmt in KV_CACHE_FORMATS for head_dim in HEAD_DIMS]
     shapes += [("fp8", 128, heads) for heads in range(1, MAX_HEADS_PER_CTA)]
     variants = [(f"split[{fmt}, head_dim={head_dim}, heads={heads}]", split_kernel_function(fmt, head_dim, heads),
                  signature) for fmt, head_dim, heads in shapes]

@@ -22,6 +22,8 @@ infinity, as any cast does).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from . import e4m3
@@ -34,6 +36,57 @@ from .checks import (
     require_ndim,
     require_shape,
 )
+
+
+@dataclass(frozen=True)
+class KVCacheFormat:
+    """How a KV cache stores one element of K and V.
+
+    ``name``: the command line's spelling (``--kv-cache-dtype``); ``kernel_storage``: the dtype of
+    an element in a kernel's cache; ``numpy_storage``: the dtype of an element in a NumPy cache;
+    ``scaled``: a float32 scale per (token, kv head) beside the elements, whose product with the
+    decoded elements is the value; ``summary``: one line for messages and tables.
+    """
+
+    name: str
+    kernel_storage: np.dtype
+    numpy_storage: np.dtype
+    scaled: bool
+    summary: str
+
+    def vector_bytes(self, head_dim: int, numpy: bool = False) -> int:
+        """Bytes one (token, kv head) vector of ``head_dim`` elements takes, its scale included."""
+        storage = self.numpy_storage if numpy else self.kernel_storage
+        return int(head_dim) * storage.itemsize + (np.dtype(np.float32).itemsize if self.scaled else 0)
+
+
+FP8_E4M3 = KVCacheFormat("fp8", np.dtype(np.uint8), np.dtype(np.uint8), True,
+                         "E4M3 codes, one float32 scale per (token, kv head)")
+BF16 = KVCacheFormat("bf16", np.dtype(np.uint16), np.dtype(np.float32), False,
+                     "BF16, rounded to nearest even (NumPy caches: BF16 values in float32)")
+FP32 = KVCacheFormat("fp32", np.dtype(np.float32), np.dtype(np.float32), False, "float32")
+KV_CACHE_FORMATS = {f.name: f for f in (FP8_E4M3, BF16, FP32)}
+"""Every format by name, in the command line's order of preference."""
+
+
+def kv_cache_format(name) -> KVCacheFormat:
+    """The format named ``name`` (a ``KVCacheFormat`` is returned as it is); ``ValueError`` otherwise."""
+    if isinstance(name, KVCacheFormat):
+        return name
+    if name not in KV_CACHE_FORMATS:
+        raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_FORMATS)}, got {name!r}")
+    return KV_CACHE_FORMATS[name]
+
+
+def kernel_cache_format(dtype) -> KVCacheFormat | None:
+    """The format whose kernel cache stores elements of ``dtype`` (None: no format does).
+
+    Each format has its own kernel storage dtype, so the dtype of a kernel's cache identifies it;
+    a format that shared one with another would have to be passed explicitly (``kv_format=``).
+    """
+    matches = [f for f in KV_CACHE_FORMATS.values() if f.kernel_storage == np.dtype(dtype)]
+    assert len(matches) <= 1, f"formats {[f.name for f in matches]} share the kernel storage {np.dtype(dtype)}"
+    return matches[0] if matches else None
 
 
 def quantize_kv(x) -> tuple[np.ndarray, np.ndarray]:
@@ -61,8 +114,8 @@ def dequantize_kv(codes, scales) -> np.ndarray:
 
 
 def is_fp8(cache) -> bool:
-    """True for a cache of E4M3 codes (uint8), False for a float cache."""
-    return np.asarray(cache).dtype == np.uint8
+    """True for a cache of E4M3 codes (``FP8_E4M3``'s storage, uint8), False for a float cache."""
+    return np.asarray(cache).dtype == FP8_E4M3.numpy_storage
 
 
 def check_cache(cache, scales, name: str = "cache") -> None:

@@ -188,7 +188,7 @@ def test_bf16_device_path_reads_nothing_back(rng, monkeypatch):
 def test_f32_cache_and_host_rows_workspace(rng):
     """A float32 cache, one block per sequence (1 split); the rows workspace is filled on the host path too."""
     b = make_batch(rng, context_lens=[2, 3], query_lens=[1, 1], num_heads=2, num_kv_heads=1, head_dim=32,
-                   block_size=4, cache="f32")
+                   block_size=4, cache="fp32")
     rows = kernels.prefill_rows_workspace(2, b.block_tables.shape[1])
     got = run_prefill(b, rows=rows)
     np.testing.assert_array_equal(rows.seq_lens, [2, 3])

@@ -43,7 +43,7 @@ SIMULATOR_EXAMPLES = max(3, settings().max_examples // 10)
 def make_data(rng, lens, num_heads=2, num_kv_heads=1, head_dim=32, block_size=4, cache="fp8", spare_blocks=2):
     """A paged batch with permuted block tables (padded with -1) and NaN-poisoned unused slots.
 
-    ``cache``: ``"fp8"`` (codes + scales), ``"f32"``, or ``"bf16"`` (the f32 data rounded to BF16 patterns).
+    ``cache``: ``"fp8"`` (codes + scales), ``"fp32"``, or ``"bf16"`` (the float32 data rounded to BF16 patterns).
     """
     lens = np.asarray(lens, np.int32)
     blocks = -(-lens // block_size)
@@ -109,7 +109,7 @@ def test_shard_range_is_the_plans_shard_bounds(seq_len, num_splits, block_size):
 
 def test_lane_layouts():
     for head_dim in kernels.HEAD_DIMS:
-        for cache, bits in (("fp8", 8), ("bf16", 16), ("f32", 32)):
+        for cache, bits in (("fp8", 8), ("bf16", 16), ("fp32", 32)):
             layout = kernels.lane_layout(cache, head_dim)
             assert layout.words * 32 == sk.ELEMENTS_PER_LANE * bits  # 16 elements per lane
             assert layout.loads * kernels.WORDS_PER_LOAD == layout.words
@@ -132,7 +132,7 @@ def test_every_split_count_is_bit_exact(rng, num_splits):
 @pytest.mark.cudasim
 @pytest.mark.parametrize("cache, alibi, head_dim, num_splits", [
     ("fp8", True, 64, 3), ("fp8", False, 32, 2), ("bf16", True, 32, 2), ("bf16", False, 64, 1),
-    ("f32", True, 32, 1), ("f32", False, 64, 3)])
+    ("fp32", True, 32, 1), ("fp32", False, 64, 3)])
 def test_caches_gqa_and_alibi_are_bit_exact(rng, cache, alibi, head_dim, num_splits):
     data = make_data(rng, [0, 1, 11], num_heads=2, num_kv_heads=1, head_dim=head_dim, cache=cache)
     slopes = random_slopes(rng, 2) if alibi else None
@@ -142,7 +142,7 @@ def test_caches_gqa_and_alibi_are_bit_exact(rng, cache, alibi, head_dim, num_spl
 
 @pytest.mark.cudasim
 @pytest.mark.parametrize("cache, head_dim, block_size, length", [("fp8", 32, 2, 340), ("bf16", 64, 16, 150),
-                                                                ("f32", 128, 16, 45)])
+                                                                ("fp32", 128, 16, 45)])
 def test_full_groups_of_tokens_in_flight_are_bit_exact(rng, cache, head_dim, block_size, length):
     """Shards long enough for several groups of U tokens per slot and a partial last one: FP8 at head_dim
     32 has 64 slots and U = 4 (340 tokens: 5 or 6 per slot), BF16 at 64 has 32 slots and U = 2, float32

@@ -90,3 +90,18 @@ def test_bad_input_names_the_problem(rng):
         kv_cache.gather(cache, scales, [0, 9], 10)
     with pytest.raises(ValueError, match="codes: expected E4M3 codes"):
         kv_cache.dequantize_kv(np.zeros((2, 4), np.float32), np.ones(2, np.float32))
+
+
+def test_the_formats_are_one_registry_each_storage_naming_one_format():
+    formats = kv_cache.KV_CACHE_FORMATS
+    assert list(formats) == ["fp8", "bf16", "fp32"]
+    assert len({f.kernel_storage for f in formats.values()}) == len(formats)  # a kernel cache's dtype names its format
+    for name, fmt in formats.items():
+        assert kv_cache.kv_cache_format(name) is fmt and kv_cache.kv_cache_format(fmt) is fmt
+        assert kv_cache.kernel_cache_format(fmt.kernel_storage) is fmt
+    assert kv_cache.kernel_cache_format(np.float16) is None
+    assert [f.scaled for f in formats.values()] == [True, False, False]
+    assert kv_cache.FP8_E4M3.vector_bytes(128) == 128 + 4 and kv_cache.BF16.vector_bytes(128) == 256
+    assert kv_cache.BF16.vector_bytes(128, numpy=True) == 512  # NumPy has no bfloat16: BF16 values in float32
+    with pytest.raises(ValueError, match="kv_cache_dtype: expected one of fp8, bf16, fp32, got 'fp16'"):
+        kv_cache.kv_cache_format("fp16")
