@@ -71,7 +71,7 @@ class Backend(ABC):
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray: ...
 
     @abstractmethod
-    def allocate_kv_cache(self, num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_cache_dtype): ...
+    def allocate_kv_cache(self, num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_format): ...
 
     @abstractmethod
     def write_kv(self, cache: LayerKVCache, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray) -> None: ...
@@ -176,11 +176,11 @@ class ReferenceBackend(Backend):
 
     # -- paged KV cache and attention
 
-    def allocate_kv_cache(self, num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_cache_dtype):
-        return allocate_kv_cache(num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_cache_dtype)
+    def allocate_kv_cache(self, num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_format):
+        return allocate_kv_cache(num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_format)
 
     def write_kv(self, cache: LayerKVCache, k, v, slot_mapping) -> None:
-        if cache.kv_cache_dtype == "bf16":
+        if cache.kv_format is ref_kv.BF16:  # a NumPy BF16 cache holds BF16 values in float32
             k, v = dense.round_to_bf16(k), dense.round_to_bf16(v)
         ref_kv.write(cache.k, cache.k_scale, k, slot_mapping)
         ref_kv.write(cache.v, cache.v_scale, v, slot_mapping)

@@ -58,13 +58,15 @@ from typing import Iterable, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from fp8lab.reference.kv_cache import KV_CACHE_FORMATS
+
 from .backend import GEMM_INPUTS
 from .kv_manager import KVCacheManager, blocks_for
 from .loading import load_model
 from .model import make_batch
 
 WEIGHTS = ("bf16", "fp8")
-KV_CACHE_DTYPES = ("bf16", "fp8", "fp32")
+KV_CACHE_DTYPES = tuple(KV_CACHE_FORMATS)
 BACKENDS = ("reference", "cuda", "cudasim")
 F32_GEMM_ROWS = 16
 """Most rows a GPU FP8 GEMM takes in float32 (``fp8lab.numba_kernels.gemv_simt.MAX_ROWS``; not imported here,

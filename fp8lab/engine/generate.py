@@ -45,6 +45,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from fp8lab.reference.dense import NAN_ROW
+from fp8lab.reference.kv_cache import kv_cache_format
 
 from .kv_manager import KVCacheExhausted, KVCacheManager, blocks_for
 from .model import CausalLM, make_batch
@@ -148,6 +149,7 @@ def _default_stream_decoder(tokenizer):
 class Generator:
     """Generates text with a model (``fp8lab.engine.model.CausalLM``) over a paged KV cache of its own.
 
+    ``kv_format``: the KV cache's format (a ``fp8lab.reference.kv_cache.KVCacheFormat`` or its name).
     ``num_blocks=None`` sizes the cache for every request of a ``generate`` call at once.
     ``prefill_chunk_size`` splits long prompts into chunks (None: one chunk).
     ``stream_decoder(tokenizer)`` makes the per-sequence streaming decoder (default:
@@ -159,7 +161,7 @@ class Generator:
         model: CausalLM,
         tokenizer=None,
         *,
-        kv_cache_dtype: str = "fp8",
+        kv_format="fp8",
         block_size: int = 16,
         num_blocks: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
@@ -168,7 +170,7 @@ class Generator:
     ):
         self.model = model
         self.tokenizer = tokenizer
-        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_format = kv_cache_format(kv_format)
         if int(block_size) <= 0 or (num_blocks is not None and int(num_blocks) <= 0):
             raise ValueError(f"block_size ({block_size}) and num_blocks ({num_blocks}) must be positive")
         self.block_size = int(block_size)
@@ -207,7 +209,7 @@ class Generator:
                                        f"{s.max_new_tokens} new - 1 = {s.max_cached_tokens} tokens in blocks "
                                        f"of {self.block_size}; the whole cache has {num_blocks} blocks")
         manager = KVCacheManager(num_blocks, self.block_size)
-        cache = self.model.allocate_kv_cache(num_blocks, self.block_size, self.kv_cache_dtype)
+        cache = self.model.allocate_kv_cache(num_blocks, self.block_size, self.kv_format)
         stats = GenerationStats()
         results: list[GenerationResult | None] = [None] * len(seqs)
         waiting, running = deque(seqs), []

@@ -38,12 +38,25 @@ import argparse
 import sys
 from pathlib import Path
 
+from fp8lab.reference.kv_cache import BF16, FP8_E4M3
+
 from .kv_manager import KVCacheExhausted
 from .loading import BACKEND_CHOICES, SIMULATOR_HELP
 
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.5
 """Share of the available memory the KV cache may take by default; the rest is headroom (``vLLM``'s
 ``--gpu-memory-utilization`` is the same idea, as a share of the whole GPU)."""
+
+
+GENERATE_KV_FORMATS = {f.name: f for f in (FP8_E4M3, BF16)}
+"""The KV cache formats ``--kv-cache-dtype`` offers (``fp32`` is for tests and ``fp8lab eval``)."""
+
+
+def _kv_format(text: str):
+    """``--kv-cache-dtype``'s value as its ``KVCacheFormat``, the one value that travels to the kernels."""
+    if text not in GENERATE_KV_FORMATS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(GENERATE_KV_FORMATS)}, got {text!r}")
+    return GENERATE_KV_FORMATS[text]
 
 
 def register(subparsers) -> None:
@@ -63,7 +76,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                    help="tokens to generate per prompt (default 64; clamped, with a note, to what the model's "
                    "max_position_embeddings leave after the prompt)")
-    p.add_argument("--kv-cache-dtype", choices=["fp8", "bf16"], default="fp8",
+    p.add_argument("--kv-cache-dtype", dest="kv_format", type=_kv_format, default=FP8_E4M3, metavar="{fp8,bf16}",
                    help="KV cache storage: fp8 (E4M3 + one scale per token and kv head) or bf16 (default fp8)")
     p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                    help="cuda: the numba_kernels on an NVIDIA GPU; reference: NumPy on the CPU; " + SIMULATOR_HELP +
@@ -203,8 +216,7 @@ def _cache_blocks(args: argparse.Namespace, config, backend: str, request_blocks
     available, where = kv_cache_memory_available(backend)
     if available is None:
         return args.num_blocks or worst_case
-    block_bytes = kv_block_bytes(config, args.block_size, args.kv_cache_dtype,
-                                 bf16_in_float32=backend == "reference")
+    block_bytes = kv_block_bytes(config, args.block_size, args.kv_format, numpy=backend == "reference")
     fraction = args.kv_cache_memory_fraction
     budget = blocks_in_budget(available, fraction, block_bytes)
     budget_text = (f"the KV cache budget (--kv-cache-memory-fraction {fraction} of {_size(available)} of {where}) "
@@ -217,7 +229,7 @@ def _cache_blocks(args: argparse.Namespace, config, backend: str, request_blocks
     largest = max(request_blocks)
     if largest > budget:
         i = request_blocks.index(largest)
-        fp8_hint = "" if args.kv_cache_dtype == "fp8" else ", use --kv-cache-dtype fp8"
+        fp8_hint = "" if args.kv_format is FP8_E4M3 else ", use --kv-cache-dtype fp8"
         raise ValueError(f"KV cache exhausted: request {i} alone needs {largest:,} blocks "
                          f"({_size(largest * block_bytes)}), but {budget_text}; lower --max-new-tokens, shorten the prompt{fp8_hint} or raise "
                          "--kv-cache-memory-fraction")
@@ -267,7 +279,7 @@ def _run(args: argparse.Namespace) -> int:
     request_blocks = [blocks_for(len(ids) + n - 1, args.block_size) for ids, n in zip(prompt_ids, new_tokens)]
     generator = Generator(
         model, tokenizer,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_format=args.kv_format,
         block_size=args.block_size,
         num_blocks=_cache_blocks(args, config, backend, request_blocks),
         stop_token_ids=collect_stop_token_ids(tokenizer, checkpoint.generation_config, config),
@@ -281,7 +293,7 @@ def _run(args: argparse.Namespace) -> int:
         on_finish = lambda r: print(f"=== [{r.index}] ({r.finish_reason}) ===\n{r.text}", flush=True)  # noqa: E731
     out = generator.generate(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
                              seed=args.seed, on_text=on_text, on_finish=on_finish)
-    print(f"{len(prompts)} sequence(s), backend {backend}, kv cache {args.kv_cache_dtype}; {out.stats.summary()}",
+    print(f"{len(prompts)} sequence(s), backend {backend}, kv cache {args.kv_format.name}; {out.stats.summary()}",
           file=sys.stderr)
     # a sequence that failed (e.g. NaN logits) finished alone; the others' text is printed above
     failed = [r for r in out.results if r.finish_reason == "error"]

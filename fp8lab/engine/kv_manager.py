@@ -15,7 +15,8 @@ bookkeeping stays plain Python:
       k, v            [num_blocks, num_kv_heads, block_size, head_dim]
       k_scale, v_scale [num_blocks, num_kv_heads, block_size]          (fp8 only)
 
-Cache dtypes (``kv_cache_dtype``):
+Cache formats (``kv_format``: a ``fp8lab.reference.kv_cache.KVCacheFormat`` or its name, the
+command line's ``--kv-cache-dtype``):
 
 - ``"fp8"``: uint8 E4M3 codes with one float32 scale per (token, kv head), the numerics
   contract's FP8 KV cache. A cache of codes without scales is an error.
@@ -43,8 +44,6 @@ import numpy as np
 
 from fp8lab.reference import kv_cache as ref_kv
 
-KV_CACHE_DTYPES = ("fp8", "bf16", "fp32")
-
 
 class KVCacheExhausted(RuntimeError):
     """Not enough free KV cache blocks; raised before any state changes."""
@@ -62,21 +61,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 # ---------------------------------------------------------------------------- memory
 
-VALUE_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
-"""Bytes of one cached K or V element per ``kv_cache_dtype``. FP8 adds one float32 scale per (token, kv head)."""
-
-
-def kv_block_bytes(config, block_size: int, kv_cache_dtype: str, *, bf16_in_float32: bool = False) -> int:
+def kv_block_bytes(config, block_size: int, kv_format, *, numpy: bool = False) -> int:
     """Bytes of one KV cache block over all layers of ``config``: K and V, plus their scales for FP8.
 
-    ``bf16_in_float32``: the NumPy cache (``allocate_kv_cache``) keeps BF16 values in float32 arrays, so
-    a BF16 element costs 4 bytes there; the GPU cache stores 2-byte BF16 patterns.
+    ``numpy``: the size in the NumPy cache (``allocate_kv_cache``), which keeps BF16 values in
+    float32 arrays (4 bytes an element); a kernel's cache stores 2-byte BF16 patterns.
     """
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    value = 4 if (bf16_in_float32 and kv_cache_dtype == "bf16") else VALUE_BYTES[kv_cache_dtype]
-    scale = 4 if kv_cache_dtype == "fp8" else 0
-    per_token_and_head = 2 * (config.head_dim * value + scale)  # 2: K and V
+    fmt = ref_kv.kv_cache_format(kv_format)
+    per_token_and_head = 2 * fmt.vector_bytes(config.head_dim, numpy=numpy)  # 2: K and V
     return config.num_hidden_layers * config.num_key_value_heads * int(block_size) * per_token_and_head
 
 
@@ -279,17 +271,17 @@ class LayerKVCache:
     v: np.ndarray
     k_scale: np.ndarray | None
     v_scale: np.ndarray | None
-    kv_cache_dtype: str
+    kv_format: ref_kv.KVCacheFormat
 
     def __post_init__(self):
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        fp8 = self.kv_cache_dtype == "fp8"
+        self.kv_format = ref_kv.kv_cache_format(self.kv_format)
+        storage = self.kv_format.numpy_storage
         for name, cache, scales in (("k", self.k, self.k_scale), ("v", self.v, self.v_scale)):
             # check_cache rejects codes without scales and scales beside a float cache
             ref_kv.check_cache(cache, scales, f"{name} cache")
-            if ref_kv.is_fp8(cache) != fp8:
-                raise ValueError(f"{name} cache: dtype {cache.dtype} does not hold kv_cache_dtype {self.kv_cache_dtype!r}")
+            if cache.dtype != storage:
+                raise ValueError(f"{name} cache: holds {cache.dtype}, but kv_format {self.kv_format.name} is stored "
+                                 f"as {storage} in NumPy")
         if self.k.shape != self.v.shape:
             raise ValueError(f"k and v caches differ in shape: {self.k.shape} vs {self.v.shape}")
 
@@ -299,19 +291,20 @@ class LayerKVCache:
 
 
 def allocate_kv_cache(
-    num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, kv_cache_dtype: str
+    num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, kv_format
 ) -> list[LayerKVCache]:
     """One ``LayerKVCache`` per layer on the CPU, poisoned (NaN values, NaN codes and NaN scales)
-    so that reading a slot that was never written gives NaN instead of a plausible stale number."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    so that reading a slot that was never written gives NaN instead of a plausible stale number.
+    ``kv_format``: a ``KVCacheFormat`` or its name."""
+    fmt = ref_kv.kv_cache_format(kv_format)
     shape = (int(num_blocks), int(num_kv_heads), int(block_size), int(head_dim))
     layers = []
     for _ in range(num_layers):
-        if kv_cache_dtype == "fp8":
-            k, v = np.full(shape, 0x7F, np.uint8), np.full(shape, 0x7F, np.uint8)  # 0x7F: the NaN code
+        if fmt.scaled:  # E4M3 codes: 0x7F is the NaN code
+            k, v = np.full(shape, 0x7F, fmt.numpy_storage), np.full(shape, 0x7F, fmt.numpy_storage)
             ks, vs = np.full(shape[:3], np.nan, np.float32), np.full(shape[:3], np.nan, np.float32)
         else:
-            k, v, ks, vs = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32), None, None
-        layers.append(LayerKVCache(k, v, ks, vs, kv_cache_dtype))
+            k, v = np.full(shape, np.nan, fmt.numpy_storage), np.full(shape, np.nan, fmt.numpy_storage)
+            ks = vs = None
+        layers.append(LayerKVCache(k, v, ks, vs, fmt))
     return layers

@@ -104,7 +104,7 @@ class ForwardBatch:
 class CausalLM(Protocol):
     """A Qwen3 causal LM over a paged KV cache, as ``fp8lab.engine.generate.Generator`` drives it.
 
-    - ``allocate_kv_cache(num_blocks, block_size, kv_cache_dtype)``: a cache of its own kind (one entry per
+    - ``allocate_kv_cache(num_blocks, block_size, kv_format)``: a cache of its own kind (one entry per
       layer), poisoned with NaN;
     - ``forward(batch, kv_cache, all_logits=False)``: writes the batch's K/V and returns float32 host logits
       ``[num_seqs, vocab]`` of each sequence's last new token (``[T, vocab]`` with ``all_logits``);
@@ -115,7 +115,7 @@ class CausalLM(Protocol):
 
     config: Qwen3Config
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str) -> Sequence: ...
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_format) -> Sequence: ...
 
     def forward(self, batch: ForwardBatch, kv_cache: Sequence, all_logits: bool = False) -> np.ndarray: ...
 
@@ -223,10 +223,10 @@ class Qwen3Model(CausalLM):
 
     # -- the forward pass
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str) -> list[LayerKVCache]:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_format) -> list[LayerKVCache]:
         c = self.config
         return self.backend.allocate_kv_cache(c.num_hidden_layers, num_blocks, c.num_key_value_heads,
-                                              block_size, c.head_dim, kv_cache_dtype)
+                                              block_size, c.head_dim, kv_format)
 
     def forward(self, batch: ForwardBatch, kv_cache: list[LayerKVCache], all_logits: bool = False) -> np.ndarray:
         """Run the batch's new tokens through the model, writing their K/V into ``kv_cache``.

@@ -69,6 +69,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fp8lab.reference import e4m3
+from fp8lab.reference.kv_cache import kv_cache_format
 
 from .checkpoint import (
     CONFIG_FILE,
@@ -180,8 +181,6 @@ def parameter_counts(config: Qwen3Config) -> dict[str, int]:
 # Bytes per decode step (the roofline)
 
 
-KV_ELEMENT_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
-KV_SCALE_BYTES = {"fp8": 4, "bf16": 0, "fp32": 0}
 """Per (token, kv head) scale bytes, for K and for V each."""
 
 
@@ -206,16 +205,14 @@ class DecodeBytes:
         return self.weights + self.scales + self.lm_head + self.norms + self.embedding_rows + self.kv_cache
 
 
-def kv_bytes_per_token(config: Qwen3Config, kv_cache_dtype: str = "fp8") -> int:
-    """Cache bytes of one token in all layers: K and V of every kv head, plus their scales."""
-    if kv_cache_dtype not in KV_ELEMENT_BYTES:
-        raise ValueError(f"kv_cache_dtype: expected one of {sorted(KV_ELEMENT_BYTES)}, got {kv_cache_dtype!r}")
+def kv_bytes_per_token(config: Qwen3Config, kv_format="fp8") -> int:
+    """Cache bytes of one token in all layers (a kernel's cache): K and V of every kv head, plus their scales."""
     c = config
-    per_head = 2 * (c.head_dim * KV_ELEMENT_BYTES[kv_cache_dtype] + KV_SCALE_BYTES[kv_cache_dtype])
+    per_head = 2 * kv_cache_format(kv_format).vector_bytes(c.head_dim)
     return c.num_hidden_layers * c.num_key_value_heads * per_head
 
 
-def decode_bytes_per_step(config: Qwen3Config, batch: int, context_len: float, kv_cache_dtype: str = "fp8",
+def decode_bytes_per_step(config: Qwen3Config, batch: int, context_len: float, kv_format="fp8",
                           scale_bytes: int = 4, float_bytes: int = 2) -> DecodeBytes:  # fmt: skip
     """Bytes a decode step of ``batch`` sequences of ``context_len`` cached tokens each (new token
     included; a float for an average over steps) reads at least."""
@@ -241,7 +238,7 @@ def decode_bytes_per_step(config: Qwen3Config, batch: int, context_len: float, k
         lm_head=lm_head,
         norms=norms,
         embedding_rows=batch * config.hidden_size * float_bytes,
-        kv_cache=batch * context_len * kv_bytes_per_token(config, kv_cache_dtype),
+        kv_cache=batch * context_len * kv_bytes_per_token(config, kv_format),
     )
 
 

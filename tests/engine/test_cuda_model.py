@@ -106,7 +106,7 @@ def untouched_slots_are_poison(manager, cache) -> bool:
     for seq in manager.sequences:
         used[manager.slots(seq, np.arange(manager.context_len(seq)))] = True
     for layer in cache:
-        scales = (layer.k_scale, layer.v_scale) if layer.kv_cache_dtype == "fp8" else ()
+        scales = (layer.k_scale, layer.v_scale) if layer.kv_format.scaled else ()
         for array in (layer.k, layer.v, *scales):
             by_slot = np.moveaxis(array.view(np.uint8).reshape(*array.shape[:3], -1), 2, 1)
             by_slot = by_slot.reshape(cache.num_blocks * cache.block_size, -1)
@@ -199,7 +199,7 @@ def test_a_batch_larger_than_the_buffers_is_a_value_error(small_model):
 
 
 def test_kv_exhaustion_surfaces_through_the_generator(small_model):
-    generator = Generator(small_model, None, kv_cache_dtype="fp8", block_size=4, num_blocks=1, stop_token_ids=())
+    generator = Generator(small_model, None, kv_format="fp8", block_size=4, num_blocks=1, stop_token_ids=())
     with pytest.raises(KVCacheExhausted, match="2 blocks needed, 1 free"):
         generator.generate([[1, 2, 3]], max_new_tokens=3)
 
@@ -290,7 +290,7 @@ def test_fp8lab_generate_backend_cudasim(gemm_twins, monkeypatch, tmp_path, caps
     argv = ["generate", "--model", str(tmp_path), "--backend", "cudasim", "--prompt", "hi", "--max-new-tokens", "2",
             "--block-size", "4"]
     assert cli.main(argv) == 0
-    want = Generator(Qwen3Model(config, tensors), Tokenizer(), kv_cache_dtype="fp8", block_size=4,
+    want = Generator(Qwen3Model(config, tensors), Tokenizer(), kv_format="fp8", block_size=4,
                      stream_decoder=FakeStreamDecoder).generate(["hi"], max_new_tokens=2).results[0]
     out, err = capsys.readouterr()
     assert "backend cudasim" in err and "prompt: 2 tokens" in err
@@ -347,7 +347,7 @@ def test_gpu_batched_generation_matches_the_reference(tiny):
     reference = Qwen3Model.from_checkpoint(checkpoint)
     model = CudaQwen3Model.from_checkpoint(checkpoint, max_num_tokens=64, max_num_seqs=2, f32_max_rows=16)
     for kv in ("bf16", "fp8"):
-        outputs = [Generator(m, tokenizer, kv_cache_dtype=kv, stop_token_ids=()).generate(
+        outputs = [Generator(m, tokenizer, kv_format=kv, stop_token_ids=()).generate(
             list(GPU_PROMPTS), max_new_tokens=GPU_STEPS) for m in (reference, model)]
         assert [r.token_ids for r in outputs[1].results] == [r.token_ids for r in outputs[0].results], kv
 

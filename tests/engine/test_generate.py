@@ -160,9 +160,9 @@ def test_seeds_reproduce_sampled_generations(model):
 
 
 def test_a_small_cache_runs_requests_in_turn_with_the_same_tokens(model):
-    big = make_generator(model, kv_cache_dtype="bf16").generate(PROMPTS, max_new_tokens=6).results
+    big = make_generator(model, kv_format="bf16").generate(PROMPTS, max_new_tokens=6).results
     # room for the longest request alone (38 prompt + 6 new - 1 = 43 tokens: 11 blocks of 4)
-    small = make_generator(model, kv_cache_dtype="bf16", num_blocks=11, block_size=4).generate(PROMPTS, max_new_tokens=6)
+    small = make_generator(model, kv_format="bf16", num_blocks=11, block_size=4).generate(PROMPTS, max_new_tokens=6)
     assert [r.token_ids for r in small.results] == [r.token_ids for r in big]
 
 

@@ -172,7 +172,7 @@ def test_fp8_cache_without_scales_is_an_error():
     shape = (2, 1, 4, 8)
     with pytest.raises(ValueError, match="scales"):
         LayerKVCache(np.zeros(shape, np.uint8), np.zeros(shape, np.uint8), None, None, "fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
+    with pytest.raises(ValueError, match="k cache: holds float32, but kv_format fp8 is stored as uint8"):
         LayerKVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32), None, None, "fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         allocate_kv_cache(1, 2, 1, 4, 8, "int8")
@@ -180,7 +180,7 @@ def test_fp8_cache_without_scales_is_an_error():
 
 @pytest.mark.parametrize("dtype", ["fp8", "bf16", "fp32"])
 def test_fresh_caches_are_poisoned_and_writes_land_in_their_slots(dtype, rng):
-    (layer,) = allocate_kv_cache(1, num_blocks=3, num_kv_heads=2, block_size=4, head_dim=8, kv_cache_dtype=dtype)
+    (layer,) = allocate_kv_cache(1, num_blocks=3, num_kv_heads=2, block_size=4, head_dim=8, kv_format=dtype)
     k, v = rng.standard_normal((2, 5, 2, 8)).astype(np.float32)
     slots = [11, 0, 5, 6, 3]
     ReferenceBackend().write_kv(layer, k, v, np.array(slots))
@@ -204,7 +204,7 @@ def test_kv_block_bytes_is_what_the_numpy_cache_allocates(dtype):
     layers = allocate_kv_cache(3, num_blocks, 2, block_size, 16, dtype)
     arrays = [a for layer in layers for a in (layer.k, layer.v, layer.k_scale, layer.v_scale) if a is not None]
     nbytes = sum(a.nbytes for a in arrays)
-    assert kv_block_bytes(config, block_size, dtype, bf16_in_float32=True) * num_blocks == nbytes
+    assert kv_block_bytes(config, block_size, dtype, numpy=True) * num_blocks == nbytes
     # the GPU cache: 1, 2 or 4 bytes per element, plus a float32 scale per (token, kv head) for fp8
     per_element = {"fp8": 1 + 4 / 16, "bf16": 2, "fp32": 4}[dtype]
     assert kv_block_bytes(config, block_size, dtype) == 3 * 2 * block_size * 2 * 16 * per_element

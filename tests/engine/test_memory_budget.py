@@ -159,7 +159,7 @@ def test_an_explicit_num_blocks_is_checked_against_the_budget(run):
 def test_bf16_on_the_reference_backend_is_budgeted_at_float32(run):
     """The NumPy cache keeps BF16 values in float32 arrays: 4 bytes per element, not 2."""
     blocks = sum(worst_case_blocks())
-    bytes_per_block = kv_block_bytes(CONFIG, 4, "bf16", bf16_in_float32=True)
+    bytes_per_block = kv_block_bytes(CONFIG, 4, "bf16", numpy=True)
     assert run(2 * blocks * bytes_per_block, "--kv-cache-dtype", "bf16")[3] == blocks
     assert run(2 * blocks * bytes_per_block - 1, "--kv-cache-dtype", "bf16")[3] == blocks - 1
 

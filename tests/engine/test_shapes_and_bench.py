@@ -156,7 +156,7 @@ def test_random_checkpoint_runs_in_the_reference_model():
 
 def test_decode_bytes_against_a_hand_count():
     c = shapes.shape_config("test-mini")  # 2 layers, hidden 320, intermediate 704, 4 q / 2 kv heads of 64, vocab 1536
-    b = shapes.decode_bytes_per_step(c, batch=2, context_len=100, kv_cache_dtype="fp8")
+    b = shapes.decode_bytes_per_step(c, batch=2, context_len=100, kv_format="fp8")
     per_layer = 256 * 320 + 2 * 128 * 320 + 320 * 256 + 2 * 704 * 320 + 320 * 704  # q, k + v, o, gate + up, down
     assert b.weights == 2 * per_layer == 1_843_200
     blocks = 2 * 3 + 2 * (1 * 3) + 3 * 2 + 2 * (6 * 3) + 3 * 6  # ceil(N/128) * ceil(K/128) per projection
@@ -166,14 +166,14 @@ def test_decode_bytes_against_a_hand_count():
     assert b.embedding_rows == 2 * 320 * 2
     assert b.kv_cache == 2 * 2 * 100 * 2 * (2 * 64 + 2 * 4)  # batch, layers, tokens, kv heads, K + V codes and scales
     assert b.total == 2_940_608
-    bf16 = shapes.decode_bytes_per_step(c, batch=2, context_len=100, kv_cache_dtype="bf16")
+    bf16 = shapes.decode_bytes_per_step(c, batch=2, context_len=100, kv_format="bf16")
     assert bf16.kv_cache == 2 * 2 * 100 * 2 * (2 * 64 * 2)
     tied = shapes.decode_bytes_per_step(shapes.shape_config("tiny"), batch=1, context_len=0)
     assert tied.lm_head == 1024 * 256 * 2 and tied.embedding_rows == 256 * 2 and tied.kv_cache == 0
     big = shapes.decode_bytes_per_step(shapes.shape_config("qwen3-8b"), batch=1, context_len=544.5)
     assert 8.1e9 < big.total < 8.3e9  # 6.95 GB of FP8 weights + 1.24 GB of BF16 lm_head + ~75 MB of KV
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        shapes.decode_bytes_per_step(c, 1, 1, kv_cache_dtype="int4")
+        shapes.decode_bytes_per_step(c, 1, 1, kv_format="int4")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def test_greedy_generation_matches_transformers():
     tokens = list(prompt)
     for _ in range(12):  # plain greedy loop over transformers' full forward
         tokens.append(int(np.argmax(hf_logits(theirs, tokens)[-1])))
-    gen = Generator(ours, FakeTokenizer(), kv_cache_dtype="fp32", block_size=4, stop_token_ids=(),
+    gen = Generator(ours, FakeTokenizer(), kv_format="fp32", block_size=4, stop_token_ids=(),
                     stream_decoder=FakeStreamDecoder)
     (result,) = gen.generate([prompt], max_new_tokens=12).results
     assert result.token_ids == tokens[len(prompt):]
@@ -112,7 +112,7 @@ def test_the_demo_checkpoint_generates_transformers_greedy_tokens():
     tokenizer = Tokenizer.from_dir(demo.DEMO_DIR)
     text_ids = tokenizer.encode(demo.HELDOUT_TEXT.read_text(encoding="utf-8")[:20_000])
     prompts = [text_ids[start : start + 24] for start in (0, 1500, 3000)]
-    gen = Generator(ours, tokenizer, kv_cache_dtype="fp32", stop_token_ids=())
+    gen = Generator(ours, tokenizer, kv_format="fp32", stop_token_ids=())
     results = gen.generate(prompts, max_new_tokens=48).results
     for prompt, result in zip(prompts, results):
         with torch.no_grad():

@@ -28,6 +28,8 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from fp8lab.reference.kv_cache import KVCacheFormat
+
 from ..config import Qwen3Config
 from .memory import DeviceMemory, to_device
 
@@ -101,7 +103,7 @@ class DeviceLayerKVCache:
     v: object
     k_scale: object
     v_scale: object
-    kv_cache_dtype: str
+    kv_format: KVCacheFormat
 
     @property
     def block_size(self) -> int:
@@ -118,21 +120,21 @@ class DeviceKVCache:
     """
 
     def __init__(self, config: Qwen3Config, memory: DeviceMemory, model_id: int, max_num_tokens: int,
-                 max_num_seqs: int, num_blocks: int, block_size: int, kv_cache_dtype: str):
+                 max_num_seqs: int, num_blocks: int, block_size: int, kv_format: KVCacheFormat):
         c, mem = config, memory
         self.model_id = model_id
-        self.num_blocks, self.block_size, self.kv_cache_dtype = int(num_blocks), int(block_size), kv_cache_dtype
+        self.num_blocks, self.block_size, self.kv_format = int(num_blocks), int(block_size), kv_format
         shape = (self.num_blocks, c.num_key_value_heads, self.block_size, c.head_dim)
-        dtype = {"fp8": np.uint8, "bf16": np.uint16, "fp32": np.float32}[kv_cache_dtype]
+        dtype = kv_format.kernel_storage
         self.layers = []
         for i in range(c.num_hidden_layers):
-            k = mem.poisoned(f"KV cache layer {i} K {list(shape)} {kv_cache_dtype}", shape, dtype)
-            v = mem.poisoned(f"KV cache layer {i} V {list(shape)} {kv_cache_dtype}", shape, dtype)
+            k = mem.poisoned(f"KV cache layer {i} K {list(shape)} {kv_format.name}", shape, dtype)
+            v = mem.poisoned(f"KV cache layer {i} V {list(shape)} {kv_format.name}", shape, dtype)
             ks = vs = None
-            if kv_cache_dtype == "fp8":
+            if kv_format.scaled:
                 ks = mem.poisoned(f"KV cache layer {i} K scales {list(shape[:3])}", shape[:3], np.float32)
                 vs = mem.poisoned(f"KV cache layer {i} V scales {list(shape[:3])}", shape[:3], np.float32)
-            self.layers.append(DeviceLayerKVCache(k, v, ks, vs, kv_cache_dtype))
+            self.layers.append(DeviceLayerKVCache(k, v, ks, vs, kv_format))
         self.width = max(1, min(self.num_blocks, -(-c.max_position_embeddings // self.block_size)))
         self.capacity = self.width * self.block_size
         smax, tmax, width = int(max_num_seqs), int(max_num_tokens), self.width

@@ -31,9 +31,9 @@ import numpy as np
 from fp8lab.numba_kernels.bits import SIMULATOR
 from fp8lab.numba_kernels.gemv_simt import MAX_ROWS as SIMT_MAX_ROWS
 from fp8lab.reference.dense import argmax_rows
+from fp8lab.reference.kv_cache import kv_cache_format
 
 from ..config import Qwen3Config
-from ..kv_manager import KV_CACHE_DTYPES
 from ..model import CausalLM, ForwardBatch, check_tensors
 from . import graphs
 from .kv_cache import DeviceKVCache
@@ -93,15 +93,14 @@ class CudaQwen3Model(CausalLM):
         are the constructor's keywords."""
         return cls(checkpoint.config, checkpoint.tensors, **options)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str) -> DeviceKVCache:
-        """A paged KV cache on the device, poisoned with NaN (``memory.POISON_BYTE``); ``kv_cache_dtype``
-        ``"fp8"`` (E4M3 codes + float32 scales per token and kv head), ``"bf16"`` or ``"fp32"``."""
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_format) -> DeviceKVCache:
+        """A paged KV cache on the device, poisoned with NaN (``memory.POISON_BYTE``), in ``kv_format``
+        (a ``fp8lab.reference.kv_cache.KVCacheFormat`` or its name: ``"fp8"``, ``"bf16"``, ``"fp32"``)."""
+        kv_format = kv_cache_format(kv_format)
         if int(num_blocks) <= 0 or int(block_size) <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         return DeviceKVCache(self.config, self.memory, id(self), self.max_num_tokens, self.max_num_seqs,
-                             num_blocks, block_size, kv_cache_dtype)
+                             num_blocks, block_size, kv_format)
 
     # -- the forward pass
 

@@ -166,7 +166,8 @@ class Planner:
         def attend(q, layer_cache, out):
             return Launch(splitkv.paged_decode, (q, layer_cache.k, layer_cache.v, tables, lens, self.softmax_scale,
                                                  out, layer_cache.k_scale, layer_cache.v_scale),
-                          dict(num_splits=splits, workspace=workspace, max_seq_len=cache.capacity),
+                          dict(num_splits=splits, workspace=workspace, max_seq_len=cache.capacity,
+                               kv_format=layer_cache.kv_format),
                           kernels=1 + (splits > 1))
 
         return Plan((Launch(layers.embedding, (w.embed_tokens, index.token_ids[:bucket], a.h[:bucket])),
@@ -188,7 +189,7 @@ class Planner:
         def attend(q, layer_cache, out):
             return Launch(paged_prefill, (q, layer_cache.k, layer_cache.v, tables, context_lens, query_lens,
                                           self.softmax_scale, out, layer_cache.k_scale, layer_cache.v_scale),
-                          dict(max_context_len=max_context, rows=rows, workspace=workspace),
+                          dict(max_context_len=max_context, rows=rows, workspace=workspace, kv_format=layer_cache.kv_format),
                           kernels=2 + (workspace is not None))
 
         return Plan((Launch(layers.embedding, (self.weights.embed_tokens, index.token_ids[:t], self.activations.h[:t])),
@@ -232,7 +233,7 @@ class Planner:
                 plan.append(Launch(layers.rope, (q, positions, rope, q)))
                 plan.append(Launch(layers.rope, (k, positions, rope, k)))
             plan.append(Launch(paged_cache_write, (k, v, layer_cache.k, layer_cache.v, slots, layer_cache.k_scale,
-                                                   layer_cache.v_scale), dict(check_slots=False)))
+                                                   layer_cache.v_scale), dict(check_slots=False, kv_format=layer_cache.kv_format)))
             plan.append(attend(q, layer_cache, attn))
             o_in = attn.reshape(t, qd)
             plan.append(self.linear(layer.o_proj, o_in, y, self.gemm_input(o_in, layer.o_proj.kind == "fp8", plan)))
