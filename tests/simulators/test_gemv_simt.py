@@ -17,8 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fp8lab.reference import blockwise, e4m3
-from fp8lab.simulators import fma
-from fp8lab.simulators import common
+from fp8lab.simulators import common, fma
 from fp8lab.simulators import gemv_simt as gs
 
 U = 2.0**-24
