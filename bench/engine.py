@@ -226,13 +226,10 @@ def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: in
     check_logits(logits, batch, vocab, f"prefill, batch {batch}")
     tokens = np.argmax(logits, axis=-1)
     step_s = []
-    for _ in range(warmup + steps):  # greedy: sampled on the device where the model can (greedy_tokens)
+    for _ in range(warmup + steps):  # greedy: the CausalLM interface's greedy_tokens (on the device for ours)
         start = time.perf_counter()
         step = make_batch(manager, [(i, [int(tokens[i])]) for i in range(batch)])
-        if hasattr(model, "greedy_tokens"):
-            tokens = model.greedy_tokens(step, cache)
-        else:
-            tokens = np.argmax(model.forward(step, cache), axis=-1)
+        tokens = model.greedy_tokens(step, cache)
         step_s.append(time.perf_counter() - start)
     # the last step once more with its logits (same slots, same K/V written again): all finite, and the
     # device's greedy choice is the host's argmax of them

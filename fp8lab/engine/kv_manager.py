@@ -22,7 +22,7 @@ command line's ``--kv-cache-dtype``):
   contract's FP8 KV cache. A cache of codes without scales is an error.
 - ``"bf16"``: BF16 values. NumPy has no bfloat16 and ml_dtypes is not a runtime dependency, so
   the CPU cache stores float32 arrays whose values are rounded to BF16 (round to nearest, ties
-  to even, ``fp8lab.engine.safetensors_io.round_to_bf16``, NaN kept NaN): the numbers are exactly those of a BF16
+  to even, ``fp8lab.reference.dense.round_to_bf16``, NaN kept NaN): the numbers are exactly those of a BF16
   cache, at twice the memory.
 - ``"fp32"``: plain float32, no rounding; for tests that compare against an exact cache.
 

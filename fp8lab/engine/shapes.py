@@ -40,7 +40,7 @@ under changes of the layer count and the thread count: each tensor's numbers com
 is far larger than the tokenizer's, as it is slightly larger in Qwen's own checkpoints (151669
 tokenizer ids): prompts of text work, and ``fp8lab.engine.generate`` never generates an id the tokenizer
 cannot decode (it masks the padding ids before sampling, as for Qwen's own padded vocabulary).
-Benchmarks feed random token ids and never decode (``fp8lab bench``).
+Benchmarks feed random token ids and never decode (``bench/engine.py``).
 
 **Bytes per decode step** (``decode_bytes_per_step``): what one decode step of a batch must read
 from memory at least, the numerator of the bandwidth roofline: every projection weight (FP8

@@ -1,6 +1,6 @@
 """Hypothesis strategies for property-testing FP8 kernels against fp8lab's oracles.
 
-Needs ``hypothesis`` (in fp8lab's ``test`` extra). Every strategy yields plain NumPy data, so a
+Needs ``hypothesis`` (``pip install "fp8lab[strategies]"``). Every strategy yields plain NumPy data, so a
 foreign kernel (CUDA, Triton, C++) can be fed the same inputs as the oracle.
 
 Testing your own blockwise FP8 GEMM against the oracle::

@@ -242,11 +242,14 @@ class FakeCudaModel:
         assert max_num_tokens >= max_num_seqs >= 1
         return cls(Qwen3Model.from_checkpoint(checkpoint))
 
-    def allocate_kv_cache(self, num_blocks, block_size, kv_cache_dtype):
-        return self.model.allocate_kv_cache(num_blocks, block_size, kv_cache_dtype)
+    def allocate_kv_cache(self, num_blocks, block_size, kv_format):
+        return self.model.allocate_kv_cache(num_blocks, block_size, kv_format)
 
     def forward(self, batch, kv_cache, all_logits=False):
         return self.model.forward(batch, kv_cache, all_logits)
+
+    def greedy_tokens(self, batch, kv_cache):
+        return self.model.greedy_tokens(batch, kv_cache)
 
 
 def load_script(path: Path, name: str):

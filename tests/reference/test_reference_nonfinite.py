@@ -414,7 +414,7 @@ def test_encode_decode_never_turn_nan_into_a_number(x):
 
 
 def test_the_bf16_kv_write_keeps_a_nan_nan():
-    """The reference backend's BF16 cache rounds with the one BF16 rounding (``safetensors_io.round_to_bf16``):
+    """The reference backend's BF16 cache rounds with the one BF16 rounding (``fp8lab.reference.dense.round_to_bf16``):
     a NaN whose mantissa would carry into the sign under a plain add-and-truncate (0x7FFFFFFF) stays NaN,
     and infinity stays infinity."""
     from fp8lab.engine.backend import ReferenceBackend
