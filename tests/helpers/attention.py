@@ -13,14 +13,10 @@ import numpy as np
 
 from fp8lab.reference import attention, kv_cache
 from fp8lab.simulators import splitkv as sk
+from helpers.numerics import U, gamma
 
-U = 2.0**-24
 EXP2_ULPS = 4
 """ulps of error per float32 ``exp2`` (checked for NumPy's float32 ``exp2`` in test_splitkv)."""
-
-
-def gamma(n: int) -> float:
-    return n * U / (1 - n * U)
 
 
 def tolerance(data, slopes, num_splits: int) -> np.ndarray:

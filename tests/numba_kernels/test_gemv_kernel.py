@@ -24,6 +24,7 @@ import secrets
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.numerics import gamma
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,15 +35,10 @@ from fp8lab.reference import blockwise, e4m3
 from fp8lab.simulators import bit_placement
 from fp8lab.simulators import gemv_simt as simulator
 
-U = 2.0**-24
 OUTPUT_UNIT = {"f32": 0.0, "f16": 2.0**-11, "bf16": 2.0**-8}
 ACTIVATION_FORMATS = ("bf16", "f16", "f32")
 OUTPUT_FORMATS = ("f32", "f16", "bf16")
 FINITE_CODES = np.array([c for c in range(256) if c not in e4m3.NAN_CODES], np.uint8)
-
-
-def gamma(n: int) -> float:
-    return n * U / (1 - n * U)
 
 
 # ---------------------------------------------------------------------------- data in every format

@@ -26,6 +26,7 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.numerics import U, gamma, spread_activations
 from helpers.ptx import run_compiled
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -35,26 +36,14 @@ from fp8lab.numba_kernels import layers
 from fp8lab.reference import dense
 from fp8lab.simulators import dense as sim
 
-U = 2.0**-24
 TINY = 1e-30
 """Absolute slack for results in or near float32's subnormal range."""
 SIMULATOR_EXAMPLES = max(4, settings().max_examples // 8)
 """Simulated kernels are slow: few Hypothesis examples (ci: 5)."""
 
 
-def gamma(n) -> float:
-    return n * U / (1 - n * U)
-
-
 def poisoned(shape) -> np.ndarray:
     return np.full(shape, np.nan, np.float32)
-
-
-def activations(rng, shape, spread=3.0) -> np.ndarray:
-    """Random float32 with all 24 bits, no zeros, magnitudes varying by row over ``10^+-spread``."""
-    x = rng.standard_normal(shape)
-    x *= 10.0 ** rng.uniform(-spread, spread, shape[:-1] + (1,))
-    return x.astype(np.float32)
 
 
 def random_bf16_bits(rng, shape) -> np.ndarray:
@@ -111,8 +100,8 @@ of 2 or 3 warps."""
 @given(rows=st.integers(1, 5), n=NORM_SIZES, eps=st.sampled_from([1e-6, 1e-5, 0.5]), seed=st.integers(0, 2**32 - 1))
 def test_rms_norm_matches_the_simulator_bit_for_bit(rows, n, eps, seed):
     rng = np.random.default_rng(seed)
-    x = activations(rng, (rows, n))
-    weight = activations(rng, (n,), spread=1)
+    x = spread_activations(rng, (rows, n))
+    weight = spread_activations(rng, (n,), spread=1)
     out = poisoned(x.shape)
     assert layers.rms_norm(x, weight, eps, out) is out
     check_rms_norm(x, weight, eps, out)
@@ -122,8 +111,8 @@ def test_rms_norm_matches_the_simulator_bit_for_bit(rows, n, eps, seed):
 @pytest.mark.parametrize("shape", [(3, 2, 128), (2, 300)], ids=["q-norm, warp per row", "cta per row"])
 def test_rms_norm_in_place_and_over_the_last_axis(rng, shape):
     """``out`` may be ``x``; a ``[T, heads, head_dim]`` array is normalized per head vector."""
-    x = activations(rng, shape)
-    weight = activations(rng, shape[-1:], spread=1)
+    x = spread_activations(rng, shape)
+    weight = spread_activations(rng, shape[-1:], spread=1)
     expected = simulated_rms_norm(x, weight, 1e-6)
     y = x.copy()
     layers.rms_norm(y, weight, 1e-6, y)
@@ -135,9 +124,9 @@ def test_rms_norm_in_place_and_over_the_last_axis(rng, shape):
 def test_add_rms_norm_adds_then_normalizes(rng, rows, n):
     """``residual += x`` exactly (one float32 add), then the norm of the new residual; the same bits
     as ``add_into`` followed by ``rms_norm``; ``out`` may be ``x``."""
-    x = activations(rng, (rows, n))
-    original = activations(rng, (rows, n))
-    weight = activations(rng, (n,), spread=1)
+    x = spread_activations(rng, (rows, n))
+    original = spread_activations(rng, (rows, n))
+    weight = spread_activations(rng, (n,), spread=1)
     residual, out = original.copy(), poisoned(x.shape)
     layers.add_rms_norm(x, residual, weight, 1e-6, out)
     np.testing.assert_array_equal(residual.view(np.uint32), (original + x).view(np.uint32))
@@ -188,7 +177,7 @@ def test_rope_matches_the_simulator_bit_for_bit(rng, tokens, heads, head_dim):
     theta = 1e6
     table = layers.rope_table(200, head_dim, theta)
     positions = np.concatenate([[199], rng.integers(0, 200, tokens - 1)]).astype(np.int32)
-    x = activations(rng, (tokens, heads, head_dim))
+    x = spread_activations(rng, (tokens, heads, head_dim))
     out = poisoned(x.shape)
     assert layers.rope(x, positions, table, out) is out
     check_rope(x, positions, table, theta, out)
@@ -200,7 +189,7 @@ def test_rope_matches_the_simulator_bit_for_bit(rng, tokens, heads, head_dim):
 def test_rope_position_outside_the_table_gives_nan(rng):
     table = layers.rope_table(16, 32, 1e4)
     positions = np.array([3, -1, 16, 15], np.int32)
-    x = activations(rng, (4, 2, 32))
+    x = spread_activations(rng, (4, 2, 32))
     out = poisoned(x.shape)
     out[...] = 7.0  # not NaN: the kernel must write the NaN itself
     layers.rope(x, positions, table, out)
@@ -288,7 +277,7 @@ LINEAR_CASES = [
 @pytest.mark.cudasim
 @pytest.mark.parametrize("m, n, k, rows_per_warp", LINEAR_CASES, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-R{c[3]}" for c in LINEAR_CASES])
 def test_bf16_linear_matches_the_simulator_bit_for_bit(rng, m, n, k, rows_per_warp):
-    x = activations(rng, (m, k), spread=1)
+    x = spread_activations(rng, (m, k), spread=1)
     bits = random_bf16_bits(rng, (n, k))
     out = poisoned((m, n))
     assert layers.bf16_linear(x, bits, out, rows_per_warp=rows_per_warp) is out
@@ -301,7 +290,7 @@ def test_bf16_linear_matches_the_simulator_bit_for_bit(rng, m, n, k, rows_per_wa
 @pytest.mark.cudasim
 def test_bf16_linear_rows_do_not_depend_on_the_batch(rng):
     """Row m of a 9-row call (two row tiles), of a 3-row call and alone: the same bits."""
-    x = activations(rng, (9, 64), spread=1)
+    x = spread_activations(rng, (9, 64), spread=1)
     bits = random_bf16_bits(rng, (2, 64)).view(np.int16)  # torch's bfloat16 export
     full, three, one = poisoned((9, 2)), poisoned((3, 2)), poisoned((1, 2))
     layers.bf16_linear(x, bits, full, rows_per_warp=2)
@@ -372,7 +361,7 @@ def test_argmax_rows_on_few_distinct_values(rows, vocab, levels, seed):
 @pytest.mark.cudasim
 @pytest.mark.parametrize("shape", [(3, 50), (2, 3, 60)])
 def test_add_into_is_the_float32_sum(rng, shape):
-    x, y = activations(rng, shape), activations(rng, shape)
+    x, y = spread_activations(rng, shape), spread_activations(rng, shape)
     expected = x + y
     assert layers.add_into(x, y) is x
     np.testing.assert_array_equal(x.view(np.uint32), expected.view(np.uint32))
@@ -383,12 +372,12 @@ def test_add_into_is_the_float32_sum(rng, shape):
 
 def good_calls(rng):
     """Each function with good NumPy arguments: ``name -> (function, kwargs)``."""
-    x = activations(rng, (2, 64))
+    x = spread_activations(rng, (2, 64))
     return {
         "rms_norm": (layers.rms_norm, dict(x=x, weight=np.ones(64, np.float32), eps=1e-6, out=poisoned((2, 64)))),
         "add_rms_norm": (layers.add_rms_norm, dict(x=x, residual=x.copy(), weight=np.ones(64, np.float32), eps=1e-6,
                                                    out=poisoned((2, 64)))),
-        "rope": (layers.rope, dict(x=activations(rng, (2, 1, 32)), positions=np.array([0, 1], np.int32),
+        "rope": (layers.rope, dict(x=spread_activations(rng, (2, 1, 32)), positions=np.array([0, 1], np.int32),
                                    cos_sin=layers.rope_table(8, 32, 1e4), out=poisoned((2, 1, 32)))),
         "silu_mul": (layers.silu_mul, dict(gate_up=x, out=poisoned((2, 32)))),
         "embedding": (layers.embedding, dict(table=random_bf16_bits(rng, (10, 16)), ids=np.array([1, 2], np.int32),
@@ -533,9 +522,9 @@ def test_gpu_rms_norm_bit_for_bit(rows, n):
     from numba import cuda
 
     seed, rng = fresh_rng()
-    x = activations(rng, (rows, n))
-    residual = activations(rng, (rows, n))
-    weight = activations(rng, (n,), spread=1)
+    x = spread_activations(rng, (rows, n))
+    residual = spread_activations(rng, (rows, n))
+    weight = spread_activations(rng, (n,), spread=1)
     out = cuda.to_device(poisoned(x.shape))
     layers.rms_norm(cuda.to_device(x), cuda.to_device(weight), 1e-6, out)
     try:
@@ -558,7 +547,7 @@ def test_gpu_rope_bit_for_bit():
     theta, max_positions = 1e6, 40960
     table = layers.rope_table(max_positions, HEAD_DIM, theta)
     positions = rng.integers(0, max_positions, 64).astype(np.int32)
-    x = activations(rng, (64, HEADS, HEAD_DIM))
+    x = spread_activations(rng, (64, HEADS, HEAD_DIM))
     x_device = cuda.to_device(x)
     layers.rope(x_device, cuda.to_device(positions), cuda.to_device(table), x_device)  # in place
     try:
@@ -602,7 +591,7 @@ def test_gpu_bf16_linear_lm_head(lm_head, m):
 
     seed, bits, bits_device = lm_head
     rng = np.random.default_rng(seed + m)
-    x = activations(rng, (m, HIDDEN), spread=1)
+    x = spread_activations(rng, (m, HIDDEN), spread=1)
     out = cuda.to_device(poisoned((m, VOCAB)))
     layers.bf16_linear(cuda.to_device(x), bits_device, out)
     got = out.copy_to_host()
@@ -634,8 +623,8 @@ def test_gpu_argmax_rows_at_vocab_size():
 def test_gpu_numpy_arguments_are_copied_back():
     """NumPy in, NumPy out on a GPU: copied to the device and back by the call."""
     _, rng = fresh_rng()
-    x = activations(rng, (2, 300))
-    weight = activations(rng, (300,), spread=1)
+    x = spread_activations(rng, (2, 300))
+    weight = spread_activations(rng, (300,), spread=1)
     out = poisoned(x.shape)
     layers.rms_norm(x, weight, 1e-6, out)
     check_rms_norm(x, weight, 1e-6, out)
@@ -655,9 +644,9 @@ def test_gpu_a_layer_step_captured_in_a_cuda_graph(lm_head):
     inputs = dict(ids=cuda.to_device(rng.integers(0, VOCAB, tokens).astype(np.int32)),
                   positions=cuda.to_device(rng.integers(0, 4096, tokens).astype(np.int32)),
                   table=cuda.to_device(layers.rope_table(4096, HEAD_DIM, 1e6)),
-                  weight=cuda.to_device(activations(rng, (HIDDEN,), spread=1)),
-                  head_weight=cuda.to_device(activations(rng, (HEAD_DIM,), spread=1)),
-                  gate_up=cuda.to_device(activations(rng, (tokens, 2 * INTERMEDIATE), spread=1)))
+                  weight=cuda.to_device(spread_activations(rng, (HIDDEN,), spread=1)),
+                  head_weight=cuda.to_device(spread_activations(rng, (HEAD_DIM,), spread=1)),
+                  gate_up=cuda.to_device(spread_activations(rng, (tokens, 2 * INTERMEDIATE), spread=1)))
 
     def buffers():
         return dict(h=cuda.device_array((tokens, HIDDEN), np.float32), normed=cuda.device_array((tokens, HIDDEN), np.float32),

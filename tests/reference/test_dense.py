@@ -10,23 +10,13 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.numerics import U, gamma, spread_activations
 from hypothesis import given
 from hypothesis import strategies as st
 
 from fp8lab.reference import dense
 
-U = 2.0**-24
 TINY = 1e-30
-
-
-def gamma(n) -> float:
-    return n * U / (1 - n * U)
-
-
-def activations(rng, shape, spread=3.0) -> np.ndarray:
-    """Random float32 with all 24 bits, no zeros, magnitudes varying by row over ``10^+-spread``."""
-    x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-spread, spread, shape[:-1] + (1,))
-    return x.astype(np.float32)
 
 
 # ---------------------------------------------------------------------------- BF16
@@ -115,8 +105,8 @@ def test_rms_norm_within_float32_rounding_of_the_exact_norm(seed, rows, n, eps):
     """float32 with a pairwise sum: the sum of squares within ``gamma(n)``, so the result within
     ``(gamma(n) / 2 + 4 u) |exact|`` (sqrt halves the relative error; eps, sqrt, division, weight: 4 u)."""
     rng = np.random.default_rng(seed)
-    x = activations(rng, (rows, n))
-    weight = activations(rng, (n,), spread=1)
+    x = spread_activations(rng, (rows, n))
+    weight = spread_activations(rng, (n,), spread=1)
     got = dense.rms_norm(x, weight, eps)
     assert got.dtype == np.float32 and got.shape == x.shape
     exact = rms_norm_math(x, weight, eps)
@@ -130,22 +120,22 @@ def test_rms_norm_closed_forms(rng):
     n = 64
     constant = np.array([[2.0**-20] * n, [-8.0] * n], np.float32)
     np.testing.assert_array_equal(dense.rms_norm(constant, np.ones(n, np.float32), 0.0), np.sign(constant))
-    x = activations(rng, (3, n), spread=1)
-    weight = activations(rng, (n,), spread=1)
+    x = spread_activations(rng, (3, n), spread=1)
+    weight = spread_activations(rng, (n,), spread=1)
     once = dense.rms_norm(x, weight, 0.0)
     np.testing.assert_array_equal(dense.rms_norm(x * np.float32(2.0**40), weight, 0.0), once)
     np.testing.assert_array_equal(dense.rms_norm(x[1:2], weight, 0.0), once[1:2])
 
 
 def test_rms_norm_over_the_last_axis_only(rng):
-    x = activations(rng, (2, 3, 16))
-    weight = activations(rng, (16,), spread=1)
+    x = spread_activations(rng, (2, 3, 16))
+    weight = spread_activations(rng, (16,), spread=1)
     np.testing.assert_array_equal(dense.rms_norm(x, weight, 1e-6).reshape(6, 16), dense.rms_norm(x.reshape(6, 16), weight, 1e-6))
 
 
 def test_add_rms_norm_is_the_float32_sum_then_the_norm(rng):
-    x, residual = activations(rng, (3, 40)), activations(rng, (3, 40))
-    weight = activations(rng, (40,), spread=1)
+    x, residual = spread_activations(rng, (3, 40)), spread_activations(rng, (3, 40))
+    weight = spread_activations(rng, (40,), spread=1)
     normed, h = dense.add_rms_norm(x, residual, weight, 1e-6)
     np.testing.assert_array_equal(h.view(np.uint32), (residual + x).view(np.uint32))
     np.testing.assert_array_equal(normed.view(np.uint32), dense.rms_norm(residual + x, weight, 1e-6).view(np.uint32))
@@ -154,8 +144,8 @@ def test_add_rms_norm_is_the_float32_sum_then_the_norm(rng):
 def test_rms_norm_nan_and_inf_propagate(rng):
     """A NaN makes its whole row NaN; an infinity makes its own element NaN (inf / inf) and the row's
     others 0 (x / inf), as IEEE arithmetic does; other rows are untouched; a NaN eps or weight is NaN."""
-    x = activations(rng, (3, 8))
-    weight = activations(rng, (8,), spread=1)
+    x = spread_activations(rng, (3, 8))
+    weight = spread_activations(rng, (8,), spread=1)
     clean = dense.rms_norm(x, weight, 1e-6)
     x[0, 3], x[1, 5] = np.nan, np.inf
     got = dense.rms_norm(x, weight, 1e-6)
@@ -200,7 +190,7 @@ def rope_math(x, positions, theta) -> np.ndarray:
 def test_rope_is_the_rotation_within_float32_rounding(rng):
     """The table's cos and sin are within ``u`` of the exact ones, each product and the sum add ``u``:
     within ``3 u (|x1| + |x2|)`` of the exact rotation (plus the float64 angles' own error)."""
-    x = activations(rng, (4, 3, 64))
+    x = spread_activations(rng, (4, 3, 64))
     positions = np.array([0, 5, 4095, 40000])
     got = dense.rope(x, positions, 1e6)
     assert got.dtype == np.float32 and got.shape == x.shape
@@ -222,7 +212,7 @@ def test_rope_rotates_dimension_i_with_i_plus_half(rng):
 
 
 def test_rope_nan_propagates_within_its_pairs(rng):
-    x = activations(rng, (2, 2, 8))
+    x = spread_activations(rng, (2, 2, 8))
     x[0, 1, 2] = np.nan
     got = dense.rope(x, [3, 4], 1e4)
     nan = np.isnan(got)
@@ -237,7 +227,7 @@ def test_silu_mul_within_float32_rounding(rng):
     """NumPy's float32 exp is within 4 u; ``1 + e``, the division and the product add ``u`` each."""
     gate = (rng.standard_normal((3, 50)) * 6).astype(np.float32)
     gate[0, :6] = [-100, -88.8, -20, 30, 88, 100]
-    up = activations(rng, (3, 50), spread=1)
+    up = spread_activations(rng, (3, 50), spread=1)
     got = dense.silu_mul(gate, up)
     assert got.dtype == np.float32
     exact = np.array([[float(g) / (1 + math.exp(-float(g))) * float(u) if g > -700 else -0.0 * float(u)
@@ -258,7 +248,7 @@ def test_silu_mul_nan_propagates():
 
 
 def test_embedding_gathers_rows_exactly(rng):
-    table = activations(rng, (10, 6))
+    table = spread_activations(rng, (10, 6))
     ids = np.array([9, 0, 3, 3], np.int32)
     got = dense.embedding(table, ids)
     assert got.dtype == np.float32
@@ -276,7 +266,7 @@ def test_embedding_refuses_ids_outside_the_vocabulary(ids):
 @given(seed=st.integers(0, 2**32 - 1), m=st.integers(1, 5), n=st.integers(1, 6), k=st.integers(1, 300))
 def test_linear_within_float32_gemm_rounding(seed, m, n, k):
     rng = np.random.default_rng(seed)
-    x, w = activations(rng, (m, k), spread=1), activations(rng, (n, k), spread=1)
+    x, w = spread_activations(rng, (m, k), spread=1), spread_activations(rng, (n, k), spread=1)
     got = dense.linear(x, w)
     assert got.dtype == np.float32 and got.shape == (m, n)
     exact = np.array([[math.fsum(float(a) * float(b) for a, b in zip(row, col)) for col in w] for row in x])
@@ -295,7 +285,7 @@ def test_linear_is_exact_on_small_integers(rng):
 
 
 def test_linear_nan_poisons_its_row_and_column(rng):
-    x, w = activations(rng, (3, 8), spread=1), activations(rng, (4, 8), spread=1)
+    x, w = spread_activations(rng, (3, 8), spread=1), spread_activations(rng, (4, 8), spread=1)
     x[1, 2], w[3, 5] = np.nan, np.nan
     nan = np.isnan(dense.linear(x, w))
     assert np.all(nan[1]) and np.all(nan[:, 3]) and nan.sum() == 4 + 3 - 1

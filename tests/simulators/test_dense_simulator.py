@@ -11,6 +11,7 @@
 
 import numpy as np
 import pytest
+from helpers.numerics import U, gamma, spread_activations
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -18,18 +19,7 @@ from fp8lab.reference import dense
 from fp8lab.simulators import dense as sim
 from fp8lab.simulators.fma import fma_f32
 
-U = 2.0**-24
 TINY = 1e-30
-
-
-def gamma(n) -> float:
-    return n * U / (1 - n * U)
-
-
-def activations(rng, shape, spread=3.0) -> np.ndarray:
-    """Random float32 with all 24 bits, no zeros, magnitudes varying by row over ``10^+-spread``."""
-    x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-spread, spread, shape[:-1] + (1,))
-    return x.astype(np.float32)
 
 
 def random_bf16_bits(rng, shape) -> np.ndarray:
@@ -51,7 +41,7 @@ def butterfly_by_hand(values: list) -> np.float32:
 
 def test_sum_of_squares_is_the_threads_chains_then_the_butterflies_in_warp_order(rng):
     n, threads = 150, 64
-    x = activations(rng, (2, n))
+    x = spread_activations(rng, (2, n))
     got = sim.sum_of_squares(x, threads)
     for r in range(2):
         partial = [np.float32(0)] * threads
@@ -72,8 +62,8 @@ def test_rms_norm_within_the_bound_of_the_reference(seed, rows, n, threads, eps)
     and the weight add ``2 u``: within ``(gamma(L) / 2 + 4 u) |exact|`` of the float64 norm. The float32
     reference's pairwise sum adds ``gamma(n) / 2`` more between the two."""
     rng = np.random.default_rng(seed)
-    x = activations(rng, (rows, n))
-    weight = activations(rng, (n,), spread=1)
+    x = spread_activations(rng, (rows, n))
+    weight = spread_activations(rng, (n,), spread=1)
     got = sim.rms_norm(x, weight, eps, threads)
     assert got.dtype == np.float32 and got.shape == x.shape
     exact = dense.rms_norm_float64(x, weight, eps)
@@ -90,15 +80,15 @@ def test_rms_norm_exact_on_a_power_of_two_row():
 
 
 def test_add_rms_norm_is_the_reference_sum_then_the_simulated_norm(rng):
-    x, residual = activations(rng, (3, 300)), activations(rng, (3, 300))
-    weight = activations(rng, (300,), spread=1)
+    x, residual = spread_activations(rng, (3, 300)), spread_activations(rng, (3, 300))
+    weight = spread_activations(rng, (300,), spread=1)
     normed, h = sim.add_rms_norm(x, residual, weight, 1e-6, 64)
     np.testing.assert_array_equal(h.view(np.uint32), dense.add_rms_norm(x, residual, weight, 1e-6)[1].view(np.uint32))
     np.testing.assert_array_equal(normed.view(np.uint32), sim.rms_norm(h, weight, 1e-6, 64).view(np.uint32))
 
 
 def test_rms_norm_nan_row_stays_nan(rng):
-    x = activations(rng, (2, 64))
+    x = spread_activations(rng, (2, 64))
     x[1, 7] = np.nan
     got = sim.rms_norm(x, np.ones(64, np.float32), 1e-6, 32)
     assert np.all(np.isnan(got[1])) and not np.any(np.isnan(got[0]))
@@ -113,7 +103,7 @@ def test_rope_within_the_bound_of_the_reference(rng):
     head_dim, theta = 64, 1e6
     cos_sin = np.concatenate(dense.rope_cos_sin(np.arange(300), head_dim, theta), axis=1)
     positions = rng.integers(0, 300, 5)
-    x = activations(rng, (5, 3, head_dim))
+    x = spread_activations(rng, (5, 3, head_dim))
     got = sim.rope(x, positions, cos_sin)
     c, s = cos_sin[positions, None, :32].astype(np.float64), cos_sin[positions, None, 32:].astype(np.float64)
     x1, x2 = x[..., :32].astype(np.float64), x[..., 32:].astype(np.float64)
@@ -123,7 +113,7 @@ def test_rope_within_the_bound_of_the_reference(rng):
 
 def test_rope_at_position_zero_is_the_identity_and_outside_the_table_nan(rng):
     cos_sin = np.concatenate(dense.rope_cos_sin(np.arange(8), 16, 1e4), axis=1)
-    x = activations(rng, (4, 2, 16))
+    x = spread_activations(rng, (4, 2, 16))
     got = sim.rope(x, np.array([0, -1, 8, 0]), cos_sin)
     np.testing.assert_array_equal(got[[0, 3]], dense.rope(x[[0, 3]], [0, 0], 1e4))
     np.testing.assert_array_equal(got[[0, 3]], x[[0, 3]])
@@ -150,7 +140,7 @@ def test_silu_mul_is_the_reference_bit_for_bit(rng):
 def test_bf16_linear_is_the_lanes_chunk_chains_then_the_butterfly(rng):
     """K = 264: 33 chunks, so lane 0 chains two (its chunks 0 and 32), every other lane one."""
     k = 264
-    x = activations(rng, (2, k), spread=1)
+    x = spread_activations(rng, (2, k), spread=1)
     bits = random_bf16_bits(rng, (3, k))
     w = dense.bf16_bits_to_float32(bits)
     got = sim.bf16_linear(x, bits)
@@ -167,7 +157,7 @@ def test_bf16_linear_is_the_lanes_chunk_chains_then_the_butterfly(rng):
 @pytest.mark.parametrize("m, n, k", [(1, 5, 8), (3, 4, 264), (2, 2, 1024)])
 def test_bf16_linear_within_the_bound_of_the_reference(rng, m, n, k):
     """Each product passes at most ``8 ceil(K / 256)`` chain roundings and 5 butterfly roundings."""
-    x = activations(rng, (m, k), spread=1)
+    x = spread_activations(rng, (m, k), spread=1)
     bits = random_bf16_bits(rng, (n, k))
     w = dense.bf16_bits_to_float32(bits)
     got = sim.bf16_linear(x, bits)

@@ -13,19 +13,13 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from helpers.numerics import gamma
 from hypothesis import given
 from hypothesis import strategies as st
 
 from fp8lab.reference import blockwise, e4m3
 from fp8lab.simulators import common, fma
 from fp8lab.simulators import gemv_simt as gs
-
-U = 2.0**-24
-
-
-def gamma(n: int) -> float:
-    return n * U / (1 - n * U)
-
 
 # ---------------------------------------------------------------------------- exact fma
 
