@@ -4,7 +4,9 @@ This catches typing errors that the CUDA simulator, which runs kernels as Python
 process chooses the simulator once, so the variants compile in subprocesses with the simulator off
 (``helpers.ptx.compile_sets``): every variant of this module once, in one queue shared by two
 compile processes, before the first test here; each test then checks the PTX of its set in this
-process. Run with ``-v`` (or ``-s``) to see a line per compiled variant.
+process. Run with ``-v`` (or ``-s``) to see a line per compiled variant. ``PTX_VARIANT_SETS`` is the
+name a session hook may look for to start these compiles in the background right after collection
+(``helpers.ptx.start_compiling``); the fixture then only collects them.
 """
 
 import re
