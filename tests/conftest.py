@@ -99,3 +99,15 @@ def gemm_twins(monkeypatch):
     from helpers.cuda_twins import install_gemm_twins
 
     install_gemm_twins(monkeypatch)
+
+
+def pytest_collection_finish(session):
+    """Start the sm_90 PTX compiles in the background right after collection: pytest runs tests on one
+    core, so the compiles of the modules that declare ``PTX_VARIANT_SETS`` (``helpers.ptx``) use the
+    other one while the simulator tests run, and their checks later find the PTX ready."""
+    for module in {item.module for item in session.items if getattr(item, "module", None) is not None}:
+        sets = getattr(module, "PTX_VARIANT_SETS", None)
+        if sets:
+            from helpers.ptx import start_compiling
+
+            start_compiling(sets)
