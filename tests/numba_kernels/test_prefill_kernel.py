@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from helpers.attention import as_float32, filled_cache, tolerance
+from helpers.attention import as_float32, filled_cache, prefill_rows, tolerance
+from helpers.attention import reference_prefill as helpers_reference_prefill
 from helpers.ptx import run_compiled
 from hypothesis import given
 from hypothesis import strategies as st
@@ -27,7 +28,6 @@ from numba import cuda
 import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
 from fp8lab.numba_kernels import prefill as kernels
 from fp8lab.numba_kernels import splitkv
-from fp8lab.reference import attention, kv_cache
 from fp8lab.reference import strategies as fst
 from fp8lab.simulators import splitkv as sk
 
@@ -61,28 +61,10 @@ def make_batch(rng, context_lens, query_lens, num_heads=2, num_kv_heads=1, head_
     return Batch(q, k, v, k_scale, v_scale, tables, context_lens, query_lens, float(head_dim) ** -0.5)
 
 
-def expected_rows(tables, context_lens, query_lens):
-    """The expansion written out by hand: one (table row, causal length) per query token."""
-    row_tables, row_lens = [], []
-    for s in range(len(context_lens)):
-        for i in range(int(query_lens[s])):
-            row_tables.append(tables[s])
-            row_lens.append(int(context_lens[s]) - int(query_lens[s]) + i + 1)
-    if not row_tables:
-        return np.zeros((0, tables.shape[1]), np.int32), np.zeros(0, np.int32)
-    return np.array(row_tables, np.int32), np.array(row_lens, np.int32)
-
-
 def reference_prefill(b: Batch) -> np.ndarray:
-    """``fp8lab.engine.backend.ReferenceBackend.prefill_attention``: gather each sequence, then ``attention.prefill``."""
-    k_cache, v_cache = as_float32(b.k_cache), as_float32(b.v_cache)
-    out, start = [], 0
-    for table, context_len, n in zip(b.block_tables, b.context_lens, b.query_lens):
-        k = kv_cache.gather(k_cache, b.k_scale, table, int(context_len))
-        v = kv_cache.gather(v_cache, b.v_scale, table, int(context_len))
-        out.append(attention.prefill(b.q[start : start + n], k, v, b.softmax_scale))
-        start += n
-    return np.concatenate(out)
+    """``fp8lab.reference.attention.prefill`` per sequence over its gathered cache (``helpers.attention``)."""
+    return helpers_reference_prefill(b.q, b.k_cache, b.v_cache, b.k_scale, b.v_scale, b.block_tables, b.context_lens,
+                                     b.query_lens, b.softmax_scale)
 
 
 def run_prefill(b: Batch, out=None, **kwargs) -> np.ndarray:
@@ -97,7 +79,7 @@ def check_against_simulator_and_reference(b: Batch, got: np.ndarray):
     """Bit for bit the simulator on the hand-expanded rows with its own ``"auto"`` split count (the kernel's
     rule on the longest row: the tests pass no looser ``max_context_len``); within the split-kv bound of the
     reference, for any split count up to 16 (the bound's dependence on the count is mild)."""
-    row_tables, row_lens = expected_rows(b.block_tables, b.context_lens, b.query_lens)
+    row_tables, row_lens = prefill_rows(b.block_tables, b.context_lens, b.query_lens)
     k, v = as_float32(b.k_cache), as_float32(b.v_cache)
     expected = sk.paged_decode(b.q, k, v, row_tables, row_lens, b.softmax_scale, b.k_scale, b.v_scale)
     np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
@@ -120,7 +102,7 @@ def test_host_expansion_is_the_loop(lens, width_extra, seed):
     width = int(-(-context.max(initial=0) // 4)) + width_extra
     tables = rng.integers(-1, 50, (len(lens), width)).astype(np.int32)
     got_tables, got_lens = kernels.expand_rows_host(tables, context, queries)
-    want_tables, want_lens = expected_rows(tables, context, queries)
+    want_tables, want_lens = prefill_rows(tables, context, queries)
     assert got_tables.dtype == np.int32 and got_lens.dtype == np.int32
     np.testing.assert_array_equal(got_tables, want_tables)
     np.testing.assert_array_equal(got_lens, want_lens)
@@ -177,7 +159,7 @@ def test_bf16_device_path_reads_nothing_back(rng, monkeypatch):
     out = np.full(b.q.shape, np.nan, np.float32)
     kernels.paged_prefill(b.q, b.k_cache, b.v_cache, *device, b.softmax_scale, out, max_context_len=7, rows=rows)
     monkeypatch.undo()
-    want_tables, want_lens = expected_rows(b.block_tables, b.context_lens, b.query_lens)
+    want_tables, want_lens = prefill_rows(b.block_tables, b.context_lens, b.query_lens)
     np.testing.assert_array_equal(rows.block_tables.copy_to_host(), want_tables)
     np.testing.assert_array_equal(rows.seq_lens.copy_to_host(), want_lens)
     assert np.all(np.isfinite(out))
