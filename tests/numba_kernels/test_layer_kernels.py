@@ -22,12 +22,13 @@
 """
 
 import os
+import re
 
 import ml_dtypes
 import numpy as np
 import pytest
 from helpers.numerics import U, gamma, spread_activations
-from helpers.ptx import run_compiled
+from helpers.ptx import compile_sets, each_variant, progress_printer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -450,49 +451,49 @@ def test_good_calls_run_and_zero_rows_launch_nothing(rng):
 
 # ---------------------------------------------------------------------------- sm_90 PTX of every kernel
 
-COMPILE_ALL = r'''
-import re
-from numba import cuda
+PTX_VARIANT_SETS = {"layers": r'''
 from fp8lab.numba_kernels import layers
+from helpers.ptx import Variant
+
+def variants():
+    return [Variant(name, function, signature) for name, function, signature in layers.kernel_variants()]
+'''}
+"""Compiled once per session with the simulator off, in the background from the end of collection
+(``helpers.ptx``, ``conftest.py``)."""
 
 
-from helpers.ptx import ptxas_report
-
-
-for name, function, signature in layers.kernel_variants():
-    ptx, _ = cuda.compile_ptx(function, signature, cc=(9, 0))
-    assert ".target sm_90" in ptx, name
-    assert ".local" not in ptx, name  # every per-thread array lives in registers
-    assert ".f64" not in ptx, name  # float32 throughout
+def check_layer_kernel_ptx(c) -> None:
+    """What every layer kernel's sm_90 PTX must show: registers only, float32 only, and the instructions of
+    its algorithm (``simulators.dense`` states the orders), ptxas reporting no spills."""
+    ptx, name = c.ptx, c.name
+    assert ".target sm_90" in ptx
+    assert ".local" not in ptx  # every per-thread array lives in registers
+    assert ".f64" not in ptx  # float32 throughout
     if "rms_norm" in name:
         for needle in ("shfl.sync.bfly.b32", "fma.rn.f32", "sqrt.rn.f32", "div.rn.f32"):
-            assert needle in ptx, (name, needle)
-        assert ("bar.sync" in ptx or "barrier.sync" in ptx) == ("cta" in name), name
+            assert needle in ptx, needle
+        assert ("bar.sync" in ptx or "barrier.sync" in ptx) == ("cta" in name)
     if name == "rope":
-        assert ptx.count("fma.rn.f32") >= 2, name
+        assert ptx.count("fma.rn.f32") >= 2
     if name == "silu_mul":
-        assert "div.rn.f32" in ptx and "ex2.approx" in ptx, name
+        assert "div.rn.f32" in ptx and "ex2.approx" in ptx
     if name.startswith("bf16_linear"):
         m_tile, rows = (int(v) for v in re.findall(r"=(\d+)", name))
         group = layers.LINEAR_CHUNKS_PER_ITERATION
         wide_loads = len(re.findall(r"ld\.global\.nc\.v4\.[uf]32", ptx))
-        assert wide_loads == group * rows + group * m_tile * 2, (name, wide_loads)  # weights; x (two per row)
-        assert ptx.count("fma.rn.f32") == group * rows * m_tile * 8, name
-        assert ptx.count("shfl.sync.bfly.b32") == 5 * rows * m_tile, name
+        assert wide_loads == group * rows + group * m_tile * 2, wide_loads  # weights; x (two per row)
+        assert ptx.count("fma.rn.f32") == group * rows * m_tile * 8
+        assert ptx.count("shfl.sync.bfly.b32") == 5 * rows * m_tile
     if name == "argmax_rows":
-        assert ptx.count("shfl.sync.bfly.b32") == 10, name  # value and index, 5 steps
-    report = ptxas_report(ptx)
-    if report is not None:
-        assert "0 bytes spill stores" in report, f"{name}: {report}"
-        print(name, [line.split("info    :")[-1].strip() for line in report.splitlines() if "Used" in line])
-print("ok")
-'''
+        assert ptx.count("shfl.sync.bfly.b32") == 10  # value and index, 5 steps
+    if c.resources is not None:
+        assert "0 bytes spill stores" in c.resources, c.resources
 
 
-def test_every_layer_kernel_compiles_to_sm90_ptx():
-    result = run_compiled(COMPILE_ALL)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
-    print(result.stdout)
+def test_every_layer_kernel_compiles_to_sm90_ptx(request):
+    (compiled,) = compile_sets(PTX_VARIANT_SETS, progress=progress_printer(request.config)).values()
+    assert len(compiled) == len(layers.kernel_variants())
+    each_variant(compiled, check_layer_kernel_ptx)
 
 
 # ---------------------------------------------------------------------------- on a GPU, at Qwen3-8B sizes

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from helpers.attention import as_float32, filled_cache, prefill_rows, tolerance
 from helpers.attention import reference_prefill as helpers_reference_prefill
-from helpers.ptx import run_compiled
+from helpers.ptx import compile_sets, each_variant, progress_printer
 from hypothesis import given
 from hypothesis import strategies as st
 from numba import cuda
@@ -266,23 +266,28 @@ def test_device_index_arrays_with_a_bad_bound_raise_before_launching(rng):
 # ---------------------------------------------------------------------------- the expansion kernel compiles
 
 
-EXPAND_KERNEL = r'''
-from numba import cuda
+PTX_VARIANT_SETS = {"prefill": r'''
 from fp8lab.numba_kernels import prefill
+from helpers.ptx import Variant
 
-for name, function, signature in prefill.kernel_variants():
-    ptx, _ = cuda.compile_ptx(function, signature, cc=(9, 0))
-    assert ".target sm_90" in ptx, name
-    assert ".local" not in ptx and ".f64" not in ptx, name
-    assert "st.global.u32" in ptx or "st.global.b32" in ptx, name
-print("ok")
-'''
+def variants():
+    return [Variant(name, function, signature) for name, function, signature in prefill.kernel_variants()]
+'''}
+"""Compiled once per session with the simulator off, in the background from the end of collection
+(``helpers.ptx``, ``conftest.py``)."""
 
 
-def test_expansion_kernel_compiles_to_sm90_ptx():
-    """Typed and compiled for sm_90 with the simulator off (a subprocess: a process chooses its mode once)."""
-    result = run_compiled(EXPAND_KERNEL)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+def check_expansion_ptx(c) -> None:
+    assert ".target sm_90" in c.ptx
+    assert ".local" not in c.ptx and ".f64" not in c.ptx
+    assert "st.global.u32" in c.ptx or "st.global.b32" in c.ptx
+
+
+def test_expansion_kernel_compiles_to_sm90_ptx(request):
+    """Typed and compiled for sm_90 with the simulator off (a compile process: a process chooses its mode once)."""
+    (compiled,) = compile_sets(PTX_VARIANT_SETS, progress=progress_printer(request.config)).values()
+    assert [c.name for c in compiled] == [name for name, _, _ in kernels.kernel_variants()]
+    each_variant(compiled, check_expansion_ptx)
 
 
 # ---------------------------------------------------------------------------- on a GPU
