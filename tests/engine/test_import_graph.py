@@ -28,6 +28,7 @@ MAY_IMPORT = {
     "simulators": {"reference", "simulators"},
     "numba_kernels": {"reference", "simulators", "numba_kernels"},
     "engine": {"reference", "simulators", "numba_kernels", "engine"},
+    "testing": {"reference", "testing"},  # the kit for other people's kernels: the oracle only (NumPy, Hypothesis)
 }
 """The views each view may import (top-level ``fp8lab`` itself imports nothing)."""
 

@@ -54,7 +54,7 @@ def test_import_fp8lab_loads_no_subpackage_and_says_what_is_inside():
         import sys
         import fp8lab
         assert not [m for m in sys.modules if m.startswith('fp8lab.')], 'a subpackage was imported eagerly'
-        for name in ('fp8lab.reference', 'fp8lab.simulators', 'fp8lab.numba_kernels', 'fp8lab.engine'):
+        for name in ('fp8lab.reference', 'fp8lab.simulators', 'fp8lab.numba_kernels', 'fp8lab.engine', 'fp8lab.testing'):
             assert name in fp8lab.__doc__, name
         print('ok')
     """)
@@ -96,6 +96,24 @@ def test_the_strategies_need_only_hypothesis_more():
             seen.append(codes)
         collect()
         assert seen and all(c.dtype.name == 'uint8' for c in seen)
+        print('ok')
+    """)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_the_testing_kit_needs_only_hypothesis_more():
+    result = run_without(["numba", "safetensors", "tokenizers", "tqdm", "matplotlib", "ml_dtypes"], """
+        import numpy as np
+        from fp8lab import testing
+        from fp8lab.reference import blockwise, e4m3
+        testing.check_e4m3_encode(e4m3.encode)
+        try:
+            testing.check_e4m3_encode(lambda x: e4m3.encode(x, saturate=False))
+        except testing.KernelCheckFailed as failure:
+            assert 'overflow_policy_swapped' in str(failure)
+        else:
+            raise SystemExit('the kit passed a wrong encoder')
+        testing.check_blockwise_dequantize(blockwise.dequantize, max_examples=5)
         print('ok')
     """)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

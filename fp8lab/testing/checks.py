@@ -1,0 +1,294 @@
+"""``check_*``: run someone's implementation of an operator of the contract against the oracle.
+
+Each function takes the implementation (a callable on NumPy arrays), feeds it the inputs that
+FP8 code gets wrong (every code, every tie, the overflow threshold, subnormals, all-zero and tiny
+blocks, partial edge blocks), then random ones, and compares with ``fp8lab.reference`` under the
+operator's tolerance. It returns ``None`` when the implementation meets the contract, else raises
+``KernelCheckFailed`` whose ``report`` gives the smallest failing input found (Hypothesis shrinks
+it), the expected and actual values, and the bug classes of ``fp8lab.testing.bugs`` whose mutant
+reproduces the wrong output.
+
+Tolerances, per operator (``u = 2^-24``, ``gamma(n) = n u / (1 - n u)``):
+
+- ``encode``, ``decode``, ``dequantize``: exact (bit for bit; NaN where the oracle has NaN, with
+  ``encode`` keeping the input's sign). ``dequantize`` is one float32 product per element.
+- ``quantize`` (weights) and ``quantize_activations``: each scale within 1 float32 ulp of the
+  oracle's (``amax / 448`` or ``max(amax, eps) / 448``, 1 for an all-zero weight block, never below
+  ``2^-126``), so a reciprocal multiply passes; every element within the round-trip bound
+  ``|decode(q) s - x| <= 2^-4 |x| (1 + 2^-20) + 2^-10 s``; no NaN code for finite input.
+- ``gemm`` (W8A16): ``|out - ref| <= gamma(K + 2 ceil(K / BK) + 4) * sum_k |a| |w|`` elementwise,
+  against the float64 oracle: float32 accumulation in any order, with per-block promotion.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fp8lab.reference import blockwise, e4m3
+
+from . import bugs
+from .report import KernelCheckFailed, Report
+
+U = 2.0**-24
+
+
+def _gamma(n: int) -> float:
+    return n * U / (1 - n * U)
+
+
+def _settings(max_examples: int):
+    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Elementwise equality with NaN equal to NaN (and bit patterns compared for integers)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind == "f" or b.dtype.kind == "f":
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        return (a64 == b64) | (np.isnan(a64) & np.isnan(b64))
+    return a == b
+
+
+def _as_output(name: str, value, shape, operator: str = "", inputs=None, diagnoses=()) -> np.ndarray:
+    """The implementation's output as a NumPy array of the expected shape; otherwise a report (the
+    output's shape is part of the contract) with the bug classes that give the same wrong shape."""
+    array = np.asarray(value)
+    if array.shape != tuple(shape):
+        raise KernelCheckFailed(Report(operator, inputs or {}, name, (), f"shape {tuple(shape)}", f"shape {array.shape}",
+                                       "the output's shape is part of the contract", 1, 1, list(diagnoses)))
+    return array
+
+
+def _report(operator, inputs, output, ok, expected, actual, tolerance, diagnoses) -> Report:
+    bad = np.argwhere(~ok)
+    index = tuple(int(i) for i in bad[0]) if bad.size else ()
+    return Report(operator, inputs, output, index, expected[index].item() if bad.size else None,
+                  actual[index].item() if bad.size else None, tolerance, int((~ok).sum()), int(ok.size), diagnoses)
+
+
+# ---------------------------------------------------------------------------- E4M3 encode and decode
+
+
+def encode_inputs(rng: np.random.Generator | None = None) -> np.ndarray:
+    """float32 inputs that decide an E4M3 encoder: every finite value, every midpoint between neighbours
+    (ties) and the floats next to it, the overflow threshold (464, 465, 480, ...), infinities, zeros,
+    NaN, the subnormal range finely, then log-uniform random values of both signs."""
+    rng = rng or np.random.default_rng(0)
+    values = e4m3.decode(np.arange(256, dtype=np.uint8))
+    finite = np.unique(values[np.isfinite(values)].astype(np.float64))
+    mid = ((finite[1:] + finite[:-1]) / 2).astype(np.float32)  # exact: E4M3 values have 4 significant bits
+    near = np.concatenate([np.nextafter(mid, np.float32(np.inf)), np.nextafter(mid, np.float32(-np.inf))])
+    special = np.array([464, 465, 480, 500, 1e9, 3.4e38, np.inf, -np.inf, np.nan, 0.0, -0.0, 240, 241, 256,
+                        2.0**-6, 2.0**-9, 2.0**-10, 2.0**-11, 1e-30], np.float32)
+    subnormal = np.linspace(-2.0**-6, 2.0**-6, 1001, dtype=np.float32)
+    random = (rng.choice([-1.0, 1.0], 4000) * 10.0 ** rng.uniform(-12, 4, 4000)).astype(np.float32)
+    return np.concatenate([finite.astype(np.float32), mid, near, special, -special, subnormal, random])
+
+
+def _diagnose_elementwise(candidates, inputs, actual, failing) -> list:
+    """Bug classes whose mutant equals the implementation's output on every failing element."""
+    return [b for b in candidates if np.all(_same(b.mutant(*inputs)[failing], actual[failing]))]
+
+
+def check_e4m3_encode(fn, saturate: bool = True) -> None:
+    """``fn(x)`` for float32 ``x`` of any 1-D shape must return its uint8 E4M3 codes with the contract's
+    rounding (nearest, ties to even) and overflow policy (``saturate``: +-448, else NaN; NaN keeps its sign)."""
+    x = encode_inputs()
+    expected = e4m3.encode(x, saturate=saturate)
+    actual = _as_output("codes", fn(x.copy()), x.shape, f"e4m3 encode (saturate={saturate})").astype(np.uint8)
+    ok = _same(actual, expected)
+    if ok.all():
+        return
+    failing = ~ok
+    minimal = x[np.argwhere(failing)[0]]
+    diagnoses = _diagnose_elementwise([b for b in bugs.ENCODE_BUGS], (x, saturate), actual, failing)
+    got = np.asarray(fn(minimal.copy())).astype(np.uint8)
+    raise KernelCheckFailed(Report(f"e4m3 encode (saturate={saturate})", {"x": minimal}, "codes", (0,),
+                                   f"0x{int(e4m3.encode(minimal, saturate)[0]):02X}", f"0x{int(got[0]):02X}",
+                                   "exact", int(failing.sum()), int(x.size), diagnoses))
+
+
+def check_e4m3_decode(fn) -> None:
+    """``fn(codes)`` for uint8 ``codes`` must return their exact float32 values (NaN for 0x7F and 0xFF)."""
+    codes = np.arange(256, dtype=np.uint8)
+    expected = e4m3.decode(codes)
+    actual = _as_output("values", fn(codes.copy()), codes.shape, "e4m3 decode").astype(np.float32)
+    ok = _same(actual, expected)
+    if ok.all():
+        return
+    failing = ~ok
+    diagnoses = _diagnose_elementwise(bugs.DECODE_BUGS, (codes,), actual, failing)
+    i = int(np.argwhere(failing)[0][0])
+    raise KernelCheckFailed(Report("e4m3 decode", {"codes": codes[i : i + 1]}, "values", (0,), float(expected[i]),
+                                   float(actual[i]), "exact", int(failing.sum()), 256, diagnoses))
+
+
+# ---------------------------------------------------------------------------- blockwise weights
+
+
+@st.composite
+def weight_cases(draw, block, k_multiple: int = 1):
+    """A weight ``[N, K]`` (N, K up to 2.5 blocks, partial edge blocks likely; K a multiple of
+    ``k_multiple`` where the implementation needs one) and how its values look."""
+    bn, bk = block
+    n = draw(st.integers(1, (5 * bn) // 2))
+    k = k_multiple * draw(st.integers(1, max(1, (5 * bk) // (2 * k_multiple))))
+    seed = draw(st.integers(0, 2**32 - 1))
+    kind = draw(st.sampled_from(["normal", "zero block", "tiny block", "wide range"]))
+    return n, k, seed, kind
+
+
+def make_weight(n: int, k: int, seed: int, kind: str, block) -> np.ndarray:
+    """The float32 weight of a ``weight_cases`` example (seeded, never all zeros unless ``kind`` says a block)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * np.float32(10.0 ** rng.uniform(-3, 3))
+    if kind == "zero block":
+        w[: block[0], : block[1]] = 0
+    elif kind == "tiny block":
+        w[: block[0], : block[1]] *= np.float32(1e-38)
+    elif kind == "wide range":
+        w *= (10.0 ** rng.uniform(-6, 6, (n, k))).astype(np.float32)
+    return w
+
+
+def _round_trip_ok(q, s, x, block) -> np.ndarray:
+    """The round-trip bound of the module docstring, elementwise, for codes ``q`` with scales ``s``."""
+    scales = blockwise.expand_scales(s, x.shape, block).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        value = e4m3.decode(q).astype(np.float64) * scales
+        bound = 2.0**-4 * np.abs(x.astype(np.float64)) * (1 + 2.0**-20) + 2.0**-10 * scales
+        return np.abs(value - x) <= bound
+
+
+def _scales_ok(s, s_ref) -> np.ndarray:
+    s64, ref = np.asarray(s, np.float64), np.asarray(s_ref, np.float64)
+    return (np.abs(s64 - ref) <= 2.0**-23 * np.abs(ref)) | (np.isnan(s64) & np.isnan(ref))
+
+
+def _matches_pair(mutant_out, q, s) -> bool:
+    mq, ms = mutant_out
+    return np.shape(mq) == q.shape and np.shape(ms) == s.shape and bool(np.all(_same(mq, q)) and np.all(_same(ms, s)))
+
+
+def check_blockwise_quantize(fn, block=(128, 128), max_examples: int = 40) -> None:
+    """``fn(w, block)`` for float32 ``w[N, K]`` must return ``(codes uint8 [N, K], scale_inv float32
+    [ceil(N/BN), ceil(K/BK)])``: one scale per block, scales and round trip within the module docstring's tolerance."""
+    block = (int(block[0]), int(block[1]))
+
+    @_settings(max_examples)
+    @given(weight_cases(block))
+    def run(case):
+        n, k, seed, kind = case
+        w = make_weight(n, k, seed, kind, block)
+        q_ref, s_ref = blockwise.quantize(w, block)
+        q, s = (np.asarray(x) for x in fn(w.copy(), block))
+        inputs = {"w": w, "block": block}
+        diagnoses = [b for b in bugs.QUANTIZE_BUGS if _matches_pair(b.mutant(w, block), q, s)]
+        q = _as_output("codes", q, w.shape, "blockwise quantize", inputs, diagnoses).astype(np.uint8)
+        s = _as_output("scale_inv", s, s_ref.shape, "blockwise quantize", inputs, diagnoses).astype(np.float32)
+        ok = _scales_ok(s, s_ref)
+        if not ok.all():
+            raise KernelCheckFailed(_report("blockwise quantize", inputs, "scale_inv", ok, s_ref, s,
+                                            "within 1 float32 ulp of the oracle's amax / 448", diagnoses))
+        ok = _round_trip_ok(q, s, w, block) & ~e4m3.is_nan(q)
+        if not ok.all():
+            raise KernelCheckFailed(_report("blockwise quantize", inputs, "codes", ok, q_ref, q,
+                                            "|decode(q) s - w| <= 2^-4 |w| + 2^-10 s, no NaN codes", diagnoses))
+
+    run()
+
+
+def check_blockwise_dequantize(fn, block=(128, 128), max_examples: int = 40) -> None:
+    """``fn(codes, scale_inv, block)`` must return ``decode(codes) * scale_inv[n // BN, k // BK]`` as float32,
+    bit for bit (codes from the oracle's quantizer over ``weight_cases``, NaN codes excluded)."""
+    block = (int(block[0]), int(block[1]))
+
+    @_settings(max_examples)
+    @given(weight_cases(block))
+    def run(case):
+        n, k, seed, kind = case
+        q, s = blockwise.quantize(make_weight(n, k, seed, kind, block), block)
+        expected = blockwise.dequantize(q, s, block)
+        actual = _as_output("w", fn(q.copy(), s.copy(), block), q.shape, "blockwise dequantize").astype(np.float32)
+        ok = _same(actual, expected)
+        if not ok.all():
+            diagnoses = [b for b in bugs.DEQUANTIZE_BUGS if np.all(_same(b.mutant(q, s, block), actual))]
+            raise KernelCheckFailed(_report("blockwise dequantize", {"codes": q, "scale_inv": s, "block": block},
+                                            "w", ok, expected, actual, "exact (one float32 product)", diagnoses))
+
+    run()
+
+
+def check_blockwise_gemm(fn, block=(128, 128), max_examples: int = 30, k_multiple: int = 1) -> None:
+    """``fn(a, codes, scale_inv, block)`` for float32 ``a[M, K]`` must return ``a @ dequantize(codes,
+    scale_inv)^T`` ``[M, N]`` within the float32 bound of the module docstring (W8A16). ``k_multiple``:
+    only K that are multiples of it (for kernels that require, e.g., K % 128 == 0)."""
+    block = (int(block[0]), int(block[1]))
+
+    @_settings(max_examples)
+    @given(weight_cases(block, k_multiple), st.integers(1, 8))
+    def run(case, m):
+        n, k, seed, kind = case
+        q, s = blockwise.quantize(make_weight(n, k, seed, kind, block), block)
+        a = np.random.default_rng(seed + 1).standard_normal((m, k)).astype(np.float32)
+        expected = blockwise.gemm(a, q, s, block)
+        actual = _as_output("out", fn(a.copy(), q.copy(), s.copy(), block), (m, n), "blockwise gemm (W8A16)").astype(np.float64)
+        w = np.abs(blockwise.dequantize(q, s, block).astype(np.float64))
+        bound = _gamma(k + 2 * math.ceil(k / block[1]) + 4) * (np.abs(a.astype(np.float64)) @ w.T) + 2.0**-140 * k
+        ok = np.abs(actual - expected) <= bound
+        if not ok.all():
+            diagnoses = [b for b in bugs.GEMM_BUGS if _reproduces_gemm(b, a, q, s, block, actual)]
+            raise KernelCheckFailed(_report("blockwise gemm (W8A16)", {"a": a, "codes": q, "scale_inv": s,
+                                                                       "block": block}, "out", ok, expected, actual,
+                                            "gamma(K + 2 ceil(K/BK) + 4) sum_k |a| |w|", diagnoses))
+
+    run()
+
+
+def _reproduces_gemm(bug, a, q, s, block, actual) -> bool:
+    """The GEMM mutant's output equals ``actual`` within the same float32 bound, taken over its own weight."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = np.abs(bug.mutant.dequantize(q, s, block).astype(np.float64))
+        k = a.shape[1]
+        bound = _gamma(k + 2 * math.ceil(k / block[1]) + 4) * (np.abs(a.astype(np.float64)) @ w.T) + 2.0**-140 * k
+        return bool(np.all(np.abs(bug.mutant(a, q, s, block) - actual) <= bound))
+
+
+# ---------------------------------------------------------------------------- activation quantization
+
+
+def check_activation_quantize(fn, group: int = 128, eps: float = blockwise.DEFAULT_ACTIVATION_EPS,
+                              max_examples: int = 40) -> None:
+    """``fn(a, group, eps)`` for float32 ``a[M, K]`` must return ``(codes uint8 [M, K], scales float32
+    [M, ceil(K/group)])``: per token and group ``s = max(amax, eps) / 448``, within the module docstring's
+    tolerance (an all-zero group is among the inputs)."""
+
+    @_settings(max_examples)
+    @given(st.integers(1, 6), st.integers(1, (5 * group) // 2), st.integers(0, 2**32 - 1), st.booleans())
+    def run(m, k, seed, zero_group):
+        rng = np.random.default_rng(seed)
+        a = (rng.standard_normal((m, k)) * 10.0 ** rng.uniform(-3, 3)).astype(np.float32)
+        if zero_group:
+            a[0, :group] = 0
+        q_ref, s_ref = blockwise.quantize_activations(a, group, eps)
+        q, s = (np.asarray(x) for x in fn(a.copy(), group, eps))
+        inputs = {"a": a, "group": group, "eps": eps}
+        diagnoses = [b for b in bugs.ACTIVATION_BUGS if _matches_pair(b.mutant(a, group, eps), q, s)]
+        q = _as_output("codes", q, a.shape, "activation quantize", inputs, diagnoses).astype(np.uint8)
+        s = _as_output("scales", s, s_ref.shape, "activation quantize", inputs, diagnoses).astype(np.float32)
+        ok = _scales_ok(s, s_ref)
+        if not ok.all():
+            raise KernelCheckFailed(_report("activation quantize", inputs, "scales", ok, s_ref, s,
+                                            "within 1 float32 ulp of max(amax, eps) / 448", diagnoses))
+        ok = _round_trip_ok(q, s, a, (1, group)) & ~e4m3.is_nan(q)
+        if not ok.all():
+            raise KernelCheckFailed(_report("activation quantize", inputs, "codes", ok, q_ref, q,
+                                            "|decode(q) s - a| <= 2^-4 |a| + 2^-10 s, no NaN codes", diagnoses))
+
+    run()
