@@ -198,3 +198,73 @@ CATALOG = ENCODE_BUGS + DECODE_BUGS + QUANTIZE_BUGS + DEQUANTIZE_BUGS + GEMM_BUG
 def bugs_of(operator: str) -> list[BugClass]:
     """The bug classes of one operator."""
     return [b for b in CATALOG if b.operator == operator]
+
+
+# ---------------------------------------------------------------------------- the FP8 KV cache and decode attention
+
+
+def _kv_scale_over_all_heads(x):
+    """``quantize_kv`` with one scale per token, taken over all its heads, instead of one per (token, head)."""
+    x32 = np.asarray(x, np.float32)
+    amax = np.max(np.abs(x32), axis=(-2, -1), initial=0)
+    scales = np.broadcast_to(e4m3.scale_of_amax(amax)[..., None], x32.shape[:-1]).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        return e4m3.encode(x32 / scales[..., None], saturate=True), scales
+
+
+def _decode_with_heads(kv_head_of):
+    """The decode oracle with query head ``h`` reading kv head ``kv_head_of(h, num_heads, num_kv_heads)``."""
+    from fp8lab.reference import attention
+
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale):
+        num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+        out = np.zeros(q.shape, np.float64)
+        for h in range(num_heads):
+            g = kv_head_of(h, num_heads, num_kv_heads)
+            pick = slice(g, g + 1)
+            out[:, h : h + 1] = attention.paged_decode(
+                q[:, h : h + 1], k_cache[:, pick], v_cache[:, pick], block_tables, seq_lens, softmax_scale,
+                None if k_scale is None else k_scale[:, pick], None if v_scale is None else v_scale[:, pick])
+        return out
+    return decode
+
+
+def _decode_length_zero_nan(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale):
+    """The oracle, but a sequence of length 0 divides 0 by 0 (``acc / l`` unguarded): NaN rows."""
+    from fp8lab.reference import attention
+
+    out = attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale)
+    out[np.asarray(seq_lens) == 0] = np.nan
+    return out
+
+
+def _decode_unguarded_combine(num_splits: int):
+    """Split-kv decode over ``num_splits`` shards of whole blocks whose combine has no ``-inf`` guard:
+    an empty shard's ``m = -inf`` gives ``exp(-inf - (-inf)) = NaN``, so every row of a sequence with
+    an empty shard (fewer blocks than shards) is NaN; the others are exact."""
+    from fp8lab.reference import attention
+
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale):
+        out = attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale)
+        blocks = -(-np.asarray(seq_lens) // k_cache.shape[2])
+        out[(blocks < num_splits) & (np.asarray(seq_lens) > 0)] = np.nan
+        return out
+    return decode
+
+
+KV_BUGS = [
+    BugClass("kv_scale_over_all_heads", "quantize_kv", "the KV scale is taken over all heads of a token "
+             "instead of one per (token, kv head)", _kv_scale_over_all_heads),
+]
+
+DECODE_ATTENTION_BUGS = [
+    BugClass("wrong_head_mapping", "paged_decode", "query head h reads kv head h % num_kv_heads (round robin) "
+             "instead of h // (num_heads / num_kv_heads)", _decode_with_heads(lambda h, hq, hkv: h % hkv)),
+    BugClass("length_zero_rows_not_zero", "paged_decode", "a sequence of length 0 gives NaN (an unguarded "
+             "acc / l) or a stale row instead of zeros", _decode_length_zero_nan),
+] + [
+    BugClass("missing_neg_inf_guard", "paged_decode", f"the split-kv combine has no -inf guard: an empty shard "
+             f"(here with {p} shards) makes its sequence NaN", _decode_unguarded_combine(p)) for p in range(2, 17)
+]
+
+CATALOG += KV_BUGS + DECODE_ATTENTION_BUGS

@@ -18,6 +18,9 @@ Tolerances, per operator (``u = 2^-24``, ``gamma(n) = n u / (1 - n u)``):
   ``|decode(q) s - x| <= 2^-4 |x| (1 + 2^-20) + 2^-10 s``; no NaN code for finite input.
 - ``gemm`` (W8A16): ``|out - ref| <= gamma(K + 2 ceil(K / BK) + 4) * sum_k |a| |w|`` elementwise,
   against the float64 oracle: float32 accumulation in any order, with per-block promotion.
+- ``quantize_kv``: as ``quantize``, with one scale per (token, kv head).
+- ``paged_decode``: ``decode_tolerance``: a float32 score error moves the softmax weights, the
+  float32 sums add ``gamma(2 L + 16)``; relative to the largest value the row averages.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fp8lab.reference import blockwise, e4m3
+from fp8lab.reference import attention, blockwise, e4m3, kv_cache
+from fp8lab.reference import strategies as fst
 
 from . import bugs
 from .report import KernelCheckFailed, Report
@@ -292,3 +296,95 @@ def check_activation_quantize(fn, group: int = 128, eps: float = blockwise.DEFAU
                                             "|decode(q) s - a| <= 2^-4 |a| + 2^-10 s, no NaN codes", diagnoses))
 
     run()
+
+
+# ---------------------------------------------------------------------------- the FP8 KV cache and decode attention
+
+
+def check_kv_quantize(fn, max_examples: int = 40) -> None:
+    """``fn(x)`` for float32 ``x[T, kv_heads, head_dim]`` must return ``(codes uint8 like x, scales float32
+    [T, kv_heads])``: one scale per (token, kv head), ``amax / 448`` (1 for a zero vector, at least 2^-126),
+    within the tolerance of the module docstring."""
+
+    @_settings(max_examples)
+    @given(st.integers(1, 6), st.integers(1, 4), st.sampled_from([8, 16, 64, 128]), st.integers(0, 2**32 - 1),
+           st.booleans())
+    def run(t, heads, dim, seed, zero_vector):
+        rng = np.random.default_rng(seed)
+        x = (rng.standard_normal((t, heads, dim)) * rng.uniform(0.01, 100, (t, heads, 1))).astype(np.float32)
+        if zero_vector:
+            x[0, 0] = 0
+        q_ref, s_ref = kv_cache.quantize_kv(x)
+        q, s = (np.asarray(v) for v in fn(x.copy()))
+        inputs = {"x": x}
+        diagnoses = [b for b in bugs.KV_BUGS if _matches_pair(b.mutant(x), q, s)]
+        q = _as_output("codes", q, x.shape, "kv quantize", inputs, diagnoses).astype(np.uint8)
+        s = _as_output("scales", s, x.shape[:2], "kv quantize", inputs, diagnoses).astype(np.float32)
+        ok = _scales_ok(s, s_ref)
+        if not ok.all():
+            raise KernelCheckFailed(_report("kv quantize", inputs, "scales", ok, s_ref, s,
+                                            "within 1 float32 ulp of amax / 448 per (token, kv head)", diagnoses))
+        scales = np.broadcast_to(s[..., None], x.shape)
+        with np.errstate(invalid="ignore", over="ignore"):
+            value = e4m3.decode(q).astype(np.float64) * scales
+            ok = (np.abs(value - x) <= 2.0**-4 * np.abs(x) * (1 + 2.0**-20) + 2.0**-10 * scales) & ~e4m3.is_nan(q)
+        if not ok.all():
+            raise KernelCheckFailed(_report("kv quantize", inputs, "codes", ok, q_ref, q,
+                                            "|decode(q) s - x| <= 2^-4 |x| + 2^-10 s, no NaN codes", diagnoses))
+
+    run()
+
+
+def decode_tolerance(data) -> np.ndarray:
+    """Per (sequence, query head): ``(2 gamma(D + 8) B + gamma(2 L + 16)) max|v| + 2^-120``, where ``B`` is the
+    largest ``|q| . |k_j| * softmax_scale`` of the sequence (a float32 score error of ``gamma(D) B`` changes
+    the softmax weights by a relative ``2 gamma(D) B`` at most) and ``L`` its length (the float32 sums)."""
+    q = data.q.astype(np.float64)
+    num_seqs, num_heads, dim = q.shape
+    group = num_heads // data.k_cache.shape[1]
+    tol = np.full((num_seqs, num_heads), 2.0**-120)
+    for i, length in enumerate(int(n) for n in data.seq_lens):
+        if length == 0:
+            continue
+        k = kv_cache.gather(data.k_cache, data.k_scale, data.block_tables[i], length).astype(np.float64)
+        v = kv_cache.gather(data.v_cache, data.v_scale, data.block_tables[i], length).astype(np.float64)
+        for h in range(num_heads):
+            b = float(np.max(np.abs(k[:, h // group]) @ np.abs(q[i, h]))) * data.softmax_scale
+            tol[i, h] += (2 * _gamma(dim + 8) * b + _gamma(2 * length + 16)) * float(np.max(np.abs(v[:, h // group])))
+    return tol
+
+
+def check_paged_decode(fn, fp8: bool = True, max_examples: int = 30) -> None:
+    """``fn(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale)`` must return decode
+    attention ``[num_seqs, num_heads, head_dim]`` over fp8lab's paged layout (``fp8lab.reference.kv_cache``:
+    caches ``[blocks, kv_heads, block_size, head_dim]``, E4M3 codes with scales when ``fp8``), GQA by
+    ``h // (num_heads / num_kv_heads)``, zero rows for length 0, within ``decode_tolerance`` of the oracle."""
+
+    @_settings(max_examples)
+    @given(fst.paged_kv_layouts(), st.integers(0, 2**32 - 1))
+    def run(layout, seed):
+        data = layout.random_data(np.random.default_rng(seed), fp8=fp8)
+        args = data.decode_args()
+        expected = attention.paged_decode(*args)
+        actual = _as_output("out", fn(*(a.copy() if isinstance(a, np.ndarray) else a for a in args)),
+                            expected.shape, "paged decode").astype(np.float64)
+        tol = decode_tolerance(data)[..., None]
+        ok = np.abs(actual - expected) <= tol  # NaN is never within it
+        if not ok.all():
+            inputs = {"layout": f"{layout.num_heads} query heads over {layout.num_kv_heads} kv heads, head_dim "
+                                f"{layout.head_dim}, block_size {layout.block_size}", "seq_lens": data.seq_lens,
+                      "block_tables": data.block_tables}
+            diagnoses = [b for b in bugs.DECODE_ATTENTION_BUGS if _reproduces(b.mutant(*args), actual, tol)]
+            raise KernelCheckFailed(_report("paged decode", inputs, "out", ok, expected, actual,
+                                            "(2 gamma(D + 8) B + gamma(2 L + 16)) max|v| per (sequence, head)",
+                                            diagnoses))
+
+    run()
+
+
+def _reproduces(mutant_out, actual, tol) -> bool:
+    """The mutant's output equals ``actual`` within ``tol`` where finite, and is NaN exactly where it is."""
+    m = np.asarray(mutant_out, np.float64)
+    nan_m, nan_a = np.isnan(m), np.isnan(actual)
+    close = np.abs(np.where(nan_m, 0, m) - np.where(nan_a, 0, actual)) <= tol
+    return bool(np.array_equal(nan_m, nan_a) and np.all(close | nan_m))

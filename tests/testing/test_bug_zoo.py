@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from fp8lab import testing
-from fp8lab.reference import blockwise, e4m3
-from fp8lab.simulators import gemv_simt
+from fp8lab.reference import blockwise, e4m3, kv_cache
+from fp8lab.simulators import gemv_simt, splitkv
 
 FN = ml_dtypes.float8_e4m3fn
 
@@ -136,6 +136,60 @@ def activations_without_eps(a, group, eps):
     return q, s
 
 
+def kv_quantize_per_token(x):
+    """One scale per token over all its heads (the whole ``[kv_heads, head_dim]`` slice)."""
+    x = np.asarray(x, np.float32)
+    amax = np.abs(x).reshape(x.shape[0], -1).max(axis=1)
+    scale = np.where(amax == 0, np.float32(1), np.maximum(amax / np.float32(448), np.float32(2.0**-126)))
+    scales = np.repeat(scale[:, None], x.shape[1], axis=1).astype(np.float32)
+    return cast_saturating(x / scales[..., None]), scales
+
+
+def my_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale, *,
+              kv_head_of=lambda h, hq, hkv: h // (hq // hkv), empty_row=0.0, splits=None):
+    """A decode written out by hand: gather each token through the block table, dequantize, softmax in
+    float64. The keywords plant one bug each: the head mapping, what a length-0 row gets, and a
+    split-kv combine over ``splits`` shards of whole blocks with no -inf guard."""
+    block_size, num_heads, num_kv = k_cache.shape[2], q.shape[1], k_cache.shape[1]
+
+    def value(cache, scale, block, g, offset):
+        row = cache[block, g, offset]
+        if scale is None:
+            return row.astype(np.float64)
+        return row.view(FN).astype(np.float64) * float(scale[block, g, offset])
+
+    out = np.zeros(q.shape)
+    for s, length in enumerate(seq_lens):
+        for h in range(num_heads):
+            g = kv_head_of(h, num_heads, num_kv)
+            if length == 0:
+                out[s, h] = empty_row
+                continue
+            k = np.array([value(k_cache, k_scale, block_tables[s, j // block_size], g, j % block_size) for j in range(length)])
+            v = np.array([value(v_cache, v_scale, block_tables[s, j // block_size], g, j % block_size) for j in range(length)])
+            scores = k @ q[s, h].astype(np.float64) * softmax_scale
+            if splits is None:
+                w = np.exp(scores - scores.max())
+                out[s, h] = w @ v / w.sum()
+                continue
+            blocks = -(-length // block_size)
+            per = -(-blocks // splits)
+            parts = []  # flash-decoding's normalized partials: (lse_s, o_s = acc_s / l_s) per shard
+            for p in range(splits):
+                lo, hi = min(p * per * block_size, length), min((p + 1) * per * block_size, length)
+                m = scores[lo:hi].max() if hi > lo else -np.inf
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    w = np.exp(scores[lo:hi] - m)
+                    acc = w @ v[lo:hi] if hi > lo else np.zeros(v.shape[1])
+                    parts.append((m + np.log(w.sum()), acc / w.sum()))  # an empty shard: (-inf, 0 / 0 = NaN)
+            lse_max = max(p[0] for p in parts)
+            with np.errstate(invalid="ignore"):
+                # no guard: an empty shard's weight exp(-inf) = 0 times its NaN partial is NaN
+                out[s, h] = sum(np.exp(p[0] - lse_max) * p[1] for p in parts)
+                out[s, h] /= sum(np.exp(p[0] - lse_max) for p in parts)
+    return out
+
+
 ZOO = [
     ("ties_away_from_zero", lambda: testing.check_e4m3_encode(encode_ties_away)),
     ("overflow_policy_swapped", lambda: testing.check_e4m3_encode(encode_nan_on_overflow)),
@@ -153,6 +207,11 @@ ZOO = [
     ("wrong_block_dimension", lambda: testing.check_blockwise_gemm(gemm_over(dequantize_swapped), block=(64, 128))),
     ("partial_edge_block", lambda: testing.check_blockwise_gemm(gemm_over(dequantize_edge_clamped))),
     ("group_scale_without_eps", lambda: testing.check_activation_quantize(activations_without_eps)),
+    ("kv_scale_over_all_heads", lambda: testing.check_kv_quantize(kv_quantize_per_token)),
+    ("wrong_head_mapping", lambda: testing.check_paged_decode(
+        lambda *a: my_decode(*a, kv_head_of=lambda h, hq, hkv: h % hkv))),
+    ("length_zero_rows_not_zero", lambda: testing.check_paged_decode(lambda *a: my_decode(*a, empty_row=np.nan))),
+    ("missing_neg_inf_guard", lambda: testing.check_paged_decode(lambda *a: my_decode(*a, splits=4))),
 ]
 
 
@@ -182,6 +241,14 @@ def test_the_oracle_and_correct_peers_pass():
     testing.check_blockwise_quantize(blockwise.quantize, block=(64, 128))
     testing.check_blockwise_dequantize(blockwise.dequantize)
     testing.check_activation_quantize(blockwise.quantize_activations)
+    testing.check_kv_quantize(kv_cache.quantize_kv)
+    testing.check_paged_decode(lambda *a: my_decode(*a))  # the hand-written decode without a planted bug
+    testing.check_paged_decode(lambda *a: my_decode(*a), fp8=False)
+
+
+def test_the_split_kv_simulator_passes():
+    """The bit-exact model of fp8lab's split-kv decode kernel (auto splits, log2-domain combine)."""
+    testing.check_paged_decode(lambda *a: splitkv.paged_decode(*a), max_examples=15)
 
 
 def test_the_simulators_of_fp8labs_gemm_kernels_pass():
