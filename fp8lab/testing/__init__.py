@@ -12,7 +12,7 @@ known bug classes (``fp8lab.testing.bugs.CATALOG``) consistent with the wrong ou
         check_blockwise_gemm(lambda a, q, s, block: my_fp8_gemm(a, q, s, block))
 
 Operators so far: E4M3 encode and decode, blockwise weight quantize / dequantize, the W8A16
-blockwise GEMM, per-token-group activation quantization, FP8 KV quantization per (token, head) and
+and W8A8 blockwise GEMMs, per-token-group activation quantization, FP8 KV quantization per (token, head) and
 paged decode attention (GQA, length-0 rows). Needs NumPy and Hypothesis only
 (``pip install "fp8lab[testing]"``).
 """
@@ -27,9 +27,10 @@ from .checks import (
     check_e4m3_encode,
     check_kv_quantize,
     check_paged_decode,
+    check_w8a8_gemm,
 )
 from .report import KernelCheckFailed, Report
 
 __all__ = ["CATALOG", "BugClass", "KernelCheckFailed", "Report", "check_activation_quantize",
            "check_blockwise_dequantize", "check_blockwise_gemm", "check_blockwise_quantize", "check_e4m3_decode",
-           "check_e4m3_encode", "check_kv_quantize", "check_paged_decode"]
+           "check_e4m3_encode", "check_kv_quantize", "check_paged_decode", "check_w8a8_gemm"]

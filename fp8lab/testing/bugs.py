@@ -268,3 +268,24 @@ DECODE_ATTENTION_BUGS = [
 ]
 
 CATALOG += KV_BUGS + DECODE_ATTENTION_BUGS
+
+
+def _w8a8_with_activations(quantize_activations):
+    """The W8A8 oracle with the activations quantized by ``quantize_activations`` (a mutant of it)."""
+    def gemm(a, q, scale_inv, block, eps):
+        a32 = np.asarray(a, np.float32)
+        aq, a_scales = quantize_activations(a32, block[1], eps)
+        w = e4m3.decode(q).astype(np.float64) * np.repeat(np.repeat(np.asarray(scale_inv, np.float64), block[0], 0),
+                                                          block[1], 1)[: q.shape[0], : q.shape[1]]
+        with np.errstate(invalid="ignore"):
+            x = e4m3.decode(aq).astype(np.float64) * np.repeat(a_scales.astype(np.float64), block[1], 1)[:, : a32.shape[1]]
+        return x @ w.T
+    return gemm
+
+
+W8A8_BUGS = [
+    BugClass("group_scale_without_eps", "gemm_w8a8", "the activation group scale is amax / 448 with no epsilon, "
+             "so an all-zero group gives NaN", _w8a8_with_activations(_activations_without_eps)),
+]
+
+CATALOG += W8A8_BUGS

@@ -18,6 +18,8 @@ Tolerances, per operator (``u = 2^-24``, ``gamma(n) = n u / (1 - n u)``):
   ``|decode(q) s - x| <= 2^-4 |x| (1 + 2^-20) + 2^-10 s``; no NaN code for finite input.
 - ``gemm`` (W8A16): ``|out - ref| <= gamma(K + 2 ceil(K / BK) + 4) * sum_k |a| |w|`` elementwise,
   against the float64 oracle: float32 accumulation in any order, with per-block promotion.
+- ``gemm_w8a8``: activations quantized exactly as the contract's float32 formula, then
+  ``|out - ref| <= gamma(BK + ceil(K / BK) + 4) * sum |a_s w_s decode(aq) decode(q)|``.
 - ``quantize_kv``: as ``quantize``, with one scale per (token, kv head).
 - ``paged_decode``: ``decode_tolerance``: a float32 score error moves the softmax weights, the
   float32 sums add ``gamma(2 L + 16)``; relative to the largest value the row averages.
@@ -388,3 +390,42 @@ def _reproduces(mutant_out, actual, tol) -> bool:
     nan_m, nan_a = np.isnan(m), np.isnan(actual)
     close = np.abs(np.where(nan_m, 0, m) - np.where(nan_a, 0, actual)) <= tol
     return bool(np.array_equal(nan_m, nan_a) and np.all(close | nan_m))
+
+
+def check_w8a8_gemm(fn, block=(128, 128), eps: float = blockwise.DEFAULT_ACTIVATION_EPS, max_examples: int = 30,
+                    k_multiple: int = 1) -> None:
+    """``fn(a, codes, scale_inv, block, eps)`` for float32 ``a[M, K]`` must return the W8A8 GEMM ``[M, N]`` of
+    transformers and vLLM (``fp8lab.reference.blockwise.gemm_w8a8``): activations quantized per token and
+    group of ``BK`` exactly as ``quantize_activations`` (``s = max(amax, eps) / 448`` in float32; a kernel
+    that rounds its scales otherwise fails here, and ``check_activation_quantize`` says how), then per K
+    block ``a_s * w_s * sum decode(aq) decode(q)``, within ``gamma(BK + ceil(K / BK) + 4)`` times the sum of
+    the terms' magnitudes, plus ``2^-149`` per unit of the unscaled block sums where ``a_s * w_s`` is a
+    float32 subnormal. An all-zero activation group is among the inputs."""
+    block = (int(block[0]), int(block[1]))
+
+    @_settings(max_examples)
+    @given(weight_cases(block, k_multiple), st.integers(1, 6), st.booleans())
+    def run(case, m, zero_group):
+        n, k, seed, kind = case
+        q, s = blockwise.quantize(make_weight(n, k, seed, kind, block), block)
+        a = np.random.default_rng(seed + 1).standard_normal((m, k)).astype(np.float32)
+        if zero_group:
+            a[0, : block[1]] = 0
+        expected = blockwise.gemm_w8a8(a, q, s, block, eps)
+        actual = _as_output("out", fn(a.copy(), q.copy(), s.copy(), block, eps), (m, n), "w8a8 gemm").astype(np.float64)
+        aq, a_s = blockwise.quantize_activations(a, block[1], eps)
+        x = np.abs(blockwise.dequantize(aq, a_s, (1, block[1])).astype(np.float64))
+        w = np.abs(blockwise.dequantize(q, s, block).astype(np.float64))
+        # the scale products a_s * w_s may be float32 subnormals (tiny weight blocks): each scaled block
+        # term then carries an absolute error of up to 2^-149 (|unscaled block sum| + 1)
+        unscaled = np.abs(e4m3.decode(aq).astype(np.float64)) @ np.abs(e4m3.decode(q).astype(np.float64)).T
+        bound = (_gamma(block[1] + math.ceil(k / block[1]) + 4) * (x @ w.T)
+                 + 2.0**-149 * (unscaled + math.ceil(k / block[1]) + 1))
+        ok = np.abs(actual - expected) <= bound
+        if not ok.all():
+            diagnoses = [b for b in bugs.W8A8_BUGS if _reproduces(b.mutant(a, q, s, block, eps), actual, bound)]
+            raise KernelCheckFailed(_report("w8a8 gemm", {"a": a, "codes": q, "scale_inv": s, "block": block,
+                                                          "eps": eps}, "out", ok, expected, actual,
+                                            "gamma(BK + ceil(K/BK) + 4) sum |a_s w_s decode(aq) decode(q)|", diagnoses))
+
+    run()

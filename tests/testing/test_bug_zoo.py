@@ -190,6 +190,27 @@ def my_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scal
     return out
 
 
+def w8a8_without_eps(a, q, s, block, eps):
+    """W8A8 as transformers' block loop writes it, but its activation scales have no epsilon."""
+    aq, a_s = activations_without_eps(a, block[1], eps)
+    out = np.zeros((a.shape[0], q.shape[0]), np.float64)
+    for rows, cols, bi, bj in blocks(q.shape, block):
+        with np.errstate(invalid="ignore"):
+            x = aq[:, cols].view(FN).astype(np.float64) * a_s[:, bj : bj + 1]
+        out[:, rows] += x @ (q[rows, cols].view(FN).astype(np.float64) * s[bi, bj]).T
+    return out
+
+
+def w8a8_float32(a, q, s, block, eps):
+    """A correct W8A8 in float32, block by block as a kernel accumulates (the contract's activation scales)."""
+    aq, a_s = blockwise.quantize_activations(a, block[1], eps)
+    out = np.zeros((a.shape[0], q.shape[0]), np.float32)
+    for rows, cols, bi, bj in blocks(q.shape, block):
+        partial = aq[:, cols].view(FN).astype(np.float32) @ q[rows, cols].view(FN).astype(np.float32).T
+        out[:, rows] += partial * (a_s[:, bj : bj + 1] * s[bi, bj])
+    return out
+
+
 ZOO = [
     ("ties_away_from_zero", lambda: testing.check_e4m3_encode(encode_ties_away)),
     ("overflow_policy_swapped", lambda: testing.check_e4m3_encode(encode_nan_on_overflow)),
@@ -207,6 +228,7 @@ ZOO = [
     ("wrong_block_dimension", lambda: testing.check_blockwise_gemm(gemm_over(dequantize_swapped), block=(64, 128))),
     ("partial_edge_block", lambda: testing.check_blockwise_gemm(gemm_over(dequantize_edge_clamped))),
     ("group_scale_without_eps", lambda: testing.check_activation_quantize(activations_without_eps)),
+    ("group_scale_without_eps", lambda: testing.check_w8a8_gemm(w8a8_without_eps)),
     ("kv_scale_over_all_heads", lambda: testing.check_kv_quantize(kv_quantize_per_token)),
     ("wrong_head_mapping", lambda: testing.check_paged_decode(
         lambda *a: my_decode(*a, kv_head_of=lambda h, hq, hkv: h % hkv))),
@@ -241,6 +263,8 @@ def test_the_oracle_and_correct_peers_pass():
     testing.check_blockwise_quantize(blockwise.quantize, block=(64, 128))
     testing.check_blockwise_dequantize(blockwise.dequantize)
     testing.check_activation_quantize(blockwise.quantize_activations)
+    testing.check_w8a8_gemm(lambda a, q, s, block, eps: blockwise.gemm_w8a8(a, q, s, block, eps))
+    testing.check_w8a8_gemm(w8a8_float32)  # float32 accumulation in blocks: within the stated bound
     testing.check_kv_quantize(kv_cache.quantize_kv)
     testing.check_paged_decode(lambda *a: my_decode(*a))  # the hand-written decode without a planted bug
     testing.check_paged_decode(lambda *a: my_decode(*a), fp8=False)
