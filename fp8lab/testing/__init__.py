@@ -12,8 +12,8 @@ known bug classes (``fp8lab.testing.bugs.CATALOG``) consistent with the wrong ou
         check_blockwise_gemm(lambda a, q, s, block: my_fp8_gemm(a, q, s, block))
 
 Operators so far: E4M3 encode and decode, blockwise weight quantize / dequantize, the W8A16
-and W8A8 blockwise GEMMs, per-token-group activation quantization, FP8 KV quantization per (token, head) and
-paged decode attention (GQA, length-0 rows). Needs NumPy and Hypothesis only
+and W8A8 blockwise GEMMs, per-token-group activation quantization, FP8 KV quantization per (token, head), the
+paged cache write (fp8lab's or vLLM's layout) and paged decode attention (GQA, length-0 rows). Needs NumPy and Hypothesis only
 (``pip install "fp8lab[testing]"``).
 """
 
@@ -26,6 +26,7 @@ from .checks import (
     check_e4m3_decode,
     check_e4m3_encode,
     check_kv_quantize,
+    check_paged_cache_write,
     check_paged_decode,
     check_w8a8_gemm,
 )
@@ -33,4 +34,4 @@ from .report import KernelCheckFailed, Report
 
 __all__ = ["CATALOG", "BugClass", "KernelCheckFailed", "Report", "check_activation_quantize",
            "check_blockwise_dequantize", "check_blockwise_gemm", "check_blockwise_quantize", "check_e4m3_decode",
-           "check_e4m3_encode", "check_kv_quantize", "check_paged_decode", "check_w8a8_gemm"]
+           "check_e4m3_encode", "check_kv_quantize", "check_paged_cache_write", "check_paged_decode", "check_w8a8_gemm"]

@@ -289,3 +289,47 @@ W8A8_BUGS = [
 ]
 
 CATALOG += W8A8_BUGS
+
+
+# ---------------------------------------------------------------------------- the paged cache write (fp8lab's layout)
+
+
+def _write(quantize, *, padding_wraps=False, layout_swapped=False):
+    """The paged FP8 write (``kv_cache.write``) with a mutant's knobs: ``quantize`` per vector,
+    ``padding_wraps`` lets slot -1 index the last slot (NumPy's negative indexing), and
+    ``layout_swapped`` stores token-major ``[block, offset, head]`` inside the ``[block, head, offset]`` cache."""
+    def write(k, v, k_cache, v_cache, k_scale, v_scale, slots):
+        block_size = k_cache.shape[2]
+        slots = np.asarray(slots, np.int64)
+        use = np.ones(slots.shape, bool) if padding_wraps else slots >= 0
+        for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            codes, s = quantize(np.asarray(x, np.float32)[use])
+            blocks, offsets = slots[use] // block_size, slots[use] % block_size
+            if layout_swapped:  # the flat [offset, head] index of a token-major layout, read as [head, offset]
+                heads = cache.shape[1]
+                flat = offsets[:, None] * heads + np.arange(heads)[None, :]
+                h_idx, o_idx = flat // block_size, flat % block_size
+                cache[blocks[:, None], h_idx, o_idx] = codes
+                scales[blocks[:, None], h_idx, o_idx] = s
+            else:
+                cache[blocks, :, offsets] = codes
+                scales[blocks, :, offsets] = s
+    return write
+
+
+def _quantize_kv_oracle(x):
+    from fp8lab.reference import kv_cache
+
+    return kv_cache.quantize_kv(x)
+
+
+CACHE_WRITE_BUGS = [
+    BugClass("kv_scale_over_all_heads", "paged_cache_write", "the KV scale is taken over all heads of a token "
+             "instead of one per (token, kv head)", _write(_kv_scale_over_all_heads)),
+    BugClass("padding_slot_written", "paged_cache_write", "a padding slot (-1) is written, to the cache's last "
+             "slot (negative indexing) instead of nowhere", _write(_quantize_kv_oracle, padding_wraps=True)),
+    BugClass("wrong_cache_layout", "paged_cache_write", "tokens are stored token-major ([block, offset, head]) in a "
+             "head-major ([block, head, offset]) cache", _write(_quantize_kv_oracle, layout_swapped=True)),
+]
+
+CATALOG += CACHE_WRITE_BUGS

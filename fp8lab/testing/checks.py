@@ -47,7 +47,7 @@ def _gamma(n: int) -> float:
 
 
 def _settings(max_examples: int):
-    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
+    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None, report_multiple_bugs=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])
 
@@ -427,5 +427,82 @@ def check_w8a8_gemm(fn, block=(128, 128), eps: float = blockwise.DEFAULT_ACTIVAT
             raise KernelCheckFailed(_report("w8a8 gemm", {"a": a, "codes": q, "scale_inv": s, "block": block,
                                                           "eps": eps}, "out", ok, expected, actual,
                                             "gamma(BK + ceil(K/BK) + 4) sum |a_s w_s decode(aq) decode(q)|", diagnoses))
+
+    run()
+
+
+# ---------------------------------------------------------------------------- the paged cache write
+
+CACHE_LAYOUTS = {"fp8lab": (0, 1, 2, 3), "vllm": (0, 2, 1, 3)}
+"""How a caller's cache axes map to fp8lab's ``[blocks, kv_heads, block_size, head_dim]``: ``"vllm"`` is
+``[blocks, block_size, kv_heads, head_dim]`` (scales ``[blocks, block_size, kv_heads]``)."""
+
+
+def _to_layout(array, layout: str):
+    """fp8lab's layout -> the caller's (codes 4-D, scales 3-D); a copy in C order."""
+    axes = CACHE_LAYOUTS[layout][: array.ndim]
+    return np.array(np.transpose(array, axes), order="C", copy=True)  # never the caller's memory
+
+
+def _from_layout(array, layout: str):
+    axes = CACHE_LAYOUTS[layout][: array.ndim]
+    return np.transpose(array, np.argsort(axes))
+
+
+def check_paged_cache_write(fn, layout: str = "fp8lab", max_examples: int = 40) -> None:
+    """``fn(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)`` must write float32 ``k``, ``v``
+    ``[T, kv_heads, head_dim]`` into the paged FP8 caches in place: token ``t`` at slot ``slot_mapping[t]``
+    (``block * block_size + offset``), quantized per (token, kv head) as ``check_kv_quantize`` requires;
+    a slot of -1 is padding and writes nothing; every other cache entry is left as it was (the kit
+    poisons it with NaN codes and scales). ``layout``: ``"fp8lab"`` (caches ``[blocks, kv_heads,
+    block_size, head_dim]``) or ``"vllm"`` (``[blocks, block_size, kv_heads, head_dim]``)."""
+    if layout not in CACHE_LAYOUTS:
+        raise ValueError(f"layout: expected one of {', '.join(CACHE_LAYOUTS)}, got {layout!r}")
+
+    @_settings(max_examples)
+    @given(st.integers(1, 6), st.integers(1, 3), st.sampled_from([4, 16, 64]), st.sampled_from([1, 4, 16]),
+           st.integers(0, 2**32 - 1), st.booleans())
+    def run(t, heads, dim, block_size, seed, padding):
+        rng = np.random.default_rng(seed)
+        num_blocks = -(-(t + 2) // block_size) + 1
+        slots = rng.permutation(num_blocks * block_size)[:t].astype(np.int32)
+        if padding:
+            slots[rng.integers(0, t)] = -1
+        k, v = ((rng.standard_normal((t, heads, dim)) * rng.uniform(0.01, 100, (t, heads, 1))).astype(np.float32)
+                for _ in range(2))
+        shape = (num_blocks, heads, block_size, dim)
+        poisoned = [(np.full(shape, 0x7F, np.uint8), np.full(shape[:3], np.nan, np.float32)) for _ in range(2)]
+        expected = [(c.copy(), s.copy()) for c, s in poisoned]
+        (ek, eks), (ev, evs) = expected
+        kv_cache.write(ek, eks, k[slots >= 0], slots[slots >= 0])
+        kv_cache.write(ev, evs, v[slots >= 0], slots[slots >= 0])
+        mine = [(_to_layout(c, layout), _to_layout(s, layout)) for c, s in poisoned]
+        (mk, mks), (mv, mvs) = mine
+        fn(k.copy(), v.copy(), mk, mv, mks, mvs, slots.copy())
+        got = [(_from_layout(c, layout), _from_layout(s, layout)) for c, s in mine]
+        inputs = {"k": k, "v": v, "slot_mapping": slots, "block_size": block_size, "layout": layout}
+        diagnoses = []
+        for b in bugs.CACHE_WRITE_BUGS:
+            trial = [(c.copy(), s.copy()) for c, s in poisoned]
+            b.mutant(k, v, trial[0][0], trial[1][0], trial[0][1], trial[1][1], slots)
+            if all(np.all(_same(tc, gc)) and np.all(_same(ts, gs)) for (tc, ts), (gc, gs) in zip(trial, got)):
+                diagnoses.append(b)
+        for name, (e_codes, e_scales), (g_codes, g_scales) in zip(("k", "v"), expected, got):
+            ok = _scales_ok(g_scales, e_scales)
+            if not ok.all():
+                raise KernelCheckFailed(_report("paged cache write", inputs, f"{name}_scale", ok, e_scales, g_scales,
+                                                "written scales within 1 ulp of amax / 448, the others untouched (NaN)",
+                                                diagnoses))
+            scales = np.broadcast_to(np.nan_to_num(e_scales, nan=1.0)[..., None], e_codes.shape)
+            written = ~np.isnan(e_scales)[..., None] & np.ones(e_codes.shape, bool)
+            with np.errstate(invalid="ignore", over="ignore"):
+                value, target = e4m3.decode(g_codes).astype(np.float64) * scales, e4m3.decode(e_codes).astype(np.float64) * scales
+                # a written code: its value within the half-step of the expected one (both quantize the same x)
+                close = np.abs(value - target) <= 2.0**-3 * np.abs(target) + 2.0**-9 * scales
+            ok = np.where(written, close & ~e4m3.is_nan(g_codes), g_codes == e_codes)
+            if not ok.all():
+                raise KernelCheckFailed(_report("paged cache write", inputs, f"{name}_cache", ok, e_codes, g_codes,
+                                                "written codes as the quantizer's, the others untouched (0x7F)",
+                                                diagnoses))
 
     run()

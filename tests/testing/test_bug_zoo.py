@@ -211,6 +211,32 @@ def w8a8_float32(a, q, s, block, eps):
     return out
 
 
+def write_token_loop(k, v, k_cache, v_cache, k_scale, v_scale, slots, *, per_token_scale=False, wrap_padding=False,
+                     token_major=False, vllm_layout=False):
+    """A paged FP8 write one token at a time, with ml_dtypes casts; the keywords plant one bug each (or,
+    ``vllm_layout``, write a correct ``[blocks, block_size, heads, dim]`` cache)."""
+    block_size = k_cache.shape[1] if vllm_layout else k_cache.shape[2]
+    heads = k.shape[1]
+    for t, slot in enumerate(slots):
+        if slot < 0 and not wrap_padding:
+            continue
+        block, offset = divmod(int(slot) % (k_cache.shape[0] * block_size), block_size)
+        for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            amax = np.abs(x[t]).max(axis=-1)
+            if per_token_scale:
+                amax = np.full(heads, np.abs(x[t]).max())
+            s = np.where(amax == 0, np.float32(1), np.maximum(amax / np.float32(448), np.float32(2.0**-126)))
+            codes = cast_saturating(x[t] / s[:, None].astype(np.float32))
+            for h in range(heads):
+                if vllm_layout:
+                    cache[block, offset, h], scales[block, offset, h] = codes[h], s[h]
+                elif token_major:  # [offset, head] flattened into a [head, offset] cache
+                    flat = offset * heads + h
+                    cache[block, flat // block_size, flat % block_size], scales[block, flat // block_size, flat % block_size] = codes[h], s[h]
+                else:
+                    cache[block, h, offset], scales[block, h, offset] = codes[h], s[h]
+
+
 ZOO = [
     ("ties_away_from_zero", lambda: testing.check_e4m3_encode(encode_ties_away)),
     ("overflow_policy_swapped", lambda: testing.check_e4m3_encode(encode_nan_on_overflow)),
@@ -230,6 +256,10 @@ ZOO = [
     ("group_scale_without_eps", lambda: testing.check_activation_quantize(activations_without_eps)),
     ("group_scale_without_eps", lambda: testing.check_w8a8_gemm(w8a8_without_eps)),
     ("kv_scale_over_all_heads", lambda: testing.check_kv_quantize(kv_quantize_per_token)),
+    ("kv_scale_over_all_heads", lambda: testing.check_paged_cache_write(
+        lambda *a: write_token_loop(*a, per_token_scale=True))),
+    ("padding_slot_written", lambda: testing.check_paged_cache_write(lambda *a: write_token_loop(*a, wrap_padding=True))),
+    ("wrong_cache_layout", lambda: testing.check_paged_cache_write(lambda *a: write_token_loop(*a, token_major=True))),
     ("wrong_head_mapping", lambda: testing.check_paged_decode(
         lambda *a: my_decode(*a, kv_head_of=lambda h, hq, hkv: h % hkv))),
     ("length_zero_rows_not_zero", lambda: testing.check_paged_decode(lambda *a: my_decode(*a, empty_row=np.nan))),
@@ -266,6 +296,8 @@ def test_the_oracle_and_correct_peers_pass():
     testing.check_w8a8_gemm(lambda a, q, s, block, eps: blockwise.gemm_w8a8(a, q, s, block, eps))
     testing.check_w8a8_gemm(w8a8_float32)  # float32 accumulation in blocks: within the stated bound
     testing.check_kv_quantize(kv_cache.quantize_kv)
+    testing.check_paged_cache_write(write_token_loop)  # the loop without a planted bug
+    testing.check_paged_cache_write(lambda *a: write_token_loop(*a, vllm_layout=True), layout="vllm")
     testing.check_paged_decode(lambda *a: my_decode(*a))  # the hand-written decode without a planted bug
     testing.check_paged_decode(lambda *a: my_decode(*a), fp8=False)
 
