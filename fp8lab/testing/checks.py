@@ -163,9 +163,10 @@ def make_weight(n: int, k: int, seed: int, kind: str, block) -> np.ndarray:
     return w
 
 
-def _round_trip_ok(q, s, x, block) -> np.ndarray:
-    """The round-trip bound of the module docstring, elementwise, for codes ``q`` with scales ``s``."""
-    scales = blockwise.expand_scales(s, x.shape, block).astype(np.float64)
+def _round_trip_ok(q, scales, x) -> np.ndarray:
+    """The round-trip bound of the module docstring, elementwise, for codes ``q`` with ``scales`` (one per
+    element of ``x``)."""
+    scales = np.asarray(scales, np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
         value = e4m3.decode(q).astype(np.float64) * scales
         bound = 2.0**-4 * np.abs(x.astype(np.float64)) * (1 + 2.0**-20) + 2.0**-10 * scales
@@ -175,6 +176,24 @@ def _round_trip_ok(q, s, x, block) -> np.ndarray:
 def _scales_ok(s, s_ref) -> np.ndarray:
     s64, ref = np.asarray(s, np.float64), np.asarray(s_ref, np.float64)
     return (np.abs(s64 - ref) <= 2.0**-23 * np.abs(ref)) | (np.isnan(s64) & np.isnan(ref))
+
+
+def _check_quantized(operator, inputs, x, outputs, reference, expand, scale_rule, diagnoses,
+                     scales_name: str = "scales") -> None:
+    """The tolerance every quantizer shares: ``outputs = (codes, scales)`` of the oracle's shapes, each scale
+    within 1 float32 ulp of the oracle's (``scale_rule`` says which), every element of ``x`` within the
+    round-trip bound and no NaN code. ``expand(scales)`` spreads the scales over the elements of ``x``."""
+    q_ref, s_ref = reference
+    q = _as_output("codes", outputs[0], x.shape, operator, inputs, diagnoses).astype(np.uint8)
+    s = _as_output(scales_name, outputs[1], s_ref.shape, operator, inputs, diagnoses).astype(np.float32)
+    ok = _scales_ok(s, s_ref)
+    if not ok.all():
+        raise KernelCheckFailed(_report(operator, inputs, scales_name, ok, s_ref, s,
+                                        f"within 1 float32 ulp of {scale_rule}", diagnoses))
+    ok = _round_trip_ok(q, expand(s), x) & ~e4m3.is_nan(q)
+    if not ok.all():
+        raise KernelCheckFailed(_report(operator, inputs, "codes", ok, q_ref, q,
+                                        "|decode(q) s - x| <= 2^-4 |x| + 2^-10 s, no NaN codes", diagnoses))
 
 
 def _matches_pair(mutant_out, q, s) -> bool:
@@ -192,20 +211,12 @@ def check_blockwise_quantize(fn, block=(128, 128), max_examples: int = 40) -> No
     def run(case):
         n, k, seed, kind = case
         w = make_weight(n, k, seed, kind, block)
-        q_ref, s_ref = blockwise.quantize(w, block)
         q, s = (np.asarray(x) for x in fn(w.copy(), block))
         inputs = {"w": w, "block": block}
         diagnoses = [b for b in bugs.QUANTIZE_BUGS if _matches_pair(b.mutant(w, block), q, s)]
-        q = _as_output("codes", q, w.shape, "blockwise quantize", inputs, diagnoses).astype(np.uint8)
-        s = _as_output("scale_inv", s, s_ref.shape, "blockwise quantize", inputs, diagnoses).astype(np.float32)
-        ok = _scales_ok(s, s_ref)
-        if not ok.all():
-            raise KernelCheckFailed(_report("blockwise quantize", inputs, "scale_inv", ok, s_ref, s,
-                                            "within 1 float32 ulp of the oracle's amax / 448", diagnoses))
-        ok = _round_trip_ok(q, s, w, block) & ~e4m3.is_nan(q)
-        if not ok.all():
-            raise KernelCheckFailed(_report("blockwise quantize", inputs, "codes", ok, q_ref, q,
-                                            "|decode(q) s - w| <= 2^-4 |w| + 2^-10 s, no NaN codes", diagnoses))
+        _check_quantized("blockwise quantize", inputs, w, (q, s), blockwise.quantize(w, block),
+                         lambda scales: blockwise.expand_scales(scales, w.shape, block), "the oracle's amax / 448",
+                         diagnoses, scales_name="scale_inv")
 
     run()
 
@@ -245,8 +256,7 @@ def check_blockwise_gemm(fn, block=(128, 128), max_examples: int = 30, k_multipl
         a = np.random.default_rng(seed + 1).standard_normal((m, k)).astype(np.float32)
         expected = blockwise.gemm(a, q, s, block)
         actual = _as_output("out", fn(a.copy(), q.copy(), s.copy(), block), (m, n), "blockwise gemm (W8A16)").astype(np.float64)
-        w = np.abs(blockwise.dequantize(q, s, block).astype(np.float64))
-        bound = _gamma(k + 2 * math.ceil(k / block[1]) + 4) * (np.abs(a.astype(np.float64)) @ w.T) + 2.0**-140 * k
+        bound = _w8a16_bound(a, np.abs(blockwise.dequantize(q, s, block).astype(np.float64)), block)
         ok = np.abs(actual - expected) <= bound
         if not ok.all():
             diagnoses = [b for b in bugs.GEMM_BUGS if _reproduces_gemm(b, a, q, s, block, actual)]
@@ -257,12 +267,17 @@ def check_blockwise_gemm(fn, block=(128, 128), max_examples: int = 30, k_multipl
     run()
 
 
+def _w8a16_bound(a, w_abs, block) -> np.ndarray:
+    """``gamma(K + 2 ceil(K / BK) + 4) sum_k |a| |w|`` (+ an absolute hair for subnormal products): the
+    float32 error of a W8A16 GEMM in any summation order with per-block promotion, elementwise."""
+    k = a.shape[1]
+    return _gamma(k + 2 * math.ceil(k / block[1]) + 4) * (np.abs(a.astype(np.float64)) @ w_abs.T) + 2.0**-140 * k
+
+
 def _reproduces_gemm(bug, a, q, s, block, actual) -> bool:
     """The GEMM mutant's output equals ``actual`` within the same float32 bound, taken over its own weight."""
     with np.errstate(invalid="ignore", over="ignore"):
-        w = np.abs(bug.mutant.dequantize(q, s, block).astype(np.float64))
-        k = a.shape[1]
-        bound = _gamma(k + 2 * math.ceil(k / block[1]) + 4) * (np.abs(a.astype(np.float64)) @ w.T) + 2.0**-140 * k
+        bound = _w8a16_bound(a, np.abs(bug.mutant.dequantize(q, s, block).astype(np.float64)), block)
         return bool(np.all(np.abs(bug.mutant(a, q, s, block) - actual) <= bound))
 
 
@@ -282,20 +297,12 @@ def check_activation_quantize(fn, group: int = 128, eps: float = blockwise.DEFAU
         a = (rng.standard_normal((m, k)) * 10.0 ** rng.uniform(-3, 3)).astype(np.float32)
         if zero_group:
             a[0, :group] = 0
-        q_ref, s_ref = blockwise.quantize_activations(a, group, eps)
         q, s = (np.asarray(x) for x in fn(a.copy(), group, eps))
         inputs = {"a": a, "group": group, "eps": eps}
         diagnoses = [b for b in bugs.ACTIVATION_BUGS if _matches_pair(b.mutant(a, group, eps), q, s)]
-        q = _as_output("codes", q, a.shape, "activation quantize", inputs, diagnoses).astype(np.uint8)
-        s = _as_output("scales", s, s_ref.shape, "activation quantize", inputs, diagnoses).astype(np.float32)
-        ok = _scales_ok(s, s_ref)
-        if not ok.all():
-            raise KernelCheckFailed(_report("activation quantize", inputs, "scales", ok, s_ref, s,
-                                            "within 1 float32 ulp of max(amax, eps) / 448", diagnoses))
-        ok = _round_trip_ok(q, s, a, (1, group)) & ~e4m3.is_nan(q)
-        if not ok.all():
-            raise KernelCheckFailed(_report("activation quantize", inputs, "codes", ok, q_ref, q,
-                                            "|decode(q) s - a| <= 2^-4 |a| + 2^-10 s, no NaN codes", diagnoses))
+        _check_quantized("activation quantize", inputs, a, (q, s), blockwise.quantize_activations(a, group, eps),
+                         lambda scales: blockwise.expand_scales(scales, a.shape, (1, group)),
+                         "max(amax, eps) / 448", diagnoses)
 
     run()
 
@@ -316,23 +323,12 @@ def check_kv_quantize(fn, max_examples: int = 40) -> None:
         x = (rng.standard_normal((t, heads, dim)) * rng.uniform(0.01, 100, (t, heads, 1))).astype(np.float32)
         if zero_vector:
             x[0, 0] = 0
-        q_ref, s_ref = kv_cache.quantize_kv(x)
         q, s = (np.asarray(v) for v in fn(x.copy()))
         inputs = {"x": x}
         diagnoses = [b for b in bugs.KV_BUGS if _matches_pair(b.mutant(x), q, s)]
-        q = _as_output("codes", q, x.shape, "kv quantize", inputs, diagnoses).astype(np.uint8)
-        s = _as_output("scales", s, x.shape[:2], "kv quantize", inputs, diagnoses).astype(np.float32)
-        ok = _scales_ok(s, s_ref)
-        if not ok.all():
-            raise KernelCheckFailed(_report("kv quantize", inputs, "scales", ok, s_ref, s,
-                                            "within 1 float32 ulp of amax / 448 per (token, kv head)", diagnoses))
-        scales = np.broadcast_to(s[..., None], x.shape)
-        with np.errstate(invalid="ignore", over="ignore"):
-            value = e4m3.decode(q).astype(np.float64) * scales
-            ok = (np.abs(value - x) <= 2.0**-4 * np.abs(x) * (1 + 2.0**-20) + 2.0**-10 * scales) & ~e4m3.is_nan(q)
-        if not ok.all():
-            raise KernelCheckFailed(_report("kv quantize", inputs, "codes", ok, q_ref, q,
-                                            "|decode(q) s - x| <= 2^-4 |x| + 2^-10 s, no NaN codes", diagnoses))
+        _check_quantized("kv quantize", inputs, x, (q, s), kv_cache.quantize_kv(x),
+                         lambda scales: np.broadcast_to(scales[..., None], x.shape),
+                         "amax / 448 per (token, kv head)", diagnoses)
 
     run()
 

@@ -124,7 +124,11 @@ def dequantize_edge_clamped(q, s, block):
 
 
 def gemm_over(dequantize):
-    return lambda a, q, s, block: np.asarray(a, np.float32) @ dequantize(q, s, block).T
+    """A float32 GEMM over a (possibly wrong) dequantizer; a wrong one may overflow, as the kernel would."""
+    def gemm(a, q, s, block):
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.asarray(a, np.float32) @ dequantize(q, s, block).T
+    return gemm
 
 
 def activations_without_eps(a, group, eps):
