@@ -25,11 +25,9 @@ from .checks import (
     check_blockwise_quantize,
     check_e4m3_decode,
     check_e4m3_encode,
-    check_kv_quantize,
-    check_paged_cache_write,
-    check_paged_decode,
     check_w8a8_gemm,
 )
+from .kv_checks import check_kv_quantize, check_paged_cache_write, check_paged_decode
 from .report import KernelCheckFailed, Report
 
 __all__ = ["CATALOG", "BugClass", "KernelCheckFailed", "Report", "check_activation_quantize",
