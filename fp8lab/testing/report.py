@@ -1,10 +1,23 @@
-"""What the kit says when an implementation is wrong: ``Report`` and the ``KernelCheckFailed`` it raises."""
+"""What the kit says when an implementation is wrong: the ``BugClass`` it names, the ``Report`` and the
+``KernelCheckFailed`` that carries it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class BugClass:
+    """One known mistake: ``name`` (an identifier), ``summary`` (one line), the ``operator`` it
+    concerns and its ``mutant`` (the oracle of that operator with the mistake)."""
+
+    name: str
+    operator: str
+    summary: str
+    mutant: Callable
 
 
 @dataclass
