@@ -38,12 +38,13 @@ from .compare import (
     check_quantized,
     gamma,
     hypothesis_settings,
-    matches_pair,
+    quantized_alike,
     report_of,
     reproduces,
     same,
 )
 from .report import KernelCheckFailed, Report
+from .weight_format import WeightFormat
 
 # ---------------------------------------------------------------------------- E4M3 encode and decode
 
@@ -133,68 +134,94 @@ def make_weight(n: int, k: int, seed: int, kind: str, block) -> np.ndarray:
     return w
 
 
-def check_blockwise_quantize(fn, block=(128, 128), max_examples: int = 40) -> None:
+def check_blockwise_quantize(fn, block=(128, 128), layout: str = "nk", scale_dtype: str = "float32",
+                             max_examples: int = 40) -> None:
     """``fn(w, block)`` for float32 ``w[N, K]`` must return ``(codes uint8 [N, K], scale_inv float32
-    [ceil(N/BN), ceil(K/BK)])``: one scale per block, scales and round trip within the module docstring's tolerance."""
-    block = (int(block[0]), int(block[1]))
+    [ceil(N/BN), ceil(K/BK)])``: one scale per block, scales and round trip within the module docstring's
+    tolerance. ``layout`` and ``scale_dtype``: the caller's weight format (``fp8lab.testing.weight_format``:
+    ``"kn"`` passes ``w`` transposed and the block as ``(BK, BN)``; ``"bfloat16"`` scales within 1 BF16 ulp)."""
+    block, fmt = (int(block[0]), int(block[1])), WeightFormat(layout, scale_dtype)
 
     @hypothesis_settings(max_examples)
     @given(weight_cases(block))
     def run(case):
         n, k, seed, kind = case
         w = make_weight(n, k, seed, kind, block)
-        q, s = (np.asarray(x) for x in fn(w.copy(), block))
-        inputs = {"w": w, "block": block}
-        diagnoses = [b for b in bugs.QUANTIZE_BUGS if matches_pair(b.mutant(w, block), q, s)]
+        codes, scales = fn(fmt.codes_to_caller(w), fmt.block(block))
+        inputs = {"w": w, "block": block, "format": str(fmt)}
+        _require_scale_dtype(fmt, scales, "scale_inv", "blockwise quantize", inputs)
+        q, s = fmt.codes_from_caller(codes), fmt.scales_from_caller(scales)
+        diagnoses = [b for b in bugs.QUANTIZE_BUGS if quantized_alike(b.mutant(w, block), q, s, fmt.scale_ulp)]
         check_quantized("blockwise quantize", inputs, w, (q, s), blockwise.quantize(w, block),
-                         lambda scales: blockwise.expand_scales(scales, w.shape, block), "the oracle's amax / 448",
-                         diagnoses, scales_name="scale_inv")
+                        lambda grid: blockwise.expand_scales(grid, w.shape, block), "the oracle's amax / 448",
+                        diagnoses, scales_name="scale_inv", scale_ulp=fmt.scale_ulp, scale_dtype=fmt.scale_dtype)
 
     run()
 
 
-def check_blockwise_dequantize(fn, block=(128, 128), max_examples: int = 40) -> None:
+def _require_scale_dtype(fmt: WeightFormat, scales, name: str, operator: str, inputs) -> None:
+    """A quantizer's scales must come in the format's dtype (BF16 as uint16 bit patterns)."""
+    problem = fmt.dtype_error(scales)
+    if problem:
+        raise KernelCheckFailed(Report(operator, inputs, name, (), fmt.scale_dtype, problem,
+                                       "the scales' dtype is part of the format", 1, 1, []))
+
+
+def quantized_weight(case, block, fmt: WeightFormat):
+    """The oracle's codes and scales of a ``weight_cases`` example, the scales as the format stores them."""
+    n, k, seed, kind = case
+    q, s = blockwise.quantize(make_weight(n, k, seed, kind, block), block)
+    return q, fmt.stored_scales(s)
+
+
+def check_blockwise_dequantize(fn, block=(128, 128), layout: str = "nk", scale_dtype: str = "float32",
+                               max_examples: int = 40) -> None:
     """``fn(codes, scale_inv, block)`` must return ``decode(codes) * scale_inv[n // BN, k // BK]`` as float32,
-    bit for bit (codes from the oracle's quantizer over ``weight_cases``, NaN codes excluded)."""
-    block = (int(block[0]), int(block[1]))
+    bit for bit (codes from the oracle's quantizer over ``weight_cases``, NaN codes excluded), in the caller's
+    ``layout`` with scales in ``scale_dtype`` (see ``check_blockwise_quantize``)."""
+    block, fmt = (int(block[0]), int(block[1])), WeightFormat(layout, scale_dtype)
 
     @hypothesis_settings(max_examples)
     @given(weight_cases(block))
     def run(case):
-        n, k, seed, kind = case
-        q, s = blockwise.quantize(make_weight(n, k, seed, kind, block), block)
+        q, s = quantized_weight(case, block, fmt)
         expected = blockwise.dequantize(q, s, block)
-        actual = as_output("w", fn(q.copy(), s.copy(), block), q.shape, "blockwise dequantize").astype(np.float32)
+        out = fn(fmt.codes_to_caller(q), fmt.scales_to_caller(s), fmt.block(block))
+        actual = as_output("w", fmt.codes_from_caller(out), q.shape, "blockwise dequantize").astype(np.float32)
         ok = same(actual, expected)
         if not ok.all():
             diagnoses = [b for b in bugs.DEQUANTIZE_BUGS if np.all(same(b.mutant(q, s, block), actual))]
-            raise KernelCheckFailed(report_of("blockwise dequantize", {"codes": q, "scale_inv": s, "block": block},
-                                            "w", ok, expected, actual, "exact (one float32 product)", diagnoses))
+            raise KernelCheckFailed(report_of("blockwise dequantize", {"codes": q, "scale_inv": s, "block": block,
+                                                                       "format": str(fmt)},
+                                              "w", ok, expected, actual, "exact (one float32 product)", diagnoses))
 
     run()
 
 
-def check_blockwise_gemm(fn, block=(128, 128), max_examples: int = 30, k_multiple: int = 1) -> None:
+def check_blockwise_gemm(fn, block=(128, 128), layout: str = "nk", scale_dtype: str = "float32",
+                         max_examples: int = 30, k_multiple: int = 1) -> None:
     """``fn(a, codes, scale_inv, block)`` for float32 ``a[M, K]`` must return ``a @ dequantize(codes,
-    scale_inv)^T`` ``[M, N]`` within the float32 bound of the module docstring (W8A16). ``k_multiple``:
+    scale_inv)^T`` ``[M, N]`` within the float32 bound of the module docstring (W8A16), the weight in the
+    caller's ``layout`` with scales in ``scale_dtype`` (see ``check_blockwise_quantize``). ``k_multiple``:
     only K that are multiples of it (for kernels that require, e.g., K % 128 == 0)."""
-    block = (int(block[0]), int(block[1]))
+    block, fmt = (int(block[0]), int(block[1])), WeightFormat(layout, scale_dtype)
 
     @hypothesis_settings(max_examples)
     @given(weight_cases(block, k_multiple), st.integers(1, 8))
     def run(case, m):
-        n, k, seed, kind = case
-        q, s = blockwise.quantize(make_weight(n, k, seed, kind, block), block)
-        a = np.random.default_rng(seed + 1).standard_normal((m, k)).astype(np.float32)
+        q, s = quantized_weight(case, block, fmt)
+        a = np.random.default_rng(case[2] + 1).standard_normal((m, q.shape[1])).astype(np.float32)
         expected = blockwise.gemm(a, q, s, block)
-        actual = as_output("out", fn(a.copy(), q.copy(), s.copy(), block), (m, n), "blockwise gemm (W8A16)").astype(np.float64)
+        out = fn(a.copy(), fmt.codes_to_caller(q), fmt.scales_to_caller(s), fmt.block(block))
+        actual = as_output("out", out, (m, q.shape[0]), "blockwise gemm (W8A16)").astype(np.float64)
         bound = _w8a16_bound(a, np.abs(blockwise.dequantize(q, s, block).astype(np.float64)), block)
         ok = np.abs(actual - expected) <= bound
         if not ok.all():
             diagnoses = [b for b in bugs.GEMM_BUGS if _reproduces_gemm(b, a, q, s, block, actual)]
             raise KernelCheckFailed(report_of("blockwise gemm (W8A16)", {"a": a, "codes": q, "scale_inv": s,
-                                                                       "block": block}, "out", ok, expected, actual,
-                                            "gamma(K + 2 ceil(K/BK) + 4) sum_k |a| |w|", diagnoses))
+                                                                         "block": block, "format": str(fmt)},
+                                              "out", ok, expected, actual,
+                                              "gamma(K + 2 ceil(K/BK) + 4) sum_k |a| |w|", diagnoses))
 
     run()
 
@@ -233,7 +260,7 @@ def check_activation_quantize(fn, group: int = 128, eps: float = blockwise.DEFAU
             a[0, :group] = 0
         q, s = (np.asarray(x) for x in fn(a.copy(), group, eps))
         inputs = {"a": a, "group": group, "eps": eps}
-        diagnoses = [b for b in bugs.ACTIVATION_BUGS if matches_pair(b.mutant(a, group, eps), q, s)]
+        diagnoses = [b for b in bugs.ACTIVATION_BUGS if quantized_alike(b.mutant(a, group, eps), q, s)]
         check_quantized("activation quantize", inputs, a, (q, s), blockwise.quantize_activations(a, group, eps),
                          lambda scales: blockwise.expand_scales(scales, a.shape, (1, group)),
                          "max(amax, eps) / 448", diagnoses)
@@ -241,27 +268,29 @@ def check_activation_quantize(fn, group: int = 128, eps: float = blockwise.DEFAU
     run()
 
 
-def check_w8a8_gemm(fn, block=(128, 128), eps: float = blockwise.DEFAULT_ACTIVATION_EPS, max_examples: int = 30,
-                    k_multiple: int = 1) -> None:
+def check_w8a8_gemm(fn, block=(128, 128), eps: float = blockwise.DEFAULT_ACTIVATION_EPS, layout: str = "nk",
+                    scale_dtype: str = "float32", max_examples: int = 30, k_multiple: int = 1) -> None:
     """``fn(a, codes, scale_inv, block, eps)`` for float32 ``a[M, K]`` must return the W8A8 GEMM ``[M, N]`` of
     transformers and vLLM (``fp8lab.reference.blockwise.gemm_w8a8``): activations quantized per token and
     group of ``BK`` exactly as ``quantize_activations`` (``s = max(amax, eps) / 448`` in float32; a kernel
     that rounds its scales otherwise fails here, and ``check_activation_quantize`` says how), then per K
     block ``a_s * w_s * sum decode(aq) decode(q)``, within ``gamma(BK + ceil(K / BK) + 4)`` times the sum of
     the terms' magnitudes, plus ``2^-149`` per unit of the unscaled block sums where ``a_s * w_s`` is a
-    float32 subnormal. An all-zero activation group is among the inputs."""
-    block = (int(block[0]), int(block[1]))
+    float32 subnormal. An all-zero activation group is among the inputs. ``layout`` and ``scale_dtype``: the
+    caller's weight format (see ``check_blockwise_quantize``; the activation scales stay float32)."""
+    block, fmt = (int(block[0]), int(block[1])), WeightFormat(layout, scale_dtype)
 
     @hypothesis_settings(max_examples)
     @given(weight_cases(block, k_multiple), st.integers(1, 6), st.booleans())
     def run(case, m, zero_group):
-        n, k, seed, kind = case
-        q, s = blockwise.quantize(make_weight(n, k, seed, kind, block), block)
+        q, s = quantized_weight(case, block, fmt)
+        (n, k), seed = q.shape, case[2]
         a = np.random.default_rng(seed + 1).standard_normal((m, k)).astype(np.float32)
         if zero_group:
             a[0, : block[1]] = 0
         expected = blockwise.gemm_w8a8(a, q, s, block, eps)
-        actual = as_output("out", fn(a.copy(), q.copy(), s.copy(), block, eps), (m, n), "w8a8 gemm").astype(np.float64)
+        out = fn(a.copy(), fmt.codes_to_caller(q), fmt.scales_to_caller(s), fmt.block(block), eps)
+        actual = as_output("out", out, (m, n), "w8a8 gemm").astype(np.float64)
         aq, a_s = blockwise.quantize_activations(a, block[1], eps)
         x = np.abs(blockwise.dequantize(aq, a_s, (1, block[1])).astype(np.float64))
         w = np.abs(blockwise.dequantize(q, s, block).astype(np.float64))
@@ -274,7 +303,7 @@ def check_w8a8_gemm(fn, block=(128, 128), eps: float = blockwise.DEFAULT_ACTIVAT
         if not ok.all():
             diagnoses = [b for b in bugs.W8A8_BUGS if reproduces(b.mutant(a, q, s, block, eps), actual, bound)]
             raise KernelCheckFailed(report_of("w8a8 gemm", {"a": a, "codes": q, "scale_inv": s, "block": block,
-                                                          "eps": eps}, "out", ok, expected, actual,
+                                                          "eps": eps, "format": str(fmt)}, "out", ok, expected, actual,
                                             "gamma(BK + ceil(K/BK) + 4) sum |a_s w_s decode(aq) decode(q)|", diagnoses))
 
     run()

@@ -64,28 +64,45 @@ def round_trip_ok(q, scales, x) -> np.ndarray:
         return np.abs(value - x) <= bound
 
 
-def scales_ok(s, s_ref) -> np.ndarray:
-    """Elementwise: ``s`` within 1 float32 ulp of ``s_ref`` (NaN only where ``s_ref`` is NaN)."""
+def scales_ok(s, s_ref, ulp: float = 2.0**-23) -> np.ndarray:
+    """Elementwise: ``s`` within ``ulp * |s_ref|`` of ``s_ref`` (1 float32 ulp by default; NaN only where
+    ``s_ref`` is NaN)."""
     s64, ref = np.asarray(s, np.float64), np.asarray(s_ref, np.float64)
-    return (np.abs(s64 - ref) <= 2.0**-23 * np.abs(ref)) | (np.isnan(s64) & np.isnan(ref))
+    return (np.abs(s64 - ref) <= ulp * np.abs(ref)) | (np.isnan(s64) & np.isnan(ref))
 
 
 def check_quantized(operator, inputs, x, outputs, reference, expand, scale_rule, diagnoses,
-                     scales_name: str = "scales") -> None:
+                    scales_name: str = "scales", scale_ulp: float = 2.0**-23, scale_dtype: str = "float32") -> None:
     """The tolerance every quantizer shares: ``outputs = (codes, scales)`` of the oracle's shapes, each scale
-    within 1 float32 ulp of the oracle's (``scale_rule`` says which), every element of ``x`` within the
-    round-trip bound and no NaN code. ``expand(scales)`` spreads the scales over the elements of ``x``."""
+    within 1 ulp of its dtype (``scale_ulp``, relative) of the oracle's (``scale_rule`` says which), every
+    element of ``x`` within the round-trip bound and no NaN code. ``expand(scales)`` spreads the scales over
+    the elements of ``x``."""
     q_ref, s_ref = reference
     q = as_output("codes", outputs[0], x.shape, operator, inputs, diagnoses).astype(np.uint8)
     s = as_output(scales_name, outputs[1], s_ref.shape, operator, inputs, diagnoses).astype(np.float32)
-    ok = scales_ok(s, s_ref)
+    ok = scales_ok(s, s_ref, scale_ulp)
     if not ok.all():
         raise KernelCheckFailed(report_of(operator, inputs, scales_name, ok, s_ref, s,
-                                        f"within 1 float32 ulp of {scale_rule}", diagnoses))
+                                          f"within 1 {scale_dtype} ulp of {scale_rule}", diagnoses))
     ok = round_trip_ok(q, expand(s), x) & ~e4m3.is_nan(q)
     if not ok.all():
         raise KernelCheckFailed(report_of(operator, inputs, "codes", ok, q_ref, q,
-                                        "|decode(q) s - x| <= 2^-4 |x| + 2^-10 s, no NaN codes", diagnoses))
+                                          "|decode(q) s - x| <= 2^-4 |x| + 2^-10 s, no NaN codes", diagnoses))
+
+
+def quantized_alike(mutant_out, q, s, scale_ulp: float = 2.0**-23) -> bool:
+    """A quantizer mutant's ``(codes, scales)`` agree with ``(q, s)``: the same shapes, each scale within
+    ``scale_ulp`` (relative) of the mutant's, NaN where it is NaN, and each code the mutant's or its neighbour
+    of the same sign (a scale one ulp off moves ``x / s`` by less than one E4M3 step)."""
+    mq, ms = np.asarray(mutant_out[0]), np.asarray(mutant_out[1], np.float64)
+    q, s = np.asarray(q), np.asarray(s, np.float64)
+    if mq.shape != q.shape or ms.shape != s.shape:
+        return False
+    with np.errstate(invalid="ignore"):
+        scales_close = (np.abs(ms - s) <= scale_ulp * np.abs(ms)) | (np.isnan(ms) & np.isnan(s))
+    mq, q = mq.astype(np.int16), q.astype(np.int16)
+    codes_close = ((mq & 0x80) == (q & 0x80)) & (np.abs((mq & 0x7F) - (q & 0x7F)) <= 1)
+    return bool(scales_close.all() and codes_close.all())
 
 
 def matches_pair(mutant_out, q, s) -> bool:

@@ -81,10 +81,11 @@ DECODE_BUGS = [
 # ---------------------------------------------------------------------------- blockwise weights
 
 
-def _expand(scale_inv, shape, block, *, swap=False, clamp_edges=False) -> np.ndarray:
+def _expand(scale_inv, shape, block, *, swap=False, clamp_edges=False, assumed_block=None) -> np.ndarray:
     """``scale_inv[n // BN, k // BK]`` over a weight of ``shape``, with the mutants' knobs: ``swap``
-    reads the block as ``(BK, BN)``; ``clamp_edges`` gives a partial edge block its full neighbour's scale."""
-    bn, bk = (block[1], block[0]) if swap else block
+    reads the block as ``(BK, BN)``; ``clamp_edges`` gives a partial edge block its full neighbour's scale;
+    ``assumed_block`` indexes with another block size than the weight's (past the grid's edge: its last scale)."""
+    bn, bk = (block[1], block[0]) if swap else (assumed_block or block)
     n, k = shape
     s = np.asarray(scale_inv, np.float32)
     rows, cols = np.arange(n) // bn, np.arange(k) // bk
@@ -143,6 +144,19 @@ DEQUANTIZE_BUGS = [
              lambda q, s, block: _dequantize(q, s, block, clamp_edges=True)),
 ]
 
+WRONG_BLOCK_SIZES = {
+    "a hard-coded 128 x 128 block": lambda block: (128, 128),
+    "a block of half the size": lambda block: (max(block[0] // 2, 1), max(block[1] // 2, 1)),
+    "a block of twice the size": lambda block: (2 * block[0], 2 * block[1]),
+}
+"""The block sizes a kernel wrongly assumes (from the true block ``(BN, BK)``), by what they are."""
+
+DEQUANTIZE_BUGS += [
+    BugClass("wrong_block_size", "dequantize", f"the scale is indexed with {words} instead of the weight's",
+             lambda q, s, block, size=size: _dequantize(q, s, block, assumed_block=size(block)))
+    for words, size in WRONG_BLOCK_SIZES.items()
+]
+
 QUANTIZE_BUGS = [
     BugClass("per_tensor_scale", "quantize", "one scale for the whole tensor where one per block is meant",
              _quantize_per_tensor),
@@ -150,6 +164,10 @@ QUANTIZE_BUGS = [
              "divided by it before encoding", _quantize_multiplied),
     BugClass("wrong_block_dimension", "quantize", "the blocks are taken with their dimensions swapped "
              "(BK rows by BN columns)", _quantize_swapped),
+] + [
+    BugClass("wrong_block_size", "quantize", f"the weight is quantized with {words} instead of the given block",
+             lambda w, block, size=size: blockwise.quantize(w, size(block)))
+    for words, size in WRONG_BLOCK_SIZES.items()
 ]
 
 GEMM_BUGS = [BugClass(b.name, "gemm", b.summary, _gemm_with(b.mutant)) for b in DEQUANTIZE_BUGS]

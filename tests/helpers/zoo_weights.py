@@ -118,6 +118,24 @@ def dequantize_edge_clamped(q, s, block):
     return out
 
 
+def quantize_in_128_blocks(w, block):
+    """Ignores the block it is given: quantizes in 128 x 128 blocks (a kernel with the size hard-coded)."""
+    q, s = np.zeros(w.shape, np.uint8), np.zeros(blockwise.scale_shape(w.shape, (128, 128)), np.float32)
+    for rows, cols, bi, bj in blocks(w.shape, (128, 128)):
+        amax = np.float32(np.max(np.abs(w[rows, cols])))
+        s[bi, bj] = np.float32(1) if amax == 0 else max(amax / np.float32(448), np.float32(2.0**-126))
+        q[rows, cols] = cast_saturating(w[rows, cols] / s[bi, bj])
+    return q, s
+
+
+def dequantize_in_128_blocks(q, s, block):
+    """Reads scale ``s[n // 128, k // 128]`` whatever the block (past the grid's edge: its last row/column)."""
+    out = np.zeros(q.shape, np.float32)
+    for rows, cols, bi, bj in blocks(q.shape, (128, 128)):
+        out[rows, cols] = q[rows, cols].view(FN).astype(np.float32) * s[min(bi, s.shape[0] - 1), min(bj, s.shape[1] - 1)]
+    return out
+
+
 def gemm_over(dequantize):
     """A float32 GEMM over a (possibly wrong) dequantizer; a wrong one may overflow, as the kernel would."""
     def gemm(a, q, s, block):
@@ -172,6 +190,9 @@ ZOO = [
     ("scale_multiplied_not_divided", lambda: testing.check_blockwise_gemm(gemm_over(dequantize_divided))),
     ("wrong_block_dimension", lambda: testing.check_blockwise_gemm(gemm_over(dequantize_swapped), block=(64, 128))),
     ("partial_edge_block", lambda: testing.check_blockwise_gemm(gemm_over(dequantize_edge_clamped))),
+    ("wrong_block_size", lambda: testing.check_blockwise_quantize(quantize_in_128_blocks, block=(64, 64))),
+    ("wrong_block_size", lambda: testing.check_blockwise_dequantize(dequantize_in_128_blocks, block=(64, 64))),
+    ("wrong_block_size", lambda: testing.check_blockwise_gemm(gemm_over(dequantize_in_128_blocks), block=(64, 64))),
     ("group_scale_without_eps", lambda: testing.check_activation_quantize(activations_without_eps)),
     ("group_scale_without_eps", lambda: testing.check_w8a8_gemm(w8a8_without_eps)),
 ]
