@@ -30,7 +30,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fp8lab.reference import blockwise, e4m3
+from fp8lab.reference import blockwise, dense, e4m3
 
 from . import bugs
 from .compare import (
@@ -199,27 +199,35 @@ def check_blockwise_dequantize(fn, block=(128, 128), layout: str = "nk", scale_d
 
 
 def check_blockwise_gemm(fn, block=(128, 128), layout: str = "nk", scale_dtype: str = "float32",
-                         max_examples: int = 30, k_multiple: int = 1) -> None:
+                         activation_dtype: str = "float32", max_examples: int = 30, k_multiple: int = 1) -> None:
     """``fn(a, codes, scale_inv, block)`` for float32 ``a[M, K]`` must return ``a @ dequantize(codes,
     scale_inv)^T`` ``[M, N]`` within the float32 bound of the module docstring (W8A16), the weight in the
-    caller's ``layout`` with scales in ``scale_dtype`` (see ``check_blockwise_quantize``). ``k_multiple``:
-    only K that are multiples of it (for kernels that require, e.g., K % 128 == 0)."""
+    caller's ``layout`` with scales in ``scale_dtype`` (see ``check_blockwise_quantize``).
+    ``activation_dtype="bfloat16"``: ``a`` holds BF16 values and is passed as their uint16 bit patterns (the
+    oracle computes with the same values). ``k_multiple``: only K that are multiples of it (for kernels that
+    require, e.g., K % 128 == 0)."""
     block, fmt = (int(block[0]), int(block[1])), WeightFormat(layout, scale_dtype)
+    if activation_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"activation_dtype: expected one of float32, bfloat16, got {activation_dtype!r}")
+    bf16 = activation_dtype == "bfloat16"
 
     @hypothesis_settings(max_examples)
     @given(weight_cases(block, k_multiple), st.integers(1, 8))
     def run(case, m):
         q, s = quantized_weight(case, block, fmt)
         a = np.random.default_rng(case[2] + 1).standard_normal((m, q.shape[1])).astype(np.float32)
+        a = dense.round_to_bf16(a) if bf16 else a
         expected = blockwise.gemm(a, q, s, block)
-        out = fn(a.copy(), fmt.codes_to_caller(q), fmt.scales_to_caller(s), fmt.block(block))
+        a_in = dense.float32_to_bf16_bits(a) if bf16 else a.copy()
+        out = fn(a_in, fmt.codes_to_caller(q), fmt.scales_to_caller(s), fmt.block(block))
         actual = as_output("out", out, (m, q.shape[0]), "blockwise gemm (W8A16)").astype(np.float64)
         bound = _w8a16_bound(a, np.abs(blockwise.dequantize(q, s, block).astype(np.float64)), block)
         ok = np.abs(actual - expected) <= bound
         if not ok.all():
             diagnoses = [b for b in bugs.GEMM_BUGS if _reproduces_gemm(b, a, q, s, block, actual)]
             raise KernelCheckFailed(report_of("blockwise gemm (W8A16)", {"a": a, "codes": q, "scale_inv": s,
-                                                                         "block": block, "format": str(fmt)},
+                                                                         "block": block, "format": str(fmt),
+                                                                         "activations": activation_dtype},
                                               "out", ok, expected, actual,
                                               "gamma(K + 2 ceil(K/BK) + 4) sum_k |a| |w|", diagnoses))
 

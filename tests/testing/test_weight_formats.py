@@ -102,3 +102,13 @@ def test_the_format_converts_both_ways(rng):
     assert np.all(np.abs(stored - s) <= 2.0**-8 * np.abs(s))  # round to nearest: half a BF16 ulp
     q = rng.integers(0, 256, (4, 6), dtype=np.uint8)
     assert np.array_equal(fmt.codes_from_caller(fmt.codes_to_caller(q)), q) and fmt.block((64, 128)) == (128, 64)
+
+
+def test_bf16_activations_travel_as_bits():
+    def gemm_bf16(a_bits, q, s, block):
+        return dense.bf16_bits_to_float32(a_bits) @ blockwise.dequantize(q, s, block).T
+
+    testing.check_blockwise_gemm(gemm_bf16, activation_dtype="bfloat16")
+    with pytest.raises(testing.KernelCheckFailed):  # the bit patterns taken for numbers
+        testing.check_blockwise_gemm(lambda a, q, s, b: a.astype(np.float32) @ blockwise.dequantize(q, s, b).T,
+                                     activation_dtype="bfloat16")
