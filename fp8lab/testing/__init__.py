@@ -13,7 +13,8 @@ known bug classes (``fp8lab.testing.bugs.CATALOG``) consistent with the wrong ou
 
 Operators so far: E4M3 encode and decode, blockwise weight quantize / dequantize, the W8A16
 and W8A8 blockwise GEMMs, per-token-group activation quantization, FP8 KV quantization per (token, head), the
-paged cache write (fp8lab's or vLLM's layout) and paged decode attention (GQA, length-0 rows). Needs NumPy and Hypothesis only
+paged cache write (fp8lab's or vLLM's layout), paged decode attention (GQA, length-0 rows, ALiBi, fp8lab's or
+vLLM's layout) and causal prefill (chunked, GQA, ALiBi). Needs NumPy and Hypothesis only
 (``pip install "fp8lab[testing]"``).
 """
 
@@ -27,9 +28,15 @@ from .checks import (
     check_e4m3_encode,
     check_w8a8_gemm,
 )
-from .kv_checks import check_kv_quantize, check_paged_cache_write, check_paged_decode
+from .kv_checks import (
+    check_kv_quantize,
+    check_paged_cache_write,
+    check_paged_decode,
+    check_prefill,
+)
 from .report import KernelCheckFailed, Report
 
 __all__ = ["CATALOG", "BugClass", "KernelCheckFailed", "Report", "check_activation_quantize",
            "check_blockwise_dequantize", "check_blockwise_gemm", "check_blockwise_quantize", "check_e4m3_decode",
-           "check_e4m3_encode", "check_kv_quantize", "check_paged_cache_write", "check_paged_decode", "check_w8a8_gemm"]
+           "check_e4m3_encode", "check_kv_quantize", "check_paged_cache_write", "check_paged_decode", "check_prefill",
+           "check_w8a8_gemm"]

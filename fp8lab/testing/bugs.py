@@ -11,7 +11,14 @@ beside their operators' family: ``weight_bugs`` (E4M3, blockwise weights, activa
 
 from __future__ import annotations
 
-from .kv_bugs import CACHE_WRITE_BUGS, DECODE_ATTENTION_BUGS, KV_BUGS
+from .kv_bugs import (
+    ALIBI_DECODE_BUGS,
+    ALIBI_PREFILL_BUGS,
+    CACHE_WRITE_BUGS,
+    DECODE_ATTENTION_BUGS,
+    KV_BUGS,
+    PREFILL_BUGS,
+)
 from .report import BugClass
 from .weight_bugs import (
     ACTIVATION_BUGS,
@@ -24,11 +31,13 @@ from .weight_bugs import (
 )
 
 CATALOG = (ENCODE_BUGS + DECODE_BUGS + QUANTIZE_BUGS + DEQUANTIZE_BUGS + GEMM_BUGS + ACTIVATION_BUGS + W8A8_BUGS
-           + KV_BUGS + CACHE_WRITE_BUGS + DECODE_ATTENTION_BUGS)
+           + KV_BUGS + CACHE_WRITE_BUGS + DECODE_ATTENTION_BUGS + ALIBI_DECODE_BUGS + PREFILL_BUGS
+           + ALIBI_PREFILL_BUGS)
 """Every bug class, grouped by operator."""
 
-__all__ = ["ACTIVATION_BUGS", "CACHE_WRITE_BUGS", "CATALOG", "DECODE_ATTENTION_BUGS", "DECODE_BUGS", "DEQUANTIZE_BUGS",
-           "ENCODE_BUGS", "GEMM_BUGS", "KV_BUGS", "QUANTIZE_BUGS", "W8A8_BUGS", "BugClass", "bugs_of"]
+__all__ = ["ACTIVATION_BUGS", "ALIBI_DECODE_BUGS", "ALIBI_PREFILL_BUGS", "CACHE_WRITE_BUGS", "CATALOG",
+           "DECODE_ATTENTION_BUGS", "DECODE_BUGS", "DEQUANTIZE_BUGS", "ENCODE_BUGS", "GEMM_BUGS", "KV_BUGS", "PREFILL_BUGS",
+           "QUANTIZE_BUGS", "W8A8_BUGS", "BugClass", "bugs_of"]
 
 
 def bugs_of(operator: str) -> list[BugClass]:

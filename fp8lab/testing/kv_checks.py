@@ -1,12 +1,14 @@
 """``check_*`` for the FP8 KV cache and attention: KV quantization per (token, kv head), the paged cache
-write, paged decode attention. How a check works and reports: ``fp8lab.testing.checks``.
+write, paged decode attention (fp8lab's or vLLM's cache layout, ALiBi) and causal prefill (chunked,
+ALiBi). How a check works and reports: ``fp8lab.testing.checks``.
 
 Tolerances (``gamma(n) = n u / (1 - n u)``, ``u = 2^-24``):
 
 - ``quantize_kv``: as the weight quantizer's, with one scale per (token, kv head).
 - ``paged_cache_write``: written entries as ``quantize_kv``'s, every other entry untouched (exact).
-- ``paged_decode``: ``decode_tolerance``: a float32 score error moves the softmax weights, the
-  float32 sums add ``gamma(2 L + 16)``; relative to the largest value the row averages.
+- ``paged_decode`` and ``prefill``: ``attention_tolerance``, per (row, query head): a float32 score error
+  (the dot product and the ALiBi term) moves the softmax weights, the float32 sums over the ``L`` keys add
+  ``gamma(2 L + 16)``; relative to the largest value the row averages.
 """
 
 from __future__ import annotations
@@ -32,8 +34,26 @@ from .compare import (
 )
 from .report import KernelCheckFailed
 
-# ---------------------------------------------------------------------------- KV quantization and decode attention
+# ---------------------------------------------------------------------------- cache layouts
 
+
+CACHE_LAYOUTS = {"fp8lab": (0, 1, 2, 3), "vllm": (0, 2, 1, 3)}
+"""How a caller's cache axes map to fp8lab's ``[blocks, kv_heads, block_size, head_dim]``: ``"vllm"`` is
+``[blocks, block_size, kv_heads, head_dim]`` (scales ``[blocks, block_size, kv_heads]``)."""
+
+
+def _to_layout(array, layout: str):
+    """fp8lab's layout -> the caller's (codes 4-D, scales 3-D); a copy in C order."""
+    axes = CACHE_LAYOUTS[layout][: array.ndim]
+    return np.array(np.transpose(array, axes), order="C", copy=True)  # never the caller's memory
+
+
+def _from_layout(array, layout: str):
+    axes = CACHE_LAYOUTS[layout][: array.ndim]
+    return np.transpose(array, np.argsort(axes))
+
+
+# ---------------------------------------------------------------------------- KV quantization and decode attention
 
 
 def check_kv_quantize(fn, max_examples: int = 40) -> None:
@@ -59,72 +79,164 @@ def check_kv_quantize(fn, max_examples: int = 40) -> None:
     run()
 
 
-def decode_tolerance(data) -> np.ndarray:
-    """Per (sequence, query head): ``(2 gamma(D + 8) B + gamma(2 L + 16)) max|v| + 2^-120``, where ``B`` is the
-    largest ``|q| . |k_j| * softmax_scale`` of the sequence (a float32 score error of ``gamma(D) B`` changes
-    the softmax weights by a relative ``2 gamma(D) B`` at most) and ``L`` its length (the float32 sums)."""
-    q = data.q.astype(np.float64)
-    num_seqs, num_heads, dim = q.shape
-    group = num_heads // data.k_cache.shape[1]
-    tol = np.full((num_seqs, num_heads), 2.0**-120)
+def attention_tolerance(q, k, v, softmax_scale: float, positions, alibi_slopes=None) -> np.ndarray:
+    """The float32 bound of causal softmax attention, per (query row, query head): float64 ``[R, num_heads]``.
+
+    Query row ``r`` of ``q[R, num_heads, D]`` sits at position ``p = positions[r]`` and reads keys ``0 .. p`` of
+    ``k, v[S, num_kv_heads, D]`` (the values the oracle reads, dequantized), GQA by ``h // (num_heads /
+    num_kv_heads)``. The bound is ``(2 gamma(D + 8) B + gamma(2 L + 16)) max|v_j| + 2^-120`` with ``L = p + 1``
+    keys and ``B = max_j |q_h| . |k_j| * softmax_scale + |slope_h| (p - j)`` over the keys read: a float32
+    score (dot product, ALiBi term, log2-domain scaling) is off by at most ``gamma(D + 8) B``, which moves
+    every softmax weight by a relative ``2 gamma(D + 8) B`` at most; the float32 sums over the ``L`` keys
+    (``l``, ``acc``, and the exp2 of a kernel) add ``gamma(2 L + 16)`` of the largest value averaged."""
+    q64, k64, v64 = (np.abs(np.asarray(x, np.float64)) for x in (q, k, v))
+    num_heads, dim, num_keys = q64.shape[1], q64.shape[2], k64.shape[0]
+    kv_head = np.arange(num_heads) // (num_heads // k64.shape[1])
+    pos = np.asarray(positions, np.int64)
+    behind = pos[:, None] - np.arange(num_keys)[None, :]  # [R, S]: p - j, >= 0 for the keys row r reads
+    bound = np.einsum("rhd,shd->rhs", q64, k64[:, kv_head]) * abs(float(softmax_scale))
+    if alibi_slopes is not None:
+        bound = bound + np.abs(np.asarray(alibi_slopes, np.float64))[None, :, None] * behind[:, None, :]
+    b = np.max(np.where((behind >= 0)[:, None, :], bound, 0.0), axis=2)
+    v_max = np.maximum.accumulate(np.max(v64, axis=2), axis=0)[pos][:, kv_head]  # over the keys 0 .. p
+    return (2 * gamma(dim + 8) * b + gamma(2 * (pos[:, None] + 1) + 16)) * v_max + 2.0**-120
+
+
+ATTENTION_TOLERANCE = ("(2 gamma(D + 8) B + gamma(2 L + 16)) max|v| + 2^-120 per (row, head), "
+                       "B = max_j |q|.|k_j| scale + |slope| (p - j)")
+
+
+def decode_tolerance(data, alibi_slopes=None) -> np.ndarray:
+    """``attention_tolerance`` of every (sequence, query head) of ``data`` (a ``PagedKVData``): the query of a
+    sequence of length ``L`` sits at position ``L - 1``; a sequence of length 0 (a zero row) gets ``2^-120``."""
+    tol = np.full(data.q.shape[:2], 2.0**-120)
     for i, length in enumerate(int(n) for n in data.seq_lens):
-        if length == 0:
-            continue
-        k = kv_cache.gather(data.k_cache, data.k_scale, data.block_tables[i], length).astype(np.float64)
-        v = kv_cache.gather(data.v_cache, data.v_scale, data.block_tables[i], length).astype(np.float64)
-        for h in range(num_heads):
-            b = float(np.max(np.abs(k[:, h // group]) @ np.abs(q[i, h]))) * data.softmax_scale
-            tol[i, h] += (2 * gamma(dim + 8) * b + gamma(2 * length + 16)) * float(np.max(np.abs(v[:, h // group])))
+        if length:
+            k = kv_cache.gather(data.k_cache, data.k_scale, data.block_tables[i], length)
+            v = kv_cache.gather(data.v_cache, data.v_scale, data.block_tables[i], length)
+            tol[i] = attention_tolerance(data.q[i][None], k, v, data.softmax_scale, [length - 1], alibi_slopes)[0]
     return tol
 
 
-def check_paged_decode(fn, fp8: bool = True, max_examples: int = 30) -> None:
-    """``fn(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale)`` must return decode
-    attention ``[num_seqs, num_heads, head_dim]`` over fp8lab's paged layout (``fp8lab.reference.kv_cache``:
-    caches ``[blocks, kv_heads, block_size, head_dim]``, E4M3 codes with scales when ``fp8``), GQA by
-    ``h // (num_heads / num_kv_heads)``, zero rows for length 0, within ``decode_tolerance`` of the oracle."""
+def random_slopes(rng: np.random.Generator, num_heads: int) -> np.ndarray:
+    """ALiBi slopes as models use them (``2^-8h/H``, positive and at most 1), drawn at random: float32
+    ``2^-u``, ``u`` uniform in [0, 8], per query head."""
+    return (2.0 ** -rng.uniform(0, 8, num_heads)).astype(np.float32)
+
+
+def _diagnose(candidates, args: tuple, keywords: dict, actual: np.ndarray, tol: np.ndarray) -> list:
+    """The bug classes among ``candidates`` whose mutant, run on ``args`` and ``keywords``, reproduces
+    ``actual`` within ``tol``; each name once (a class written as several mutants, such as one per shard
+    count, is named by the first that reproduces it, whose summary then says which)."""
+    found = {}
+    for b in candidates:
+        if b.name not in found and reproduces(b.mutant(*args, **keywords), actual, tol):
+            found[b.name] = b
+    return list(found.values())
+
+
+def _caches_in_layout(args: tuple, layout: str) -> tuple:
+    """``paged_decode``'s arguments with the caches (1, 2) and their scales (6, 7) in ``layout``; every array
+    a fresh copy, so the callable never sees the kit's own."""
+    return tuple(_to_layout(a, layout) if i in (1, 2, 6, 7) and a is not None
+                 else a.copy() if isinstance(a, np.ndarray) else a for i, a in enumerate(args))
+
+
+def check_paged_decode(fn, fp8: bool = True, alibi: bool = False, layout: str = "fp8lab",
+                       max_examples: int = 30) -> None:
+    """``fn(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale)`` (with ``alibi``, also
+    ``alibi_slopes=`` float32 ``[num_heads]`` as a keyword) must return decode attention ``[num_seqs, num_heads,
+    head_dim]``: the query of a sequence of length ``L`` at position ``L - 1``, ALiBi bias ``slope_h * (j - (L -
+    1))``, GQA by ``h // (num_heads / num_kv_heads)``, zero rows for length 0, within ``attention_tolerance``
+    of the oracle. ``layout``: ``"fp8lab"`` (caches ``[blocks, kv_heads, block_size, head_dim]``, scales
+    ``[blocks, kv_heads, block_size]``) or ``"vllm"`` (``[blocks, block_size, kv_heads, head_dim]``, scales
+    ``[blocks, block_size, kv_heads]``); E4M3 codes with float32 scales when ``fp8``, float32 and scales None
+    otherwise. Slots past a sequence's length (and unused blocks) hold NaN (NaN codes and NaN scales), in
+    either layout: a kernel that reads one shows it."""
+    if layout not in CACHE_LAYOUTS:
+        raise ValueError(f"layout: expected one of {', '.join(CACHE_LAYOUTS)}, got {layout!r}")
+    candidates = bugs.DECODE_ATTENTION_BUGS + (bugs.ALIBI_DECODE_BUGS if alibi else [])
 
     @hypothesis_settings(max_examples)
     @given(fst.paged_kv_layouts(), st.integers(0, 2**32 - 1))
-    def run(layout, seed):
-        data = layout.random_data(np.random.default_rng(seed), fp8=fp8)
+    def run(paged, seed):
+        rng = np.random.default_rng(seed)
+        data = paged.random_data(rng, fp8=fp8)
         args = data.decode_args()
-        expected = attention.paged_decode(*args)
-        actual = as_output("out", fn(*(a.copy() if isinstance(a, np.ndarray) else a for a in args)),
-                            expected.shape, "paged decode").astype(np.float64)
-        tol = decode_tolerance(data)[..., None]
+        slopes = {"alibi_slopes": random_slopes(rng, paged.num_heads)} if alibi else {}
+        expected = attention.paged_decode(*args, **slopes)
+        got = fn(*_caches_in_layout(args, layout), **{name: a.copy() for name, a in slopes.items()})
+        actual = as_output("out", got, expected.shape, "paged decode").astype(np.float64)
+        tol = decode_tolerance(data, slopes.get("alibi_slopes"))[..., None]
         ok = np.abs(actual - expected) <= tol  # NaN is never within it
         if not ok.all():
-            inputs = {"layout": f"{layout.num_heads} query heads over {layout.num_kv_heads} kv heads, head_dim "
-                                f"{layout.head_dim}, block_size {layout.block_size}", "seq_lens": data.seq_lens,
-                      "block_tables": data.block_tables}
-            diagnoses = [b for b in bugs.DECODE_ATTENTION_BUGS if reproduces(b.mutant(*args), actual, tol)]
+            inputs = {"layout": f"{paged.num_heads} query heads over {paged.num_kv_heads} kv heads, head_dim "
+                                f"{paged.head_dim}, block_size {paged.block_size}, {layout}'s cache layout",
+                      "seq_lens": data.seq_lens, "block_tables": data.block_tables, **slopes}
+            diagnoses = _diagnose(candidates, args, slopes, actual, tol)
             raise KernelCheckFailed(report_of("paged decode", inputs, "out", ok, expected, actual,
-                                            "(2 gamma(D + 8) B + gamma(2 L + 16)) max|v| per (sequence, head)",
-                                            diagnoses))
+                                              ATTENTION_TOLERANCE, diagnoses))
 
     run()
 
 
+# ---------------------------------------------------------------------------- causal prefill
+
+
+def check_prefill(fn, fp8: bool = True, alibi: bool = False, max_examples: int = 30) -> None:
+    """``fn(q, k, v, softmax_scale, k_scale, v_scale)`` (with ``alibi``, also ``alibi_slopes=`` float32
+    ``[num_heads]`` as a keyword) must return causal attention ``[T, num_heads, head_dim]`` of ``T`` new tokens,
+    ``q[T, num_heads, head_dim]``, over ``S >= T`` keys ``k, v[S, num_kv_heads, head_dim]`` whose first ``S - T``
+    are an earlier prefix (chunked prefill; ``S = T`` too): query ``i`` sits at position ``p = S - T + i`` and
+    attends keys ``0 .. p`` with ALiBi bias ``slope_h * (j - p)``, GQA by ``h // (num_heads / num_kv_heads)``,
+    within ``attention_tolerance`` of ``fp8lab.reference.attention.prefill``. With ``fp8``, ``k`` and ``v`` are
+    E4M3 codes (uint8) with float32 scales ``[S, num_kv_heads]`` (``kv_cache.quantize_kv``: the value is
+    ``decode(code) * scale``); otherwise float32 with ``k_scale = v_scale = None``.
+
+    K and V are finite: every key is read by the last query, so prefill has no never-read slot to poison,
+    and a kernel that reads a key after a query's position is caught by value (that key changes the row by
+    far more than the tolerance). A NaN key would test a kernel's NaN hygiene instead (a tiled kernel's
+    masked ``0 * NaN`` in ``P @ V``), which no real prompt asks of it."""
+    candidates = bugs.PREFILL_BUGS + (bugs.ALIBI_PREFILL_BUGS if alibi else [])
+
+    @hypothesis_settings(max_examples)
+    @given(st.integers(1, 12), st.one_of(st.just(0), st.integers(1, 10)), st.integers(1, 3), st.sampled_from([1, 2, 4]),
+           st.sampled_from([4, 8, 16, 64]), st.integers(0, 2**32 - 1))
+    def run(t, prefix, kv_heads, group, dim, seed):
+        rng = np.random.default_rng(seed)
+        s, heads = prefix + t, kv_heads * group
+        q = rng.standard_normal((t, heads, dim)).astype(np.float32)
+        k, v = ((rng.standard_normal((s, kv_heads, dim)) * rng.uniform(0.1, 4.0, (s, kv_heads, 1))).astype(np.float32)
+                for _ in range(2))
+        if fp8:
+            (k, k_scale), (v, v_scale) = kv_cache.quantize_kv(k), kv_cache.quantize_kv(v)
+            k_dense, v_dense = kv_cache.dequantize_kv(k, k_scale), kv_cache.dequantize_kv(v, v_scale)
+        else:
+            k_scale = v_scale = None
+            k_dense, v_dense = k, v
+        softmax_scale = float(dim) ** -0.5
+        args = (q, k, v, softmax_scale, k_scale, v_scale)
+        slopes = {"alibi_slopes": random_slopes(rng, heads)} if alibi else {}
+        expected = attention.prefill(q, k_dense, v_dense, softmax_scale, **slopes)
+        got = fn(*(a.copy() if isinstance(a, np.ndarray) else a for a in args),
+                 **{name: a.copy() for name, a in slopes.items()})
+        actual = as_output("out", got, expected.shape, "prefill").astype(np.float64)
+        tol = attention_tolerance(q, k_dense, v_dense, softmax_scale, prefix + np.arange(t),
+                                  slopes.get("alibi_slopes"))[..., None]
+        ok = np.abs(actual - expected) <= tol  # NaN is never within it
+        if not ok.all():
+            inputs = {"shape": f"T = {t} new tokens over S = {s} keys (a prefix of {prefix}), {heads} query heads "
+                               f"over {kv_heads} kv heads, head_dim {dim}, {'E4M3' if fp8 else 'float32'} K and V",
+                      **slopes}
+            diagnoses = _diagnose(candidates, args, slopes, actual, tol)
+            raise KernelCheckFailed(report_of("prefill", inputs, "out", ok, expected, actual, ATTENTION_TOLERANCE,
+                                              diagnoses))
+
+    run()
+
 
 # ---------------------------------------------------------------------------- the paged cache write
 
-
-
-CACHE_LAYOUTS = {"fp8lab": (0, 1, 2, 3), "vllm": (0, 2, 1, 3)}
-"""How a caller's cache axes map to fp8lab's ``[blocks, kv_heads, block_size, head_dim]``: ``"vllm"`` is
-``[blocks, block_size, kv_heads, head_dim]`` (scales ``[blocks, block_size, kv_heads]``)."""
-
-
-def _to_layout(array, layout: str):
-    """fp8lab's layout -> the caller's (codes 4-D, scales 3-D); a copy in C order."""
-    axes = CACHE_LAYOUTS[layout][: array.ndim]
-    return np.array(np.transpose(array, axes), order="C", copy=True)  # never the caller's memory
-
-
-def _from_layout(array, layout: str):
-    axes = CACHE_LAYOUTS[layout][: array.ndim]
-    return np.transpose(array, np.argsort(axes))
 
 
 def check_paged_cache_write(fn, layout: str = "fp8lab", max_examples: int = 40) -> None:

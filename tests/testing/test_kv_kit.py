@@ -1,13 +1,15 @@
 """The KV cache and attention checks of ``fp8lab.testing`` pass correct implementations: fp8lab's
 oracle, hand-written token loops without a planted bug (``tests/helpers/zoo_kv.py``), and the
-bit-exact simulator of fp8lab's split-kv decode kernel."""
+bit-exact simulator of fp8lab's split-kv decode kernel; and they see NaN-poisoned slots in either layout."""
 
 from __future__ import annotations
 
-from helpers.zoo_kv import my_decode, write_token_loop
+import numpy as np
+import pytest
+from helpers.zoo_kv import my_decode, my_prefill, write_token_loop
 
 from fp8lab import testing
-from fp8lab.reference import kv_cache
+from fp8lab.reference import attention, kv_cache
 from fp8lab.simulators import splitkv
 
 
@@ -23,3 +25,69 @@ def test_the_split_kv_simulator_passes():
     """The bit-exact model of fp8lab's split-kv decode kernel (auto splits, log2-domain combine)."""
     testing.check_paged_decode(lambda *a: splitkv.paged_decode(*a), max_examples=15)
 
+
+def test_alibi_decode_passes():
+    """ALiBi through the split-kv simulator (slopes folded into the log2 domain as float32) and by hand."""
+    testing.check_paged_decode(lambda *a, **kw: splitkv.paged_decode(*a, **kw), alibi=True, max_examples=15)
+    testing.check_paged_decode(lambda *a, **kw: splitkv.paged_decode(*a, **kw), fp8=False, alibi=True,
+                               max_examples=10)
+    testing.check_paged_decode(lambda *a, **kw: my_decode(*a, **kw), alibi=True, max_examples=15)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_vllm_layout_decode_passes(fp8):
+    """A hand-written loop over vLLM's ``[blocks, block_size, kv_heads, head_dim]`` caches, with and without ALiBi."""
+    testing.check_paged_decode(lambda *a: my_decode(*a, layout="vllm"), fp8=fp8, layout="vllm", max_examples=15)
+    testing.check_paged_decode(lambda *a, **kw: my_decode(*a, **kw, layout="vllm"), fp8=fp8, alibi=True,
+                               layout="vllm", max_examples=10)
+
+
+def _oracle_prefill(q, k, v, softmax_scale, k_scale, v_scale, **alibi):
+    if k_scale is not None:
+        k, v = kv_cache.dequantize_kv(k, k_scale), kv_cache.dequantize_kv(v, v_scale)
+    return attention.prefill(q, k, v, softmax_scale, **alibi)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("alibi", [False, True])
+def test_prefill_passes(fp8, alibi):
+    """The oracle and a hand-written log2-domain prefill loop without a planted bug."""
+    testing.check_prefill(_oracle_prefill, fp8=fp8, alibi=alibi)
+    testing.check_prefill(lambda *a, **kw: my_prefill(*a, **kw), fp8=fp8, alibi=alibi, max_examples=20)
+
+
+def test_prefill_calls_the_kernel_as_documented():
+    """Positional ``(q, k, v, softmax_scale, k_scale, v_scale)``, ``alibi_slopes=`` only with ALiBi; E4M3 codes
+    with one float32 scale per (token, kv head) for FP8, float32 and no scales otherwise."""
+    seen = []
+
+    def spy(q, k, v, softmax_scale, k_scale, v_scale, **kw):
+        seen.append((k.dtype, None if k_scale is None else (k_scale.dtype, k_scale.shape == k.shape[:2]), set(kw)))
+        return _oracle_prefill(q, k, v, softmax_scale, k_scale, v_scale, **kw)
+
+    testing.check_prefill(spy, max_examples=3)
+    testing.check_prefill(spy, fp8=False, alibi=True, max_examples=3)
+    assert seen[:3] == [(np.uint8, (np.float32, True), set())] * 3
+    assert seen[3:] == [(np.float32, None, {"alibi_slopes"})] * 3
+
+
+@pytest.mark.parametrize("layout", ["fp8lab", "vllm"])
+def test_slots_past_a_sequence_are_poisoned_in_either_layout(layout):
+    """What the decode check hands the kernel: every slot that is not one of a sequence's first ``seq_len``
+    tokens holds NaN (codes 0x7F with NaN scales), in the caller's layout, so a kernel reading one is caught."""
+    seen = []
+
+    def spy(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale):
+        block_size = k_scale.shape[1 if layout == "vllm" else 2]
+        written = np.zeros((k_scale.shape[0], block_size), bool)  # [block, offset]
+        for table, length in zip(block_tables, seq_lens):
+            for j in range(length):
+                written[table[j // block_size], j % block_size] = True
+        mask = np.broadcast_to(written[:, :, None] if layout == "vllm" else written[:, None, :], k_scale.shape)
+        for cache, scales in ((k_cache, k_scale), (v_cache, v_scale)):
+            seen.append((int((~mask).sum()), bool(np.all(np.isnan(scales[~mask])) and np.all(cache[~mask] == 0x7F)
+                                                   and np.all(np.isfinite(scales[mask])))))
+        return my_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale, layout=layout)
+
+    testing.check_paged_decode(spy, layout=layout, max_examples=10)
+    assert all(ok for _, ok in seen) and sum(n for n, _ in seen) > 0
