@@ -21,7 +21,7 @@ Defaults: ``--model``: the embedded demo model (FP8 for a perplexity run, BF16 f
 ``_default_model``); ``--text``: the shipped held-out text (``fp8lab.engine.evaluate.default_eval_text``).
 The report goes to stdout, progress bars to stderr; ``--json FILE`` writes every number and the
 settings (``fp8lab.engine.evaluate.evaluation_json``). Errors (bad options, a missing file, a text too
-short) print one line to stderr and exit 1 (Ctrl-C: 130, ``fp8lab.engine.cli``); so does a NaN or infinite
+short) print one line to stderr and exit 1 (Ctrl-C: 130, ``fp8lab.cli``); so does a NaN or infinite
 logit, after the report, whose numbers then read ``nan``.
 """
 

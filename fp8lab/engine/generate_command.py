@@ -6,7 +6,7 @@ piece; with several (``--prompt`` repeated: one batch) each completion is printe
 under a ``=== [i] ===`` header as soon as its sequence finishes. The closing line (prompt and
 decode tokens per second) goes to stderr, so stdout holds only generated text. Errors (a bad
 model directory, an exhausted KV cache, bad options) print one line to stderr that names the
-option and the fix, and exit 1 (Ctrl-C: 130, ``fp8lab.engine.cli``).
+option and the fix, and exit 1 (Ctrl-C: 130, ``fp8lab.cli``).
 
 Sampling is greedy unless ``--temperature`` is above 0 (the checkpoint's
 ``generation_config`` sampling defaults are not applied: the default run is reproducible);

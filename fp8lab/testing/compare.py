@@ -3,6 +3,8 @@ the output's shape check, the report of the first wrong element, and the quantiz
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from hypothesis import HealthCheck, settings
 
@@ -21,7 +23,14 @@ def gamma(n: int) -> float:
 
 def hypothesis_settings(max_examples: int):
     """Deterministic (derandomized, no example database) and reporting one failure, so a check always
-    raises ``KernelCheckFailed`` with the shrunk example."""
+    raises ``KernelCheckFailed`` with the shrunk example. ``max_examples``, unless the environment variable
+    ``FP8LAB_MAX_EXAMPLES`` overrides it for every check (the pytest option ``--fp8lab-max-examples N`` of
+    ``fp8lab.pytest_plugin`` sets it for a test run: a quick one, or a thorough one)."""
+    override = os.environ.get("FP8LAB_MAX_EXAMPLES")
+    if override is not None:
+        if not override.strip().isdigit() or int(override) < 1:
+            raise ValueError(f"FP8LAB_MAX_EXAMPLES: expected a positive integer, got {override!r}")
+        max_examples = int(override)
     return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None, report_multiple_bugs=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])

@@ -12,8 +12,8 @@ import warnings
 import numpy as np
 import pytest
 
+from fp8lab import cli
 from fp8lab.engine import checkpoint as ck
-from fp8lab.engine import cli
 from fp8lab.engine import safetensors_io as sio
 from fp8lab.engine.config import Qwen3Config
 from fp8lab.engine.layout import expected_tensors

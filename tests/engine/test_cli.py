@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from fp8lab.engine import cli
+from fp8lab import cli
 
 
 def test_help_lists_subcommands(capsys):

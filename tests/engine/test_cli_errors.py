@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from helpers.engine import install_fake_io, one_line_error, tiny_config
 
-from fp8lab.engine import cli, eval_command, generate_command
+from fp8lab import cli
+from fp8lab.engine import eval_command, generate_command
 
 MAX_POS = 512  # tiny_config's max_position_embeddings
 

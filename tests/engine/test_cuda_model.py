@@ -269,7 +269,7 @@ def test_fp8lab_generate_backend_cudasim(gemm_twins, monkeypatch, tmp_path, caps
 
     from helpers.engine import FakeStreamDecoder, FakeTokenizer
 
-    from fp8lab.engine import cli
+    from fp8lab import cli
 
     config = micro_config()
     tensors = micro_tensors(config)
@@ -393,7 +393,7 @@ def test_gpu_out_of_memory_is_a_clear_error(tiny):
 
 @pytest.mark.gpu
 def test_gpu_fp8lab_generate_backend_cuda(capsys):
-    from fp8lab.engine import cli
+    from fp8lab import cli
 
     assert cli.main(["generate", "--backend", "cuda", "--prompt", "Hello", "--prompt", "Once upon a time",
                      "--max-new-tokens", "16"]) == 0

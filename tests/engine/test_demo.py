@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from helpers.engine import dense_ppl64
 
-from fp8lab.engine import cli, demo
+from fp8lab import cli
+from fp8lab.engine import demo
 from fp8lab.engine import evaluate as ev
 from fp8lab.engine.checkpoint import load_checkpoint, open_checkpoint
 from fp8lab.engine.tokenizer import ENDOFTEXT, IM_END, IM_START, Tokenizer

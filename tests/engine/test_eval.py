@@ -34,7 +34,8 @@ import numpy as np
 import pytest
 from helpers.engine import dense_ppl64, float_config, random_float_tensors, tiny_config
 
-from fp8lab.engine import cli, eval_command
+from fp8lab import cli
+from fp8lab.engine import eval_command
 from fp8lab.engine import evaluate as ev
 from fp8lab.engine.backend import ReferenceBackend
 from fp8lab.engine.checkpoint import load_checkpoint

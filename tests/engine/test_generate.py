@@ -19,7 +19,7 @@ from helpers.engine import (
     tiny_config,
 )
 
-from fp8lab.engine import cli
+from fp8lab import cli
 from fp8lab.engine.generate import Generator, collect_stop_token_ids
 from fp8lab.engine.kv_manager import KVCacheExhausted
 from fp8lab.engine.sampling import SamplingParams

@@ -12,7 +12,8 @@ from helpers.engine import install_fake_io, one_line_error, tiny_config
 
 import fp8lab.engine.generate
 import fp8lab.engine.loading
-from fp8lab.engine import cli, kv_manager
+from fp8lab import cli
+from fp8lab.engine import kv_manager
 from fp8lab.engine.kv_manager import (
     blocks_for,
     blocks_in_budget,

@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fp8lab import cli
 from fp8lab.engine import checkpoint as ck
-from fp8lab.engine import cli, shapes
+from fp8lab.engine import shapes
 from fp8lab.engine.layout import expected_tensors
 from fp8lab.engine.tiny import tiny_config
 from fp8lab.reference import blockwise, e4m3
@@ -219,7 +220,7 @@ def test_the_installed_cli_has_no_bench_subcommand():
 
 
 def test_engine_imports_neither_torch_nor_transformers():
-    code = ("import sys, fp8lab.engine.cli, fp8lab.engine.shapes; "
+    code = ("import sys, fp8lab.cli, fp8lab.engine.shapes; "
             "assert not {'torch', 'transformers'} & set(sys.modules), 'imported torch'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 

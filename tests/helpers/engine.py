@@ -241,7 +241,7 @@ def dense_ppl64(config, tensors, chunks) -> float:
 
 def one_line_error(capsys, argv, command="generate") -> str:
     """Run ``fp8lab argv``; assert exit 1 and a single stderr line; return that line."""
-    from fp8lab.engine import cli
+    from fp8lab import cli
 
     assert cli.main(argv) == 1
     err = capsys.readouterr().err

@@ -4,49 +4,23 @@
   the top level of site-packages (a kernel author's own ``reference`` or ``engine`` module must
   never be shadowed), and carries the files the engine and the kernels read at run time.
 - ``import fp8lab`` loads no subpackage; the oracle (``fp8lab.reference``) and the simulators run
-  with NumPy alone; ``fp8lab.reference.strategies`` needs only Hypothesis more; the engine's
-  command line runs the main job (the demo model on the reference backend) without numba,
-  Hypothesis or matplotlib. Each check runs in a subprocess whose imports of the packages a layer
-  must not need raise ``ImportError``, as they would where those packages are not installed.
+  with NumPy alone; ``fp8lab.reference.strategies`` and the kit ``fp8lab.testing`` (its torch and
+  CuPy adapters included, which import those only when called) need only Hypothesis more; the
+  engine's command line runs the main job (the demo model on the reference backend) without numba,
+  Hypothesis or matplotlib (``fp8lab check`` without the engine: ``tests/testing/test_check_command.py``).
+  Each check runs in a subprocess whose imports of the packages a layer must not need raise
+  ``ImportError``, as they would where those packages are not installed (``helpers.imports``).
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import textwrap
 import zipfile
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-BLOCKER = textwrap.dedent(
-    """
-    import importlib.abc, sys
-
-    class Block(importlib.abc.MetaPathFinder):
-        '''Refuses the packages a layer must not need, as if they were not installed.'''
-        def __init__(self, names):
-            self.names = set(names)
-        def find_spec(self, name, path=None, target=None):
-            if name.split('.')[0] in self.names:
-                raise ImportError(f'{name} is blocked: this layer must not need it')
-            return None
-
-    sys.meta_path.insert(0, Block(sys.argv[1].split(',')))
-    """
-)
-
-
-def run_without(blocked: list[str], code: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter in which importing any of ``blocked`` fails."""
-    source = BLOCKER + textwrap.dedent(code)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", source, ",".join(blocked), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+from helpers.imports import ROOT, run_without
 
 
 def test_import_fp8lab_loads_no_subpackage_and_says_what_is_inside():
@@ -102,9 +76,17 @@ def test_the_strategies_need_only_hypothesis_more():
 
 
 def test_the_testing_kit_needs_only_hypothesis_more():
-    result = run_without(["numba", "safetensors", "tokenizers", "tqdm", "matplotlib", "ml_dtypes"], """
+    result = run_without(["numba", "safetensors", "tokenizers", "tqdm", "matplotlib", "ml_dtypes", "torch", "cupy"], """
         import numpy as np
         from fp8lab import testing
+        from fp8lab.testing import adapters
+        for adapter in (adapters.on_torch, adapters.on_cupy):
+            try:
+                adapter(lambda x: x)
+            except ImportError as missing:
+                assert 'pip install' in str(missing) and '\\n' not in str(missing), str(missing)
+            else:
+                raise SystemExit(f'{adapter.__name__} worked without its package')
         from fp8lab.reference import blockwise, e4m3
         testing.check_e4m3_encode(e4m3.encode)
         try:
@@ -123,7 +105,7 @@ def test_the_main_job_runs_without_the_kernels_or_plotting(tmp_path):
     """The README's main job (the demo model, greedy) on a CPU with only the engine's dependencies."""
     result = run_without(["numba", "hypothesis", "matplotlib", "ml_dtypes"], """
         import sys
-        from fp8lab.engine import cli
+        from fp8lab import cli
         sys.exit(cli.main(['generate', '--prompt', 'The os module provides', '--max-new-tokens', '4']))
     """, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -157,7 +139,8 @@ def test_the_wheel_installs_only_fp8lab(wheel):
     dist_info = {t for t in top if t.endswith(".dist-info")}
     assert top - dist_info == {"fp8lab"}, f"the wheel installs other top-level names: {sorted(top - dist_info)}"
     entry_points = zipfile.ZipFile(wheel).read(f"{dist_info.pop()}/entry_points.txt").decode()
-    assert "fp8lab = fp8lab.engine.cli:main" in entry_points
+    assert "fp8lab = fp8lab.cli:main" in entry_points
+    assert "[pytest11]\nfp8lab = fp8lab.pytest_plugin" in entry_points
 
 
 def test_the_wheel_carries_the_data_the_package_reads(wheel):
