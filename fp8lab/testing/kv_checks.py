@@ -227,7 +227,9 @@ def check_prefill(fn, fp8: bool = True, alibi: bool = False, max_examples: int =
         if not ok.all():
             inputs = {"shape": f"T = {t} new tokens over S = {s} keys (a prefix of {prefix}), {heads} query heads "
                                f"over {kv_heads} kv heads, head_dim {dim}, {'E4M3' if fp8 else 'float32'} K and V",
-                      **slopes}
+                      "softmax_scale": softmax_scale, **slopes, "q": q, "k": k, "v": v}
+            if fp8:
+                inputs.update(k_scale=k_scale, v_scale=v_scale)
             diagnoses = _diagnose(candidates, args, slopes, actual, tol)
             raise KernelCheckFailed(report_of("prefill", inputs, "out", ok, expected, actual, ATTENTION_TOLERANCE,
                                               diagnoses))

@@ -56,6 +56,25 @@ def test_prefill_passes(fp8, alibi):
     testing.check_prefill(lambda *a, **kw: my_prefill(*a, **kw), fp8=fp8, alibi=alibi, max_examples=20)
 
 
+def prefill_as_decode_rows(q, k, v, softmax_scale, k_scale, v_scale, alibi_slopes=None):
+    """fp8lab's prefill algorithm (``fp8lab.numba_kernels.prefill``: decode of every query row over its causal
+    prefix) through the split-kv simulator: K and V as a paged cache of one-token blocks, query ``i`` a decode
+    row of length ``S - T + i + 1``."""
+    t, s = q.shape[0], k.shape[0]
+    tables = np.tile(np.arange(s, dtype=np.int32), (t, 1))
+    lens = (s - t + np.arange(t) + 1).astype(np.int32)
+    k_cache, v_cache = (np.ascontiguousarray(x[:, :, None]) for x in (k, v))  # [S, kv_heads, 1, head_dim]
+    k_scale, v_scale = (None if x is None else np.ascontiguousarray(x[:, :, None]) for x in (k_scale, v_scale))
+    return splitkv.paged_decode(q, k_cache, v_cache, tables, lens, softmax_scale, k_scale, v_scale, alibi_slopes)
+
+
+def test_fp8labs_prefill_algorithm_passes():
+    """float32 throughout, in the kernel's order: within the stated bound, with and without ALiBi."""
+    testing.check_prefill(prefill_as_decode_rows, max_examples=15)
+    testing.check_prefill(prefill_as_decode_rows, alibi=True, max_examples=15)
+    testing.check_prefill(prefill_as_decode_rows, fp8=False, alibi=True, max_examples=5)
+
+
 def test_prefill_calls_the_kernel_as_documented():
     """Positional ``(q, k, v, softmax_scale, k_scale, v_scale)``, ``alibi_slopes=`` only with ALiBi; E4M3 codes
     with one float32 scale per (token, kv head) for FP8, float32 and no scales otherwise."""
