@@ -118,7 +118,7 @@ def decode_tolerance(data, alibi_slopes=None) -> np.ndarray:
     return tol
 
 
-def random_slopes(rng: np.random.Generator, num_heads: int) -> np.ndarray:
+def _random_slopes(rng: np.random.Generator, num_heads: int) -> np.ndarray:
     """ALiBi slopes as models use them (``2^-8h/H``, positive and at most 1), drawn at random: float32
     ``2^-u``, ``u`` uniform in [0, 8], per query head."""
     return (2.0 ** -rng.uniform(0, 8, num_heads)).astype(np.float32)
@@ -163,7 +163,7 @@ def check_paged_decode(fn, fp8: bool = True, alibi: bool = False, layout: str = 
         rng = np.random.default_rng(seed)
         data = paged.random_data(rng, fp8=fp8)
         args = data.decode_args()
-        slopes = {"alibi_slopes": random_slopes(rng, paged.num_heads)} if alibi else {}
+        slopes = {"alibi_slopes": _random_slopes(rng, paged.num_heads)} if alibi else {}
         expected = attention.paged_decode(*args, **slopes)
         got = fn(*_caches_in_layout(args, layout), **{name: a.copy() for name, a in slopes.items()})
         actual = as_output("out", got, expected.shape, "paged decode").astype(np.float64)
@@ -216,7 +216,7 @@ def check_prefill(fn, fp8: bool = True, alibi: bool = False, max_examples: int =
             k_dense, v_dense = k, v
         softmax_scale = float(dim) ** -0.5
         args = (q, k, v, softmax_scale, k_scale, v_scale)
-        slopes = {"alibi_slopes": random_slopes(rng, heads)} if alibi else {}
+        slopes = {"alibi_slopes": _random_slopes(rng, heads)} if alibi else {}
         expected = attention.prefill(q, k_dense, v_dense, softmax_scale, **slopes)
         got = fn(*(a.copy() if isinstance(a, np.ndarray) else a for a in args),
                  **{name: a.copy() for name, a in slopes.items()})

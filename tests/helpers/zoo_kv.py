@@ -88,11 +88,13 @@ def my_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scal
 
 
 def my_prefill(q, k, v, softmax_scale, k_scale, v_scale, alibi_slopes=None, *,
-               kv_head_of=lambda h, hq, hkv: h // (hq // hkv), keys_read=lambda i, pos: pos + 1, **alibi_bugs):
+               kv_head_of=lambda h, hq, hkv: h // (hq // hkv), keys_read=lambda i, pos: pos + 1,
+               alibi_origin=lambda pos: pos, **alibi_bugs):
     """Causal prefill written out by hand, one query row and head at a time, in the log2 domain: query ``i``
     of ``T`` sits at position ``pos = S - T + i`` and reads its first ``keys_read(i, pos)`` keys (at most
-    ``S``), ALiBi bias ``slope * (j - pos)``; an unguarded softmax (a row with no key is ``0 / 0``). The
-    keywords plant one bug each: the head mapping, the mask (``keys_read``), the ALiBi slope's domain or sign."""
+    ``S``), ALiBi bias ``slope * (j - alibi_origin(pos))``; an unguarded softmax (a row with no key is
+    ``0 / 0``). The keywords plant one bug each: the head mapping, the mask (``keys_read``), the ALiBi
+    slope's domain or sign; ``alibi_origin`` shifts a row's bias by a constant, which is *not* a bug."""
     t, num_heads, _ = q.shape
     s, num_kv, _ = k.shape
 
@@ -107,7 +109,8 @@ def my_prefill(q, k, v, softmax_scale, k_scale, v_scale, alibi_slopes=None, *,
         for h in range(num_heads):
             g = kv_head_of(h, num_heads, num_kv)
             slope2 = _alibi_log2(alibi_slopes, h, **alibi_bugs)
-            scores = keys[:n, g] @ q[i, h].astype(np.float64) * (softmax_scale * LOG2E) + slope2 * (np.arange(n) - pos)
+            bias2 = slope2 * (np.arange(n) - alibi_origin(pos))
+            scores = keys[:n, g] @ q[i, h].astype(np.float64) * (softmax_scale * LOG2E) + bias2
             w = np.exp2(scores - np.max(scores, initial=-np.inf))
             with np.errstate(invalid="ignore"):
                 out[i, h] = w @ values[:n, g] / w.sum()

@@ -56,6 +56,13 @@ def test_prefill_passes(fp8, alibi):
     testing.check_prefill(lambda *a, **kw: my_prefill(*a, **kw), fp8=fp8, alibi=alibi, max_examples=20)
 
 
+def test_an_alibi_origin_shifted_per_row_passes():
+    """ALiBi measured from key 0 (``slope * j``) instead of from the query: a constant per row, which softmax
+    ignores, so the same attention and no bug class (``fp8lab.testing.kv_bugs``)."""
+    testing.check_prefill(lambda *a, **kw: my_prefill(*a, **kw, alibi_origin=lambda pos: 0), alibi=True,
+                          max_examples=20)
+
+
 def prefill_as_decode_rows(q, k, v, softmax_scale, k_scale, v_scale, alibi_slopes=None):
     """fp8lab's prefill algorithm (``fp8lab.numba_kernels.prefill``: decode of every query row over its causal
     prefix) through the split-kv simulator: K and V as a paged cache of one-token blocks, query ``i`` a decode
