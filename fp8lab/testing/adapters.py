@@ -80,11 +80,16 @@ def adapt(fn: Callable, to_tensor: Callable, to_numpy: Callable = as_numpy) -> C
         for a in arrays:
             if a.flags.writeable:
                 np.copyto(a, to_numpy(tensors[id(a)]))
-        if isinstance(out, (tuple, list)):
-            return type(out)(None if o is None else to_numpy(o) for o in out)
-        return None if out is None else to_numpy(out)
+        return _outputs(out, to_numpy)
 
     return on_numpy
+
+
+def _outputs(out, to_numpy: Callable):
+    """The outputs with every tensor through ``to_numpy``, tuples and lists (nested too) and ``None`` kept."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(_outputs(o, to_numpy) for o in out)
+    return None if out is None else to_numpy(out)
 
 
 def _first_line(error: BaseException) -> str:
