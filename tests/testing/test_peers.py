@@ -118,8 +118,9 @@ def test_onnx_reference_casts_pass(peers):
 
 
 def test_transformers_quantize(peers):
-    """As-is it leaves a weight that is not whole blocks unquantized; padded, a block of amax < 448 * 2^-126 gets
-    scale_inv 0 (448 / amax overflows); beyond that, its scale_inv is up to 2 float32 ulps from amax / 448."""
+    """As-is it leaves a weight that is not whole blocks unquantized; padded, a block of amax below about 1.3e-36
+    gets scale_inv 0 (448 / amax overflows) and its zeros NaN codes; beyond that, its scale_inv is up to 2
+    float32 ulps from amax / 448."""
     pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     as_is = row(peers, "transformers", "Fp8Quantize(...)._quantize_one(key, w)", "blockwise_quantize")
@@ -127,6 +128,9 @@ def test_transformers_quantize(peers):
     report = assert_fails(row(peers, "transformers", "Fp8Quantize(...)._quantize_one(key, w), w zero-padded",
                               "blockwise_quantize"), "scale_inv", [])
     assert report["actual"] == 0.0 and report["expected"] == 2.0**-126
+    quantize = peers.transformers_quantize(padded=True)("cpu")
+    codes, scale_inv = quantize(np.array([[1e-37, 0.0, -1e-37]], np.float32), (128, 128))
+    assert codes.tolist() == [[0x7E, 0xFF, 0xFE]] and scale_inv.tolist() == [[0.0]]  # its zero became NaN
     beyond = row(peers, "transformers", "Fp8Quantize(...)._quantize_one(key, w), padded; blocks", "blockwise_quantize")
     report = assert_fails(beyond, "scale_inv", [])
     assert 0 < abs(report["actual"] - report["expected"]) <= 2 * np.spacing(np.float32(report["expected"]))
