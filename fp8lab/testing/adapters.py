@@ -13,7 +13,7 @@ What the wrapper does on each call:
 
 - every NumPy array argument becomes a tensor on the device (NumPy scalars become Python numbers;
   Python scalars, tuples, strings and ``None`` pass through as they are);
-- the outputs come back as NumPy arrays of their own memory: through DLPack (``np.from_dlpack``) from
+- the outputs come back as NumPy arrays: through DLPack (``np.from_dlpack``) from
   host memory, through a device-to-host copy from device memory (``__cuda_array_interface__`` or a
   CUDA DLPack tensor); a tuple (or list) of outputs stays a tuple (list), ``None`` stays ``None``;
 - in-place writes reach the kit: after the call every writable array argument gets its tensor's
@@ -24,8 +24,8 @@ has neither dtype). The torch adapter views ``uint8`` arguments as ``torch.float
 ``uint16`` ones as ``torch.bfloat16`` (same bits, no conversion); ``raw_bits=True`` keeps them
 ``torch.uint8`` / ``torch.uint16``, for kernels that take raw bytes. Outputs of a 1-byte float8 dtype
 come back as their ``uint8`` codes and ``bfloat16`` ones as ``uint16`` bit patterns, whatever
-``raw_bits`` (a ``float8_e4m3fnuz`` output thus shows as the fnuz codes it is, and the kit names the
-mistake). CuPy has neither dtype: ``on_cupy`` keeps ``uint8`` and ``uint16``.
+``raw_bits`` (a ``float8_e4m3fnuz`` output thus reaches the kit as the fnuz codes it holds, wrong codes,
+never silently converted to the right format). CuPy has neither dtype: ``on_cupy`` keeps ``uint8`` and ``uint16``.
 
 fp8lab imports torch (CuPy) only inside ``on_torch`` (``on_cupy``): ``import fp8lab.testing`` needs
 NumPy and Hypothesis only. A missing package raises ``ImportError`` and a device that cannot be used
@@ -45,8 +45,8 @@ DLPACK_CPU = 1
 
 
 def as_numpy(value, to_host: Callable | None = None) -> np.ndarray:
-    """``value`` as a NumPy array of its own memory: a NumPy array as it is; an object in host memory
-    through DLPack (copied: the memory stays its producer's); one in device memory (a non-CPU
+    """``value`` as a NumPy array: a NumPy array as it is; an object in host memory through DLPack (copied,
+    so that the producer may reuse its buffer); one in device memory (a non-CPU
     ``__dlpack_device__`` or a ``__cuda_array_interface__``) through ``to_host``, the caller's
     device-to-host copy; anything else (Python numbers, lists) through ``np.asarray``."""
     if isinstance(value, np.ndarray):
@@ -86,9 +86,11 @@ def adapt(fn: Callable, to_tensor: Callable, to_numpy: Callable = as_numpy) -> C
 
 
 def _outputs(out, to_numpy: Callable):
-    """The outputs with every tensor through ``to_numpy``, tuples and lists (nested too) and ``None`` kept."""
+    """The outputs with every tensor through ``to_numpy``; lists stay lists, other tuples (named ones, torch's
+    return types) plain tuples, nested too; ``None`` stays ``None``."""
     if isinstance(out, (tuple, list)):
-        return type(out)(_outputs(o, to_numpy) for o in out)
+        items = [_outputs(o, to_numpy) for o in out]
+        return items if isinstance(out, list) else tuple(items)
     return None if out is None else to_numpy(out)
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from . import adapters, checks, kv_checks
 from .report import KernelCheckFailed
 
-# the operators: ``--op`` name -> (its check, the tolerance it applies, in words). One line per operator.
+# the operators: ``--op`` name -> (its check, the tolerance it applies, in words); one entry per check of the kit
 OPS = {
     "e4m3-encode": (checks.check_e4m3_encode, "exact, bit for bit (NaN with the input's sign)"),
     "e4m3-decode": (checks.check_e4m3_decode, "exact, all 256 codes (NaN for 0x7F and 0xFF)"),
@@ -50,7 +50,7 @@ OPS = {
     "prefill": (kv_checks.check_prefill, kv_checks.ATTENTION_TOLERANCE),
 }
 
-# what an option means, where its name does not say it (the ops that take it are added to its help)
+# what each check parameter means as an option (its help adds the ops that take it; a test asks for every one)
 HELP = {
     "saturate": "overflow gives NaN instead of saturating to +-448",
     "block": "the weight block (BN, BK) as BNxBK, e.g. 128x128",
@@ -62,7 +62,7 @@ HELP = {
     "eps": "the activation scale's epsilon",
     "fp8": "a float32 cache instead of E4M3 codes with scales",
     "alibi": "ALiBi slopes (passed as alibi_slopes=)",
-    "max_examples": "how many Hypothesis examples (the pytest option --fp8lab-max-examples overrides it)",
+    "max_examples": "how many Hypothesis examples (the environment variable FP8LAB_MAX_EXAMPLES overrides it)",
 }
 
 DEST = "check_option_"
@@ -212,8 +212,9 @@ def _options_given(args, op: str) -> dict:
     accepted = parameters(op)
     for name in given:
         if name not in accepted:
+            flag = next(flag for flag, spec in option_flags().items() if spec["name"] == name)
             flags = ", ".join(_option(n, d)[0] for n, d in accepted.items()) or "none"
-            raise UsageError(f"{_option(name, given[name])[0]} is not an option of --op {op} (its options: {flags})")
+            raise UsageError(f"{flag} is not an option of --op {op} (its options: {flags})")
     return given
 
 
