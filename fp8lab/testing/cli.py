@@ -179,13 +179,18 @@ def _import_file(path: Path):
     its own imports)."""
     if not path.is_file():
         raise UsageError(f"no such file: {path}")
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    # registered by name, as dataclasses and pickling look a module up; never over a module already loaded
+    name = path.stem if path.stem not in sys.modules else f"fp8lab_check_target_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module  # dataclasses and pickling look a module up by name
+    sys.modules[name] = module
     folder = str(path.resolve().parent)
     sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     finally:
         sys.path.remove(folder)
     return module
