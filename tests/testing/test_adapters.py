@@ -5,7 +5,8 @@ through DLPack (NumPy arrays implement it), the in-place copy-back through a rea
 device memory (a fake ``__cuda_array_interface__`` object is no real device copy: only that it goes to the
 adapter's device-to-host copy is tested). With torch (``pytest.importorskip``): torch's own casts pass and
 fail through ``on_torch`` with their bug class named, dtypes are viewed as the module docstring says, the
-paged cache write fills the kit's caches in place; on a GPU (``gpu``), the same on ``device="cuda"``.
+paged cache write fills the kit's caches in place; on a GPU (``gpu``), the same on ``device="cuda"``, and
+CuPy's (``pytest.importorskip("cupy")``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from fp8lab import testing
-from fp8lab.reference import kv_cache
+from fp8lab.reference import e4m3, kv_cache
 from fp8lab.testing.adapters import adapt, as_numpy, on_cupy, on_torch
 
 
@@ -215,3 +216,24 @@ def test_torch_on_cuda_passes_and_copies_in_place_writes_back():
     with pytest.raises(testing.KernelCheckFailed) as failure:
         testing.check_e4m3_encode(on_torch(torch_encode_fnuz_max, device="cuda"))
     assert "fnuz_max_240" in str(failure.value)
+
+
+def cupy_cache_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+    """A paged cache write on CuPy arrays: the oracle's quantizer on the host, the writes into the device caches."""
+    import cupy
+
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block, offset = slots // k_cache.shape[2], slots % k_cache.shape[2]
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        codes, s = kv_cache.quantize_kv(cupy.asnumpy(x[keep]))
+        cache[block, :, offset] = cupy.asarray(codes)
+        scales[block, :, offset] = cupy.asarray(s)
+
+
+@pytest.mark.gpu
+def test_cupy_on_the_gpu_passes_and_copies_in_place_writes_back():
+    cupy = pytest.importorskip("cupy")
+    values = cupy.asarray(e4m3.decode(np.arange(256, dtype=np.uint8)))
+    testing.check_e4m3_decode(on_cupy(lambda codes: values[codes]))  # a table lookup on the device
+    testing.check_paged_cache_write(on_cupy(cupy_cache_write), max_examples=20)
