@@ -46,8 +46,11 @@ those are the tuning knobs (``Tiling``; ``choose_tiling`` picks defaults).
 - **Per chunk** (per warp): ``c_part = 0``; 8 k16 steps: B fragments of each n8 tile (two codes
   read as one ``uint16``, placed into two BF16/F16 patterns in one register, ``place_code_pair``),
   then per m16 tile its A fragment (32-bit words of shared memory) and one ``mma`` per n8 tile.
-  Then per tile ``c_fin = fma(s, c_part, c_fin)`` with the tile's folded block scale
-  ``s = scale_inv[n0 // BN, k0 // BK] * 2^120`` (BF16) or ``* 2^8`` (F16), 0 for a tile past N.
+  Then per tile ``c_fin = fma(s, c_part * 2^120, c_fin)`` (BF16; ``2^8`` for F16: the power of two
+  bit placement took away, restored exactly on the partial sum) with the tile's block scale
+  ``s = scale_inv[n0 // BN, k0 // BK]``, 0 for a tile past N. (Restoring it on the scale instead would
+  overflow float32 for ``scale_inv >= 2^8`` with BF16; on the partial sum it cannot, as ``|c_part| * 2^120``
+  is a sum of products of BF16 activations and E4M3 values.)
 
 Shared memory: ``stages`` stages of ``stage_bytes`` each (``Tiling.stage_bytes``), one dynamic
 allocation read through aliased views (``uint64`` for the copies, ``uint32`` A words, ``uint16`` B
@@ -119,9 +122,10 @@ K_CHUNK = 128
 K_STEPS_PER_CHUNK = K_CHUNK // MMA_K
 BLOCK_N_MULTIPLE = MMA_N
 """An n8 tile must lie in one scale block, so that a tile needs one scale per chunk."""
-FOLDED_SCALE_EXPONENT = {"bf16": 120, "f16": 8}
-"""Bit placement makes a code worth ``decode(c) * 2^-120`` (BF16) or ``2^-8`` (F16); the block
-scale is multiplied by the inverse power of two instead (``fp8lab.simulators.bit_placement``)."""
+PLACEMENT_EXPONENT = {"bf16": 120, "f16": 8}
+"""Bit placement makes a code worth ``decode(c) * 2^-120`` (BF16) or ``2^-8`` (F16)
+(``fp8lab.simulators.bit_placement``); each chunk's partial sum is multiplied by the inverse power
+of two, exactly, before its promotion."""
 PLACEMENT_SHIFT = {"bf16": 4, "f16": 1}
 """Right shift from a code in the high byte of a 16-bit half to its place: ``8 - 4`` for BF16's
 7 mantissa bits, ``8 - 7`` for F16's 10."""
@@ -354,7 +358,7 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
     and lives in registers. Arguments: ``(a_words uint64 [M, K/4], q_words uint64 [N, K/8],
     scale_inv float32 [ceil(N/BN), ceil(K/BK)], out [M, N], block_n uint32, block_k uint32)``: the
     activations and codes as 8-byte words (``kernel_signature``)."""
-    if activation not in FOLDED_SCALE_EXPONENT or output not in ("f32", "f16", "bf16"):
+    if activation not in PLACEMENT_EXPONENT or output not in ("f32", "f16", "bf16"):
         raise ValueError(f"no kernel variant for activation={activation!r}, output={output!r}")
     tiling = Tiling(*tiling).check()
     m_blocks, n8_per_warp, stages = tiling.m_blocks, tiling.n8_tiles_per_warp, tiling.stages
@@ -366,7 +370,7 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
     b_registers = 2 * n8_per_warp
     mma = mma_bf16 if activation == "bf16" else mma_f16
     shift = PLACEMENT_SHIFT[activation]
-    fold = np.float32(2.0 ** FOLDED_SCALE_EXPONENT[activation])
+    unplace = np.float32(2.0 ** PLACEMENT_EXPONENT[activation])
     wait_for_chunk = wait_group_function(stages - 2)
     bf16_output = output == "bf16"
 
@@ -434,13 +438,13 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
 
     @inlined_device_function
     def promote(smemf, stage, c_part, c_fin, warp):
-        """``c_fin = fma(s, c_part, c_fin)`` per accumulator, ``s`` the n8 tile's folded scale."""
+        """``c_fin = fma(s, c_part * 2^offset, c_fin)`` per accumulator, ``s`` the n8 tile's block scale."""
         for nt in range(n8_per_warp):
-            s = at(smemf, (stage * stage_bytes + scale_offset) // 4 + warp * n8_per_warp + nt) * fold
+            s = at(smemf, (stage * stage_bytes + scale_offset) // 4 + warp * n8_per_warp + nt)
             for mt in range(m_blocks):
                 for i in range(4):
                     c = 4 * (mt * n8_per_warp + nt) + i
-                    c_fin[c] = cuda.fma(s, c_part[c], c_fin[c])
+                    c_fin[c] = cuda.fma(s, c_part[c] * unplace, c_fin[c])  # * 2^offset: exact
 
     @inlined_device_function
     def store_tiles(out, c_fin, row0, col0, warp, g, t):

@@ -199,8 +199,9 @@ def folded_scale(scale_inv, fmt: str) -> np.ndarray:
     Multiplying by a power of two is exact in float32, so
     ``placed_value * folded_scale == decode(c) * scale_inv`` up to the single float32 rounding the
     plain product would have anyway. Domain: with BF16 the result overflows to inf once
-    ``scale_inv >= 2^8`` (``2^8 * 2^120 = 2^128``); real checkpoints have ``scale_inv = amax / 448``,
-    many orders of magnitude smaller. F16 overflows only for ``scale_inv >= 2^120``.
+    ``scale_inv >= 2^8`` (``2^8 * 2^120 = 2^128``), which is why the tensor-core GEMM restores the
+    power of two on its partial sums instead (``fp8lab.simulators.gemm_mma``). F16 overflows only for
+    ``scale_inv >= 2^120``, beyond any ``amax / 448``: the dequantize kernel and the SIMT GEMV fold it.
     """
     s = np.asarray(scale_inv)
     if s.dtype.kind != "f" and s.dtype.name != "bfloat16":

@@ -28,8 +28,10 @@ kernel (in the CUDA simulator) can be checked against it bit for bit:
    16, rounded to float32, added to ``c_part`` in float32). The B fragments are the weight codes
    after bit placement (``fp8lab.simulators.bit_placement``): worth ``decode(q) * 2^-120`` (BF16) or
    ``* 2^-8`` (F16).
-5. **Promotion**: ``c_fin = fma(s, c_part, c_fin)`` with the folded block scale
-   ``s = scale_inv[n // BN, k // BK] * 2^120`` (or ``2^8``) in float32: one float32 rounding
+5. **Promotion**: ``c_fin = fma(s, c_part * 2^120, c_fin)`` (or ``2^8``: the power of two bit
+   placement took away, restored exactly on the partial sum, where it cannot overflow, rather than
+   on the scale, where it would for ``scale_inv >= 2^8``) with the block scale
+   ``s = scale_inv[n // BN, k // BK]`` in float32: one float32 rounding
    (``fp8lab.simulators.fma.fma_f32``). Requires ``BN % 8 == 0`` (an n8 tile lies in one scale block, so a warp
    uses one scale per chunk), ``BK % 128 == 0`` (a chunk lies in one scale block) and
    ``K % 128 == 0``.
@@ -182,16 +184,16 @@ def _tiles(x: np.ndarray, tile_rows: int, tile_cols: int) -> np.ndarray:
     return x.reshape(r // tile_rows, tile_rows, c // tile_cols, tile_cols).swapaxes(1, 2)
 
 
-def tile_scales(scale_inv: np.ndarray, block: tuple[int, int], schedule: Schedule, activation: str) -> np.ndarray:
-    """The folded scale each warp uses per chunk: ``[n8 tiles, chunks]`` float32,
-    ``scale_inv[n0 // BN, k0 // BK] * 2^offset`` at the tile's first column ``n0`` and the
-    chunk's first ``k0``; 0 for tiles entirely past N (never stored)."""
+def tile_scales(scale_inv: np.ndarray, block: tuple[int, int], schedule: Schedule) -> np.ndarray:
+    """The block scale each warp uses per chunk: ``[n8 tiles, chunks]`` float32,
+    ``scale_inv[n0 // BN, k0 // BK]`` at the tile's first column ``n0`` and the chunk's first ``k0``;
+    0 for tiles entirely past N (never stored)."""
     bn, bk = block
     n0 = np.arange(schedule.n8_tiles) * mma.MMA_N
     k0 = np.arange(schedule.num_chunks) * K_CHUNK
     in_range = n0 < schedule.n
-    folded = bit_placement.folded_scale(scale_inv, activation)
-    scales = folded[np.minimum(n0 // bn, folded.shape[0] - 1)[:, None], (k0 // bk)[None, :]]
+    s = np.asarray(scale_inv, np.float32)
+    scales = s[np.minimum(n0 // bn, s.shape[0] - 1)[:, None], (k0 // bk)[None, :]]
     return np.where(in_range[:, None], scales, np.float32(0))
 
 
@@ -236,7 +238,8 @@ def gemm_mma(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, *, m_blocks: int = 
 
     a_values = bit_placement.bits_to_float32(_pad_rows(a_bits, schedule.m_padded), activation)
     weight_codes = _pad_rows(codes, schedule.n_padded)  # code 0 is +0.0
-    scale_per_tile = tile_scales(scales, block, schedule, activation)
+    scale_per_tile = tile_scales(scales, block, schedule)
+    unplace = np.float32(2.0 ** bit_placement.EXPONENT_OFFSET[activation])
     sums_are_exact = every_k16_sum_is_exact(a_values, activation)
 
     c_fin = np.zeros((schedule.m16_tiles, schedule.n8_tiles, mma.WARP_SIZE, mma.C_PER_LANE), dtype=np.float32)
@@ -253,9 +256,10 @@ def gemm_mma(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, *, m_blocks: int = 
             # One mma per (m16 tile, n8 tile): every warp of every CTA at once.
             c_part = mma.mma(a_frags[:, None, step], b_frags[None, :, step], c_part, sums_are_exact=sums_are_exact)
 
-        # Promotion: one fma per accumulator element with the warp's folded block scale.
+        # Promotion: one fma per accumulator element with the warp's block scale; the partial sum
+        # times 2^offset first (exact: a power of two, and the partial sum is far from overflow).
         s = scale_per_tile[None, :, chunk, None, None]
-        c_fin = fma_f32(s, c_part, c_fin)
+        c_fin = fma_f32(s, c_part * unplace, c_fin)
 
     out_tiles = mma.store_c(c_fin)  # [m16 tiles, n8 tiles, 16, 8]
     out = out_tiles.swapaxes(1, 2).reshape(schedule.m_padded, schedule.n_padded)

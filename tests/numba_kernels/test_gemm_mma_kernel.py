@@ -124,7 +124,7 @@ def test_constants_are_the_simulators():
     assert kernel.K_CHUNK == model.K_CHUNK and kernel.K_STEPS_PER_CHUNK == model.K_STEPS_PER_CHUNK
     assert kernel.M_BLOCKS_CHOICES == model.M_BLOCKS_CHOICES
     assert kernel.BLOCK_N_MULTIPLE == model.BLOCK_N_MULTIPLE
-    assert kernel.FOLDED_SCALE_EXPONENT == bp.EXPONENT_OFFSET
+    assert kernel.PLACEMENT_EXPONENT == bp.EXPONENT_OFFSET
     assert {f: 8 - s for f, s in kernel.PLACEMENT_SHIFT.items()} == bp.MAGNITUDE_SHIFT
     assert (kernel.SIGN_MASK_X2, kernel.MAGNITUDE_MASK_X2) == (bp.SIGN_MASK_X2, bp.MAGNITUDE_MASK_X2)
 
