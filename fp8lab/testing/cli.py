@@ -36,14 +36,14 @@ OPS = {
     "e4m3-encode": (checks.check_e4m3_encode, "exact, bit for bit (NaN with the input's sign)"),
     "e4m3-decode": (checks.check_e4m3_decode, "exact, all 256 codes (NaN for 0x7F and 0xFF)"),
     "blockwise-quantize": (checks.check_blockwise_quantize,
-                           "scales within 1 ulp of amax / 448; |decode(q) s - x| <= 2^-4 |x| + 2^-10 s; no NaN codes"),
+                           "scales within 4 float32 ulps (BF16: 1 ulp) of amax / 448; |decode(q) s - x| <= 2^-4 |x| + 2^-10 s; no NaN codes"),
     "blockwise-dequantize": (checks.check_blockwise_dequantize, "exact (one float32 product per element)"),
     "blockwise-gemm": (checks.check_blockwise_gemm, "|out - ref| <= gamma(K + 2 ceil(K/BK) + 4) sum_k |a| |w|"),
     "activation-quantize": (checks.check_activation_quantize,
-                            "scales within 1 ulp of max(amax, eps) / 448; the quantizers' round-trip bound; no NaN codes"),
+                            "scales within 4 float32 ulps of max(amax, eps) / 448; the quantizers' round-trip bound; no NaN codes"),
     "w8a8-gemm": (checks.check_w8a8_gemm, "|out - ref| <= gamma(BK + ceil(K/BK) + 4) sum |a_s w_s decode(aq) decode(q)|"),
     "kv-quantize": (kv_checks.check_kv_quantize,
-                    "scales within 1 ulp of amax / 448 per (token, kv head); the quantizers' round-trip bound"),
+                    "scales within 4 float32 ulps of amax / 448 per (token, kv head); the quantizers' round-trip bound"),
     "paged-cache-write": (kv_checks.check_paged_cache_write,
                           "written entries as kv-quantize's, every other entry untouched (exact)"),
     "paged-decode": (kv_checks.check_paged_decode, kv_checks.ATTENTION_TOLERANCE),
@@ -62,6 +62,7 @@ HELP = {
     "eps": "the activation scale's epsilon",
     "fp8": "a float32 cache instead of E4M3 codes with scales",
     "alibi": "ALiBi slopes (passed as alibi_slopes=)",
+    "head_dims": "only these head sizes, e.g. 64,128 (for kernels that support some)",
     "max_examples": "how many Hypothesis examples (the environment variable FP8LAB_MAX_EXAMPLES overrides it)",
 }
 
@@ -82,14 +83,24 @@ def _block(text: str) -> tuple[int, int]:
     return bn, bk
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    """``64,128`` -> ``(64, 128)``."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 64,128, got {text!r}") from None
+
+
 def _option(name: str, default) -> tuple[str, dict]:
     """The flag and ``add_argument`` keywords of a check's keyword parameter ``name=default``."""
     flag, dest = "--" + name.replace("_", "-"), DEST + name
     if isinstance(default, bool):
         return (f"--no-{flag[2:]}", dict(dest=dest, action="store_false")) if default else \
             (flag, dict(dest=dest, action="store_true"))
-    if isinstance(default, tuple):
+    if name == "block":
         return flag, dict(dest=dest, type=_block, metavar="BNxBK")
+    if isinstance(default, tuple):
+        return flag, dict(dest=dest, type=_int_list, metavar="N,N,...")
     if isinstance(default, (int, float, str)):
         return flag, dict(dest=dest, type=type(default), metavar=name.upper())
     raise TypeError(f"fp8lab check: no command-line spelling for a check parameter {name}={default!r}")

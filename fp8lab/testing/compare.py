@@ -73,51 +73,62 @@ def round_trip_ok(q, scales, x) -> np.ndarray:
         return np.abs(value - x) <= bound
 
 
-def scales_ok(s, s_ref, ulp: float = 2.0**-23) -> np.ndarray:
-    """Elementwise: ``s`` within ``ulp * |s_ref|`` of ``s_ref`` (1 float32 ulp by default; NaN only where
-    ``s_ref`` is NaN)."""
+FLOAT32_SCALE_TOLERANCE = (4 * 2.0**-23, "4 float32 ulps")
+"""How far a float32 scale may be from the contract's formula (relative, and in words): 4 ulps, so a scale
+computed in a few float32 operations passes (a reciprocal multiply ``amax * (1 / 448)``: 1 ulp;
+``1 / (448 / amax)`` as torch evaluates it: up to 2) while every scale bug of the catalog, off by factors,
+fails. What the scale does to the values is the round-trip bound's business."""
+
+
+def scales_ok(s, s_ref, rel: float = FLOAT32_SCALE_TOLERANCE[0]) -> np.ndarray:
+    """Elementwise: ``s`` within ``rel * |s_ref|`` of ``s_ref`` (NaN only where ``s_ref`` is NaN)."""
     s64, ref = np.asarray(s, np.float64), np.asarray(s_ref, np.float64)
-    return (np.abs(s64 - ref) <= ulp * np.abs(ref)) | (np.isnan(s64) & np.isnan(ref))
+    return (np.abs(s64 - ref) <= rel * np.abs(ref)) | (np.isnan(s64) & np.isnan(ref))
 
 
 def check_quantized(operator, inputs, x, outputs, reference, expand, scale_rule, diagnoses,
-                    scales_name: str = "scales", scale_ulp: float = 2.0**-23, scale_dtype: str = "float32") -> None:
+                    scales_name: str = "scales", scale_tolerance=FLOAT32_SCALE_TOLERANCE) -> None:
     """The tolerance every quantizer shares: ``outputs = (codes, scales)`` of the oracle's shapes, each scale
-    within 1 ulp of its dtype (``scale_ulp``, relative) of the oracle's (``scale_rule`` says which), every
+    within ``scale_tolerance`` (relative, words) of the oracle's (``scale_rule`` says which), every
     element of ``x`` within the round-trip bound and no NaN code. ``expand(scales)`` spreads the scales over
     the elements of ``x``."""
     q_ref, s_ref = reference
     q = as_output("codes", outputs[0], x.shape, operator, inputs, diagnoses).astype(np.uint8)
     s = as_output(scales_name, outputs[1], s_ref.shape, operator, inputs, diagnoses).astype(np.float32)
-    ok = scales_ok(s, s_ref, scale_ulp)
+    ok = scales_ok(s, s_ref, scale_tolerance[0])
     if not ok.all():
         raise KernelCheckFailed(report_of(operator, inputs, scales_name, ok, s_ref, s,
-                                          f"within 1 {scale_dtype} ulp of {scale_rule}", diagnoses))
+                                          f"within {scale_tolerance[1]} of {scale_rule}", diagnoses))
     ok = round_trip_ok(q, expand(s), x) & ~e4m3.is_nan(q)
     if not ok.all():
         raise KernelCheckFailed(report_of(operator, inputs, "codes", ok, q_ref, q,
                                           "|decode(q) s - x| <= 2^-4 |x| + 2^-10 s, no NaN codes", diagnoses))
 
 
-def quantized_alike(mutant_out, q, s, scale_ulp: float = 2.0**-23) -> bool:
+def quantized_alike(mutant_out, q, s, scale_rel: float = FLOAT32_SCALE_TOLERANCE[0]) -> bool:
     """A quantizer mutant's ``(codes, scales)`` agree with ``(q, s)``: the same shapes, each scale within
-    ``scale_ulp`` (relative) of the mutant's, NaN where it is NaN, and each code the mutant's or its neighbour
-    of the same sign (a scale one ulp off moves ``x / s`` by less than one E4M3 step)."""
+    ``scale_rel`` (relative) of the mutant's, NaN where it is NaN, and each code the mutant's or its neighbour
+    of the same sign (a scale a few ulps off moves ``x / s`` by less than one E4M3 step)."""
     mq, ms = np.asarray(mutant_out[0]), np.asarray(mutant_out[1], np.float64)
     q, s = np.asarray(q), np.asarray(s, np.float64)
     if mq.shape != q.shape or ms.shape != s.shape:
         return False
     with np.errstate(invalid="ignore"):
-        scales_close = (np.abs(ms - s) <= scale_ulp * np.abs(ms)) | (np.isnan(ms) & np.isnan(s))
+        scales_close = (np.abs(ms - s) <= scale_rel * np.abs(ms)) | (np.isnan(ms) & np.isnan(s))
     mq, q = mq.astype(np.int16), q.astype(np.int16)
     codes_close = ((mq & 0x80) == (q & 0x80)) & (np.abs((mq & 0x7F) - (q & 0x7F)) <= 1)
     return bool(scales_close.all() and codes_close.all())
 
 
-def matches_pair(mutant_out, q, s) -> bool:
-    """A quantizer mutant's ``(codes, scales)`` equal ``(q, s)`` exactly, shapes included."""
-    mq, ms = mutant_out
-    return np.shape(mq) == q.shape and np.shape(ms) == s.shape and bool(np.all(same(mq, q)) and np.all(same(ms, s)))
+def consistent_classes(candidates, reproduced) -> list:
+    """The bug classes among ``candidates`` for which ``reproduced(bug)`` holds, each name once: a class written
+    as several mutants (one per shard count, per wrong block size, ...) is named by the first that reproduces
+    the output, whose summary then says which."""
+    found = {}
+    for bug in candidates:
+        if bug.name not in found and reproduced(bug):
+            found[bug.name] = bug
+    return list(found.values())
 
 
 def reproduces(mutant_out, actual, tol) -> bool:

@@ -59,6 +59,24 @@ def _decode(codes, *, bias: int = 7, subnormal_step_exponent: int | None = None)
     return np.where(nan, np.nan, value).astype(np.float32)
 
 
+def _encode_fnuz(x, saturate: bool) -> np.ndarray:
+    """Encode to float8_e4m3fnuz bit patterns: its values are float8_e4m3fn's halved (exponent bias 8) and its
+    0x7F is finite (240), so ``2x`` is rounded on fn's grid up to code 0x7F; no negative zero (0x80 is its
+    only NaN); overflow beyond 240 (``|x| >= 248``, the tie rounding to even 256) saturates or gives NaN."""
+    v = np.asarray(x, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        code = _encode(2 * v, True, max_code=0x7F).astype(np.int64)
+    code = np.where((code & 0x7F) == 0, 0, code)  # -0 and negatives that round to zero: +0
+    overflow = ~np.isfinite(v) | (np.abs(np.where(np.isnan(v), 0, v)) >= 248)
+    return np.where(np.isnan(v) | (overflow & (not saturate)), 0x80, code).astype(np.uint8)
+
+
+def _encode_nan_as(x, saturate: bool, nan_code: int) -> np.ndarray:
+    """The contract's encode, but every NaN code replaced by ``nan_code`` (the input's sign lost)."""
+    codes = e4m3.encode(x, saturate=saturate)
+    return np.where(e4m3.is_nan(codes), np.uint8(nan_code), codes).astype(np.uint8)
+
+
 ENCODE_BUGS = [
     BugClass("ties_away_from_zero", "encode", "a value half-way between two E4M3 values rounds away from zero "
              "instead of to the even code", lambda x, saturate: _encode(x, saturate, ties_away=True)),
@@ -66,6 +84,14 @@ ENCODE_BUGS = [
              "+-448, or saturates where the caller asked for NaN", lambda x, saturate: e4m3.encode(x, not saturate)),
     BugClass("fnuz_max_240", "encode", "the largest value is taken as 240, the maximum of float8_e4m3fnuz, "
              "not 448", lambda x, saturate: _encode(x, saturate, max_code=0x77)),
+    BugClass("fnuz_max_240", "encode", "the codes are float8_e4m3fnuz bit patterns (exponent bias 8, maximum 240, "
+             "0x80 the only NaN)", _encode_fnuz),
+    BugClass("fnuz_max_240", "encode", "the codes are float8_e4m3fnuz bit patterns, overflowing to NaN (a plain "
+             "cast to float8_e4m3fnuz)", lambda x, saturate: _encode_fnuz(x, False)),
+    BugClass("nan_sign_not_kept", "encode", "a NaN is encoded as 0xFF whatever its sign (the contract keeps the "
+             "input's sign: 0x7F or 0xFF)", lambda x, saturate: _encode_nan_as(x, saturate, 0xFF)),
+    BugClass("nan_sign_not_kept", "encode", "a NaN is encoded as 0x7F whatever its sign (the contract keeps the "
+             "input's sign: 0x7F or 0xFF)", lambda x, saturate: _encode_nan_as(x, saturate, 0x7F)),
     BugClass("subnormal_wrong_power_of_two", "encode", "subnormals are scaled by the wrong power of two "
              "(steps of 2^-10 instead of 2^-9)", lambda x, saturate: _encode(x, saturate, subnormal_step_exponent=-10)),
 ]

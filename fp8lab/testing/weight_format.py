@@ -23,6 +23,8 @@ import numpy as np
 
 from fp8lab.reference import dense
 
+from .compare import FLOAT32_SCALE_TOLERANCE
+
 LAYOUTS = ("nk", "kn")
 SCALE_DTYPES = ("float32", "bfloat16")
 
@@ -45,10 +47,11 @@ class WeightFormat:
         return self.layout == "kn"
 
     @property
-    def scale_ulp(self) -> float:
-        """The relative spacing of the scales' dtype: a scale within ``scale_ulp * |s|`` of the oracle's is
-        within one ulp of it (float32: 2^-23; BF16 keeps 8 significant bits: 2^-7)."""
-        return 2.0**-7 if self.scale_dtype == "bfloat16" else 2.0**-23
+    def scale_tolerance(self) -> tuple[float, str]:
+        """How far a quantizer's scale may be from ``amax / 448`` (relative, and in words): float32 as every
+        check (``compare.FLOAT32_SCALE_TOLERANCE``); BF16 keeps 8 significant bits, so 1 ulp is 2^-7 (any
+        rounding to BF16 passes, truncation included)."""
+        return (2.0**-7, "1 bfloat16 ulp") if self.scale_dtype == "bfloat16" else FLOAT32_SCALE_TOLERANCE
 
     def __str__(self) -> str:
         return f"layout {self.layout}, {self.scale_dtype} scales"

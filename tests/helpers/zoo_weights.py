@@ -44,6 +44,17 @@ def encode_fnuz_max(x):
     return cast_saturating(np.where(np.isnan(x), x, np.clip(x, -240, 240)))
 
 
+def encode_fnuz_cast(x):
+    """ml_dtypes' cast to float8_e4m3fnuz, the other format (NaN on overflow)."""
+    return np.asarray(x, np.float32).astype(ml_dtypes.float8_e4m3fnuz).view(np.uint8)
+
+
+def encode_nan_unsigned(x):
+    """A correct saturating encoder that writes every NaN as 0xFF (as gfloat does)."""
+    codes = cast_saturating(x)
+    return np.where((codes & 0x7F) == 0x7F, np.uint8(0xFF), codes).astype(np.uint8)
+
+
 def encode_subnormal_off(x):
     """Subnormal mantissas computed as round(|x| * 2^10) (one power of two too many), clamped to 7."""
     codes = cast_saturating(x)
@@ -178,6 +189,9 @@ ZOO = [
     ("ties_away_from_zero", lambda: testing.check_e4m3_encode(encode_ties_away)),
     ("overflow_policy_swapped", lambda: testing.check_e4m3_encode(encode_nan_on_overflow)),
     ("fnuz_max_240", lambda: testing.check_e4m3_encode(encode_fnuz_max)),
+    ("fnuz_max_240", lambda: testing.check_e4m3_encode(encode_fnuz_cast)),
+    ("fnuz_max_240", lambda: testing.check_e4m3_encode(encode_fnuz_cast, saturate=False)),
+    ("nan_sign_not_kept", lambda: testing.check_e4m3_encode(encode_nan_unsigned)),
     ("subnormal_wrong_power_of_two", lambda: testing.check_e4m3_encode(encode_subnormal_off)),
     ("fnuz_max_240", lambda: testing.check_e4m3_decode(decode_fnuz)),
     ("subnormal_wrong_power_of_two", lambda: testing.check_e4m3_decode(decode_subnormal_off)),

@@ -117,3 +117,21 @@ def test_slots_past_a_sequence_are_poisoned_in_either_layout(layout):
 
     testing.check_paged_decode(spy, layout=layout, max_examples=10)
     assert all(ok for _, ok in seen) and sum(n for n, _ in seen) > 0
+
+
+def test_head_dims_restrict_the_drawn_head_sizes():
+    seen = set()
+
+    def spy_decode(q, *args):
+        seen.add(q.shape[-1])
+        return attention.paged_decode(q, *args)
+
+    def spy_prefill(q, k, v, softmax_scale, k_scale, v_scale):
+        seen.add(q.shape[-1])
+        return _oracle_prefill(q, k, v, softmax_scale, k_scale, v_scale)
+
+    testing.check_paged_decode(spy_decode, head_dims=(32, 128), max_examples=10)
+    testing.check_prefill(spy_prefill, head_dims=(32, 128), max_examples=10)
+    assert seen and seen <= {32, 128}
+    with pytest.raises(ValueError, match="^head_dims: expected positive head sizes"):
+        testing.check_prefill(spy_prefill, head_dims=())

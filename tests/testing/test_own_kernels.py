@@ -43,7 +43,7 @@ def test_the_tensor_core_gemm_passes_the_w8a16_check():
 def test_the_dequantize_kernel_passes_bit_for_bit():
     from fp8lab.numba_kernels.dequantize import dequantize
 
-    testing.check_blockwise_dequantize(lambda q, s, block: dequantize(q, s, poisoned(q.shape), block))
+    testing.check_blockwise_dequantize(lambda q, s, block: dequantize(q, s, poisoned(q.shape), block), k_multiple=4)
 
 
 def test_the_paged_cache_write_kernel_passes():
@@ -55,11 +55,44 @@ def test_the_paged_cache_write_kernel_passes():
     testing.check_paged_cache_write(write)
 
 
+@pytest.mark.parametrize("fp8, alibi", [(True, False), (False, False), (True, True)])
+def test_the_split_kv_decode_kernel_passes(fp8, alibi):
+    from fp8lab.numba_kernels.splitkv import HEAD_DIMS, paged_decode
+
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale, alibi_slopes=None):
+        return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, poisoned(q.shape), k_scale,
+                            v_scale, alibi_slopes)
+
+    testing.check_paged_decode(decode, fp8=fp8, alibi=alibi, head_dims=HEAD_DIMS)
+
+
+def prefill_over_a_paged_cache(q, k, v, softmax_scale, k_scale, v_scale, block_size: int = 16):
+    """``check_prefill``'s dense K and V written into a paged cache whose blocks come in reverse order (the
+    slots past the sequence NaN-poisoned), then ``fp8lab.numba_kernels.prefill.paged_prefill`` on one sequence."""
+    from fp8lab.numba_kernels.prefill import paged_prefill
+
+    s, kv_heads, head_dim = k.shape
+    num_blocks = -(-s // block_size)
+    table = np.arange(num_blocks, dtype=np.int32)[::-1].copy()
+    slots = table[np.arange(s) // block_size] * block_size + np.arange(s) % block_size
+    caches = []
+    for x, scale in ((k, k_scale), (v, v_scale)):
+        cache = np.full((num_blocks * block_size, kv_heads, head_dim), 0x7F if scale is not None else np.nan, x.dtype)
+        cache[slots] = x
+        cache = np.ascontiguousarray(cache.reshape(num_blocks, block_size, kv_heads, head_dim).transpose(0, 2, 1, 3))
+        scales = None
+        if scale is not None:
+            flat = np.full((num_blocks * block_size, kv_heads), np.nan, np.float32)
+            flat[slots] = scale
+            scales = np.ascontiguousarray(flat.reshape(num_blocks, block_size, kv_heads).transpose(0, 2, 1))
+        caches.append((cache, scales))
+    (k_cache, k_scales), (v_cache, v_scales) = caches
+    lens = np.array([s], np.int32), np.array([q.shape[0]], np.int32)
+    return paged_prefill(q, k_cache, v_cache, table[None], *lens, softmax_scale, poisoned(q.shape), k_scales, v_scales)
+
+
 @pytest.mark.parametrize("fp8", [True, False])
-def test_the_split_kv_decode_kernel_passes(fp8):
-    from fp8lab.numba_kernels.splitkv import paged_decode
+def test_the_prefill_kernel_passes(fp8):
+    from fp8lab.numba_kernels.splitkv import HEAD_DIMS
 
-    def decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale):
-        return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, poisoned(q.shape), k_scale, v_scale)
-
-    testing.check_paged_decode(decode, fp8=fp8)
+    testing.check_prefill(prefill_over_a_paged_cache, fp8=fp8, head_dims=HEAD_DIMS)
