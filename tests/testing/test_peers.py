@@ -63,12 +63,13 @@ def test_ml_dtypes_cast_follows_the_nan_policy(peers):
 
 
 def test_ml_dtypes_fnuz_is_the_other_format(peers):
-    """Decoding with float8_e4m3fnuz is named; encoding with it is not (the catalog's encode-side fnuz class is a
-    clip at 240, not the other bias), and the page says so."""
+    """Decoding and encoding with float8_e4m3fnuz are both named fnuz_max_240 (the catalog's encode side has an
+    encoder of fnuz's bias-8 bit patterns besides the clip at 240), and the page says so."""
     pytest.importorskip("ml_dtypes")
     assert_fails(row(peers, "ml_dtypes", "codes.view(ml_dtypes.float8_e4m3fnuz)", "e4m3_decode"), "values",
                  ["fnuz_max_240"])
-    report = assert_fails(row(peers, "ml_dtypes", "x.astype(ml_dtypes.float8_e4m3fnuz)", "e4m3_encode"), "codes", [])
+    report = assert_fails(row(peers, "ml_dtypes", "x.astype(ml_dtypes.float8_e4m3fnuz)", "e4m3_encode"), "codes",
+                          ["fnuz_max_240"])
     assert (report["inputs"]["x"], report["expected"], report["actual"]) == ("float32[1] [-448.]", "0xFE", "0x80")
 
 
@@ -91,14 +92,15 @@ def test_torch_cast_follows_one_overflow_policy(peers):
 
 
 def test_gfloat_differs_only_in_the_sign_of_nan(peers):
-    """gfloat encodes every NaN as 0xFF; the contract keeps the input's sign. Nothing else differs."""
+    """gfloat encodes every NaN as 0xFF; the contract keeps the input's sign (nan_sign_not_kept). Nothing else
+    differs."""
     pytest.importorskip("gfloat")
     decode = row(peers, "gfloat", "decode_ndarray", "e4m3_decode")
     assert decode["outcome"] == "pass"
     x = encode_inputs()
     for sat in (True, False):
         report = assert_fails(row(peers, "gfloat", f"encode_ndarray(ocp_e4m3, round_ndarray(ocp_e4m3, x, sat={sat}))",
-                                  "e4m3_encode", saturate=sat), "codes", [])
+                                  "e4m3_encode", saturate=sat), "codes", ["nan_sign_not_kept"])
         assert report["actual"] == "0xFF"
         got = peers.gfloat_encode(sat)("cpu")(x.copy())
         expected = e4m3.encode(x, saturate=sat)
@@ -132,8 +134,7 @@ def test_transformers_quantize(peers):
     codes, scale_inv = quantize(np.array([[1e-37, 0.0, -1e-37]], np.float32), (128, 128))
     assert codes.tolist() == [[0x7E, 0xFF, 0xFE]] and scale_inv.tolist() == [[0.0]]  # its zero became NaN
     beyond = row(peers, "transformers", "Fp8Quantize(...)._quantize_one(key, w), padded; blocks", "blockwise_quantize")
-    report = assert_fails(beyond, "scale_inv", [])
-    assert 0 < abs(report["actual"] - report["expected"]) <= 2 * np.spacing(np.float32(report["expected"]))
+    assert beyond["outcome"] == "pass"  # its scales are up to 2 float32 ulps off: within the kit's 4
     # the minimal case by hand: torch's `448 / t` is `t.reciprocal() * 448`, then transformers takes 1 / that
     amax = np.float32(1.3559227)
     scale_inv = (1.0 / (448.0 / torch.tensor([amax]))).item()
