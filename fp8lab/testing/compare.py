@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from fp8lab.reference import e4m3
 
@@ -31,7 +31,11 @@ def hypothesis_settings(max_examples: int):
         if not override.strip().isdigit() or int(override) < 1:
             raise ValueError(f"FP8LAB_MAX_EXAMPLES: expected a positive integer, got {override!r}")
         max_examples = int(override)
+    # no "explain" phase: the report already says what is wrong, and Hypothesis' list of the kit's own lines
+    # that only failing examples ran would be noise in it
+    phases = [phase for phase in Phase if phase.name != "explain"]
     return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None, report_multiple_bugs=False,
+                    phases=phases,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])
 
