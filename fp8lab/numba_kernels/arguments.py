@@ -1,8 +1,9 @@
 """Argument checks of every kernel host wrapper, done on the host before anything is launched.
 
 One copy of each check the kernels share: ``reject``/``require`` (the error of a bad array), ``require_c_contiguous``,
-``require_load_alignment`` (device data for 128-bit loads), ``check_block_tables`` (the values of a paged
-cache's block tables), and ``check_gemm`` (the FP8 weight GEMMs' whole call). No kernel here; each
+``require_load_alignment`` (device data for 128-bit loads) and ``check_gemm`` (the FP8 weight GEMMs' whole
+call); the values of a paged cache's block tables are checked by the oracle's own rule
+(``fp8lab.reference.checks.check_block_tables``). No kernel here; each
 kernel's test file checks its bad calls (``tests/numba_kernels/test_*_kernel.py``, ``test_fp8_gemm.py``).
 
 The kernels accept NumPy arrays (copied to the device by Numba; in the CUDA simulator that is the
@@ -80,28 +81,6 @@ def require_load_alignment(name: str, x, kernel: str):
         raise ValueError(f"{name}: {kernel} reads {LOAD_ALIGNMENT} bytes at a time, so its device data must be "
                          f"{LOAD_ALIGNMENT}-byte aligned (start on a {LOAD_ALIGNMENT}-byte boundary); "
                          f"got address 0x{address:x}")
-
-
-def check_block_tables(tables: np.ndarray, lens: np.ndarray, block_size: int, num_blocks: int) -> None:
-    """Raise unless every sequence's blocks are in its table row and are block ids of the cache.
-
-    Host copies: ``tables`` integer ``[num_seqs, max_blocks_per_seq]``, ``lens`` integer ``[num_seqs]``
-    (the tokens a kernel reads per sequence, >= 0), a cache of ``num_blocks`` blocks of ``block_size``
-    tokens. Sequence ``i`` reads the first ``ceil(lens[i] / block_size)`` entries of row ``i``; they
-    must exist and lie in ``[0, num_blocks)``. Entries past them are never read (``-1`` padding is fine).
-    """
-    if lens.size and lens.min() < 0:
-        raise ValueError(f"seq_lens: expected lengths >= 0, got {lens.min()}")
-    needed = -(-lens // block_size)
-    if needed.size and needed.max() > tables.shape[1]:
-        i = int(np.argmax(needed))
-        raise ValueError(f"block_tables: sequence {i} has {lens[i]} tokens, which need {needed[i]} blocks of "
-                         f"{block_size}, the table has {tables.shape[1]} columns")
-    for i, n_used in enumerate(needed):
-        used = tables[i, :n_used]
-        if used.size and (used.min() < 0 or used.max() >= num_blocks):
-            raise ValueError(f"block_tables: block ids must lie in [0, {num_blocks}), sequence {i} uses "
-                             f"{used.min()}..{used.max()}")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, types
 
-from .arguments import as_kernel_array, check_block_tables, reject, require_c_contiguous
+from fp8lab.reference.checks import check_block_tables
+
+from .arguments import as_kernel_array, reject, require_c_contiguous
 from .bits import SIMULATOR
 from .kv_cache import check_cache, on_device, to_host
 from .splitkv import paged_decode

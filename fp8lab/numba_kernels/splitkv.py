@@ -73,6 +73,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, types, uint32, uint64
 
+from fp8lab.reference.checks import check_block_tables
 from fp8lab.reference.kv_cache import KV_CACHE_FORMATS, kv_cache_format
 from fp8lab.simulators.splitkv import (
     ELEMENTS_PER_LANE,
@@ -89,7 +90,6 @@ from fp8lab.simulators.splitkv import (
 from . import mathops
 from .arguments import (
     as_kernel_array,
-    check_block_tables,
     reject,
     require_c_contiguous,
     require_load_alignment,
