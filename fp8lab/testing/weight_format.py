@@ -60,10 +60,6 @@ class WeightFormat:
         """The block ``(BN, BK)`` over the caller's axes."""
         return (block[1], block[0]) if self.transposed else (block[0], block[1])
 
-    def shape(self, shape) -> tuple:
-        """A contract shape ``[N, K]`` (codes or scale grid) as the caller's."""
-        return tuple(reversed(shape)) if self.transposed else tuple(shape)
-
     def stored_scales(self, scale_inv) -> np.ndarray:
         """float32 scales rounded to what the format stores (BF16: to nearest, ties to even), in the contract's axes."""
         s = np.asarray(scale_inv, np.float32)
