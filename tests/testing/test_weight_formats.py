@@ -91,6 +91,8 @@ def test_a_bad_format_is_one_line_naming_the_option():
         WeightFormat("mk")
     with pytest.raises(ValueError, match="^scale_dtype: expected one of float32, bfloat16, got 'float16'$"):
         testing.check_blockwise_gemm(lambda *a: None, scale_dtype="float16")
+    with pytest.raises(ValueError, match="^activation_dtype: expected one of float32, bfloat16, got 'f16'$"):
+        testing.check_blockwise_gemm(lambda *a: None, activation_dtype="f16")
 
 
 def test_the_format_converts_both_ways(rng):
