@@ -102,6 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="benchmark this checkpoint folder instead of random --shapes")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random weights and prompts (default 0)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers BF16 peer")
+    p.add_argument("--profile-steps", type=int, default=20, metavar="N",
+                   help="replayed decode steps profiled for the per-kernel breakdown (CUPTI via torch.profiler; 0: none)")
     p.add_argument("--transformers-batches", type=_int_list, default=None, metavar="B,B",
                    help="batches at which to run the transformers peer (default: all of --batches)")
     p.add_argument("--threads", type=_positive, default=None, metavar="T",
@@ -134,6 +136,7 @@ class Row:
     model_stats: dict = field(default_factory=dict)
     hf_prefill_tok_s: float | None = None
     hf_decode_tok_s: float | None = None
+    decode_profile: dict | None = None
     errors: list[str] = field(default_factory=list)
 
 
@@ -208,8 +211,10 @@ def random_prompts(vocab: int, batch: int, length: int, seed: int) -> np.ndarray
 # ours
 
 
-def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: int, kv_cache_dtype: str) -> dict:
-    """Prefill ``prompts`` ``[B, P]`` in one forward, then ``warmup + steps`` greedy decode steps."""
+def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: int, kv_cache_dtype: str,
+             profile_steps: int = 0) -> dict:
+    """Prefill ``prompts`` ``[B, P]`` in one forward, then ``warmup + steps`` greedy decode steps; then, with
+    ``profile_steps``, that many more replays of the last step under the profiler (``decode_profile``)."""
     from fp8lab.engine.kv_manager import KVCacheManager, blocks_for
     from fp8lab.engine.model import make_batch
 
@@ -237,10 +242,15 @@ def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: in
     check_logits(logits, batch, vocab, f"decode, batch {batch}")
     if not np.array_equal(np.asarray(tokens), np.argmax(logits, axis=-1)):
         raise RuntimeError(f"decode, batch {batch}: the greedy tokens are not the argmax of the logits")
+    profile = None
+    if profile_steps:
+        from decode_profile import profile_decode_steps
+
+        profile = profile_decode_steps(model, step, cache, profile_steps).as_dict()
     del cache
     stats = getattr(model, "stats", None)
     stats = stats.as_dict() if hasattr(stats, "as_dict") else dict(stats or {})  # CudaModelStats, or a test's dict
-    return {"prefill_s": prefill_s, "step_s": step_s[warmup:], "stats": stats}
+    return {"prefill_s": prefill_s, "step_s": step_s[warmup:], "stats": stats, "profile": profile}
 
 
 def bench_ours(checkpoint, prompts: np.ndarray, rows: dict, args) -> None:
@@ -260,7 +270,8 @@ def bench_ours(checkpoint, prompts: np.ndarray, rows: dict, args) -> None:
                 start = time.perf_counter()
                 warm = run_once(model, prompts[:batch], 0, max(1, args.warmup_steps), args.block_size, args.kv_cache_dtype)
                 log(f"  ours: batch {batch} warm-up (compile, graph capture) {time.perf_counter() - start:.1f} s")
-                r = run_once(model, prompts[:batch], args.warmup_steps, args.decode_tokens, args.block_size, args.kv_cache_dtype)
+                r = run_once(model, prompts[:batch], args.warmup_steps, args.decode_tokens, args.block_size, args.kv_cache_dtype,
+                             args.profile_steps)
             except Exception as e:  # noqa: BLE001 - keep the other batches' results
                 traceback.print_exc()
                 row.errors.append(f"ours: {type(e).__name__}: {e}")
@@ -274,6 +285,7 @@ def bench_ours(checkpoint, prompts: np.ndarray, rows: dict, args) -> None:
             row.model_stats = {k: v for k, v in r["stats"].items() if _number(v) is not None or isinstance(v, str)}
             row.launches_per_step = _number(r["stats"].get("launches_per_decode_step"))
             row.host_us_per_step = host_us_per_step(r["stats"])
+            row.decode_profile = r["profile"]
             log(f"  ours: batch {batch}: prefill {row.ours_prefill_tok_s:,.0f} tok/s, decode {row.ours_decode_tok_s:,.1f} tok/s "
                 f"(median step {1e3 * statistics.median(r['step_s']):.2f} ms; roofline {row.roofline_tok_s:,.1f} tok/s); "
                 f"stats {row.model_stats}")
@@ -407,6 +419,14 @@ def report(rows: list[Row], meta: dict, breakdowns: dict) -> str:
         lines.append(f"- {shape}: bytes per decode step at batch 1, context {b['context']:.0f}: weights {b['weights'] / 1e9:.3f} GB, "
                      f"scales {b['scales'] / 1e6:.1f} MB, lm_head {b['lm_head'] / 1e9:.3f} GB, KV cache {b['kv_cache'] / 1e6:.2f} MB "
                      f"(+{b['kv_per_seq'] / 1e6:.2f} MB per extra sequence); {b['params'] / 1e9:.2f} B parameters.")
+    for r in rows:
+        if r.decode_profile:
+            from decode_profile import DecodeProfile, breakdown_table
+
+            p = dict(r.decode_profile)
+            p.pop("gap_us", None)
+            lines.append("")
+            lines.append(breakdown_table(DecodeProfile(**p), f"#### Decode step breakdown, {r.shape}, batch {r.batch}"))
     for r in rows:
         if r.model_stats:
             lines.append(f"- {r.shape} batch {r.batch}, model stats: `{json.dumps(r.model_stats)}`")

@@ -271,7 +271,8 @@ def bench_script():
 def test_bench_driver_report_and_figure(bench_script, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "fp8lab.engine.cuda.model", types.SimpleNamespace(CudaQwen3Model=FakeCudaModel))
     config = shapes.shape_config("test-mini", num_hidden_layers=1)
-    args = argparse.Namespace(batches=[1, 2], prompt_len=6, decode_tokens=2, warmup_steps=1, block_size=4, kv_cache_dtype="fp8")
+    args = argparse.Namespace(batches=[1, 2], prompt_len=6, decode_tokens=2, warmup_steps=1, block_size=4, kv_cache_dtype="fp8",
+                              profile_steps=0)
     context = 6 + 1 + (2 + 1) / 2
     rows = {}
     for batch in args.batches:

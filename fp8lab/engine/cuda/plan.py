@@ -70,6 +70,9 @@ class Launch:
     args: tuple
     options: dict = field(default_factory=dict)
     kernels: int = 1
+    label: str = ""
+    """What the launch is in the forward ("q/k/v gemv", "input norm", ...): a benchmark's per-kernel breakdown
+    groups by it (``bench/decode_profile.py``)."""
 
     def __call__(self, stream) -> None:
         self.kernel(*self.args, stream=stream, **self.options)
@@ -168,12 +171,12 @@ class Planner:
                                                  out, layer_cache.k_scale, layer_cache.v_scale),
                           dict(num_splits=splits, workspace=workspace, max_seq_len=cache.capacity,
                                kv_format=layer_cache.kv_format),
-                          kernels=1 + (splits > 1))
+                          kernels=1 + (splits > 1), label="attention")
 
-        return Plan((Launch(layers.embedding, (w.embed_tokens, index.token_ids[:bucket], a.h[:bucket])),
+        return Plan((Launch(layers.embedding, (w.embed_tokens, index.token_ids[:bucket], a.h[:bucket]), label="embedding"),
                      *self.decoder_layers(bucket, index.positions[:bucket], index.slots[:bucket], cache, attend),
                      self.lm_head(a.x[:bucket], bucket),
-                     Launch(layers.argmax_rows, (a.logits[:bucket], a.greedy_ids[:bucket]))))
+                     Launch(layers.argmax_rows, (a.logits[:bucket], a.greedy_ids[:bucket]), label="argmax")))
 
     def prefill(self, num_tokens: int, num_seqs: int, width: int, max_context: int, cache: DeviceKVCache) -> Plan:
         """Any forward that is not a decode step, over ``num_tokens`` tokens of ``num_seqs`` sequences whose
@@ -190,14 +193,14 @@ class Planner:
             return Launch(paged_prefill, (q, layer_cache.k, layer_cache.v, tables, context_lens, query_lens,
                                           self.softmax_scale, out, layer_cache.k_scale, layer_cache.v_scale),
                           dict(max_context_len=max_context, rows=rows, workspace=workspace, kv_format=layer_cache.kv_format),
-                          kernels=2 + (workspace is not None))
+                          kernels=2 + (workspace is not None), label="attention")
 
         return Plan((Launch(layers.embedding, (self.weights.embed_tokens, index.token_ids[:t], self.activations.h[:t])),
                      *self.decoder_layers(t, index.positions[:t], index.slots[:t], cache, attend)))
 
     def lm_head(self, x, rows: int) -> Launch:
         """``logits[:rows] = x @ lm_head^T`` (``x``: ``rows`` final-norm rows on the device)."""
-        return Launch(bf16_linear, (x, self.weights.lm_head, self.activations.logits[:rows]))
+        return Launch(bf16_linear, (x, self.weights.lm_head, self.activations.logits[:rows]), label="lm_head")
 
     def decoder_layers(self, t: int, positions, slots, cache: DeviceKVCache, attend: Attend) -> list[Launch]:
         """The decoder layers over ``t`` tokens whose embeddings are in ``h[:t]``, then the final norm of
@@ -214,44 +217,44 @@ class Planner:
         rope = self.weights.rope_cos_sin
         for i, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache)):
             if i == 0:
-                plan.append(Launch(layers.rms_norm, (h, layer.input_layernorm, eps, x)))
+                plan.append(Launch(layers.rms_norm, (h, layer.input_layernorm, eps, x), label="input norm"))
             else:  # the previous layer's MLP residual add, fused with this layer's input norm
-                plan.append(Launch(layers.add_rms_norm, (y, h, layer.input_layernorm, eps, x)))
+                plan.append(Launch(layers.add_rms_norm, (y, h, layer.input_layernorm, eps, x), label="input norm"))
             group = layer.qkv
             x_bf16 = self.gemm_input(x, any(p.kind == "fp8" for p in group.parts), plan)
             if t == 1 and group.fused is not None:  # one token: q, k, v are contiguous pieces of one row
-                plan.append(self.linear(group.fused, x, a.qkv[0 : qd + 2 * kd].reshape(1, qd + 2 * kd), x_bf16))
+                plan.append(self.linear(group.fused, x, a.qkv[0 : qd + 2 * kd].reshape(1, qd + 2 * kd), x_bf16, "q/k/v"))
             else:
                 for part, out in zip(group.parts, (q, k, v)):
-                    plan.append(self.linear(part, x, out.reshape(t, part.n), x_bf16 if part.kind == "fp8" else None))
-            plan.append(Launch(layers.rms_norm, (q, layer.q_norm, eps, q)))
-            plan.append(Launch(layers.rms_norm, (k, layer.k_norm, eps, k)))
+                    plan.append(self.linear(part, x, out.reshape(t, part.n), x_bf16 if part.kind == "fp8" else None, "q/k/v"))
+            plan.append(Launch(layers.rms_norm, (q, layer.q_norm, eps, q), label="q/k norm"))
+            plan.append(Launch(layers.rms_norm, (k, layer.k_norm, eps, k), label="q/k norm"))
             if t == 1:  # q and k of one token: [1, Hq + Hkv, D], contiguous
                 qk = a.qkv[0 : qd + kd].reshape(1, hq + hkv, d)
-                plan.append(Launch(layers.rope, (qk, positions, rope, qk)))
+                plan.append(Launch(layers.rope, (qk, positions, rope, qk), label="rope"))
             else:
-                plan.append(Launch(layers.rope, (q, positions, rope, q)))
-                plan.append(Launch(layers.rope, (k, positions, rope, k)))
+                plan.append(Launch(layers.rope, (q, positions, rope, q), label="rope"))
+                plan.append(Launch(layers.rope, (k, positions, rope, k), label="rope"))
             plan.append(Launch(paged_cache_write, (k, v, layer_cache.k, layer_cache.v, slots, layer_cache.k_scale,
-                                                   layer_cache.v_scale), dict(check_slots=False, kv_format=layer_cache.kv_format)))
+                                                   layer_cache.v_scale), dict(check_slots=False, kv_format=layer_cache.kv_format), label="cache write"))
             plan.append(attend(q, layer_cache, attn))
             o_in = attn.reshape(t, qd)
-            plan.append(self.linear(layer.o_proj, o_in, y, self.gemm_input(o_in, layer.o_proj.kind == "fp8", plan)))
-            plan.append(Launch(layers.add_rms_norm, (y, h, layer.post_attention_layernorm, eps, x)))
-            plan.append(self.linear(layer.gate_up, x, gate_up, self.gemm_input(x, layer.gate_up.kind == "fp8", plan)))
-            plan.append(Launch(layers.silu_mul, (gate_up, act)))
-            plan.append(self.linear(layer.down_proj, act, y, self.gemm_input(act, layer.down_proj.kind == "fp8", plan)))
-        plan.append(Launch(layers.add_rms_norm, (y, h, self.weights.norm, eps, x)))
+            plan.append(self.linear(layer.o_proj, o_in, y, self.gemm_input(o_in, layer.o_proj.kind == "fp8", plan), "o_proj"))
+            plan.append(Launch(layers.add_rms_norm, (y, h, layer.post_attention_layernorm, eps, x), label="post-attention norm"))
+            plan.append(self.linear(layer.gate_up, x, gate_up, self.gemm_input(x, layer.gate_up.kind == "fp8", plan), "gate/up"))
+            plan.append(Launch(layers.silu_mul, (gate_up, act), label="swiglu"))
+            plan.append(self.linear(layer.down_proj, act, y, self.gemm_input(act, layer.down_proj.kind == "fp8", plan), "down_proj"))
+        plan.append(Launch(layers.add_rms_norm, (y, h, self.weights.norm, eps, x), label="final norm"))
         return plan
 
-    def linear(self, linear: DeviceLinear, x, out, x_bf16) -> Launch:
+    def linear(self, linear: DeviceLinear, x, out, x_bf16, label: str) -> Launch:
         """``out [M, N] = x [M, K] @ W^T``: float32 ``x`` for a SIMT GEMV (``x_bf16`` None) or ``x_bf16``, its
         BF16 rounding, for ``fp8_gemm``; BF16 weights take the float32 ``x`` in ``bf16_linear``."""
         if linear.kind == "bf16":
-            return Launch(bf16_linear, (x, linear.weight, out))
+            return Launch(bf16_linear, (x, linear.weight, out), label=f"{label} bf16_linear")
         if x_bf16 is None:
-            return Launch(gemv_simt, (x, linear.weight, linear.scale_inv, out, linear.block))
-        return Launch(fp8_gemm, (x_bf16, linear.weight, linear.scale_inv, out, linear.block))
+            return Launch(gemv_simt, (x, linear.weight, linear.scale_inv, out, linear.block), label=f"{label} gemv")
+        return Launch(fp8_gemm, (x_bf16, linear.weight, linear.scale_inv, out, linear.block), label=f"{label} fp8_gemm")
 
     def gemm_input(self, x, uses_fp8: bool, plan: list[Launch]):
         """The BF16 rounding of float32 ``x [M, K]`` when ``M > f32_max_rows`` and an FP8 GEMM reads it (its
@@ -260,7 +263,7 @@ class Planner:
         if not uses_fp8 or m <= self.f32_max_rows:
             return None
         out = self.activations.bf16[: m * k].reshape(m, k)
-        plan.append(Launch(layers.bf16_round, (x.reshape(m * k), out.reshape(m * k))))
+        plan.append(Launch(layers.bf16_round, (x.reshape(m * k), out.reshape(m * k)), label="bf16 round"))
         return out
 
     def num_splits(self, rows: int, max_len: int, block_size: int) -> int:

@@ -1,0 +1,126 @@
+"""Where a decode step's time goes: per-kernel times of CUDA-graph replayed decode steps, from CUPTI.
+
+    from decode_profile import profile_decode_steps, breakdown_table
+    profile = profile_decode_steps(model, step, cache, steps=20)   # after the step's graph is captured
+    print(breakdown_table(profile))
+
+``profile_decode_steps`` replays the captured decode step ``steps`` times under ``torch.profiler``
+(CUDA activities: CUPTI records every kernel of a graph replay, Numba's included) and attributes each
+kernel of a step to the launch of the model's plan that made it: the step's plan
+(``model.planner.decode``) lists its launches in order, each with a label (``Launch.label``: "q/k/v
+gemv", "input norm", ...) and its kernel count, and a replay runs exactly those kernels in that
+order. It reports, per step: the kernel time by label (microseconds and launches), the kernel count,
+the kernel-busy span (first kernel start to last kernel end) and the *gaps*: span minus the sum of
+kernel times, the time the GPU sat idle between the step's kernels. Nothing here is imported by the
+engine (torch is a benchmark dependency only).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeProfile:
+    """Per-step averages of one profiled decode bucket; times in microseconds."""
+
+    bucket: int
+    steps: int
+    kernels_per_step: int
+    kernel_us: float  # sum of kernel durations
+    span_us: float  # first kernel start to last kernel end
+    by_label: dict = field(default_factory=dict)  # label -> {"launches": n, "us": t}
+    attributed: bool = True  # False: the kernel sequence did not match the plan (labels are kernel names)
+
+    @property
+    def gap_us(self) -> float:
+        return self.span_us - self.kernel_us
+
+    def as_dict(self) -> dict:
+        return {"bucket": self.bucket, "steps": self.steps, "kernels_per_step": self.kernels_per_step,
+                "kernel_us": self.kernel_us, "span_us": self.span_us, "gap_us": self.gap_us,
+                "attributed": self.attributed, "by_label": self.by_label}
+
+
+def plan_labels(plan) -> list[str]:
+    """One label per kernel the plan launches, in launch order (a launch of ``k`` kernels gives ``k``:
+    the split-kv attention's second kernel is its combine)."""
+    labels = []
+    for launch in plan.launches:
+        name = launch.label or getattr(launch.kernel, "__name__", "kernel")
+        labels.extend([name] if launch.kernels == 1 else [f"{name} [{i + 1}/{launch.kernels}]" for i in range(launch.kernels)])
+    return labels
+
+
+def _kernel_events(prof) -> list[tuple[str, float, float]]:
+    """``(name, start_us, duration_us)`` of every GPU kernel the profiler recorded, in start order."""
+    events = []
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.elapsed_us() >= 0:
+            name = e.name
+            if name.startswith(("Memcpy", "Memset", "cudaMemcpy")) or "memcpy" in name.lower():
+                continue
+            events.append((name, float(e.time_range.start), float(e.time_range.elapsed_us())))
+    events.sort(key=lambda t: t[1])
+    return events
+
+
+def profile_decode_steps(model, step_batch, cache, steps: int = 20) -> DecodeProfile:
+    """Replay ``model``'s decode step for ``step_batch`` (whose bucket's graph is captured) ``steps``
+    times under the profiler; see the module docstring. ``step_batch``'s tokens are written to the
+    same cache slots every time (the same work each step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    bucket = model._bucket(step_batch.num_seqs)
+    labels = plan_labels(model.planner.decode(bucket, cache))
+    model.greedy_tokens(step_batch, cache)  # warm (the graph exists after the first step of a bucket)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model.greedy_tokens(step_batch, cache)
+        torch.cuda.synchronize()
+    events = _kernel_events(prof)
+    per_step = len(events) // steps if steps else 0
+    attributed = per_step == len(labels) and len(events) == per_step * steps
+    totals: dict = defaultdict(lambda: {"launches": 0, "us": 0.0})
+    spans, busy = [], []
+    for s in range(steps):
+        chunk = events[s * per_step : (s + 1) * per_step]
+        if not chunk:
+            continue
+        spans.append(chunk[-1][1] + chunk[-1][2] - chunk[0][1])
+        busy.append(sum(d for _, _, d in chunk))
+        for i, (name, _, duration) in enumerate(chunk):
+            label = labels[i] if attributed else short_kernel_name(name)
+            totals[label]["launches"] += 1
+            totals[label]["us"] += duration
+    by_label = {k: {"launches": v["launches"] / steps, "us": v["us"] / steps} for k, v in totals.items()}
+    return DecodeProfile(bucket, steps, per_step, statistics.fmean(busy) if busy else 0.0,
+                         statistics.fmean(spans) if spans else 0.0, by_label, attributed)
+
+
+def short_kernel_name(name: str) -> str:
+    """A readable name for a Numba kernel's demangled name (``cudapy::fp8lab::numba_kernels::layers::...``)."""
+    name = name.split("[abi")[0].split("(")[0]
+    parts = [p for p in name.split("::") if p and p not in ("cudapy", "fp8lab", "numba_kernels", "$3clocals$3e")]
+    return ".".join(parts[-2:]) if parts else name
+
+
+def breakdown_table(profile: DecodeProfile, title: str = "") -> str:
+    """A Markdown table of ``profile``: label, launches per step, us per step, share of the kernel time."""
+    lines = [title, ""] if title else []
+    lines += ["| kernel (plan launch) | launches per step | us per step | share of kernel time |", "|---|---|---|---|"]
+    total = profile.kernel_us or 1.0
+    for label, v in sorted(profile.by_label.items(), key=lambda kv: -kv[1]["us"]):
+        lines.append(f"| {label} | {v['launches']:.0f} | {v['us']:,.1f} | {100 * v['us'] / total:.1f}% |")
+    lines.append(f"| **all kernels** | {profile.kernels_per_step} | {profile.kernel_us:,.1f} | 100% |")
+    lines.append("")
+    lines.append(f"Per step: {profile.kernels_per_step} kernels, {profile.kernel_us:,.1f} us of kernel time, span "
+                 f"{profile.span_us:,.1f} us (first kernel start to last end), gaps between kernels "
+                 f"{profile.gap_us:,.1f} us ({profile.gap_us / max(profile.kernels_per_step - 1, 1):.2f} us per gap); "
+                 f"mean of {profile.steps} replayed steps of bucket {profile.bucket}"
+                 + ("" if profile.attributed else "; kernels could not be matched to the plan, labels are kernel names") + ".")
+    return "\n".join(lines) + "\n"
