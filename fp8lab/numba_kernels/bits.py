@@ -10,7 +10,12 @@ without conversion. On a GPU these are LLVM ``bitcast`` intrinsics (free: no ins
 - ``u32_as_f32(u)``, ``f32_as_u32(x)``: uint32 <-> float32 bit patterns;
 - ``bf16_bits_to_f32(h)``: a BF16 pattern (low 16 bits of ``h``) as float32 (exact);
 - ``f16_bits_to_f32(h)``: an F16 pattern (low 16 bits of ``h``) as float32 (exact);
-- ``f32_to_bf16_bits(x)``: float32 to BF16 bits, round to nearest even (finite inputs).
+- ``f32_to_bf16_bits(x)``: float32 to BF16 bits, round to nearest even (finite inputs);
+- ``e4m3x2_to_f16x2(pair)``: the two E4M3 codes in the low 16 bits of ``pair`` (code 0 in the low
+  byte) as two F16 patterns (code 0 in the low half), exact, NaN codes to NaN: the hardware
+  conversion ``cvt.rn.f16x2.e4m3x2`` (sm_89 and later: one instruction for two codes) as inline
+  PTX; in the simulator, ``fp8lab.reference.e4m3.decode`` cast to float16 (every E4M3 value is an F16
+  value, so the cast is exact).
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ if SIMULATOR:
 
     def f16_bits_to_f32(h):
         return np.float32(np.uint16(int(h) & 0xFFFF).view(np.float16))
+
+    def e4m3x2_to_f16x2(pair):
+        from fp8lab.reference.e4m3 import decode
+
+        codes = np.array([int(pair) & 0xFF, (int(pair) >> 8) & 0xFF], np.uint8)
+        halves = decode(codes).astype(np.float16).view(np.uint16).astype(np.uint32)
+        return np.uint32(halves[0] | (halves[1] << np.uint32(16)))
 
 else:
     from llvmlite import ir
@@ -63,6 +75,20 @@ else:
     def f16_bits_to_f32(h):
         # libdevice's __nv_half2float: one cvt.f32.f16, exact for every F16 value
         return libdevice.half2float(types.int16(h & 0xFFFF))
+
+    @intrinsic
+    def _cvt_e4m3x2_f16x2(typingctx, pair):
+        def codegen(context, builder, signature, args):
+            i16 = builder.trunc(args[0], ir.IntType(16))
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.IntType(16)]), "cvt.rn.f16x2.e4m3x2 $0, $1;",
+                               "=r,h")
+            return builder.call(asm, [i16])
+
+        return types.uint32(types.uint32), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def e4m3x2_to_f16x2(pair):
+        return _cvt_e4m3x2_f16x2(types.uint32(pair))
 
 
 @cuda.jit(device=True, inline=True)

@@ -46,7 +46,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from . import arguments
-from .bits import f16_bits_to_f32, f32_to_bf16_bits
+from .bits import e4m3x2_to_f16x2, f16_bits_to_f32, f32_to_bf16_bits
 
 CODES_PER_WORD = 4
 THREADS_PER_CTA = 256
@@ -95,6 +95,21 @@ def placed_codes(word):
     odd = f16_patterns_of_odd_codes(word)
     return (f16_bits_to_f32(even), f16_bits_to_f32(odd),
             f16_bits_to_f32(even >> uint32(16)), f16_bits_to_f32(odd >> uint32(16)))
+
+
+@cuda.jit(device=True, inline=True)
+def decoded_codes(word):
+    """The 4 codes of a uint32 word (code 0 in the low byte) as float32 ``decode(c)``, exact, NaN codes NaN.
+
+    Returns ``(v0, v1, v2, v3)`` in code order. The hardware conversion (``bits.e4m3x2_to_f16x2``: two
+    codes per instruction), then F16 to float32 (exact): 6 instructions for 4 codes, where the
+    placement of ``placed_codes`` takes about 13; unlike the placement it keeps a NaN code a NaN.
+    """
+    word = uint32(word)
+    low = e4m3x2_to_f16x2(word)  # codes 0 and 1
+    high = e4m3x2_to_f16x2(word >> uint32(16))  # codes 2 and 3
+    return (f16_bits_to_f32(low), f16_bits_to_f32(low >> uint32(16)),
+            f16_bits_to_f32(high), f16_bits_to_f32(high >> uint32(16)))
 
 
 # ---------------------------------------------------------------------------- output formats

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba import cuda
 
 from fp8lab.numba_kernels import dequantize as kernel_module
 from fp8lab.numba_kernels.dequantize import dequantize, dequantize_launch_info
@@ -78,6 +79,46 @@ def test_placed_codes_match_bit_placement():
         words = (codes.astype(np.uint32) << np.uint32(8 * position)) | np.uint32(0x5A5A5A5A & ~(0xFF << (8 * position)))
         got = np.array([kernel_module.placed_codes(w)[position] for w in words], np.float32)
         assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), position
+
+
+def words_with_every_code_at_every_position() -> tuple[np.ndarray, np.ndarray]:
+    """``(words, codes)``: word ``i`` of block ``p`` holds code ``i`` at byte ``p``, the other bytes
+    0x5A; ``codes[p, i] = i``."""
+    codes = np.arange(256, dtype=np.uint32)
+    words = np.concatenate([(codes << np.uint32(8 * p)) | np.uint32(0x5A5A5A5A & ~(0xFF << (8 * p))) for p in range(4)])
+    return words.astype(np.uint32), np.tile(np.arange(256, dtype=np.uint8), (4, 1))
+
+
+def decoded_codes_kernel():
+    @cuda.jit
+    def kernel(words, out):
+        i = cuda.grid(1)
+        if i < words.shape[0]:
+            v0, v1, v2, v3 = kernel_module.decoded_codes(words[i])
+            out[i, 0] = v0
+            out[i, 1] = v1
+            out[i, 2] = v2
+            out[i, 3] = v3
+
+    return kernel
+
+
+def check_decoded_codes(out: np.ndarray, words: np.ndarray) -> None:
+    """``out[i, b]`` must be ``decode`` of byte ``b`` of ``words[i]``: bit for bit, NaN codes NaN."""
+    expected = e4m3.decode(words.view(np.uint8).reshape(-1, 4))
+    nan = np.isnan(expected)
+    assert np.array_equal(np.isnan(out), nan), "NaN codes must decode to NaN, and only they"
+    assert np.array_equal(out[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("where", [pytest.param("cudasim", marks=pytest.mark.cudasim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_decoded_codes_is_decode(where):
+    """The hardware decode (``cvt.rn.f16x2.e4m3x2``, then F16 to float32) of every code at every byte
+    position: exactly ``fp8lab.reference.e4m3.decode``, the NaN codes NaN."""
+    words, _ = words_with_every_code_at_every_position()
+    out = np.full((words.size, 4), 1e30, np.float32)  # poison: no code decodes to it, and it is not NaN
+    decoded_codes_kernel()[(words.size + 127) // 128, 128](words, out)
+    check_decoded_codes(out, words)
 
 
 def test_launch_info():
