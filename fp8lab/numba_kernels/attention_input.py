@@ -1,0 +1,328 @@
+"""The attention input of a Qwen3 layer in one launch: q/k-norm, RoPE and the paged KV-cache write.
+
+What it computes: for every token ``t``, bit for bit the sequence the engine ran as four launches,
+
+1. ``layers.rms_norm(q, q_norm, eps, q)`` and ``layers.rms_norm(k, k_norm, eps, k)`` (warp per row);
+2. ``layers.rope(q, positions, cos_sin, q)`` and the same for ``k`` (NeoX, two fmas per pair; a
+   position outside the table makes the token's q and k vectors NaN);
+3. ``kv_cache.paged_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+   check_slots=False)`` of the normed and rotated ``k`` and of ``v`` (FP8 codes and per-token
+   scales, BF16 patterns or float32; a slot of -1 is padding and writes nothing).
+
+``q`` and ``k`` are normed and rotated in place (attention reads ``q``, a prefill may read ``k``);
+``v`` is only read. The float32 operations are those of the kernels above, in their order, so the
+results are theirs bit for bit on a GPU and in the CUDA simulator: the norm is
+``fp8lab.simulators.dense.rms_norm`` with 32 threads (lane ``L`` sums ``x[L], x[L + 32], ...`` with
+fmas, a butterfly, ``sqrt(ss / D + eps)``, ``w * (x / denom)``), RoPE ``fp8lab.simulators.dense.rope``,
+the cache write ``fp8lab.reference.kv_cache.write``.
+
+Launch: grid ``(T, Hq + Hkv)`` x 32 threads, one warp per (token, head). Block ``y < Hq`` is query
+head ``y``: norm, rope, store q. Block ``y >= Hq`` is kv head ``j = y - Hq``: norm, rope and store k,
+write k's cache row, then v's. Lane ``L`` holds elements ``L + 32 i`` (``i < ceil(D / 32)``) in
+registers; ``D`` (even, at most 256) is a compile-time constant of the kernel variant (one per head
+dim and cache format), so each lane's loads (x, weights, cos/sin, v) are issued together, unrolled.
+When ``D`` is a multiple of 64 the RoPE pair ``(i, i + D/2)`` lies in one lane; otherwise the normed
+row is staged in shared memory (D floats, ``syncwarp``) and each lane reads its elements' partners.
+
+Checked (``tests/numba_kernels/test_attention_input_kernel.py``): in the CUDA simulator, bit for bit
+against ``layers.rms_norm``, ``layers.rope`` and ``kv_cache.paged_cache_write`` run in sequence (q, k,
+both caches and scales; untouched slots keep their poison), every cache format, several head dims;
+on a GPU (``gpu``) the same at Qwen3-8B sizes; the sm_90 PTX of ``kernel_variants()``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda, float32, types
+from numba.np.numpy_support import from_dtype as numba_dtype
+
+from fp8lab.reference.kv_cache import KV_CACHE_FORMATS
+
+from . import mathops
+from .arguments import as_kernel_array, reject, require_c_contiguous
+from .kv_cache import E4M3_MAX, MIN_SCALE, check_cache, placeholder, warp_max
+from .layers import MAX_GRID_Y, WARP_PER_ROW_MAX_N, _run, sqrt_f32
+from .warp import WARP_SIZE, warp_sum
+
+MAX_HEAD_DIM = WARP_PER_ROW_MAX_N
+"""256: up to here ``layers.rms_norm`` uses a warp per row, the order this kernel reproduces."""
+NAN = float32(np.nan)
+COMPILED_HEAD_DIMS = (16, 64, 128)
+"""Head dims of ``kernel_variants`` (the PTX check): a staged one (16) and in-lane ones (64: tiny model, 128: Qwen3)."""
+
+
+def attention_input_function(head_dim: int, cache_format: str):
+    """The Python source of the kernel for one head dim and cache format.
+
+    Arguments ``(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
+    v_scale, slot_mapping)`` (a float cache gets placeholder scale arrays, never touched). Launch
+    ``[(T, Hq + Hkv), 32]``.
+    """
+    D = head_dim
+    HALF = D // 2
+    E = -(-D // WARP_SIZE)  # elements per lane
+    IN_LANE = HALF % WARP_SIZE == 0  # the pair (i, i + D/2) is (register r, register r + E/2) of one lane
+    WHOLE = D % WARP_SIZE == 0  # every lane owns E elements: no bound check
+
+    # Both are compile-time facts for in-lane D (the compiler does not know that lane < 32 by itself)
+    @cuda.jit(device=True, inline=True)
+    def owns(lane, r):
+        """Does the lane hold element ``lane + 32 r``?"""
+        return WHOLE or lane + WARP_SIZE * r < D
+
+    @cuda.jit(device=True, inline=True)
+    def first_half(lane, r):
+        """Is element ``lane + 32 r`` the first of its pair (``< D/2``)?"""
+        return r < E // 2 if IN_LANE else lane + WARP_SIZE * r < HALF
+
+    @cuda.jit(device=True, inline=True)
+    def load_row(x, token, head, lane, values):
+        for r in range(E):
+            d = lane + WARP_SIZE * r
+            if owns(lane, r):
+                values[r] = x[token, head, d]
+
+    @cuda.jit(device=True, inline=True)
+    def load_weights(weight, lane, w):
+        for r in range(E):
+            d = lane + WARP_SIZE * r
+            if owns(lane, r):
+                w[r] = weight[d]
+
+    @cuda.jit(device=True, inline=True)
+    def load_cos_sin(cos_sin, p, lane, c, s):
+        """Element ``d`` of a pair ``(i, i + D/2)`` rotates by ``cos_sin[p, i]`` and ``cos_sin[p, D/2 + i]``."""
+        for r in range(E):
+            d = lane + WARP_SIZE * r
+            if owns(lane, r):
+                i = d if first_half(lane, r) else d - HALF
+                c[r] = cos_sin[p, i]
+                s[r] = cos_sin[p, HALF + i]
+
+    @cuda.jit(device=True, inline=True)
+    def normalize(values, w, eps, lane, n):
+        """``layers.rms_norm``'s warp-per-row arithmetic on the registers, in place; ``n`` is D read at run time."""
+        acc = float32(0)
+        for r in range(E):
+            if owns(lane, r):
+                acc = cuda.fma(values[r], values[r], acc)
+        # divide by the run-time n, as rms_norm does: by a constant power of two the compiler would multiply
+        # instead and contract the product with `+ eps` into an fma (one rounding fewer: other bits)
+        denom = sqrt_f32(warp_sum(acc) / n + eps)
+        for r in range(E):
+            if owns(lane, r):
+                values[r] = w[r] * (values[r] / denom)
+
+    @cuda.jit(device=True, inline=True)
+    def partners(values, stage, lane, other):
+        """``other[r]``: the value paired with register ``r`` (element ``(d + D/2) mod D``)."""
+        if IN_LANE:
+            for r in range(E):
+                other[r] = values[(r + E // 2) % E]
+        else:
+            for r in range(E):
+                d = lane + WARP_SIZE * r
+                if owns(lane, r):
+                    stage[d] = values[r]
+            cuda.syncwarp()
+            for r in range(E):
+                d = lane + WARP_SIZE * r
+                if owns(lane, r):
+                    other[r] = stage[(d + HALF) % D]
+
+    @cuda.jit(device=True, inline=True)
+    def rotate(values, other, c, s, in_table, lane):
+        """``layers.rope_kernel``: ``x_i c - x_{i+h} s`` and ``x_{i+h} c + x_i s`` as its two fmas."""
+        for r in range(E):
+            if owns(lane, r):
+                if not in_table:
+                    values[r] = NAN
+                elif first_half(lane, r):
+                    values[r] = cuda.fma(values[r], c[r], -(other[r] * s[r]))
+                else:
+                    values[r] = cuda.fma(values[r], c[r], other[r] * s[r])
+
+    @cuda.jit(device=True, inline=True)
+    def store_row(x, token, head, lane, values):
+        for r in range(E):
+            d = lane + WARP_SIZE * r
+            if owns(lane, r):
+                x[token, head, d] = values[r]
+
+    @cuda.jit(device=True, inline=True)
+    def write_fp8(values, cache, scales, block, head, offset, lane):
+        """``kv_cache``'s FP8 write: amax (lane order, then the butterfly), the scale by lane 0, the codes."""
+        amax = float32(0)
+        for r in range(E):
+            if owns(lane, r):
+                amax = mathops.nan_max(amax, abs(values[r]))
+        amax = warp_max(amax)
+        scale = float32(1) if amax == 0 else amax / E4M3_MAX  # a NaN amax stays NaN (NaN == 0 is false)
+        if scale < MIN_SCALE:  # a NaN scale is not < anything: kept
+            scale = MIN_SCALE
+        if lane == 0:
+            scales[block, head, offset] = scale
+        for r in range(E):
+            d = lane + WARP_SIZE * r
+            if owns(lane, r):
+                cache[block, head, offset, d] = mathops.e4m3_encode_saturating(values[r] / scale)
+
+    @cuda.jit(device=True, inline=True)
+    def write_f32(values, cache, scales, block, head, offset, lane):
+        for r in range(E):
+            d = lane + WARP_SIZE * r
+            if owns(lane, r):
+                cache[block, head, offset, d] = values[r]
+
+    @cuda.jit(device=True, inline=True)
+    def write_bf16(values, cache, scales, block, head, offset, lane):
+        for r in range(E):
+            d = lane + WARP_SIZE * r
+            if owns(lane, r):
+                cache[block, head, offset, d] = mathops.f32_to_bf16_bits_rne(values[r])
+
+    write_row = {"fp8": write_fp8, "fp32": write_f32, "bf16": write_bf16}[cache_format]
+
+    @cuda.jit(device=True, inline=True)
+    def norm_rope_store(x, weight, eps, positions, cos_sin, token, head, lane, values, stage):
+        """Load, norm, rotate and store back row ``x[token, head]``; the rotated row stays in ``values``."""
+        w = cuda.local.array(E, float32)
+        c = cuda.local.array(E, float32)
+        s = cuda.local.array(E, float32)
+        other = cuda.local.array(E, float32)
+        load_row(x, token, head, lane, values)
+        load_weights(weight, lane, w)
+        p = positions[token]
+        in_table = p >= 0 and p < cos_sin.shape[0]
+        if in_table:  # outside the table nothing is read: the row becomes NaN
+            load_cos_sin(cos_sin, p, lane, c, s)
+        normalize(values, w, eps, lane, float32(x.shape[2]))
+        partners(values, stage, lane, other)
+        rotate(values, other, c, s, in_table, lane)
+        store_row(x, token, head, lane, values)
+
+    def attention_input_kernel(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
+                               v_scale, slot_mapping):
+        token = cuda.blockIdx.x
+        y = cuda.blockIdx.y
+        lane = cuda.threadIdx.x
+        values = cuda.local.array(E, float32)
+        stage = cuda.shared.array(D, float32)
+        q_heads = q.shape[1]
+        if y < q_heads:
+            norm_rope_store(q, q_norm, eps, positions, cos_sin, token, y, lane, values, stage)
+            return
+        head = y - q_heads
+        v_values = cuda.local.array(E, float32)
+        load_row(v, token, head, lane, v_values)  # issued with k's loads: v's latency overlaps k's work
+        norm_rope_store(k, k_norm, eps, positions, cos_sin, token, head, lane, values, stage)
+        block_size = k_cache.shape[2]
+        slot = slot_mapping[token]
+        if slot < 0 or slot >= k_cache.shape[0] * block_size:  # -1: padding; never outside the cache
+            return
+        block = slot // block_size
+        offset = slot % block_size
+        write_row(values, k_cache, k_scale, block, head, offset, lane)
+        write_row(v_values, v_cache, v_scale, block, head, offset, lane)
+
+    return attention_input_kernel
+
+
+@functools.cache
+def _attention_input_kernel(head_dim: int, cache_format: str):
+    return cuda.jit(attention_input_function(head_dim, cache_format))
+
+
+# ---------------------------------------------------------------------------- host side
+
+
+def _byte_range(x) -> tuple[int, int]:
+    """``[start, end)`` of a C-contiguous array's data (host or device address)."""
+    interface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
+    start = interface["data"][0]
+    return start, start + x.size * np.dtype(x.dtype).itemsize
+
+
+def _check_rows(name: str, x, shape: tuple[int, ...]):
+    if tuple(x.shape) != shape or np.dtype(x.dtype) != np.float32:
+        reject(name, f"float32 {list(shape)}", x)
+    require_c_contiguous(name, x)
+
+
+def qk_norm_rope_cache_write(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                             k_scale=None, v_scale=None, *, kv_format=None, stream=0) -> None:
+    """q/k-norm, RoPE of q and k (in place) and the paged cache write of k and v, in one launch.
+
+    ``q``: float32 ``[T, Hq, D]``; ``k``, ``v``: float32 ``[T, Hkv, D]`` (C-contiguous, not
+    overlapping; views of one buffer are fine); ``D`` even, at most 256. ``q_norm``, ``k_norm``:
+    float32 ``[D]``; ``eps``: a float (used as float32). ``positions``: int32 ``[T]``; ``cos_sin``:
+    float32 ``[max_positions, D]`` (``layers.rope_table``); a position outside it gives NaN q and k
+    vectors. ``k_cache``, ``v_cache``, ``k_scale``, ``v_scale``, ``kv_format``: as
+    ``kv_cache.paged_cache_write`` takes them. ``slot_mapping``: int32 ``[T]``, -1 for a padding
+    token (written nowhere). The slot values are never read on the host (the caller vouches for
+    them, as ``check_slots=False``), so the call can be captured in a CUDA graph; shapes and dtypes
+    are checked (``ValueError`` naming the argument). ``stream``: a Numba stream or a ``cuda.core``
+    GraphBuilder. Bit for bit ``rms_norm`` (q, k), ``rope`` (q, k) and ``paged_cache_write``.
+    """
+    names = ("q", "k", "v", "q_norm", "k_norm", "positions", "cos_sin", "k_cache", "v_cache", "slot_mapping")
+    arrays = (q, k, v, q_norm, k_norm, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    q, k, v, q_norm, k_norm, positions, cos_sin, k_cache, v_cache, slot_mapping = (
+        as_kernel_array(n, x) for n, x in zip(names, arrays))
+    k_scale = None if k_scale is None else as_kernel_array("k_scale", k_scale)
+    v_scale = None if v_scale is None else as_kernel_array("v_scale", v_scale)
+    if q.ndim != 3 or np.dtype(q.dtype) != np.float32 or not 0 < q.shape[2] <= MAX_HEAD_DIM or q.shape[2] % 2:
+        reject("q", f"float32 [T, Hq, head_dim] with head_dim even and at most {MAX_HEAD_DIM}", q)
+    require_c_contiguous("q", q)
+    tokens, q_heads, head_dim = q.shape
+    cache_format = check_cache("k_cache", k_cache, k_scale, "k_scale", kv_format).name
+    if np.dtype(v_cache.dtype) != np.dtype(k_cache.dtype) or tuple(v_cache.shape) != tuple(k_cache.shape):
+        reject("v_cache", f"the shape {tuple(k_cache.shape)} and dtype {k_cache.dtype} of k_cache", v_cache)
+    check_cache("v_cache", v_cache, v_scale, "v_scale", cache_format)
+    kv_heads = k_cache.shape[1]
+    if k_cache.shape[3] != head_dim:
+        reject("k_cache", f"[num_blocks, num_kv_heads, block_size, {head_dim}] (q's head_dim)", k_cache)
+    _check_rows("k", k, (tokens, kv_heads, head_dim))
+    _check_rows("v", v, (tokens, kv_heads, head_dim))
+    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+        _check_rows(name, weight, (head_dim,))
+    if positions.ndim != 1 or positions.shape[0] != tokens or np.dtype(positions.dtype) != np.int32:
+        reject("positions", f"int32 [{tokens}]", positions)
+    if cos_sin.ndim != 2 or cos_sin.shape[1] != head_dim or np.dtype(cos_sin.dtype) != np.float32:
+        reject("cos_sin", f"float32 [max_positions, {head_dim}] (rope_table)", cos_sin)
+    require_c_contiguous("cos_sin", cos_sin)
+    if slot_mapping.ndim != 1 or slot_mapping.shape[0] != tokens or np.dtype(slot_mapping.dtype) != np.int32:
+        reject("slot_mapping", f"int32 [{tokens}] (-1: padding)", slot_mapping)
+    ranges = sorted((_byte_range(x), name) for name, x in (("q", q), ("k", k), ("v", v)) if x.size)
+    for (first, first_name), (second, second_name) in zip(ranges, ranges[1:]):
+        if second[0] < first[1]:
+            raise ValueError(f"{second_name}: overlaps {first_name} in memory (q, k and v must be disjoint)")
+    if q_heads + kv_heads > MAX_GRID_Y:
+        raise ValueError(f"q: at most {MAX_GRID_Y} heads in all (q and kv), got {q_heads} + {kv_heads}")
+    if tokens == 0:
+        return
+    fp8 = cache_format == "fp8"
+    args = [q, k, v, q_norm, k_norm, np.float32(eps), positions, cos_sin, k_cache, v_cache,
+            k_scale if fp8 else placeholder(3), v_scale if fp8 else placeholder(3), slot_mapping]
+    written = (0, 1, 8, 9, 10, 11) if fp8 else (0, 1, 8, 9)
+    _run(_attention_input_kernel(head_dim, cache_format), (tokens, q_heads + kv_heads), WARP_SIZE, stream, args,
+         written)
+
+
+# ---------------------------------------------------------------------------- every variant, for the PTX check
+
+
+def kernel_variants():
+    """``(name, python function, numba signature)`` of the variants the PTX check compiles (C-contiguous, int32)."""
+    f32_1d, f32_2d, f32_3d = (types.Array(types.float32, d, "C") for d in (1, 2, 3))
+    i32_1d = types.Array(types.int32, 1, "C")
+    variants = []
+    for head_dim in COMPILED_HEAD_DIMS:
+        for fmt in KV_CACHE_FORMATS.values():
+            cache = types.Array(numba_dtype(fmt.kernel_storage), 4, "C")
+            signature = types.void(f32_3d, f32_3d, f32_3d, f32_1d, f32_1d, types.float32, i32_1d, f32_2d, cache,
+                                   cache, f32_3d, f32_3d, i32_1d)
+            variants.append((f"qk_norm_rope_cache_write[D={head_dim}, {fmt.name}]",
+                             attention_input_function(head_dim, fmt.name), signature))
+    return variants
