@@ -13,7 +13,9 @@ Kernels and launch shapes (CTAs x threads):
    ``n <= 256`` (q/k-norm) a warp per row, 4 rows per CTA; otherwise a CTA of
    ``rms_norm_threads_per_row(n)`` threads per row. ``add_rms_norm(x, residual, weight, eps, out)``:
    ``residual += x``, then the norm of the new residual, in one launch (bit for bit ``add_into`` +
-   ``rms_norm``). The order depends on ``n`` only: batch-invariant.
+   ``rms_norm``). The order depends on ``n`` only: batch-invariant. A kernel per ``n``: each thread
+   loads its (at most 8) elements and weights at once, keeps them in registers and reads the row once;
+   ``n > 8192`` takes the generic loop kernel (two passes over the row), in the same order.
 2. ``rope(x, positions, cos_sin, out)``: NeoX rotation of ``x[T, heads, head_dim]`` (in place allowed)
    by the float32 table of ``rope_table`` (``reference.dense.rope_cos_sin``, once at load). Launch
    ``(T, heads)``, a thread per pair ``(i, i + head_dim / 2)``.
@@ -23,8 +25,11 @@ Kernels and launch shapes (CTAs x threads):
 5. ``bf16_linear(x, w_bits, out)``: ``out[M, N] = x[M, K] @ W^T``, ``W`` BF16 bit patterns. Launch
    ``(ceil(N / (4 rows_per_warp)), ceil(M / 8))`` x 128: a warp per ``rows_per_warp`` weight rows and
    a tile of up to 8 rows of ``x``; the order depends on ``K`` only (batch-invariant).
-6. ``argmax_rows(logits, out_ids)``: greedy sampling, the lowest index among equal maxima; a row
-   holding NaN gives ``NAN_ROW`` (-1). Launch: a CTA of ``argmax_threads_per_row(V)`` threads per row.
+6. ``argmax_rows(logits, out_ids, workspace=argmax_workspace(rows, V))``: greedy sampling, the lowest
+   index among equal maxima; a row holding NaN gives ``NAN_ROW`` (-1). One launch ``(rows, P)`` x ``B``
+   (``argmax_launch(V)``; vocab 151936: 38 CTAs of 256 threads per row, 4096 logits each): each CTA writes
+   its slice's winner to the workspace, the row's last CTA to finish merges them (an atomic counter per
+   row, reset by that CTA).
 7. ``add_into(x, y)``: ``x += y``. Launch 1-D, a thread per element.
 8. ``bf16_round(x, out)``: float32 to BF16 bit patterns, round to nearest even, NaN kept NaN (the input
    cast of the FP8 tensor-core GEMM). Launch 1-D, a thread per element.
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32, int32, int64, types, uint32
@@ -78,8 +84,19 @@ WARP_PER_ROW_MAX_N = 256
 """Rows up to this length get a warp each (q/k-norm, head_dim 128); longer rows a CTA."""
 NORM_ELEMENTS_PER_THREAD = 8
 """A CTA-per-row norm gives each thread about this many elements (hidden 4096: 512 threads)."""
-ARGMAX_ELEMENTS_PER_THREAD = 32
-"""argmax_rows gives each thread at least this many logits (up to 1024 threads per row)."""
+NORM_MAX_REGISTER_ELEMENTS = 8
+"""The register norm kernels hold up to this many elements (and as many weights; the fused norm also x)
+per thread: every n <= 8192 (a 1024-thread CTA has at most 64 registers per thread). Longer rows take
+the generic loop kernel."""
+ARGMAX_THREADS = 256
+"""argmax_rows: threads per CTA (fewer for a slice of under 2048 logits)."""
+ARGMAX_LOADS_IN_FLIGHT = 8
+"""argmax_rows: a thread issues this many logit loads together before comparing them."""
+ARGMAX_MIN_SLICE = 4096
+"""argmax_rows: each CTA's slice of a row has at least this many logits (by default)."""
+ARGMAX_MAX_CTAS = 64
+"""argmax_rows: at most this many CTAs per row (the last one merges their winners with one warp, two each)."""
+ARGMAX_MERGES_PER_LANE = ARGMAX_MAX_CTAS // WARP_SIZE
 LINEAR_WARPS_PER_CTA = 4
 LINEAR_MAX_M_TILE = 8
 """bf16_linear computes up to 8 rows of x per weight load; more rows take more row tiles."""
@@ -144,10 +161,11 @@ def residual_input(x, residual, row, k):
 
 
 FIRST_PASS = {False: plain_value, True: residual_sum}
-"""The value a thread squares (and for the fused norm, stores into the residual) in the first pass."""
+"""The generic (long-row) kernel: the value a thread squares (and for the fused norm, stores into the
+residual) in the first pass."""
 SECOND_PASS = {False: plain_input, True: residual_input}
-"""Where the second pass rereads that value. Each element is read and written by one thread only,
-so ``out`` may be ``x`` (the thread has read ``x[k]`` before it writes ``out[k]``)."""
+"""Where the generic kernel's second pass rereads that value. Each element is read and written by one
+thread only, so ``out`` may be ``x`` (the thread has read ``x[k]`` before it writes ``out[k]``)."""
 
 
 def rms_norm_threads_per_row(n: int) -> int:
@@ -160,11 +178,110 @@ def rms_norm_threads_per_row(n: int) -> int:
     return WARP_SIZE * min(warps, MAX_WARPS_PER_CTA)
 
 
-def rms_norm_function(fused: bool, warp_per_row: bool):
-    """The Python source of one norm kernel ``(x, residual, weight, eps, out)`` (non-fused: ``residual`` is ``x``).
+def norm_elements_per_thread(n: int) -> int | None:
+    """Elements each thread of a row holds in registers (``ceil(n / threads)``), or None for a row too
+    long for that (more than ``NORM_MAX_REGISTER_ELEMENTS`` per thread: the generic loop kernel)."""
+    elements = -(-n // rms_norm_threads_per_row(n))
+    return elements if elements <= NORM_MAX_REGISTER_ELEMENTS else None
+
+
+@cuda.jit(device=True, inline=True)
+def add_warp_totals(warp_totals, warps):
+    """Every thread adds the CTA's warp totals in warp order, from 0."""
+    total = float32(0)
+    for w in range(warps):
+        total += warp_totals[w]
+    return total
+
+
+def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int):
+    """The Python source of the norm kernel ``(x, residual, weight, eps, out)`` for rows of length ``n``
+    (non-fused: ``residual`` is ``x``), the row held in registers.
 
     ``warp_per_row``: launch ``[ceil(rows / 4), 128]``, warp ``w`` of CTA ``b`` takes row ``4 b + w``.
-    Otherwise: launch ``[rows, rms_norm_threads_per_row(n)]``, CTA ``b`` takes row ``b``.
+    Otherwise: launch ``[rows, rms_norm_threads_per_row(n)]``, CTA ``b`` takes row ``b``. Thread ``t``
+    of a row's ``B`` threads owns ``k = t + B j``, ``j < E = norm_elements_per_thread(n)``: it issues
+    all their loads (x, the residual, weight) in one unrolled loop, so they are in flight together,
+    then chains ``acc = fma(v, v, acc)`` over ``j`` in order (the generic kernel's order: k increasing),
+    reduces as the generic kernel does, and normalizes from the registers (no second read of the row).
+    Checked bit for bit against ``fp8lab.simulators.dense.rms_norm`` / ``add_rms_norm``.
+    """
+    threads = rms_norm_threads_per_row(n)
+    elements = norm_elements_per_thread(n)
+    if elements is None or warp_per_row != (threads == WARP_SIZE):
+        raise ValueError(f"n: no register norm kernel {'warp' if warp_per_row else 'cta'} per row for n = {n}")
+    warps = threads // WARP_SIZE
+    whole = n % threads == 0  # every thread owns exactly `elements` elements: no bound check
+
+    @cuda.jit(device=True, inline=True)
+    def load_row(x, residual, weight, row, t, values, weights):
+        """The thread's elements (for the fused norm ``residual + x``, stored back once) and weights."""
+        extra = cuda.local.array(elements, float32)  # the fused norm's x, beside the residual in `values`
+        for j in range(elements):
+            k = t + threads * j
+            if whole or k < n:
+                values[j] = residual[row, k] if fused else x[row, k]
+                if fused:
+                    extra[j] = x[row, k]
+                weights[j] = weight[k]
+        if fused:
+            for j in range(elements):
+                k = t + threads * j
+                if whole or k < n:
+                    values[j] = values[j] + extra[j]  # residual + x, one float32 addition
+                    residual[row, k] = values[j]
+
+    @cuda.jit(device=True, inline=True)
+    def partial_sum_of_squares(t, values):
+        acc = float32(0)
+        for j in range(elements):
+            if whole or t + threads * j < n:
+                acc = cuda.fma(values[j], values[j], acc)
+        return acc
+
+    @cuda.jit(device=True, inline=True)
+    def normalize(x, eps, out, row, t, values, weights, sum_of_squares):
+        # x.shape[1] (== n) read at run time, as the generic kernel does: a constant power-of-two n would let
+        # the compiler turn the division into a multiply and contract it with `+ eps` into an fma
+        denom = sqrt_f32(sum_of_squares / float32(x.shape[1]) + eps)
+        for j in range(elements):
+            k = t + threads * j
+            if whole or k < n:
+                out[row, k] = weights[j] * (values[j] / denom)
+
+    def rms_norm_warp_kernel(x, residual, weight, eps, out):
+        lane = cuda.threadIdx.x % WARP_SIZE
+        row = cuda.blockIdx.x * NORM_ROWS_PER_CTA + cuda.threadIdx.x // WARP_SIZE
+        if row >= x.shape[0]:
+            return  # the whole warp leaves together
+        values = cuda.local.array(elements, float32)
+        weights = cuda.local.array(elements, float32)
+        load_row(x, residual, weight, row, lane, values, weights)
+        total = warp_sum(partial_sum_of_squares(lane, values))
+        normalize(x, eps, out, row, lane, values, weights, total)
+
+    def rms_norm_cta_kernel(x, residual, weight, eps, out):
+        warp_totals = cuda.shared.array(MAX_WARPS_PER_CTA, float32)
+        row = cuda.blockIdx.x
+        t = cuda.threadIdx.x
+        values = cuda.local.array(elements, float32)
+        weights = cuda.local.array(elements, float32)
+        load_row(x, residual, weight, row, t, values, weights)
+        warp_total = warp_sum(partial_sum_of_squares(t, values))
+        if t % WARP_SIZE == 0:
+            warp_totals[t // WARP_SIZE] = warp_total
+        cuda.syncthreads()
+        normalize(x, eps, out, row, t, values, weights, add_warp_totals(warp_totals, warps))
+
+    return rms_norm_warp_kernel if warp_per_row else rms_norm_cta_kernel
+
+
+def rms_norm_loop_function(fused: bool):
+    """The generic CTA-per-row norm kernel ``(x, residual, weight, eps, out)``, any ``n``: the fallback for
+    rows too long for registers (``norm_elements_per_thread(n)`` None: ``n > 8192``). Launch ``[rows,
+    rms_norm_threads_per_row(n)]``; thread ``t`` loops over ``k = t, t + B, ...`` twice (the sum of
+    squares, then the normalization, rereading the row). The same order as the register kernels.
+    Checked bit for bit against ``fp8lab.simulators.dense.rms_norm`` / ``add_rms_norm``.
     """
     first_pass, second_pass = FIRST_PASS[fused], SECOND_PASS[fused]
 
@@ -182,15 +299,7 @@ def rms_norm_function(fused: bool, warp_per_row: bool):
             acc = cuda.fma(v, v, acc)
         return acc
 
-    def rms_norm_warp_kernel(x, residual, weight, eps, out):
-        lane = cuda.threadIdx.x % WARP_SIZE
-        row = cuda.blockIdx.x * NORM_ROWS_PER_CTA + cuda.threadIdx.x // WARP_SIZE
-        if row >= x.shape[0]:
-            return  # the whole warp leaves together
-        total = warp_sum(partial_sum_of_squares(x, residual, row, lane, WARP_SIZE))
-        normalize(x, residual, weight, eps, out, row, lane, WARP_SIZE, total)
-
-    def rms_norm_cta_kernel(x, residual, weight, eps, out):
+    def rms_norm_loop_kernel(x, residual, weight, eps, out):
         warp_totals = cuda.shared.array(MAX_WARPS_PER_CTA, float32)
         row = cuda.blockIdx.x
         t = cuda.threadIdx.x
@@ -198,17 +307,22 @@ def rms_norm_function(fused: bool, warp_per_row: bool):
         if t % WARP_SIZE == 0:
             warp_totals[t // WARP_SIZE] = warp_total
         cuda.syncthreads()
-        total = float32(0)
-        for w in range(cuda.blockDim.x // WARP_SIZE):  # every thread adds the warp totals in warp order
-            total += warp_totals[w]
+        total = add_warp_totals(warp_totals, cuda.blockDim.x // WARP_SIZE)
         normalize(x, residual, weight, eps, out, row, t, cuda.blockDim.x, total)
 
-    return rms_norm_warp_kernel if warp_per_row else rms_norm_cta_kernel
+    return rms_norm_loop_kernel
 
 
 @functools.cache
-def _rms_norm_kernel(fused: bool, warp_per_row: bool):
-    return cuda.jit(rms_norm_function(fused, warp_per_row))
+def _rms_norm_kernel(fused: bool, n: int):
+    """The norm kernel for rows of length ``n`` (compiled once per ``(fused, n)``). On a GPU it is
+    compiled for its CTA size (``launch_bounds``): ptxas keeps within the registers a launch can have."""
+    threads = rms_norm_threads_per_row(n)
+    warp_per_row = threads == WARP_SIZE
+    options = {} if SIMULATOR else {"launch_bounds": WARP_SIZE * NORM_ROWS_PER_CTA if warp_per_row else threads}
+    if norm_elements_per_thread(n) is None:
+        return cuda.jit(rms_norm_loop_function(fused), **options)
+    return cuda.jit(rms_norm_register_function(fused, warp_per_row, n), **options)
 
 
 def _check_norm(x, weight, out, residual=None):
@@ -240,7 +354,7 @@ def _launch_norm(fused, x, residual, weight, eps, out, rows, n, stream):
     block = WARP_SIZE * NORM_ROWS_PER_CTA if warp_per_row else threads
     args = [x, residual, weight, np.float32(eps), out]
     written = (1, 4) if fused else (4,)
-    _run(_rms_norm_kernel(fused, warp_per_row), grid, block, stream, args, written)
+    _run(_rms_norm_kernel(fused, n), grid, block, stream, args, written)
 
 
 def rms_norm(x, weight, eps, out, stream=0):
@@ -609,29 +723,60 @@ def beats(v, i, best_v, best_i):
     return i < best_i
 
 
-def argmax_kernel(logits, out_ids):
-    """Launch ``[rows, argmax_threads_per_row(V)]``: CTA ``r`` finds row ``r``'s winner.
-
-    Thread ``t`` scans ``k = t, t + B, ...`` in order, a butterfly merges a warp's winners, thread 0
-    merges the warps' winners in warp order (``beats`` is symmetric, so the order changes nothing).
-    """
-    best_values = cuda.shared.array(MAX_WARPS_PER_CTA, float32)
-    best_indices = cuda.shared.array(MAX_WARPS_PER_CTA, int32)
-    row = cuda.blockIdx.x
-    t = cuda.threadIdx.x
-    best_v = NEG_INF
-    best_i = int32(NO_INDEX)
-    for k in range(t, logits.shape[1], cuda.blockDim.x):
-        v = logits[row, k]
-        if beats(v, int32(k), best_v, best_i):
-            best_v = v
-            best_i = int32(k)
+@cuda.jit(device=True, inline=True)
+def warp_winner(best_v, best_i):
+    """The butterfly over a warp's ``(value, index)`` pairs under ``beats``; every lane gets the winner."""
     for offset in BUTTERFLY_OFFSETS:
         other_v = cuda.shfl_xor_sync(FULL_MASK, best_v, offset)
         other_i = cuda.shfl_xor_sync(FULL_MASK, best_i, offset)
         if beats(other_v, other_i, best_v, best_i):
             best_v = other_v
             best_i = other_i
+    return best_v, best_i
+
+
+@cuda.jit(device=True, inline=True)
+def scan_slice(logits, row, start, end, best_v, best_i):
+    """Thread ``t``'s winner among ``logits[row, k]``, ``k = start + t + B j < end``: groups of
+    ``ARGMAX_LOADS_IN_FLIGHT`` loads issued together, then compared in ``k`` order."""
+    stride = cuda.blockDim.x
+    values = cuda.local.array(ARGMAX_LOADS_IN_FLIGHT, float32)
+    for base in range(start + cuda.threadIdx.x, end, stride * ARGMAX_LOADS_IN_FLIGHT):
+        for j in range(ARGMAX_LOADS_IN_FLIGHT):
+            k = base + stride * j
+            values[j] = logits[row, k] if k < end else NEG_INF
+        for j in range(ARGMAX_LOADS_IN_FLIGHT):
+            k = base + stride * j
+            if k < end and beats(values[j], int32(k), best_v, best_i):
+                best_v = values[j]
+                best_i = int32(k)
+    return best_v, best_i
+
+
+def argmax_kernel(logits, out_ids, slice_length, partial_values, partial_indices, counters):
+    """Launch ``[(rows, P), B]`` (``argmax_launch(V)``): CTA ``(r, p)`` finds the winner of row ``r``'s
+    slice ``[p L, (p + 1) L)`` (``L = slice_length``); the last of the row's ``P`` CTAs to finish merges
+    the ``P`` partial winners and writes ``out_ids[r]``.
+
+    In a CTA: each thread scans its logits (``scan_slice``), a butterfly merges each warp, thread 0
+    merges the warps in warp order and writes the partial ``(value, index)`` to the workspace, then
+    (``threadfence``, so the partial is visible first) counts the row's finished CTAs with an atomic
+    add on ``counters[r]``. The CTA that sees ``P - 1`` merges: lane ``l`` of its first warp takes
+    partials ``l`` and ``l + 32``, a butterfly, lane 0 writes the token (``NAN_ROW`` for a NaN winner)
+    and resets ``counters[r]`` to 0 for the next launch (or CUDA-graph replay). ``beats`` is a total
+    order, so neither the slices nor the merge order change the answer: ``reference.dense.argmax_rows``.
+    """
+    best_values = cuda.shared.array(MAX_WARPS_PER_CTA, float32)
+    best_indices = cuda.shared.array(MAX_WARPS_PER_CTA, int32)
+    last = cuda.shared.array(1, int32)
+    row = cuda.blockIdx.x
+    part = cuda.blockIdx.y
+    parts = cuda.gridDim.y
+    t = cuda.threadIdx.x
+    start = part * slice_length
+    end = min(start + slice_length, logits.shape[1])
+    best_v, best_i = scan_slice(logits, row, start, end, NEG_INF, int32(NO_INDEX))
+    best_v, best_i = warp_winner(best_v, best_i)
     if t % WARP_SIZE == 0:
         best_values[t // WARP_SIZE] = best_v
         best_indices[t // WARP_SIZE] = best_i
@@ -641,25 +786,112 @@ def argmax_kernel(logits, out_ids):
             if beats(best_values[w], best_indices[w], best_v, best_i):
                 best_v = best_values[w]
                 best_i = best_indices[w]
+        partial_values[row, part] = best_v
+        partial_indices[row, part] = best_i
+        cuda.threadfence()  # the partial is visible to every CTA before the count says it is there
+        finished_before = cuda.atomic.add(counters, row, 1)
+        last[0] = 1 if finished_before == parts - 1 else 0
+    cuda.syncthreads()
+    if last[0] == 0 or t >= WARP_SIZE:
+        return
+    cuda.threadfence()  # the other CTAs' partials are read after their count
+    best_v = NEG_INF
+    best_i = int32(NO_INDEX)
+    values = cuda.local.array(ARGMAX_MERGES_PER_LANE, float32)
+    indices = cuda.local.array(ARGMAX_MERGES_PER_LANE, int32)
+    for j in range(ARGMAX_MERGES_PER_LANE):  # lane t's partials t and t + 32, both loads in flight
+        if t + WARP_SIZE * j < parts:
+            values[j] = partial_values[row, t + WARP_SIZE * j]
+            indices[j] = partial_indices[row, t + WARP_SIZE * j]
+    for j in range(ARGMAX_MERGES_PER_LANE):
+        if t + WARP_SIZE * j < parts and beats(values[j], indices[j], best_v, best_i):
+            best_v = values[j]
+            best_i = indices[j]
+    best_v, best_i = warp_winner(best_v, best_i)
+    if t == 0:
         # a row holding NaN has no greedy token: -1 (fp8lab.engine.generate reports it as that sequence's error)
         out_ids[row] = best_i if best_v == best_v else int32(NAN_ROW)
+        counters[row] = 0
 
 
 _argmax_kernel = cuda.jit(argmax_kernel)
 
 
-def argmax_threads_per_row(vocab: int) -> int:
-    """Threads per row: a warp per ``32 * 32`` logits, at most 1024 (vocab 151936: 1024 threads)."""
-    warps = -(-vocab // (WARP_SIZE * ARGMAX_ELEMENTS_PER_THREAD))
-    return WARP_SIZE * max(1, min(warps, MAX_WARPS_PER_CTA))
+def argmax_launch(vocab: int, logits_per_cta: int | None = None) -> tuple[int, int, int]:
+    """``(P, L, B)``: the CTAs per row, the logits per CTA (its slice) and the threads per CTA for rows of
+    ``vocab`` logits.
+
+    By default ``L`` is at least ``ARGMAX_MIN_SLICE`` (4096) and a multiple of ``ARGMAX_THREADS *
+    ARGMAX_LOADS_IN_FLIGHT`` (2048), large enough that ``P <= ARGMAX_MAX_CTAS`` (vocab 151936: 38 CTAs
+    of 4096 logits, 16 per thread in two groups of 8 loads). ``logits_per_cta`` sets ``L`` (tests: several
+    CTAs at a small vocab). ``B``: 256 threads, fewer (whole warps) for a slice of fewer than 2048 logits.
+    """
+    group = ARGMAX_THREADS * ARGMAX_LOADS_IN_FLIGHT
+    if logits_per_cta is None:
+        needed = -(-vocab // ARGMAX_MAX_CTAS)
+        length = max(ARGMAX_MIN_SLICE, group * -(-needed // group))
+    else:
+        length = int(logits_per_cta)
+        if length < 1 or -(-vocab // length) > ARGMAX_MAX_CTAS:
+            raise ValueError(f"logits_per_cta: expected at least 1 and at most {ARGMAX_MAX_CTAS} CTAs per row "
+                             f"for V = {vocab}, got {logits_per_cta!r}")
+    ctas = -(-vocab // length)
+    per_cta = min(length, vocab)
+    threads = WARP_SIZE * min(ARGMAX_THREADS // WARP_SIZE, -(-per_cta // (WARP_SIZE * ARGMAX_LOADS_IN_FLIGHT)))
+    return ctas, length, threads
 
 
-def argmax_rows(logits, out_ids, stream=0):
+class ArgmaxWorkspace(NamedTuple):
+    """``argmax_rows``' scratch: the partial winners of each row's CTAs and a finished-CTA count per row
+    (0 between launches: each launch's last CTA resets it)."""
+
+    values: object
+    """float32 ``[rows, P]``"""
+    indices: object
+    """int32 ``[rows, P]``"""
+    counters: object
+    """int32 ``[rows]``, zero"""
+
+
+def argmax_workspace(rows: int, vocab: int, logits_per_cta: int | None = None) -> ArgmaxWorkspace:
+    """The workspace of ``argmax_rows`` for up to ``rows`` rows of ``vocab`` logits (device arrays on a
+    GPU, NumPy arrays in the simulator; counters zeroed). Allocate it once and pass it to every call:
+    a call given a workspace allocates nothing (CUDA-graph capture needs that); a replay leaves the
+    counters at 0 again. Calls sharing one must not run concurrently (on different streams)."""
+    rows, vocab = int(rows), int(vocab)
+    if rows < 0:
+        raise ValueError(f"rows: expected at least 0, got {rows}")
+    if not 0 < vocab < NO_INDEX:
+        raise ValueError(f"vocab: expected 1 <= V < 2^31, got {vocab}")
+    ctas = argmax_launch(vocab, logits_per_cta)[0]
+    host = ArgmaxWorkspace(np.full((rows, ctas), np.nan, np.float32), np.full((rows, ctas), NAN_ROW, np.int32),
+                           np.zeros(rows, np.int32))
+    return host if SIMULATOR else ArgmaxWorkspace(*(cuda.to_device(a) for a in host))
+
+
+def _check_argmax_workspace(workspace, rows: int, ctas: int) -> ArgmaxWorkspace:
+    if not isinstance(workspace, tuple) or len(workspace) != 3:
+        raise ValueError(f"workspace: expected an ArgmaxWorkspace (argmax_workspace), got {type(workspace).__name__}")
+    values, indices, counters = (as_kernel_array("workspace", a) for a in workspace)
+    for a, dtype in ((values, np.float32), (indices, np.int32)):
+        if a.ndim != 2 or a.shape[0] < rows or a.shape[1] < ctas or np.dtype(a.dtype) != dtype:
+            reject("workspace", f"partials of at least [{rows}, {ctas}] (argmax_workspace(rows, V))", a)
+    if counters.ndim != 1 or counters.shape[0] < rows or np.dtype(counters.dtype) != np.int32:
+        reject("workspace", f"int32 counters of at least [{rows}] (argmax_workspace(rows, V))", counters)
+    return ArgmaxWorkspace(values, indices, counters)
+
+
+def argmax_rows(logits, out_ids, stream=0, workspace=None, logits_per_cta=None):
     """Greedy sampling: ``out_ids[r] = np.argmax(logits[r])``; returns ``out_ids``.
 
     ``logits``: float32 ``[rows, V]`` (``V >= 1``, below 2^31), C-contiguous; ``out_ids``: int32 ``[rows]``.
     NumPy's rules: the first index of the maximum; but a row holding NaN gives ``NAN_ROW`` (-1), not the
     index of its first NaN, so that a NaN never passes as a token.
+
+    One launch of ``argmax_launch(V)[0]`` CTAs per row (``argmax_kernel``). ``workspace``: from
+    ``argmax_workspace(R, V)`` with ``R >= rows`` (None: one allocated for this call, which a CUDA-graph
+    capture does not allow). ``logits_per_cta``: each CTA's slice (None: ``argmax_launch``'s default);
+    the answer does not depend on it.
     """
     logits, out_ids = as_kernel_array("logits", logits), as_kernel_array("out_ids", out_ids)
     if logits.ndim != 2 or np.dtype(logits.dtype) != np.float32 or not 0 < logits.shape[1] < NO_INDEX:
@@ -668,9 +900,15 @@ def argmax_rows(logits, out_ids, stream=0):
     rows, vocab = logits.shape
     if tuple(out_ids.shape) != (rows,) or np.dtype(out_ids.dtype) != np.int32:
         reject("out_ids", f"int32 [{rows}]", out_ids)
+    ctas, length, threads = argmax_launch(vocab, logits_per_cta)
+    if workspace is not None:
+        workspace = _check_argmax_workspace(workspace, rows, ctas)
     if rows == 0:
         return out_ids
-    _run(_argmax_kernel, rows, argmax_threads_per_row(vocab), stream, [logits, out_ids], (1,))
+    if workspace is None:
+        workspace = argmax_workspace(rows, vocab, logits_per_cta)
+    args = [logits, out_ids, length, *workspace]
+    _run(_argmax_kernel, (rows, ctas), threads, stream, args, (1,))
     return out_ids
 
 
@@ -758,6 +996,9 @@ def _run(kernel, grid, block, stream, args, written):
 
 # ---------------------------------------------------------------------------- every kernel, for the PTX check
 
+NORM_PTX_SIZES = (128, 4096)
+"""The row lengths whose norm kernels the PTX check compiles (Qwen3-8B's head_dim and hidden size)."""
+
 
 def kernel_variants():
     """``(name, python function, numba signature)`` of every kernel (C-contiguous arrays)."""
@@ -766,11 +1007,14 @@ def kernel_variants():
     u32_1d = types.Array(types.uint32, 1, "C")
     u16_2d = types.Array(types.uint16, 2, "C")
     variants = []
+    norm_signature = types.void(f32_2d, f32_2d, f32_1d, types.float32, f32_2d)
     for fused in (False, True):
-        for warp_per_row in (True, False):
-            name = f"{'add_rms_norm' if fused else 'rms_norm'}[{'warp' if warp_per_row else 'cta'} per row]"
-            signature = types.void(f32_2d, f32_2d, f32_1d, types.float32, f32_2d)
-            variants.append((name, rms_norm_function(fused, warp_per_row), signature))
+        norm = "add_rms_norm" if fused else "rms_norm"
+        for n in NORM_PTX_SIZES:  # q/k-norm (a warp per row, 4 elements per lane) and the hidden size (8 per thread)
+            warp_per_row = rms_norm_threads_per_row(n) == WARP_SIZE
+            variants.append((f"{norm}[{'warp' if warp_per_row else 'cta'} per row, n={n}]",
+                             rms_norm_register_function(fused, warp_per_row, n), norm_signature))
+        variants.append((f"{norm}[cta per row, loop]", rms_norm_loop_function(fused), norm_signature))
     variants.append(("rope", rope_kernel, types.void(f32_3d, i32_1d, f32_2d, f32_3d)))
     variants.append(("silu_mul", silu_mul_kernel, types.void(f32_2d, f32_2d)))
     variants.append(("embedding", embedding_kernel, types.void(u16_2d, i32_1d, f32_2d)))
@@ -780,7 +1024,7 @@ def kernel_variants():
                          types.void(u32_1d, u32_1d, f32_2d, types.int64, types.int64, types.int64)))
     variants.append(("bf16_linear[m_tile=1, rows_per_warp=1]", bf16_linear_function(1, 1),
                      types.void(u32_1d, u32_1d, f32_2d, types.int64, types.int64, types.int64)))
-    variants.append(("argmax_rows", argmax_kernel, types.void(f32_2d, i32_1d)))
+    variants.append(("argmax_rows", argmax_kernel, types.void(f32_2d, i32_1d, types.int64, f32_2d, types.Array(types.int32, 2, "C"), i32_1d)))
     variants.append(("add_into", add_into_kernel, types.void(f32_1d, f32_1d)))
     variants.append(("bf16_round", bf16_round_kernel, types.void(f32_1d, types.Array(types.uint16, 1, "C"))))
     return variants

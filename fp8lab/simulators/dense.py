@@ -25,7 +25,9 @@ FFMA's single rounding):
 - ``argmax_rows(logits, threads)``: thread ``t`` scans ``k = t, t + threads, ...`` keeping the
   winner under ``beats`` (a NaN beats every number, then the larger value, then the lower
   index), a butterfly merges each warp, thread 0 merges the warps in order; a NaN winner gives
-  ``NAN_ROW``. ``beats`` is a total order, so the answer is ``reference.dense.argmax_rows``'s.
+  ``NAN_ROW``. That is one CTA of the kernel, which splits a row into slices of CTAs
+  (``layers.argmax_launch``) and merges their winners; ``beats`` is a total order, so any split and
+  any number of threads give the same answer, ``reference.dense.argmax_rows``'s.
 """
 
 from __future__ import annotations

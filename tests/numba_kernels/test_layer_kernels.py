@@ -3,7 +3,8 @@
 - CUDA simulator (``cudasim``, tiny shapes): bit for bit against ``fp8lab.simulators.dense``, the
   kernels' float32 order (``rms_norm``/``add_rms_norm``: the threads' fma chains, butterfly, warp
   order; ``rope``: the two fmas; ``silu_mul``; ``bf16_linear``: the lanes' fma chains and the
-  butterfly; ``argmax_rows``: the threads' scans and merges); ``embedding``, ``argmax_rows``,
+  butterfly; the generic long-row norm kernel launched directly); ``embedding``, ``argmax_rows`` (one
+  to 40 CTAs per row, merged by the last; its workspace's counters back at 0 after every call),
   ``add_into`` and ``bf16_round`` exactly against ``fp8lab.reference.dense`` / NumPy / ``ml_dtypes``.
   Every float kernel is also checked against ``fp8lab.reference.dense`` (float32 and float64) within
   the bounds derived next to each test. Outputs are poisoned with NaN before every call; bad
@@ -145,6 +146,28 @@ def test_add_rms_norm_adds_then_normalizes(rng, rows, n):
     in_place, residual = x.copy(), original.copy()
     layers.add_rms_norm(in_place, residual, weight, 1e-6, in_place)
     np.testing.assert_array_equal(in_place.view(np.uint32), out.view(np.uint32))
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("fused", [False, True], ids=["rms_norm", "add_rms_norm"])
+def test_the_generic_loop_norm_kernel_matches_the_simulator(rng, fused):
+    """The fallback for rows too long for registers (n > 8192 on a GPU), launched directly at a small n
+    (3 warps per row) in the order of the register kernels: the same bits as the simulator."""
+    from numba import cuda
+
+    n = 520
+    threads = layers.rms_norm_threads_per_row(n)
+    assert layers.norm_elements_per_thread(n) is not None and layers.norm_elements_per_thread(8193) is None
+    x, original = spread_activations(rng, (2, n)), spread_activations(rng, (2, n))
+    weight = spread_activations(rng, (n,), spread=1)
+    residual, out = (original.copy() if fused else x), poisoned(x.shape)
+    cuda.jit(layers.rms_norm_loop_function(fused))[2, threads](x, residual, weight, np.float32(1e-6), out)
+    if fused:
+        expected, total = sim.add_rms_norm(x, original, weight, 1e-6, threads)
+        np.testing.assert_array_equal(residual.view(np.uint32), total.view(np.uint32))
+    else:
+        expected = sim.rms_norm(x, weight, 1e-6, threads)
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
 
 
 # ---------------------------------------------------------------------------- rope
@@ -305,13 +328,23 @@ def test_bf16_linear_rows_do_not_depend_on_the_batch(rng):
 
 
 def check_argmax(logits, got):
-    """The simulator's threads and merges, bit for bit; the reference's tokens (``np.argmax`` per row,
-    but ``NAN_ROW`` for a row holding NaN); and ``np.argmax`` itself on the rows without NaN."""
-    np.testing.assert_array_equal(got, sim.argmax_rows(logits, layers.argmax_threads_per_row(logits.shape[1])))
+    """The reference's tokens (``np.argmax`` per row, but ``NAN_ROW`` for a row holding NaN); the
+    simulator's (its single-CTA order: ``beats`` is a total order, so any partition gives the same
+    winner); and ``np.argmax`` itself on the rows without NaN."""
     np.testing.assert_array_equal(got, dense.argmax_rows(logits))
+    np.testing.assert_array_equal(got, sim.argmax_rows(logits, layers.ARGMAX_THREADS))
     nan_rows = np.isnan(logits).any(axis=1)
     np.testing.assert_array_equal(got[~nan_rows], np.argmax(logits[~nan_rows], axis=1))
     assert np.all(got[nan_rows] == layers.NAN_ROW)
+
+
+def poisoned_argmax_workspace(rows, vocab, logits_per_cta=None):
+    """A fresh workspace whose partials are garbage (NaN values, out-of-range indices): a partial the
+    kernel failed to write makes the row NaN or out of range."""
+    workspace = layers.argmax_workspace(rows, vocab, logits_per_cta)
+    workspace.values[...] = np.nan
+    workspace.indices[...] = 2**31 - 1
+    return workspace
 
 
 ID_POISON = -7
@@ -333,27 +366,86 @@ def logit_rows(rng, vocab):
     return rows
 
 
+ARGMAX_CASES = [(300, None), (700, 160)]
+"""(V, logits_per_cta): one CTA of 64 threads; 5 CTAs of a warp per row (the last one of a partial
+slice, 60 logits; the merging warp's lanes 5 to 31 without partials)."""
+
+
 @pytest.mark.cudasim
-@pytest.mark.parametrize("vocab", [300, 2100], ids=["one warp", "three warps"])
-def test_argmax_rows_follows_numpy(rng, vocab):
+@pytest.mark.parametrize("vocab, logits_per_cta", ARGMAX_CASES, ids=["one cta", "five ctas"])
+def test_argmax_rows_follows_numpy(rng, vocab, logits_per_cta):
     logits = logit_rows(rng, vocab)
+    if logits_per_cta:  # ties and NaNs across slices: the maximum repeated in the next slice, a NaN in the last
+        logits[0, [logits_per_cta - 1, logits_per_cta + 3]] = 50.0
+        logits[5, [logits_per_cta + 1, vocab - 1]] = [np.nan, 1e9]
     out = np.full(logits.shape[0], ID_POISON, np.int32)
-    assert layers.argmax_rows(logits, out) is out
+    workspace = poisoned_argmax_workspace(logits.shape[0], vocab, logits_per_cta)
+    assert layers.argmax_rows(logits, out, workspace=workspace, logits_per_cta=logits_per_cta) is out
     check_argmax(logits, out)
     assert out[2] == out[6] == layers.NAN_ROW
+    if logits_per_cta:
+        assert out[0] == logits_per_cta - 1 and out[5] == layers.NAN_ROW
+    np.testing.assert_array_equal(workspace.counters, 0)  # reset for the next launch
 
 
 @pytest.mark.cudasim
 @settings(max_examples=SIMULATOR_EXAMPLES)
-@given(rows=st.integers(1, 3), vocab=st.integers(1, 200), levels=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
-def test_argmax_rows_on_few_distinct_values(rows, vocab, levels, seed):
-    """Few distinct values (many ties), sometimes a NaN."""
+@given(rows=st.integers(1, 3), vocab=st.integers(1, 200), ctas=st.integers(1, 3), levels=st.integers(1, 4),
+       seed=st.integers(0, 2**32 - 1))
+def test_argmax_rows_on_few_distinct_values(rows, vocab, ctas, levels, seed):
+    """Few distinct values (many ties, across slices too), sometimes a NaN; 1 to 3 CTAs per row."""
     rng = np.random.default_rng(seed)
     values = np.array([-np.inf, -2.5, 0.0, -0.0, 3.0, np.nan], np.float32)[: levels + 2]
     logits = rng.choice(values, (rows, vocab)).astype(np.float32)
     out = np.full(rows, ID_POISON, np.int32)
-    layers.argmax_rows(logits, out)
+    layers.argmax_rows(logits, out, logits_per_cta=-(-vocab // ctas))
     check_argmax(logits, out)
+
+
+@pytest.mark.cudasim
+def test_argmax_rows_reuses_one_workspace(rng):
+    """Calls sharing one workspace (allocated for more rows than each uses): every call right, the
+    counters back at 0 after each; rows of length 1."""
+    workspace = poisoned_argmax_workspace(3, 90, logits_per_cta=32)  # 3 CTAs per row
+    for rows in (3, 1, 3):
+        logits = rng.choice(np.float32([-1.0, 0.0, -0.0, 2.0]), (rows, 90)).astype(np.float32)
+        out = np.full(rows, ID_POISON, np.int32)
+        layers.argmax_rows(logits, out, workspace=workspace, logits_per_cta=32)
+        check_argmax(logits, out)
+        np.testing.assert_array_equal(workspace.counters, 0)
+    single = layers.argmax_workspace(3, 1)
+    for column in (np.float32([[5.0], [np.nan], [-np.inf]]), np.float32([[-0.0], [1.0], [np.nan]])):
+        out = np.full(3, ID_POISON, np.int32)
+        layers.argmax_rows(column, out, workspace=single)
+        np.testing.assert_array_equal(out, dense.argmax_rows(column))
+        np.testing.assert_array_equal(single.counters, 0)
+
+
+@pytest.mark.cudasim
+def test_argmax_rows_merges_more_partials_than_lanes(rng):
+    """40 CTAs (of 3 logits) for one row: lanes 0 to 7 of the merging warp take two partials each; the
+    maximum, repeated, in the 37th slice (lane 4's second) and the 40th (lane 7's second)."""
+    logits = rng.standard_normal((1, 120)).astype(np.float32)
+    logits[0, [108, 110, 118]] = 7.0
+    logits[0, 2] = 6.5
+    out = np.full(1, ID_POISON, np.int32)
+    workspace = poisoned_argmax_workspace(1, 120, logits_per_cta=3)
+    layers.argmax_rows(logits, out, workspace=workspace, logits_per_cta=3)
+    assert out[0] == 108
+    check_argmax(logits, out)
+    np.testing.assert_array_equal(workspace.counters, 0)
+
+
+def test_argmax_launch_at_qwen3_vocab():
+    """The default partition: at least 4096 logits per CTA, at most 64 CTAs, 256 threads."""
+    assert layers.argmax_launch(151936) == (38, 4096, 256)
+    assert layers.argmax_launch(1) == (1, 4096, 32)
+    assert layers.argmax_launch(64 * 8192 + 1) == (52, 10240, 256)  # 8193 per CTA, rounded up to 5 * 2048
+    assert layers.argmax_launch(2100, 512) == (5, 512, 64)
+    for vocab in (1, 300, 4097, 151936, 262144, 10**6, 2**31 - 2):
+        ctas, length, threads = layers.argmax_launch(vocab)
+        assert 1 <= ctas <= layers.ARGMAX_MAX_CTAS and (ctas - 1) * length < vocab <= ctas * length
+        assert threads % 32 == 0 and 32 <= threads <= layers.ARGMAX_THREADS
 
 
 # ---------------------------------------------------------------------------- add_into
@@ -389,6 +481,12 @@ def good_calls(rng):
     }
 
 
+def host_argmax_workspace(rows, ctas, counters=None):
+    """An ``ArgmaxWorkspace`` of NumPy arrays (no device needed where the list below is built)."""
+    counters = np.zeros(rows, np.int32) if counters is None else counters
+    return layers.ArgmaxWorkspace(np.zeros((rows, ctas), np.float32), np.zeros((rows, ctas), np.int32), counters)
+
+
 BAD_CALLS = [
     ("rms_norm", dict(weight=np.ones(63, np.float32)), "weight: expected float32 \\[64\\]"),
     ("rms_norm", dict(x=np.ones((2, 64))), "x: expected float32 \\[..., n\\]"),
@@ -416,6 +514,13 @@ BAD_CALLS = [
     ("argmax_rows", dict(out_ids=np.zeros(2, np.int64)), "out_ids: expected int32 \\[2\\]"),
     ("argmax_rows", dict(logits=np.ones((2, 0), np.float32)), "logits: expected float32 \\[rows, V\\]"),
     ("argmax_rows", dict(logits=np.ones((2, 8), np.float64)), "logits: expected float32"),
+    ("argmax_rows", dict(logits_per_cta=0), "logits_per_cta: expected at least 1 and at most 64 CTAs per row"),
+    ("argmax_rows", dict(logits=np.ones((2, 65), np.float32), logits_per_cta=1), "logits_per_cta: expected"),
+    ("argmax_rows", dict(workspace=host_argmax_workspace(1, 1)), "workspace: expected partials of at least \\[2, 1\\]"),
+    ("argmax_rows", dict(workspace=host_argmax_workspace(2, 2), logits_per_cta=16),
+     "workspace: expected partials of at least \\[2, 4\\]"),
+    ("argmax_rows", dict(workspace=host_argmax_workspace(2, 1, counters=np.zeros(2, np.int64))), "workspace: expected int32 counters"),
+    ("argmax_rows", dict(workspace=host_argmax_workspace(2, 1)[:2]), "workspace: expected an ArgmaxWorkspace"),
     ("add_into", dict(y=np.ones((2, 63), np.float32)), "y: expected float32 of x's shape \\(2, 64\\)"),
 ]
 
@@ -485,7 +590,9 @@ def check_layer_kernel_ptx(c) -> None:
         assert ptx.count("fma.rn.f32") == group * rows * m_tile * 8
         assert ptx.count("shfl.sync.bfly.b32") == 5 * rows * m_tile
     if name == "argmax_rows":
-        assert ptx.count("shfl.sync.bfly.b32") == 10  # value and index, 5 steps
+        assert ptx.count("shfl.sync.bfly.b32") == 20  # value and index, 5 steps: a CTA's warps, the merging warp
+        assert "atom.global.add.u32" in ptx or "atom.global.add.s32" in ptx  # the row's finished-CTA count
+        assert ptx.count("membar.gl") + ptx.count("fence.sc.gpu") + ptx.count("fence.acq_rel.gpu") >= 2
     if c.resources is not None:
         assert "0 bytes spill stores" in c.resources, c.resources
 
@@ -518,7 +625,8 @@ def bf16_rows_float64(bits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, n", [(4, HIDDEN), (1, HIDDEN), (4 * HEADS, HEAD_DIM), (3, 1024)])
+@pytest.mark.parametrize("rows, n", [(4, HIDDEN), (1, HIDDEN), (4 * HEADS, HEAD_DIM), (3, 1024), (5, 40), (2, 5120),
+                                     (2, 8192), (2, 8200)])  # 8200: the generic loop kernel
 def test_gpu_rms_norm_bit_for_bit(rows, n):
     from numba import cuda
 
@@ -609,15 +717,24 @@ def test_gpu_bf16_linear_lm_head(lm_head, m):
 
 @pytest.mark.gpu
 def test_gpu_argmax_rows_at_vocab_size():
+    """Vocab 151936 (38 CTAs per row): the reference's tokens for three calls sharing one workspace
+    (fresh logits each; the counters back at 0 after each), and for a call that allocates its own."""
     from numba import cuda
 
     seed, rng = fresh_rng()
-    logits = logit_rows(rng, VOCAB)
+    workspace = layers.argmax_workspace(8, VOCAB)
+    for _ in range(3):
+        logits = logit_rows(rng, VOCAB)
+        logits[0, [4095, 4096 + 17]] = 50.0  # the maximum repeated in the next CTA's slice: the first wins
+        out = cuda.to_device(np.full(logits.shape[0], ID_POISON, np.int32))
+        layers.argmax_rows(cuda.to_device(logits), out, workspace=workspace)
+        got = out.copy_to_host()
+        np.testing.assert_array_equal(got, dense.argmax_rows(logits), err_msg=f"seed {seed}")
+        assert got[0] == 4095, f"seed {seed}"
+        np.testing.assert_array_equal(workspace.counters.copy_to_host(), 0, err_msg=f"seed {seed}")
     out = cuda.to_device(np.full(logits.shape[0], ID_POISON, np.int32))
     layers.argmax_rows(cuda.to_device(logits), out)
-    got = out.copy_to_host()
-    np.testing.assert_array_equal(got, dense.argmax_rows(logits), err_msg=f"seed {seed}")
-    np.testing.assert_array_equal(got, sim.argmax_rows(logits, layers.argmax_threads_per_row(VOCAB)), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(out.copy_to_host(), dense.argmax_rows(logits), err_msg=f"seed {seed}")
 
 
 @pytest.mark.gpu
@@ -648,6 +765,7 @@ def test_gpu_a_layer_step_captured_in_a_cuda_graph(lm_head):
                   weight=cuda.to_device(spread_activations(rng, (HIDDEN,), spread=1)),
                   head_weight=cuda.to_device(spread_activations(rng, (HEAD_DIM,), spread=1)),
                   gate_up=cuda.to_device(spread_activations(rng, (tokens, 2 * INTERMEDIATE), spread=1)))
+    argmax_workspace = layers.argmax_workspace(tokens, VOCAB)  # preallocated: a captured call allocates nothing
 
     def buffers():
         return dict(h=cuda.device_array((tokens, HIDDEN), np.float32), normed=cuda.device_array((tokens, HIDDEN), np.float32),
@@ -664,7 +782,7 @@ def test_gpu_a_layer_step_captured_in_a_cuda_graph(lm_head):
         layers.silu_mul(inputs["gate_up"], b["act"], stream=stream)
         layers.add_rms_norm(b["q"].reshape(tokens, HIDDEN), b["h"], inputs["weight"], 1e-6, b["normed"], stream=stream)
         layers.bf16_linear(b["normed"], bits_device, b["logits"], stream=stream)
-        layers.argmax_rows(b["logits"], b["ids_out"], stream=stream)
+        layers.argmax_rows(b["logits"], b["ids_out"], stream=stream, workspace=argmax_workspace)
 
     direct = buffers()
     step(direct, 0)
@@ -678,8 +796,10 @@ def test_gpu_a_layer_step_captured_in_a_cuda_graph(lm_head):
     step(captured, builder)
     graph = builder.end_building().complete()
     stream = device.create_stream()
-    graph.launch(stream)
+    for _ in range(2):  # a replay finds argmax_rows' counters at 0 again
+        graph.launch(stream)
     stream.sync()
+    np.testing.assert_array_equal(argmax_workspace.counters.copy_to_host(), 0)
     for name in direct:
         np.testing.assert_array_equal(captured[name].copy_to_host().view(np.uint8), direct[name].copy_to_host().view(np.uint8),
                                       err_msg=f"{name}, seed {seed}")
