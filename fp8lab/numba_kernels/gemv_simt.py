@@ -6,6 +6,17 @@ Computes ``fp8lab.reference.blockwise.gemm``. Launch: a warp per ``columns_per_w
 Checked (``tests/numba_kernels/test_gemv_kernel.py``): bit for bit against ``fp8lab.simulators.gemv_simt``
 (CUDA simulator and GPU), against the oracle by relative error.
 
+The SwiGLU variant ``gemv_simt_swiglu`` (``gemv_simt_kernel(..., swiglu=True)``): ``act[m, j] = silu(g) * u``
+with ``g``, ``u`` columns ``j`` and ``I + j`` of the product with the fused gate/up weight ``q[2 I, K]``
+(``fp8lab.reference.dense.silu_mul`` of ``blockwise.gemm``), float32 ``act[M, I]``. A warp computes
+``columns_per_warp`` (2 or 4) columns as above, but they are the gate and up rows of
+``columns_per_warp / 2`` neighbouring outputs (``{j, I + j}`` or ``{j, j + 1, I + j, I + j + 1}``)
+instead of neighbouring columns; lane 0 applies ``layers.silu_mul``'s expression with the same
+``exp_f32``, so it is bit for bit ``gemv_simt`` then ``layers.silu_mul``, one launch and no
+``[M, 2 I]`` round trip. Launch: grid ``(ceil(I / (warps_per_cta * columns_per_warp / 2)), ceil(M / m_tile))``.
+Checked against ``fp8lab.simulators.gemv_simt.gemv_simt_swiglu`` and the two launches it replaces
+bit for bit (CUDA simulator; the GPU against the two launches) and against the oracle by a float32 bound.
+
 What it computes: the W8A16 product of ``fp8lab.reference.blockwise.gemm`` in float32, in exactly the
 order of ``fp8lab.simulators.gemv_simt`` (the schedule, below). Activations are BF16 bits (uint16/int16),
 float16 or float32, widened exactly to float32 on load; the output is float32, float16 or BF16
@@ -71,10 +82,12 @@ Requirements (``ValueError`` before anything is launched): those of ``arguments.
 and within the register budget (``chunks_per_iteration * columns_per_warp <= 8``,
 ``columns_per_warp * m_tile <= 32``: more would spill), device arrays whose data start on a
 16-byte boundary (for the 128-bit loads) and fewer than 2^32 words of codes (32-bit indices).
+SwiGLU also: ``q``'s ``N`` even, ``out`` float32 ``[M, N / 2]``, ``columns_per_warp`` 2 or 4.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -84,6 +97,7 @@ from numba import cuda, float32, uint32
 from . import arguments
 from .bits import bf16_bits_to_f32, f16_bits_to_f32, u32_as_f32
 from .dequantize import F16_PLACEMENT_SCALE, STORE, output_bits_view, placed_codes
+from .layers import exp_f32
 from .warp import (
     WARP_SIZE,
     WORDS_PER_LOAD,
@@ -205,23 +219,81 @@ def _call_then(body, i: int, rest):
 
 
 
+# ---------------------------------------------------------------------------- the two epilogues
+
+
+def plain_columns(columns: int, m_tile: int, store):
+    """The plain GEMV's column mapping and epilogue: a warp's ``columns`` weight rows are the
+    neighbouring output columns ``first .. first + columns - 1`` of ``out[M, N]``."""
+
+    @cuda.jit(device=True, inline=True)
+    def weight_row(first, j, width):
+        """Weight row of the warp's column ``j``; past ``N``: row ``N - 1`` (computed, never stored)."""
+        return uint32(min(first + uint32(j), width - uint32(1)))
+
+    @cuda.jit(device=True, inline=True)
+    def write(out, acc, row0, first, m, width):
+        """Lane 0 stores every column of every row of the tile that lies inside ``out``."""
+        for j in range(columns):
+            if first + uint32(j) < width:
+                for r in range(m_tile):
+                    if row0 + uint32(r) < m:
+                        store(out, row0 + uint32(r), first + uint32(j), acc[j * m_tile + r])
+
+    return columns, weight_row, write
+
+
+def swiglu_columns(columns: int, m_tile: int):
+    """The SwiGLU GEMV's column mapping and epilogue, ``P = columns / 2`` outputs per warp: for the
+    outputs ``first .. first + P - 1`` of ``act[M, I]`` the warp's columns are the gate rows
+    ``first + p`` (slots ``p < P``) and the up rows ``I + first + p`` (slots ``P + p``)."""
+    pairs = columns // 2
+
+    @cuda.jit(device=True, inline=True)
+    def weight_row(first, j, width):
+        """Weight row of the warp's column ``j`` (``width = I``); an output past ``I`` computes output
+        ``I - 1``'s rows (never stored)."""
+        return uint32(min(first + uint32(j % pairs), width - uint32(1)) + uint32(j // pairs) * width)
+
+    @cuda.jit(device=True, inline=True)
+    def write(out, acc, row0, first, m, width):
+        """Lane 0 stores ``act = silu(gate) * up`` with ``layers.silu_mul``'s expression and ``exp_f32``."""
+        for p in range(pairs):
+            if first + uint32(p) < width:
+                for r in range(m_tile):
+                    if row0 + uint32(r) < m:
+                        gate = acc[p * m_tile + r]
+                        up = acc[(pairs + p) * m_tile + r]
+                        out[row0 + uint32(r), first + uint32(p)] = gate / (float32(1) + exp_f32(-gate)) * up
+
+    return pairs, weight_row, write
+
+
 @functools.lru_cache(maxsize=None)
 def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, block_k: int,
-                     warps_per_cta: int = WARPS_PER_CTA, chunks_per_iteration: int = 1, columns_per_warp: int = 1):
+                     warps_per_cta: int = WARPS_PER_CTA, chunks_per_iteration: int = 1, columns_per_warp: int = 1,
+                     swiglu: bool = False):
     """The compiled GEMV kernel for one row tile, activation format, output format, block size,
-    CTA size, group size and columns per warp.
+    CTA size, group size and columns per warp; ``swiglu``: the SwiGLU variant (``output`` "f32",
+    ``columns_per_warp`` 2 or 4), which differs from the plain kernel only in which weight rows a
+    warp's columns are and in the epilogue (``plain_columns``, ``swiglu_columns``).
 
     All are compile-time constants: the row, column, chunk and element loops unroll, the
     accumulators and the loaded codes live in registers, and the block divisions become shifts.
 
     Arguments of the kernel: flat uint32 views of ``a`` and ``q``, the flat ``scale_inv``, the 2-D
-    ``out`` (its bits view for BF16) and ``M, N, K``.
+    ``out`` (its bits view for BF16) and ``M, N, K`` (``N``: rows of ``q``, ``2 I`` for SwiGLU).
     """
+    if swiglu and (output != "f32" or columns_per_warp % 2):
+        raise ValueError(f"swiglu: needs a float32 output and an even columns_per_warp, got {output}, "
+                         f"{columns_per_warp}")
     load_activations = LOAD_ACTIVATIONS[activation]
     words_per_chunk = uint32(WORDS_PER_CHUNK[activation])
-    store = STORE[output]
     group = chunks_per_iteration  # a lane's chunks per group: G consecutive warp steps
     columns = columns_per_warp
+    mapping = swiglu_columns(columns, m_tile) if swiglu else plain_columns(columns, m_tile, STORE[output])
+    outputs_per_warp, weight_row, write = mapping
+    rows_per_output = columns // outputs_per_warp  # weight rows per output column: 1, or 2 (gate, up)
     # Numba wants plain constants for the sizes of local arrays.
     accumulators = columns * m_tile  # acc[j * m_tile + r]: column j, row r
     weight_count = columns * BYTES_PER_LANE  # the decoded chunk of every column
@@ -276,9 +348,9 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
     def kernel(a_words, q_words, scales_flat, out, m, n, k):
         lane = uint32(cuda.threadIdx.x) % u_warp
         warp = uint32(cuda.blockIdx.x) * uint32(warps_per_cta) + uint32(cuda.threadIdx.x) // u_warp
-        n = uint32(n)
-        first_col = warp * uint32(columns)  # the warp's columns (weight rows): first_col .. first_col + NC - 1
-        if first_col >= n:
+        width = uint32(n) // uint32(rows_per_output)  # output columns: N, or I = N / 2 for SwiGLU
+        first = warp * uint32(outputs_per_warp)  # the warp's first output column
+        if first >= width:
             return  # the whole warp leaves together: no lane is left waiting in a shuffle
         m, k = uint32(m), uint32(k)
         row0 = uint32(cuda.blockIdx.y) * uint32(m_tile)
@@ -286,14 +358,15 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         groups = uint32((chunks + u_warp * uint32(group) - uint32(1)) // (u_warp * uint32(group)))  # every lane's
 
         # Where each row, column and scale row starts in the flat arrays. Rows past M read row M - 1
-        # and columns past N read column N - 1: computed like the others, never stored.
+        # and columns past the output's read its last one's weight rows: computed like the others,
+        # never stored.
         row_start = cuda.local.array(m_tile, uint32)
         for r in range(m_tile):
             row_start[r] = uint32(min(row0 + uint32(r), m - uint32(1)) * (chunks * words_per_chunk))
         q_start = cuda.local.array(columns, uint32)
         scale_start = cuda.local.array(columns, uint32)
         for j in range(columns):
-            col = uint32(min(first_col + uint32(j), n - uint32(1)))
+            col = weight_row(first, j, width)
             q_start[j] = uint32(col * (k // u_words))
             scale_start[j] = uint32((col // u_block_n) * ((k + u_block_k - uint32(1)) // u_block_k))
 
@@ -329,11 +402,7 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         for x in range(accumulators):
             acc[x] = warp_sum(acc[x])
         if lane == 0:
-            for j in range(columns):
-                if first_col + uint32(j) < n:
-                    for r in range(m_tile):
-                        if row0 + uint32(r) < m:
-                            store(out, row0 + uint32(r), first_col + uint32(j), acc[j * m_tile + r])
+            write(out, acc, row0, first, m, width)
 
     return kernel
 
@@ -367,14 +436,14 @@ def default_knobs(m: int, n: int, k: int) -> dict:
             "columns_per_warp": 2}
 
 
-def tuning_candidates(m: int) -> list[dict]:
+def tuning_candidates(m: int, swiglu: bool = False) -> list[dict]:
     """The knob sets worth timing for ``M = m`` rows (one tile of all rows): (warps_per_cta,
     chunks_per_iteration, columns_per_warp) chosen from the SASS of each variant, none spilling.
 
     Registers bound the warps an SM holds (65536 / 32 / registers per thread), and with them the
     bytes in flight; more chunks per group and more columns per warp cost registers but put more
     bytes in flight per warp and cut instructions per chunk (``tests/numba_kernels/test_kernels_compile.py``
-    prints registers per variant).
+    prints registers per variant). ``swiglu``: those ``gemv_simt_swiglu`` takes (an even ``columns_per_warp``).
     """
     if m <= 2:
         shapes = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (2, 4, 1), (4, 1, 2), (4, 2, 2), (2, 2, 2), (4, 1, 4)]
@@ -383,13 +452,15 @@ def tuning_candidates(m: int) -> list[dict]:
     else:
         shapes = [(4, 1, 1), (2, 1, 1), (4, 1, 2), (2, 1, 2), (4, 2, 2), (2, 1, 4)]
     return [{"m_tile": int(m), "warps_per_cta": w, "chunks_per_iteration": g, "columns_per_warp": c}
-            for w, g, c in shapes if c * m <= MAX_ACCUMULATORS]
+            for w, g, c in shapes if c * m <= MAX_ACCUMULATORS and not (swiglu and c % 2)]
 
 
 def gemv_simt_launch_info(m: int, n: int, k: int, m_tile: int | None = None, warps_per_cta: int | None = None,
-                          chunks_per_iteration: int | None = None, columns_per_warp: int | None = None) -> GemvLaunch:
+                          chunks_per_iteration: int | None = None, columns_per_warp: int | None = None,
+                          swiglu: bool = False) -> GemvLaunch:
     """Grid, CTA shape, row tile and loop shape of ``gemv_simt`` for ``a[M, K] @ q[N, K]^T`` (None:
-    the ``default_knobs`` value)."""
+    the ``default_knobs`` value); ``swiglu``: of ``gemv_simt_swiglu`` (``N = 2 I`` weight rows, a warp
+    per ``columns_per_warp / 2`` outputs, so the grid covers ``I`` outputs)."""
     m, n, k = int(m), int(n), int(k)
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"a: the SIMT GEMV handles 1 <= M <= {MAX_ROWS} rows, got M = {m}")
@@ -412,9 +483,13 @@ def gemv_simt_launch_info(m: int, n: int, k: int, m_tile: int | None = None, war
     if knobs["columns_per_warp"] * knobs["m_tile"] > MAX_ACCUMULATORS:
         raise ValueError(f"columns_per_warp x m_tile: at most {MAX_ACCUMULATORS} accumulators per lane (registers), "
                          f"got {knobs['columns_per_warp']} x {knobs['m_tile']}")
+    if swiglu and knobs["columns_per_warp"] % 2:
+        raise ValueError(f"columns_per_warp: the SwiGLU GEMV computes gate and up columns in pairs, so it needs "
+                         f"2 or 4, got {columns_per_warp!r}")
     knobs = {name: int(value) for name, value in knobs.items()}  # (compile-time constants of the kernel)
-    columns_per_cta = knobs["warps_per_cta"] * knobs["columns_per_warp"]
-    grid = (-(-n // columns_per_cta), -(-m // knobs["m_tile"]))
+    rows_per_output = 2 if swiglu else 1  # weight rows behind one output column
+    outputs_per_cta = knobs["warps_per_cta"] * knobs["columns_per_warp"] // rows_per_output
+    grid = (-(-(n // rows_per_output) // outputs_per_cta), -(-m // knobs["m_tile"]))
     return GemvLaunch(grid=grid, block=(knobs["warps_per_cta"] * WARP_SIZE,), steps=-(-k // K_PER_STEP), **knobs)
 
 
@@ -440,6 +515,13 @@ def gemv_simt(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta
     problem = arguments.check_gemm(a, q, scale_inv, out, block, kernel="the SIMT GEMV")
     launch = gemv_simt_launch_info(problem.m, problem.n, problem.k, m_tile, warps_per_cta, chunks_per_iteration,
                                    columns_per_warp)
+    _launch(problem, launch, stream)
+    return out
+
+
+def _launch(problem: arguments.GemmProblem, launch: GemvLaunch, stream, swiglu: bool = False):
+    """The checks that need the knobs and the device pointers, then the launch (``gemv_simt_kernel``'s
+    arguments: flat uint32 views of ``a`` and ``q``, the flat ``scale_inv``, ``out``'s bits view)."""
     for name in ("a", "q"):
         arguments.require_load_alignment(name, getattr(problem, name), "the SIMT GEMV")
     if problem.n * problem.k // 4 >= MAX_WORDS:
@@ -447,8 +529,42 @@ def gemv_simt(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta
                          f"got {problem.n} x {problem.k}")
     bn, bk = problem.block
     kernel = gemv_simt_kernel(launch.m_tile, problem.activation, problem.output, bn, bk, launch.warps_per_cta,
-                              launch.chunks_per_iteration, launch.columns_per_warp)
+                              launch.chunks_per_iteration, launch.columns_per_warp, swiglu)
     kernel[launch.grid, launch.block, stream](
         problem.a.view(np.uint32).reshape(-1), problem.q.view(np.uint32).reshape(-1), problem.scale_inv.reshape(-1),
         output_bits_view(problem.out, problem.output), problem.m, problem.n, problem.k)
+
+
+def gemv_simt_swiglu(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta=None,
+                     chunks_per_iteration=None, columns_per_warp=None, stream=0):
+    """SwiGLU fused into the GEMV: ``out[m, j] = silu(g) * u = g / (1 + exp(-g)) * u`` with ``g``, ``u``
+    columns ``j`` and ``I + j`` of ``gemv_simt(a, q, scale_inv)``; returns ``out``.
+
+    Bit for bit ``gemv_simt`` into a float32 ``gate_up[M, 2 I]`` then ``layers.silu_mul`` (same
+    ``exp_f32``), without the second launch and the ``[M, 2 I]`` round trip: a warp computes the gate
+    and up columns of ``columns_per_warp / 2`` outputs, each as ``gemv_simt``'s warps do, and lane 0
+    applies ``silu_mul``'s expression. ``q``: uint8 E4M3 codes ``[2 I, K]`` (gate_proj's rows, then
+    up_proj's); ``out``: float32 ``[M, I]``; ``a``, ``scale_inv``, ``block``, ``stream`` and the knobs
+    as in ``gemv_simt``, except ``columns_per_warp``: 2 or 4 (None: ``default_knobs``, 2).
+    """
+    problem = _check_swiglu(a, q, scale_inv, out, block)
+    launch = gemv_simt_launch_info(problem.m, problem.n, problem.k, m_tile, warps_per_cta, chunks_per_iteration,
+                                   columns_per_warp, swiglu=True)
+    _launch(problem, launch, stream, swiglu=True)
     return out
+
+
+def _check_swiglu(a, q, scale_inv, out, block) -> arguments.GemmProblem:
+    """``arguments.check_gemm``'s checks of ``a``, ``q``, ``scale_inv`` and ``block``, plus: ``q``'s ``N``
+    even and ``out`` float32 ``[M, N / 2]``, C-contiguous."""
+    q, a, out = (arguments.as_kernel_array(name, x) for name, x in (("q", q), ("a", a), ("out", out)))
+    arguments.require("q", q, "uint8 E4M3 codes [2 I, K] (gate rows, then up rows)",
+                      q.ndim == 2 and q.dtype == np.uint8 and q.shape[0] % 2 == 0 and q.shape[0] > 0)
+    m, n = (a.shape[0] if a.ndim == 2 else 1), q.shape[0]
+    # check_gemm checks an out [M, N]; this one is [M, N / 2]: it checks a stand-in of its shape (host
+    # memory, never touched) and out is checked here.
+    problem = arguments.check_gemm(a, q, scale_inv, np.empty((m, n), np.float32), block, kernel="the SIMT GEMV")
+    arguments.require("out", out, f"float32 [{problem.m}, {n // 2}] (silu(gate) * up)",
+                      tuple(out.shape) == (problem.m, n // 2) and np.dtype(out.dtype) == np.float32)
+    arguments.require_c_contiguous("out", out)
+    return dataclasses.replace(problem, out=out)

@@ -41,6 +41,11 @@ Fast path of the 16-product chain: when the activations have at most 20 signific
 bf16 or f16 value, widened) the product ``a * w`` (w has 4 significant bits) is exact in float32,
 so ``part + a * w`` in float32 *is* ``fma(a, w, part)``; the model then uses plain float32 NumPy
 arithmetic (several times faster). Other float32 activations take ``fma_f32`` for every product.
+
+SwiGLU in the epilogue (``gemv_simt_swiglu``, the model of ``numba_kernels.gemv_simt.gemv_simt_swiglu``):
+``dense.silu_mul(gemv_simt(a, q, scale_inv))`` for the fused gate/up codes ``q[2 I, K]``. The kernel
+variant is the same composition: its warps sum the gate and up columns ``j`` and ``I + j`` as the
+plain kernel's warps sum any column, and its lane 0 applies ``silu_mul``'s expression.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import numpy as np
 from fp8lab.reference import blockwise
 from fp8lab.reference.checks import as_block, as_codes, as_float
 
+from . import dense
 from .common import BUTTERFLY_OFFSETS, WARP_SIZE
 from .fma import FmaScratch, fma_f32_into, smallest_nonzero_magnitude
 
@@ -286,6 +292,21 @@ def gemv_simt(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, m_tile: int = 8) -
         cols = slice(col0, min(col0 + cols_per_block, n))
         out[:, cols] = _butterfly_lane0(promote_partials(part[:, cols], scales[cols]))
     return out
+
+
+def gemv_simt_swiglu(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, m_tile: int = 8) -> np.ndarray:
+    """The SIMT GEMV with SwiGLU in its epilogue: float32 ``act[M, I] = silu(gate) * up``.
+
+    ``q``: the fused codes ``[2 I, K]`` (gate rows ``0 .. I-1``, up rows ``I .. 2I-1``); the rest as
+    ``gemv_simt``. It is the composition ``dense.silu_mul(gemv_simt(...))``, and so is the kernel: each
+    of a warp's columns is summed as ``gemv_simt``'s warps sum a column, only the warp's columns are
+    ``{j, I + j}`` and its lane 0 applies ``silu_mul``'s expression to the two sums.
+    """
+    rows = np.shape(q)[0] if np.ndim(q) == 2 else 0
+    if rows == 0 or rows % 2:
+        raise ValueError(f"q: expected the fused gate and up codes [2 I, K] (an even, positive number of rows), "
+                         f"got shape {np.shape(q)}")
+    return dense.silu_mul(gemv_simt(a, q, scale_inv, block, m_tile))
 
 
 def _butterfly_lane0(acc: np.ndarray) -> np.ndarray:

@@ -11,6 +11,12 @@
   ``fp8lab.reference.blockwise.gemm`` by ``||out - ref|| / ||ref||`` and element by element within the
   float32 bound, and bit for bit against ``fp8lab.simulators.gemv_simt`` (the kernel's float32 operations
   are the simulator's, so the GPU must match it exactly).
+- SwiGLU in the epilogue (``gemv_simt_swiglu``): in the CUDA simulator (I = 5, 8, 24, 128, M = 1 to 4,
+  K = 128 and 256, BF16, float16 and float32 activations, every G with NC = 2 and 4, poisoned outputs) bit for
+  bit against ``simulators.gemv_simt.gemv_simt_swiglu`` and, on half the cases, against ``gemv_simt``
+  then ``layers.silu_mul``; against ``blockwise.gemm`` then ``dense.silu_mul_float64`` within the bound
+  below plus silu's (``check_swiglu``); bad arguments raise ``ValueError`` before anything is
+  launched. GPU: Qwen3-8B's gate_up (24576 x 4096), M = 1 and 4, bit for bit the two launches.
 
 Error bound (from ``tests/simulators/test_gemv_simt.py``): every product enters the float32 sum through at
 most ``16 + T + 5`` roundings (``T = ceil(K / 512)`` promotions), so
@@ -30,8 +36,13 @@ from hypothesis import strategies as st
 
 import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
 from fp8lab.numba_kernels import gemv_simt as kernel_module
-from fp8lab.numba_kernels.gemv_simt import gemv_simt, gemv_simt_launch_info
-from fp8lab.reference import blockwise, e4m3
+from fp8lab.numba_kernels import layers
+from fp8lab.numba_kernels.gemv_simt import (
+    gemv_simt,
+    gemv_simt_launch_info,
+    gemv_simt_swiglu,
+)
+from fp8lab.reference import blockwise, dense, e4m3
 from fp8lab.simulators import bit_placement
 from fp8lab.simulators import gemv_simt as simulator
 
@@ -377,6 +388,162 @@ def test_gpu_misaligned_device_array_is_refused():
     a = cuda.to_device(np.zeros((1, k), np.uint16))
     with pytest.raises(ValueError, match="16-byte boundary"):
         gemv_simt(a, q, cuda.to_device(np.ones((1, 2), np.float32)), cuda.to_device(np.zeros((1, n), np.float32)))
+
+
+# ---------------------------------------------------------------------------- SwiGLU in the epilogue
+
+SILU_SLOPE = 1.1
+"""``|silu'(x)| <= 1.0999`` for every x: a gate off by ``e`` moves ``silu(gate)`` by at most ``1.1 |e|``."""
+SILU_ROUNDING = 10 * 2.0**-24
+"""The float32 epilogue's own relative error: ``exp`` (2 ulp for CUDA's ``expf``, NumPy's less), add,
+divide, multiply; 10 units of 2^-24 leave room."""
+
+
+def swiglu_problem(rng, m, intermediate, k, block):
+    """``random_problem`` for the fused ``[2 I, K]`` weight, the activations scaled so that the gates of
+    the first block row of weights have an RMS of 3: silu's curved part, its linear part and its
+    vanishing tail all occur."""
+    a, q, scale_inv = random_problem(rng, m, 2 * intermediate, k, block)
+    rows = min(block[0], intermediate)  # gate rows all in scale_inv's first row
+    gate = blockwise.gemm(a, q[:rows], scale_inv[:1], (rows, block[1]))
+    return (a * np.float32(3.0 / np.sqrt(np.mean(np.square(gate))))).astype(np.float32), q, scale_inv
+
+
+def check_swiglu(a32, q, scale_inv, block, out, label, kernel_sequence=None):
+    """All written; bit for bit ``simulators.gemv_simt.gemv_simt_swiglu`` (and ``kernel_sequence``, the
+    output of ``gemv_simt`` then ``layers.silu_mul``, when given); within the float64 oracle's bound."""
+    assert np.all(np.isfinite(out)), f"{label}: unwritten (poisoned) or non-finite outputs"
+    expected = simulator.gemv_simt_swiglu(a32, q, scale_inv, block)
+    assert np.array_equal(out, expected), f"{label}: {np.count_nonzero(out != expected)} outputs differ from the simulator"
+    if kernel_sequence is not None:
+        differ = np.count_nonzero(out != kernel_sequence)
+        assert differ == 0, f"{label}: {differ} outputs differ from gemv_simt + layers.silu_mul"
+    intermediate = q.shape[0] // 2
+    gate_up = blockwise.gemm(a32, q, scale_inv, block)
+    gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+    reference = dense.silu_mul_float64(gate, up)
+    column_bound = float32_bound(a32, q, scale_inv, block)  # of every gemv column
+    gate_bound, up_bound = column_bound[:, :intermediate], column_bound[:, intermediate:]
+    # |silu(g~) u~ - silu(g) u| <= |silu(g~) - silu(g)| |u~| + |silu(g)| |u~ - u|, then the epilogue's rounding
+    silu = dense.silu_mul_float64(gate, np.ones_like(gate))
+    bound = (SILU_SLOPE * gate_bound * (np.abs(up) + up_bound) + np.abs(silu) * up_bound
+             + SILU_ROUNDING * np.abs(out) + 1e-30)
+    assert np.all(np.abs(out - reference) <= bound), f"{label}: outside the float32 error bound"
+    rel = np.linalg.norm(out - reference) / np.linalg.norm(reference)
+    assert rel <= 1e-5, f"{label}: ||out - ref|| / ||ref|| = {rel:.3g}"
+
+
+def gemv_then_silu_mul(a_in, q, scale_inv, block, **knobs):
+    """The sequence the SwiGLU GEMV replaces: ``gemv_simt`` into ``gate_up[M, 2 I]``, ``layers.silu_mul``."""
+    m, n = a_in.shape[0], q.shape[0]
+    gate_up = poisoned_output((m, n), "f32")
+    gemv_simt(a_in, q, scale_inv, gate_up, block, **knobs)
+    act = poisoned_output((m, n // 2), "f32")
+    layers.silu_mul(gate_up, act)
+    return act
+
+
+def test_swiglu_launch_info():
+    info = gemv_simt_launch_info(1, 24576, 4096, swiglu=True)  # defaults for M = 1: 8 warps, a pair each
+    assert info.grid == (12288 // 8, 1) and info.block == (256,) and info.columns_per_warp == 2
+    info = gemv_simt_launch_info(3, 10, 256, warps_per_cta=2, columns_per_warp=4, swiglu=True)
+    assert info.grid == (2, 1)  # I = 5 outputs, 2 per warp, 4 per CTA
+    for m in range(1, 17):
+        for knobs in kernel_module.tuning_candidates(m, swiglu=True):
+            assert gemv_simt_launch_info(m, 4096, 4096, swiglu=True, **knobs).columns_per_warp in (2, 4)
+    with pytest.raises(ValueError, match="columns_per_warp"):
+        gemv_simt_launch_info(1, 16, 128, columns_per_warp=1, swiglu=True)
+
+
+# (M, I, K, knobs, activation format, block, also against the kernel sequence): I = 8, 24, 128 and an odd
+# I = 5 (the last warp's second pair clamped to output I - 1's rows, never stored); row tiles with
+# clamped rows; every G with NC = 2 or 4. The two-launch sequence costs as much again in the CUDA
+# simulator, so it runs on the cheaper half (it equals the simulator too: the other tests of this file).
+SWIGLU_CASES = [
+    (1, 8, 128, {}, "bf16", (128, 128), True),  # the defaults: one pair per warp, 8 warps
+    (3, 24, 128, {"columns_per_warp": 4, "warps_per_cta": 2, "m_tile": 2}, "f16", (16, 128), False),
+    (2, 24, 256, {"chunks_per_iteration": 2, "warps_per_cta": 3}, "bf16-int16", (2, 256), False),
+    (1, 128, 128, {"columns_per_warp": 4, "warps_per_cta": 8}, "bf16", (128, 128), False),
+    (4, 5, 256, {"columns_per_warp": 4, "chunks_per_iteration": 2, "m_tile": 3, "warps_per_cta": 1}, "f32", (3, 128),
+     True),
+    (2, 8, 256, {"chunks_per_iteration": 4, "warps_per_cta": 2}, "bf16", (4, 128), True),  # a group with an empty step
+]
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("m, intermediate, k, knobs, act_fmt, block, sequence", SWIGLU_CASES)
+def test_simulated_swiglu_equals_simulator_and_kernel_sequence(rng, m, intermediate, k, knobs, act_fmt, block,
+                                                                sequence):
+    a, q, scale_inv = swiglu_problem(rng, m, intermediate, k, block)
+    a_in, a32 = activations(a, act_fmt)
+    out = poisoned_output((m, intermediate), "f32")
+    assert gemv_simt_swiglu(a_in, q, scale_inv, out, block, **knobs) is out
+    label = f"M={m} I={intermediate} K={k} {act_fmt} {knobs}"
+    kernels = gemv_then_silu_mul(a_in, q, scale_inv, block, **knobs) if sequence else None
+    check_swiglu(a32, q, scale_inv, block, out, label, kernels)
+
+
+def good_swiglu_arguments(rng, m=2, intermediate=4, k=256):
+    a, q, scale_inv, _ = good_arguments(rng, m, 2 * intermediate, k)
+    return a, q, scale_inv, poisoned_output((m, intermediate), "f32")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a, q, s, o: (a, q[:7].copy(), s, o), "q: expected uint8 E4M3 codes \\[2 I, K\\]"),  # N odd
+        (lambda a, q, s, o: (a, q, s, poisoned_output((2, 8), "f32")), "out: expected float32 \\[2, 4\\]"),  # [M, N]
+        (lambda a, q, s, o: (a, q, s, o.astype(np.float16)), "out: expected float32"),
+        (lambda a, q, s, o: (a, q, s, np.full((4, 2), np.nan, np.float32).T), "C-contiguous"),
+        (lambda a, q, s, o: (a[:, :192].copy(), q[:, :192].copy(), s, o), "multiple of 128"),
+        (lambda a, q, s, o: (np.zeros((17, 256), np.uint16), q, s, np.full((17, 4), np.nan, np.float32)), "M <= 16"),
+        (lambda a, q, s, o: (a, q, np.ones((1, 3), np.float32), o), "scale_inv"),
+        (lambda a, q, s, o: (a.astype(np.float64), q, s, o), "a: expected activations"),
+        (lambda a, q, s, o: (a, q.astype(np.int8), s, o), "q: expected uint8"),
+    ],
+)
+def test_swiglu_bad_arguments_raise_before_launch(rng, no_launch, change, message):
+    a, q, scale_inv, out = change(*good_swiglu_arguments(rng))
+    with pytest.raises(ValueError, match=message):
+        gemv_simt_swiglu(a, q, scale_inv, out)
+    if out.dtype.kind == "f":
+        assert np.all(np.isnan(out))  # untouched
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"columns_per_warp": 1}, "columns_per_warp"), ({"m_tile": 17}, "m_tile"), ({"block": (128, 192)}, "block_k"),
+    ({"chunks_per_iteration": 4, "columns_per_warp": 4}, "chunks_per_iteration x columns_per_warp"),
+])
+def test_swiglu_bad_options_raise_before_launch(rng, no_launch, kwargs, message):
+    a, q, scale_inv, out = good_swiglu_arguments(rng)
+    with pytest.raises(ValueError, match=message):
+        gemv_simt_swiglu(a, q, scale_inv, out, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", (1, 4))
+@pytest.mark.parametrize("knobs", [{}, {"columns_per_warp": 4, "chunks_per_iteration": 2}])
+def test_gpu_swiglu_equals_gemv_then_silu_mul(m, knobs):
+    """Qwen3-8B's gate_up (2 I x K = 24576 x 4096): bit for bit the two launches it replaces, on the
+    GPU (the same libdevice expf in both), fresh random inputs, poisoned outputs."""
+    from numba import cuda
+
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    intermediate, k, block = 12288, 4096, (128, 128)
+    a, q, scale_inv = swiglu_problem(rng, m, intermediate, k, block)
+    a_in, _ = activations(a, "bf16")
+    a_dev, q_dev, s_dev = cuda.to_device(a_in), cuda.to_device(q), cuda.to_device(scale_inv)
+    gate_up = cuda.to_device(poisoned_output((m, 2 * intermediate), "f32"))
+    expected = cuda.to_device(poisoned_output((m, intermediate), "f32"))
+    gemv_simt(a_dev, q_dev, s_dev, gate_up, block, **knobs)
+    layers.silu_mul(gate_up, expected)
+    out = cuda.to_device(poisoned_output((m, intermediate), "f32"))
+    gemv_simt_swiglu(a_dev, q_dev, s_dev, out, block, **knobs)
+    got, expected = out.copy_to_host(), expected.copy_to_host()
+    label = f"seed {seed}, M={m} {knobs}"
+    assert np.all(np.isfinite(got)), f"{label}: unwritten (poisoned) or non-finite outputs"
+    assert np.array_equal(got, expected), f"{label}: {np.count_nonzero(got != expected)} outputs differ"
 
 
 def test_bf16_oracle_helpers_agree_with_ml_dtypes(rng):
