@@ -119,8 +119,8 @@ VALUE_UNIT = {"fp8": 256.0, "bf16": 1.0, "fp32": 1.0}
 the query and the V weights are multiplied by it instead, which is exact (see ``split_kernel_function``)."""
 MAX_SPLITS = 256
 """Shards one call may use: the combine keeps one weight and one ``l`` per shard and head in shared memory."""
-COMBINE_LOADS_IN_FLIGHT = 8
-"""The combine loads ``acc`` of this many shards before their fmas (independent loads in flight)."""
+COMBINE_LOADS_IN_FLIGHT = 32
+"""Loads of ``acc`` a thread of the combine issues before their fmas (its elements x shards in flight)."""
 
 
 # ---------------------------------------------------------------------------- reading other CTAs' partials
@@ -280,24 +280,22 @@ def last_to_finish(counters, seq, group, num_splits, flag):
     """Whether this CTA is the last of its ``(seq, head group)`` to publish its partial; call it after
     every thread's workspace writes. The last one resets the counter to 0 for the next launch.
 
-    CUDA's threadFenceReduction pattern: every thread fences its own writes (``threadfence``, a
-    GPU-scope fence) before the barrier, then one thread counts the CTA in with an atomic add (at
-    the L2) and tells the others through shared ``flag[0]``. The CTA that sees ``num_splits - 1``
-    knows every other partial is visible GPU-wide; it fences again (the acquire side) before it reads
-    them, and reads them with ``load_l2``.
+    CUDA's threadFenceReduction pattern, as cooperative groups' grid sync does it: the barrier orders
+    every thread's partial writes before thread 0's GPU-scope fence (``threadfence``), and thread 0
+    counts the CTA in with an atomic add (at the L2). The CTA that sees ``num_splits - 1`` knows every
+    other CTA's partial is visible GPU-wide; thread 0 fences again (the acquire side) before the
+    barrier that releases the CTA's threads to read them (with ``load_l2``).
     """
-    cuda.threadfence()
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
+        cuda.threadfence()
         last = cuda.atomic.add(counters, (seq, group), 1) == num_splits - 1
         if last:
             counters[seq, group] = 0  # every other CTA has counted in: nobody touches it again this launch
+            cuda.threadfence()
         flag[0] = 1 if last else 0
     cuda.syncthreads()
-    if flag[0] == 0:
-        return False
-    cuda.threadfence()
-    return True
+    return flag[0] != 0
 
 
 # ---------------------------------------------------------------------------- the split kernel
@@ -333,6 +331,9 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
     HEAD_DIM = head_dim
     MERGE_SIZE = H * SLOTS * head_dim
     MERGE_STATES = H * SLOTS
+    ELEMS = -(-H * head_dim // THREADS_PER_CTA)  # combine elements per thread
+    SHARDS_IN_FLIGHT = max(1, COMBINE_LOADS_IN_FLIGHT // ELEMS)
+    COMBINE_VALUES = ELEMS * SHARDS_IN_FLIGHT
     if MERGE_SIZE < 2 * H * MAX_SPLITS:  # the combine reuses slot_acc (see split_kernel's end)
         raise ValueError(f"head_dim: {head_dim} leaves too little shared memory for the combine")
     IS_FP8 = cache_format == "fp8"
@@ -454,7 +455,7 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
         Per head ``m* = nan_max`` over the shards in shard order and each shard's weight
         ``merge_weight(m_s, m*)`` once (into shared ``shard_w``: weights at ``[h * MAX_SPLITS + s]``,
         ``l`` at ``[(H + h) * MAX_SPLITS + s]``); then per element the ``l`` and ``acc`` fmas in shard
-        order, ``acc`` loaded ``COMBINE_LOADS_IN_FLIGHT`` shards at a time, and ``normalized(acc, l)``.
+        order, ``acc`` loaded ``SHARDS_IN_FLIGHT`` shards at a time, and ``normalized(acc, l)``.
         Every partial, this CTA's own too, is read back from the workspace with ``load_l2``.
         """
         for i in range(tid, H * num_splits, THREADS_PER_CTA):
@@ -474,22 +475,35 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
             s = i % num_splits
             shard_w[h * MAX_SPLITS + s] = merge_weight(shard_w[h * MAX_SPLITS + s], head_m[h])  # now the weight
         cuda.syncthreads()
-        values = cuda.local.array(COMBINE_LOADS_IN_FLIGHT, float32)
-        for i in range(tid, H * HEAD_DIM, THREADS_PER_CTA):
-            h = i // HEAD_DIM
-            d = i % HEAD_DIM
-            l_sum = float32(0)
-            acc_sum = float32(0)
-            for first in range(0, num_splits, COMBINE_LOADS_IN_FLIGHT):
-                for j in range(COMBINE_LOADS_IN_FLIGHT):
-                    if first + j < num_splits:
-                        values[j] = load_l2(workspace, seq, head0 + h, first + j, d)
-                for j in range(COMBINE_LOADS_IN_FLIGHT):
-                    if first + j < num_splits:
-                        weight = shard_w[h * MAX_SPLITS + first + j]
-                        l_sum = cuda.fma(weight, shard_w[(H + h) * MAX_SPLITS + first + j], l_sum)
-                        acc_sum = cuda.fma(weight, values[j], acc_sum)
-            out[seq, head0 + h, d] = normalized(acc_sum, l_sum)
+        # Thread tid owns the elements tid + 128 e (e < ELEMS) of the H heads' rows; it loads every one of
+        # them for SHARDS_IN_FLIGHT shards before their fmas, so few L2 round trips sit on the launch's tail.
+        values = cuda.local.array(COMBINE_VALUES, float32)
+        l_sum = cuda.local.array(ELEMS, float32)
+        acc_sum = cuda.local.array(ELEMS, float32)
+        for e in range(ELEMS):
+            l_sum[e] = float32(0)
+            acc_sum[e] = float32(0)
+        for first in range(0, num_splits, SHARDS_IN_FLIGHT):
+            for e in range(ELEMS):
+                i = tid + e * THREADS_PER_CTA
+                if i < H * HEAD_DIM:
+                    for j in range(SHARDS_IN_FLIGHT):
+                        if first + j < num_splits:
+                            values[e * SHARDS_IN_FLIGHT + j] = load_l2(workspace, seq, head0 + i // HEAD_DIM, first + j,
+                                                                       i % HEAD_DIM)
+            for e in range(ELEMS):
+                i = tid + e * THREADS_PER_CTA
+                if i < H * HEAD_DIM:
+                    h = i // HEAD_DIM
+                    for j in range(SHARDS_IN_FLIGHT):
+                        if first + j < num_splits:
+                            weight = shard_w[h * MAX_SPLITS + first + j]
+                            l_sum[e] = cuda.fma(weight, shard_w[(H + h) * MAX_SPLITS + first + j], l_sum[e])
+                            acc_sum[e] = cuda.fma(weight, values[e * SHARDS_IN_FLIGHT + j], acc_sum[e])
+        for e in range(ELEMS):
+            i = tid + e * THREADS_PER_CTA
+            if i < H * HEAD_DIM:
+                out[seq, head0 + i // HEAD_DIM, i % HEAD_DIM] = normalized(acc_sum[e], l_sum[e])
 
     load_full_group, load_last_group = make_load_group(False), make_load_group(True)
     full_group_softmax, last_group_softmax = make_group_softmax(False), make_group_softmax(True)
