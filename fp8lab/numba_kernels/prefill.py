@@ -2,7 +2,7 @@
 
 Computes ``fp8lab.reference.attention.prefill`` per sequence over ``fp8lab.reference.kv_cache.gather``.
 Launch: the expansion ``(num_query_tokens,)`` x 32 (device index arrays only), then the split-kv
-decode kernel of ``fp8lab.numba_kernels.splitkv`` (one launch, the combine inside) with one row per query token. Checked
+decode kernels of ``fp8lab.numba_kernels.splitkv`` with one row per query token. Checked
 (``tests/numba_kernels/test_prefill_kernel.py``): bit for bit against ``fp8lab.simulators.splitkv.paged_decode``
 on the expanded rows in the CUDA simulator, against the oracle by an error bound.
 
@@ -30,8 +30,8 @@ Kernels and launch shapes:
    gets length 0 (a zero output row, never a stale one). Nothing is read back to the host when the
    caller passes ``max_context_len``, and nothing is allocated when it passes ``rows``
    (``prefill_rows_workspace``) and the decode ``workspace``: the call can be captured in a CUDA graph.
-2. the split-kv decode kernel on the expanded rows, ``num_query_tokens`` in place of ``num_seqs``:
-   its grid, CTA and in-launch combine are those of ``fp8lab.numba_kernels.splitkv.paged_decode``.
+2. the split-kv decode kernels on the expanded rows, ``num_query_tokens`` in place of ``num_seqs``:
+   their grid, CTA and combine are those of ``fp8lab.numba_kernels.splitkv.paged_decode``.
 
 Checked against (``tests/numba_kernels/test_prefill_kernel.py``): in the CUDA simulator, bit for bit against
 ``fp8lab.simulators.splitkv.paged_decode`` on the expanded rows (computed there by a plain loop), and
@@ -292,9 +292,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
     checked on the host (device arrays copied back). With it and device index arrays nothing is read
     back, the expansion runs on the device and the caller vouches for the values (a row past
     ``sum(query_lens)`` then gets a zero output row); the ``"auto"`` split count then uses it. ``rows``: a ``prefill_rows_workspace(len(q), block_tables.shape[1])``
-    to fill instead of allocating; ``workspace``: a ``splitkv.DecodeWorkspace`` for ``len(q)`` rows
-    (``splitkv.decode_workspace(len(q), num_heads, head_dim)`` or ``splitkv.workspace_views``) passed
-    to the decode (allocated per call when None and the decode splits). With both,
+    to fill instead of allocating; ``workspace``: a ``splitkv.decode_workspace(len(q), num_heads,
+    head_dim)`` passed to the decode (allocated per call when None and the decode splits). With both,
     device arrays and ``max_context_len``, a call allocates nothing and reads nothing back.
 
     Arrays: NumPy, Numba device arrays or ``__cuda_array_interface__`` objects. Every bad argument is a

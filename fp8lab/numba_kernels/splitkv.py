@@ -1,8 +1,8 @@
 """Split-kv (flash-decoding) paged decode attention over an FP8 or float KV cache, as Numba CUDA kernels.
 
-Computes ``fp8lab.reference.attention.paged_decode``. Launch: one, ``split_kernel`` grid ``(num_seqs,
-num_heads / H, num_splits)`` x 128 threads; with ``num_splits > 1`` the last CTA of each (sequence,
-head group) to finish also runs the combine of its group. Checked (``tests/numba_kernels/test_splitkv_kernel.py``): bit for bit
+Computes ``fp8lab.reference.attention.paged_decode``. Launch: ``split_kernel`` grid ``(num_seqs,
+num_heads / H, num_splits)`` x 128 threads, then (``num_splits > 1``) ``combine_kernel`` grid
+``(num_seqs, num_heads)`` x ``head_dim``. Checked (``tests/numba_kernels/test_splitkv_kernel.py``): bit for bit
 against ``fp8lab.simulators.splitkv`` in the CUDA simulator, against the oracle by an error bound on a GPU.
 The launch plan (heads per CTA, the ``"auto"`` split count, shards, lanes and slots) is the simulator's,
 imported from it: the contract fixes it. The arithmetic a CTA does per token is written out here.
@@ -35,17 +35,10 @@ Kernels and launch shapes:
    K and V row is loaded and decoded once for the ``H`` heads. The slots' states merge through
    shared memory in slot order. The CTA writes its shard's partial ``(m, l, acc)`` per head to the
    workspace; with ``num_splits == 1`` it writes ``out = acc / l`` directly (bit-identical to a
-   combine of one shard) and that is all.
-2. The combine, in the same launch (``num_splits > 1``): after writing its partial every CTA fences
-   and counts itself in on the int32 counter of its (sequence, head group) with an atomic add; the
-   one that counts last (``num_splits - 1`` before it) merges the group's ``num_splits`` partials in
-   shard order, for its ``H`` heads, and writes ``acc / l`` (``l = 0``, nothing attended, gives a
-   zero row, never NaN), then sets the counter back to 0 (``last_to_finish``, ``combine_shards``).
-   It reads the other CTAs' partials with GPU-scope loads (``load_l2``) after the atomic and a fence:
-   CUDA's threadFenceReduction pattern. Which CTA is last changes nothing: the combine reads every
-   partial, its own too, from the workspace, in shard order. The arithmetic is that of
-   ``fp8lab.simulators.splitkv.combine_partials`` (``m* = nan_max`` over the shards, weights
-   ``exp2(m_s - m*)`` or 0 for an empty shard, ``l`` and ``acc`` fmas in shard order).
+   combine of one shard) and no combine kernel runs.
+2. ``combine_kernel``, grid ``(num_seqs, num_heads)``, ``head_dim`` threads (thread ``d`` owns
+   element ``d``): merge the ``num_splits`` partials in shard order and write ``acc / l``; ``l = 0``
+   (nothing attended) gives a zero row, never NaN.
 
 Every shard always writes its partial, an empty shard (and every shard of a length-0 sequence) the
 neutral element ``(-inf, 0, 0)``: nothing stale from an earlier call survives in the workspace or in
@@ -59,10 +52,7 @@ order, all heads without a branch. Full groups run without per-token tests; the 
 runs the same code with guards.
 
 Where the time goes (measurements: ``bench/RESULTS.md``, ``bench/attention_parts.py``): the split kernel
-is bound by instruction issue and latency rather than memory. The in-launch combine is not free: on an H200 at batch 1,
-1k tokens, 32 splits (FP8) the launch takes 27.8 us, of which the split work 13.4 us, the fences and
-counting 1.2 us, and the last CTAs' combine (8 CTAs for 32 heads) about 13 us, where the separate
-combine kernel (32 CTAs) took 6.2 us (``bench/RESULTS.md``). The next step is tensor cores for the
+is bound by instruction issue and latency rather than memory. The next step is tensor cores for the
 scores and ``P V`` (``mma`` with K and V decoded by bit placement), which changes the summation order
 the simulator fixes.
 
@@ -81,7 +71,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, types, uint32, uint64
+from numba import cuda, float32, types, uint32, uint64
 
 from fp8lab.reference.checks import check_block_tables
 from fp8lab.reference.kv_cache import KV_CACHE_FORMATS, kv_cache_format
@@ -120,46 +110,6 @@ KV_REGISTER_BUDGET = 32
 VALUE_UNIT = {"fp8": 256.0, "bf16": 1.0, "fp32": 1.0}
 """The decoded cache values are ``value / VALUE_UNIT`` (FP8 codes by F16 bit placement give ``decode(c) * 2^-8``);
 the query and the V weights are multiplied by it instead, which is exact (see ``split_kernel_function``)."""
-MAX_SPLITS = 256
-"""Shards one call may use: the combine keeps one weight and one ``l`` per shard and head in shared memory."""
-COMBINE_LOADS_IN_FLIGHT = 32
-"""Loads of ``acc`` a thread of the combine issues before their fmas (its elements x shards in flight)."""
-
-
-# ---------------------------------------------------------------------------- reading other CTAs' partials
-
-if SIMULATOR:
-
-    def load_l2(array, i, j, k, d):
-        """``array[i, j, k, d]`` of a 4-D float32 array, read at GPU scope (a plain read in the simulator)."""
-        return array[i, j, k, d]
-
-else:
-    from llvmlite import ir
-    from numba.cuda import cgutils
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def load_l2(typingctx, array, i, j, k, d):
-        """``array[i, j, k, d]`` of a 4-D float32 array as ``ld.relaxed.gpu.global.f32``.
-
-        A strong load at GPU scope: served by the L2 (where the other CTAs' stores and fences put the
-        data), never by a stale line of this SM's L1. The ``volatile`` of CUDA's memory-fence example.
-        """
-        if not (isinstance(array, types.Array) and array.ndim == 4 and array.dtype == types.float32):
-            return None
-        asm = "{ .reg .u64 g; cvta.to.global.u64 g, $1; ld.relaxed.gpu.global.f32 $0, [g]; }"
-
-        def codegen(context, builder, signature, args):
-            array_type, index_types = signature.args[0], signature.args[1:]
-            view = context.make_array(array_type)(context, builder, value=args[0])
-            index = [context.cast(builder, x, t, types.intp) for x, t in zip(args[1:], index_types)]
-            pointer = cgutils.get_item_pointer(context, builder, array_type, view, index, wraparound=False)
-            function = ir.FunctionType(ir.FloatType(), [ir.IntType(64)])
-            return builder.call(ir.InlineAsm(function, asm, "=f,l,~{memory}", side_effect=True),
-                                [builder.ptrtoint(pointer, ir.IntType(64))])
-
-        return types.float32(array, i, j, k, d), codegen
 
 
 # ---------------------------------------------------------------------------- the launch plan
@@ -278,29 +228,6 @@ def normalized(acc, l):
     return acc / l
 
 
-@cuda.jit(device=True, inline=True)
-def last_to_finish(counters, seq, group, num_splits, flag):
-    """Whether this CTA is the last of its ``(seq, head group)`` to publish its partial; call it after
-    every thread's workspace writes. The last one resets the counter to 0 for the next launch.
-
-    CUDA's threadFenceReduction pattern, as cooperative groups' grid sync does it: the barrier orders
-    every thread's partial writes before thread 0's GPU-scope fence (``threadfence``), and thread 0
-    counts the CTA in with an atomic add (at the L2). The CTA that sees ``num_splits - 1`` knows every
-    other CTA's partial is visible GPU-wide; thread 0 fences again (the acquire side) before the
-    barrier that releases the CTA's threads to read them (with ``load_l2``).
-    """
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        cuda.threadfence()
-        last = cuda.atomic.add(counters, (seq, group), 1) == num_splits - 1
-        if last:
-            counters[seq, group] = 0  # every other CTA has counted in: nobody touches it again this launch
-            cuda.threadfence()
-        flag[0] = 1 if last else 0
-    cuda.syncthreads()
-    return flag[0] != 0
-
-
 # ---------------------------------------------------------------------------- the split kernel
 
 
@@ -308,8 +235,7 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
     """The Python source of the split kernel for one cache format, head size and ``heads`` per CTA.
 
     Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
-    use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, counters, out``
-    (``workspace``, ``counters``: a ``DecodeWorkspace``'s arrays). The caches come
+    use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out``. The caches come
     flat, as 1-D arrays of uint32 words (``flat_cache``): the token at ``(block, kv_head, offset)`` is
     *row* ``(block * num_kv_heads + kv_head) * block_size + offset``, its words are ``row *
     ROW_WORDS ...`` and its scale is ``k_scales[row]``. A float cache gets placeholder scale arrays
@@ -334,11 +260,6 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
     HEAD_DIM = head_dim
     MERGE_SIZE = H * SLOTS * head_dim
     MERGE_STATES = H * SLOTS
-    ELEMS = -(-H * head_dim // THREADS_PER_CTA)  # combine elements per thread
-    SHARDS_IN_FLIGHT = max(1, COMBINE_LOADS_IN_FLIGHT // ELEMS)
-    COMBINE_VALUES = ELEMS * SHARDS_IN_FLIGHT
-    if MERGE_SIZE < 2 * H * MAX_SPLITS:  # the combine reuses slot_acc (see split_kernel's end)
-        raise ValueError(f"head_dim: {head_dim} leaves too little shared memory for the combine")
     IS_FP8 = cache_format == "fp8"
     UNIT = float32(VALUE_UNIT[cache_format])
     values_of = VALUE_DECODERS[cache_format]
@@ -451,68 +372,11 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
 
         return group_softmax
 
-    @cuda.jit(device=True, inline=True)
-    def combine_shards(workspace, num_splits, seq, head0, tid, shard_w, head_m, out):
-        """The last CTA's combine for its ``H`` heads (``fp8lab.simulators.splitkv.combine_partials``' arithmetic).
-
-        Per head ``m* = nan_max`` over the shards in shard order and each shard's weight
-        ``merge_weight(m_s, m*)`` once (into shared ``shard_w``: weights at ``[h * MAX_SPLITS + s]``,
-        ``l`` at ``[(H + h) * MAX_SPLITS + s]``); then per element the ``l`` and ``acc`` fmas in shard
-        order, ``acc`` loaded ``SHARDS_IN_FLIGHT`` shards at a time, and ``normalized(acc, l)``.
-        Every partial, this CTA's own too, is read back from the workspace with ``load_l2``.
-        """
-        for i in range(tid, H * num_splits, THREADS_PER_CTA):
-            h = i // num_splits
-            s = i % num_splits
-            shard_w[h * MAX_SPLITS + s] = load_l2(workspace, seq, head0 + h, s, HEAD_DIM)  # m, for now
-            shard_w[(H + h) * MAX_SPLITS + s] = load_l2(workspace, seq, head0 + h, s, HEAD_DIM + 1)
-        cuda.syncthreads()
-        if tid < H:
-            m_star = shard_w[tid * MAX_SPLITS]
-            for s in range(1, num_splits):
-                m_star = mathops.nan_max(m_star, shard_w[tid * MAX_SPLITS + s])
-            head_m[tid] = m_star
-        cuda.syncthreads()
-        for i in range(tid, H * num_splits, THREADS_PER_CTA):
-            h = i // num_splits
-            s = i % num_splits
-            shard_w[h * MAX_SPLITS + s] = merge_weight(shard_w[h * MAX_SPLITS + s], head_m[h])  # now the weight
-        cuda.syncthreads()
-        # Thread tid owns the elements tid + 128 e (e < ELEMS) of the H heads' rows; it loads every one of
-        # them for SHARDS_IN_FLIGHT shards before their fmas, so few L2 round trips sit on the launch's tail.
-        values = cuda.local.array(COMBINE_VALUES, float32)
-        l_sum = cuda.local.array(ELEMS, float32)
-        acc_sum = cuda.local.array(ELEMS, float32)
-        for e in range(ELEMS):
-            l_sum[e] = float32(0)
-            acc_sum[e] = float32(0)
-        for first in range(0, num_splits, SHARDS_IN_FLIGHT):
-            for e in range(ELEMS):
-                i = tid + e * THREADS_PER_CTA
-                if i < H * HEAD_DIM:
-                    for j in range(SHARDS_IN_FLIGHT):
-                        if first + j < num_splits:
-                            values[e * SHARDS_IN_FLIGHT + j] = load_l2(workspace, seq, head0 + i // HEAD_DIM, first + j,
-                                                                       i % HEAD_DIM)
-            for e in range(ELEMS):
-                i = tid + e * THREADS_PER_CTA
-                if i < H * HEAD_DIM:
-                    h = i // HEAD_DIM
-                    for j in range(SHARDS_IN_FLIGHT):
-                        if first + j < num_splits:
-                            weight = shard_w[h * MAX_SPLITS + first + j]
-                            l_sum[e] = cuda.fma(weight, shard_w[(H + h) * MAX_SPLITS + first + j], l_sum[e])
-                            acc_sum[e] = cuda.fma(weight, values[e * SHARDS_IN_FLIGHT + j], acc_sum[e])
-        for e in range(ELEMS):
-            i = tid + e * THREADS_PER_CTA
-            if i < H * HEAD_DIM:
-                out[seq, head0 + i // HEAD_DIM, i % HEAD_DIM] = normalized(acc_sum[e], l_sum[e])
-
     load_full_group, load_last_group = make_load_group(False), make_load_group(True)
     full_group_softmax, last_group_softmax = make_group_softmax(False), make_group_softmax(True)
 
     def split_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
-                     use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, counters, out):
+                     use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out):
         seq = cuda.blockIdx.x
         head0 = cuda.blockIdx.y * H
         shard = cuda.blockIdx.z
@@ -615,15 +479,51 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
                     workspace[seq, head0 + h, shard, HEAD_DIM] = head_m[h]
                     workspace[seq, head0 + h, shard, HEAD_DIM + 1] = l_sum
 
-        # The last of the (seq, head group)'s num_splits CTAs to finish merges them all. The slot merge is
-        # done (the barrier in last_to_finish), so its shared slot_acc (H * SLOTS * HEAD_DIM floats, at
-        # least 2 * H * MAX_SPLITS) holds the shards' weights and l.
-        if num_splits > 1:
-            flag = cuda.shared.array(1, int32)
-            if last_to_finish(counters, seq, cuda.blockIdx.y, num_splits, flag):
-                combine_shards(workspace, num_splits, seq, head0, tid, slot_acc, head_m, out)
-
     return split_kernel
+
+
+MAX_SPLITS = 256
+"""Shards a combine can merge (its shared memory holds one weight and one ``l`` per shard)."""
+COMBINE_LOADS_IN_FLIGHT = 8
+
+
+def combine_kernel(workspace, num_splits, out):
+    """Merge the shards' partials in shard order and normalize; thread ``d`` owns element ``d``.
+
+    Launch ``[(num_seqs, num_heads), head_dim]``. Workspace row ``[..., shard, :]`` holds
+    ``acc[0:head_dim], m, l``. The shards' ``m`` and ``l`` are loaded by many threads at once and
+    each weight ``exp2(m_s - m*)`` computed once, into shared memory; each thread then loads its
+    ``acc`` values 8 shards at a time (loads in flight together) before their fmas, in shard order.
+    """
+    seq = cuda.blockIdx.x
+    head = cuda.blockIdx.y
+    d = cuda.threadIdx.x
+    head_dim = out.shape[2]
+    shard_m = cuda.shared.array(MAX_SPLITS, float32)
+    shard_l = cuda.shared.array(MAX_SPLITS, float32)
+    for s in range(d, num_splits, head_dim):
+        shard_m[s] = workspace[seq, head, s, head_dim]
+        shard_l[s] = workspace[seq, head, s, head_dim + 1]
+    cuda.syncthreads()
+    m_star = shard_m[0]
+    for s in range(1, num_splits):
+        m_star = mathops.nan_max(m_star, shard_m[s])
+    cuda.syncthreads()
+    for s in range(d, num_splits, head_dim):
+        shard_m[s] = merge_weight(shard_m[s], m_star)  # now the weight
+    cuda.syncthreads()
+    values = cuda.local.array(COMBINE_LOADS_IN_FLIGHT, float32)
+    l_sum = float32(0)
+    acc_sum = float32(0)
+    for first in range(0, num_splits, COMBINE_LOADS_IN_FLIGHT):
+        for i in range(COMBINE_LOADS_IN_FLIGHT):
+            if first + i < num_splits:
+                values[i] = workspace[seq, head, first + i, d]
+        for i in range(COMBINE_LOADS_IN_FLIGHT):
+            if first + i < num_splits:
+                l_sum = cuda.fma(shard_m[first + i], shard_l[first + i], l_sum)
+                acc_sum = cuda.fma(shard_m[first + i], values[i], acc_sum)
+    out[seq, head, d] = normalized(acc_sum, l_sum)
 
 
 @functools.lru_cache(maxsize=None)
@@ -631,53 +531,21 @@ def _split_kernel(cache_format: str, head_dim: int, heads: int, tokens_in_flight
     return cuda.jit(split_kernel_function(cache_format, head_dim, heads, tokens_in_flight))
 
 
+_combine_kernel = cuda.jit(combine_kernel)
+
+
 # ---------------------------------------------------------------------------- host side
 
 
-@dataclass(frozen=True)
-class DecodeWorkspace:
-    """What a split ``paged_decode`` launch needs besides its arguments (``decode_workspace`` makes one).
+def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, max_splits: int = MAX_SPLITS_PER_HEAD * MAX_HEADS_PER_CTA):
+    """A workspace for ``paged_decode``: float32 ``[num_seqs, num_heads, max_splits, head_dim + 2]``.
 
-    ``partials``: float32 ``[num_seqs, num_heads, max_splits, head_dim + 2]``; row ``[seq, head,
-    shard]`` receives the shard's ``acc`` (``head_dim`` values), then ``m`` and ``l``.
-    ``counters``: int32 ``[num_seqs, num_heads]``, zero before the first launch; the CTAs of head
-    group ``g`` (heads ``g H ... g H + H - 1``) of sequence ``seq`` count themselves in at ``[seq, g]``
-    and the last one sets it back to 0, so it is zero again after every launch (and every CUDA-graph
-    replay). A launch that never finished (a fault) may leave it nonzero: allocate a new one then.
-    """
-
-    partials: object
-    counters: object
-
-
-def decode_workspace(num_seqs: int, num_heads: int, head_dim: int,
-                     max_splits: int = MAX_SPLITS_PER_HEAD * MAX_HEADS_PER_CTA) -> DecodeWorkspace:
-    """A ``DecodeWorkspace`` for calls of up to ``num_seqs`` rows and ``max_splits`` shards.
-
-    Allocate it once and pass it to every call (no allocation per call; CUDA-graph capture needs that).
-    Device arrays on a GPU (the counters zeroed once, here), NumPy arrays in the simulator.
+    Row ``[seq, head, shard]`` receives the shard's ``acc`` (``head_dim`` values), then ``m`` and
+    ``l``. Allocate it once and pass it to every call (no allocation per call; CUDA-graph capture
+    needs that). A device array on a GPU, a NumPy array in the simulator.
     """
     shape = (int(num_seqs), int(num_heads), int(max_splits), int(head_dim) + 2)
-    counters = np.zeros((int(num_seqs), int(num_heads)), np.int32)
-    if SIMULATOR:
-        return DecodeWorkspace(np.empty(shape, np.float32), counters)
-    return DecodeWorkspace(cuda.device_array(shape, np.float32), cuda.to_device(counters))
-
-
-def workspace_views(partials, counters, num_seqs: int, num_heads: int, head_dim: int,
-                    num_splits: int) -> DecodeWorkspace:
-    """A ``DecodeWorkspace`` over the first elements of two flat buffers, float32 ``partials`` and
-    int32 ``counters`` (zeroed once by the owner): views, no allocation (what a preallocating engine
-    passes). Views of one counters buffer for different ``num_seqs`` may share it: every launch
-    leaves the counters it used at 0."""
-    partials_size = num_seqs * num_heads * num_splits * (head_dim + 2)
-    counters_size = num_seqs * num_heads
-    if partials.ndim != 1 or partials.shape[0] < partials_size:
-        reject("partials", f"a flat float32 buffer of at least {partials_size} elements", partials)
-    if counters.ndim != 1 or counters.shape[0] < counters_size:
-        reject("counters", f"a flat int32 buffer of at least {counters_size} elements", counters)
-    return DecodeWorkspace(partials[:partials_size].reshape(num_seqs, num_heads, num_splits, head_dim + 2),
-                           counters[:counters_size].reshape(num_seqs, num_heads))
+    return np.empty(shape, np.float32) if SIMULATOR else cuda.device_array(shape, np.float32)
 
 
 @dataclass(frozen=True)
@@ -708,9 +576,9 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     names = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "out")
     q, k_cache, v_cache, block_tables, seq_lens, out = (
         as_kernel_array(n, x) for n, x in zip(names, (q, k_cache, v_cache, block_tables, seq_lens, out)))
-    k_scale, v_scale, alibi_slopes = (
+    k_scale, v_scale, alibi_slopes, workspace = (
         None if x is None else as_kernel_array(n, x)
-        for n, x in (("k_scale", k_scale), ("v_scale", v_scale), ("alibi_slopes", alibi_slopes)))
+        for n, x in (("k_scale", k_scale), ("v_scale", v_scale), ("alibi_slopes", alibi_slopes), ("workspace", workspace)))
 
     if q.ndim != 3 or np.dtype(q.dtype) != np.float32:
         reject("q", "float32 [num_seqs, num_heads, head_dim]", q)
@@ -758,7 +626,11 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     else:
         raise ValueError(f"num_splits: expected an int from 1 to {MAX_SPLITS} or 'auto', got {num_splits!r}")
     if workspace is not None:
-        workspace = check_workspace(workspace, num_seqs, num_heads, head_dim, splits)
+        ok = (workspace.ndim == 4 and tuple(workspace.shape[:2]) == (num_seqs, num_heads) and workspace.shape[2] >= splits
+              and workspace.shape[3] == head_dim + 2 and np.dtype(workspace.dtype) == np.float32)
+        if not ok:
+            reject("workspace", f"float32 [{num_seqs}, {num_heads}, >= {splits}, {head_dim + 2}] (decode_workspace)", workspace)
+        require_c_contiguous("workspace", workspace)
 
     scale_log2 = np.float32(float(softmax_scale) * LOG2E)  # float64 product, rounded once (as the simulator)
     k_words, k_scales = flat_cache(k_cache, k_scale)
@@ -766,26 +638,6 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     return DecodeCall(q, k_words, v_words, k_scales, v_scales, _as_int32(block_tables), _as_int32(seq_lens),
                       alibi_slopes, scale_log2, splits, workspace, out, cache_format, head_dim, num_kv_heads,
                       block_size)
-
-
-def check_workspace(workspace, num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> DecodeWorkspace:
-    """A caller's ``DecodeWorkspace`` checked against the call (shapes, dtypes, C order); returned as
-    kernel arrays. Its counters' values cannot be checked without a read-back: they must be zero."""
-    if not isinstance(workspace, DecodeWorkspace):
-        raise ValueError(f"workspace: expected a DecodeWorkspace (decode_workspace, workspace_views) or None, "
-                         f"got {type(workspace).__name__}")
-    partials = as_kernel_array("workspace.partials", workspace.partials)
-    counters = as_kernel_array("workspace.counters", workspace.counters)
-    ok = (partials.ndim == 4 and tuple(partials.shape[:2]) == (num_seqs, num_heads) and partials.shape[2] >= num_splits
-          and partials.shape[3] == head_dim + 2 and np.dtype(partials.dtype) == np.float32)
-    if not ok:
-        reject("workspace.partials", f"float32 [{num_seqs}, {num_heads}, >= {num_splits}, {head_dim + 2}] "
-               "(decode_workspace)", partials)
-    if tuple(counters.shape) != (num_seqs, num_heads) or np.dtype(counters.dtype) != np.int32:
-        reject("workspace.counters", f"int32 [{num_seqs}, {num_heads}] (decode_workspace)", counters)
-    require_c_contiguous("workspace.partials", partials)
-    require_c_contiguous("workspace.counters", counters)
-    return DecodeWorkspace(partials, counters)
 
 
 def flat_cache(cache, scales):
@@ -804,13 +656,6 @@ def _as_int32(x):
     return np.ascontiguousarray(x, dtype=np.int32) if isinstance(x, np.ndarray) else x
 
 
-@functools.lru_cache(maxsize=None)
-def placeholder_counters():
-    """A 1-element int32 ``[1, 1]`` array for a launch without counters (one shard); cached (no allocation per call)."""
-    array = np.zeros((1, 1), np.int32)
-    return array if SIMULATOR else cuda.to_device(array)
-
-
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
                  alibi_slopes=None, num_splits="auto", workspace=None, *, kv_format=None, max_seq_len=None, stream=0,
                  tokens_in_flight=None):
@@ -825,10 +670,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     ``[num_heads]`` or None.
 
     ``num_splits``: a positive int (any; the workspace must have room), or ``"auto"``
-    (``choose_num_splits`` with this GPU's SM count; at most 8 per query head). ``workspace``: a
-    ``DecodeWorkspace`` (``decode_workspace``, or ``workspace_views`` of preallocated buffers) whose
-    counters are zero, as every launch leaves them; allocated per call when None and ``num_splits >
-    1``; not used with one shard. One launch either way (see the module docstring).
+    (``choose_num_splits`` with this GPU's SM count; at most 8 per query head). ``workspace``: see
+    ``decode_workspace``; allocated per call when None and ``num_splits > 1``.
 
     ``kv_format`` (keyword; a ``fp8lab.reference.kv_cache.KVCacheFormat`` or its name): the format
     the caches hold, checked against their dtype (without it the dtype names it).
@@ -849,21 +692,21 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
         return out
     fp8 = call.cache_format == "fp8"
     workspace = call.workspace
-    if call.num_splits == 1:  # no partials, no counters: the CTA writes out directly
-        workspace = DecodeWorkspace(placeholder(4), placeholder_counters())
-    elif workspace is None:
-        workspace = decode_workspace(num_seqs, num_heads, head_dim, call.num_splits)
+    if workspace is None:
+        workspace = decode_workspace(num_seqs, num_heads, head_dim, call.num_splits) if call.num_splits > 1 else placeholder(4)
     args = [call.q, call.k_words, call.v_words, call.k_scales if fp8 else placeholder(1),
             call.v_scales if fp8 else placeholder(1), call.block_tables, call.seq_lens,
             placeholder(1) if call.alibi_slopes is None else call.alibi_slopes]
     device = [on_device(x, stream) for x in args]
     out_device = on_device(call.out, stream)
-    partials, counters = on_device(workspace.partials, stream), on_device(workspace.counters, stream)
+    workspace_device = on_device(workspace, stream)
     heads = heads_per_cta(num_heads // call.num_kv_heads)
     kernel = _split_kernel(call.cache_format, head_dim, heads, tokens_in_flight)
     kernel[(num_seqs, num_heads // heads, call.num_splits), THREADS_PER_CTA, stream](
         *device, int(call.alibi_slopes is not None), call.scale_log2, call.num_kv_heads, call.block_size,
-        call.num_splits, partials, counters, out_device)
+        call.num_splits, workspace_device, out_device)
+    if call.num_splits > 1:
+        _combine_kernel[(num_seqs, num_heads), head_dim, stream](workspace_device, call.num_splits, out_device)
     if out_device is not call.out:  # a NumPy out on a GPU
         out_device.copy_to_host(call.out, stream=stream)
     return out
@@ -875,15 +718,17 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
 def kernel_variants():
     """``(name, python function, numba signature)`` of the decode kernel variants the PTX check compiles:
     every (cache format, head size) with 4 heads per CTA, and FP8 at 128 with 1, 2 and 3 (C-contiguous,
-    int32 indices). The combine is part of each (there is no separate combine kernel)."""
+    int32 indices)."""
     f32 = types.float32
     words = types.Array(types.uint32, 1, "C")
     signature = types.void(
         types.Array(f32, 3, "C"), words, words, types.Array(f32, 1, "C"), types.Array(f32, 1, "C"),
         types.Array(types.int32, 2, "C"), types.Array(types.int32, 1, "C"), types.Array(f32, 1, "C"), types.int64,
-        f32, types.int64, types.int64, types.int64, types.Array(f32, 4, "C"), types.Array(types.int32, 2, "C"),
-        types.Array(f32, 3, "C"))
+        f32, types.int64, types.int64, types.int64, types.Array(f32, 4, "C"), types.Array(f32, 3, "C"))
     shapes = [(fmt, head_dim, MAX_HEADS_PER_CTA) for fmt in KV_CACHE_FORMATS for head_dim in HEAD_DIMS]
     shapes += [("fp8", 128, heads) for heads in range(1, MAX_HEADS_PER_CTA)]
-    return [(f"split[{fmt}, head_dim={head_dim}, heads={heads}]", split_kernel_function(fmt, head_dim, heads),
-             signature) for fmt, head_dim, heads in shapes]
+    variants = [(f"split[{fmt}, head_dim={head_dim}, heads={heads}]", split_kernel_function(fmt, head_dim, heads),
+                 signature) for fmt, head_dim, heads in shapes]
+    variants.append(("combine", combine_kernel,
+                     types.void(types.Array(f32, 4, "C"), types.int64, types.Array(f32, 3, "C"))))
+    return variants
