@@ -100,8 +100,9 @@ class GemmProblem:
 
 
 def check_gemm(a, q, scale_inv, out, block, *, kernel: str, activations=("bf16", "f16", "f32"),
-               block_n_multiple: int = 1) -> GemmProblem:
-    """Check a W8A16 GEMM call for the kernel named ``kernel``; return the problem, arrays converted."""
+               block_n_multiple: int = 1, out_columns: int | None = None) -> GemmProblem:
+    """Check a W8A16 GEMM call for the kernel named ``kernel``; return the problem, arrays converted.
+    ``out_columns``: the columns of ``out`` when they are not ``N`` (the SwiGLU GEMV writes ``N / 2``)."""
     a, q, scale_inv, out = (as_kernel_array(n, x) for n, x in (("a", a), ("q", q), ("scale_inv", scale_inv), ("out", out)))
     try:
         bn, bk = (int(b) for b in block)
@@ -128,6 +129,7 @@ def check_gemm(a, q, scale_inv, out, block, *, kernel: str, activations=("bf16",
     if m == 0:
         raise ValueError("a: expected at least one row (M >= 1), got M = 0")
     output = OUTPUT_FORMATS.get(np.dtype(out.dtype))
-    require("out", out, f"[{m}, {n}] of float32, float16 or uint16 (BF16)", tuple(out.shape) == (m, n) and output is not None)
+    width = n if out_columns is None else int(out_columns)
+    require("out", out, f"[{m}, {width}] of float32, float16 or uint16 (BF16)", tuple(out.shape) == (m, width) and output is not None)
     require_c_contiguous("out", out)
     return GemmProblem(a, q, scale_inv, out, m, n, k, (bn, bk), activation, output)

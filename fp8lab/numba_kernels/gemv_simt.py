@@ -87,7 +87,6 @@ SwiGLU also: ``q``'s ``N`` even, ``out`` float32 ``[M, N / 2]``, ``columns_per_w
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -426,14 +425,17 @@ class GemvLaunch:
 def default_knobs(m: int, n: int, k: int) -> dict:
     """The knobs ``gemv_simt`` uses when none are given, for ``a[M, K] @ q[N, K]^T``.
 
-    All ``M`` rows in one tile (every weight byte read once); two columns per warp (the activations
-    loaded and widened once for both); one chunk per group. Measured on an H200
-    (``bench/gemm_tuning.py``, ``bench/RESULTS.md``): at M = 1, 8-warp CTAs beat 4-warp ones on all
-    four Qwen3-8B shapes (e.g. 8.7 against 10.7 us at 6144 x 4096) and two chunks per group bought
-    nothing; from M = 4 on, 4 and 8 warps were within noise and 4 won at 24576 x 4096, M = 8.
+    All ``M`` rows in one tile (every weight byte read once); four columns per warp up to M = 8 (the
+    activations loaded and widened once for all four: with float32 activations, 64 bytes per row and
+    chunk, the activation loads are what each extra row costs), two beyond (the accumulators'
+    register budget); one chunk per group. Measured on an H200 with float32 activations (the engine's
+    decode input; ``bench/RESULTS.md``, 2026-12-01): four columns per warp beat two on the Qwen3-8B
+    shapes at every M from 1 to 8 (e.g. M = 1: 29.9 against 36.1 us at 24576 x 4096; M = 4: 27.6
+    against 38.5 us at 6144 x 4096), 8-warp CTAs beat 4-warp ones at M <= 2, and more chunks per
+    group were slower everywhere.
     """
     return {"m_tile": int(m), "warps_per_cta": 8 if m <= 2 else WARPS_PER_CTA, "chunks_per_iteration": 1,
-            "columns_per_warp": 2}
+            "columns_per_warp": 4 if m <= 8 else 2}
 
 
 def tuning_candidates(m: int, swiglu: bool = False) -> list[dict]:
@@ -561,10 +563,6 @@ def _check_swiglu(a, q, scale_inv, out, block) -> arguments.GemmProblem:
     arguments.require("q", q, "uint8 E4M3 codes [2 I, K] (gate rows, then up rows)",
                       q.ndim == 2 and q.dtype == np.uint8 and q.shape[0] % 2 == 0 and q.shape[0] > 0)
     m, n = (a.shape[0] if a.ndim == 2 else 1), q.shape[0]
-    # check_gemm checks an out [M, N]; this one is [M, N / 2]: it checks a stand-in of its shape (host
-    # memory, never touched) and out is checked here.
-    problem = arguments.check_gemm(a, q, scale_inv, np.empty((m, n), np.float32), block, kernel="the SIMT GEMV")
-    arguments.require("out", out, f"float32 [{problem.m}, {n // 2}] (silu(gate) * up)",
-                      tuple(out.shape) == (problem.m, n // 2) and np.dtype(out.dtype) == np.float32)
-    arguments.require_c_contiguous("out", out)
-    return dataclasses.replace(problem, out=out)
+    arguments.require("out", out, f"float32 [{m}, {n // 2}] (silu(gate) * up)",
+                      tuple(out.shape) == (m, n // 2) and np.dtype(out.dtype) == np.float32)
+    return arguments.check_gemm(a, q, scale_inv, out, block, kernel="the SIMT GEMV", out_columns=n // 2)

@@ -444,8 +444,8 @@ def gemv_then_silu_mul(a_in, q, scale_inv, block, **knobs):
 
 
 def test_swiglu_launch_info():
-    info = gemv_simt_launch_info(1, 24576, 4096, swiglu=True)  # defaults for M = 1: 8 warps, a pair each
-    assert info.grid == (12288 // 8, 1) and info.block == (256,) and info.columns_per_warp == 2
+    info = gemv_simt_launch_info(1, 24576, 4096, swiglu=True)  # defaults for M = 1: 8 warps, two pairs each
+    assert info.grid == (12288 // 16, 1) and info.block == (256,) and info.columns_per_warp == 4
     info = gemv_simt_launch_info(3, 10, 256, warps_per_cta=2, columns_per_warp=4, swiglu=True)
     assert info.grid == (2, 1)  # I = 5 outputs, 2 per warp, 4 per CTA
     for m in range(1, 17):

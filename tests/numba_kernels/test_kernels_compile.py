@@ -30,6 +30,7 @@ def toolkit_kernel(x, codes, out):
     c = uint32(codes[t])
     v += bits.f16_bits_to_f32((c & 0x80) << 8 | (c & 0x7F) << 7) + bits.bf16_bits_to_f32((c & 0x80) << 8 | (c & 0x7F) << 4)
     v += bits.u32_as_f32(bits.f32_as_u32(v) ^ uint32(1))
+    v += bits.f16_bits_to_f32(bits.e4m3x2_to_f16x2(c | (c << uint32(8))))
     if cuda.ballot_sync(0xFFFFFFFF, v > 0) != 0 and cuda.all_sync(cuda.activemask(), 1):
         cuda.syncwarp(0xFFFFFFFF)
     out[t] = float32(bits.f32_to_bf16_bits(v))
@@ -87,12 +88,14 @@ def variants():
     cases = list({v[:3] + v[4:]: v for v in reversed(cases)}.values())  # CTA size changes no code
     cases += [(3, "f16", "f16", 2, 2, 2), (2, "f32", "bf16", 4, 4, 2), (1, "f32", "f32", 4, 2, 4),
               (16, "bf16", "bf16", 4, 1, 2), (16, "f16", "f32", 4, 2, 1)]
-    return [Variant(f"gemv_simt M_TILE={m_tile} {activation}->{output} warps={warps} G={group} NC={columns}",
-                    gemv_simt_kernel(m_tile, activation, output, 128, 128, warps, group, columns).py_func,
+    cases = [c + (False,) for c in cases] + [(4, "bf16", "f32", 4, 2, 2, True), (1, "f32", "f32", 8, 1, 4, True)]
+    return [Variant(f"gemv_simt{'_swiglu' if swiglu else ''} M_TILE={m_tile} {activation}->{output} warps={warps} "
+                    f"G={group} NC={columns}",
+                    gemv_simt_kernel(m_tile, activation, output, 128, 128, warps, group, columns, swiglu).py_func,
                     f"void(uint32[::1], uint32[::1], float32[::1], {ARRAY[output]}[:, ::1], int64, int64, int64)",
-                    info={"m_tile": m_tile, "group": group, "columns": columns,
+                    info={"m_tile": m_tile, "group": group, "columns": columns, "swiglu": swiglu,
                           "words_per_chunk": WORDS_PER_CHUNK[activation]})
-            for m_tile, activation, output, warps, group, columns in cases]
+            for m_tile, activation, output, warps, group, columns, swiglu in cases]
 '''
 
 DEQUANTIZE = r'''
@@ -114,8 +117,17 @@ def variants():
     return [Variant(*v) for v in kv_cache.kernel_variants() + splitkv.kernel_variants()]
 '''
 
+ATTENTION_INPUT = r'''
+from fp8lab.numba_kernels import attention_input
+from helpers.ptx import Variant
+
+def variants():
+    return [Variant(*v) for v in attention_input.kernel_variants()]
+'''
+
 PTX_VARIANT_SETS = {"gemv_simt": GEMV_SIMT, "kv_cache and splitkv": KV_CACHE_AND_SPLITKV, "gemm_mma": GEMM_MMA,
-                "dequantize": DEQUANTIZE, "mma helper": MMA_HELPER, "toolkit": TOOLKIT}
+                    "attention_input": ATTENTION_INPUT, "dequantize": DEQUANTIZE, "mma helper": MMA_HELPER,
+                    "toolkit": TOOLKIT}
 """Everything this module compiles; the slowest sets first, so that the queue ends with short compiles."""
 
 
@@ -144,7 +156,7 @@ def check_no_spills(c) -> None:
 def test_toolkit_compiles_to_sm90_ptx(compiled):
     def check(c):
         for needle in ("shfl.sync.bfly.b32", "shfl.sync.down.b32", "shfl.sync.up.b32", "shfl.sync.idx.b32",
-                       "cvt.f32.f16", "vote.sync.ballot.b32", "bar.warp.sync", "activemask"):
+                       "cvt.f32.f16", "vote.sync.ballot.b32", "bar.warp.sync", "activemask", "cvt.rn.f16x2.e4m3x2"):
             assert needle in c.ptx, needle
         assert ".target sm_90" in c.ptx
 
@@ -256,7 +268,9 @@ def test_fp8_weight_kernels_compile_to_sm90_ptx(compiled):
         assert wide_loads == codes + activations, wide_loads
         # unrolled: per (chunk, row, column) 16 products and a promotion, twice (the loop's two halves);
         # a 5-step butterfly per (row, column)
-        assert ptx.count("fma.rn.f32") == 2 * group * m_tile * columns * 17, ptx.count("fma.rn.f32")
+        # (SwiGLU: expf takes 4 more fmas per output, columns / 2 outputs per row)
+        epilogue = 2 * m_tile * columns if info["swiglu"] else 0
+        assert ptx.count("fma.rn.f32") == 2 * group * m_tile * columns * 17 + epilogue, ptx.count("fma.rn.f32")
         assert ptx.count("shfl.sync.bfly.b32") == 5 * m_tile * columns
         # 32-bit index arithmetic: no division or remainder instruction, nothing in float64
         assert not re.search(r"\b(div|rem)\.[su]", ptx) and ".f64" not in ptx
@@ -292,3 +306,15 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
         check_no_spills(c)  # every per-lane array lives in registers
 
     each_variant(compiled["kv_cache and splitkv"], check)
+
+
+def test_attention_input_kernels_compile_to_sm90_ptx(compiled):
+    """q/k-norm, RoPE and the cache write in one kernel (head sizes 16, 64, 128 x every cache format): the
+    norm's butterfly, fmas, correctly rounded sqrt and division; no local memory, no float64, no spills."""
+    def check(c):
+        assert ".target sm_90" in c.ptx and ".local" not in c.ptx and ".f64" not in c.ptx
+        for needle in ("shfl.sync.bfly.b32", "fma.rn.f32", "sqrt.rn.f32", "div.rn.f32"):
+            assert needle in c.ptx, needle
+        check_no_spills(c)
+
+    each_variant(compiled["attention_input"], check)

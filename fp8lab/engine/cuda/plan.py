@@ -8,15 +8,17 @@ is fixed by its bucket and its cache, so its launch count is a property of the p
 
 Launches per layer: ``add_rms_norm`` (the previous residual add fused with this norm; ``rms_norm`` in
 layer 0), the q/k/v GEMM (one fused launch for ``T = 1``, else three: a token's q, k and v are not
-contiguous in a fused ``[T, N]`` output, and the norm, RoPE and cache-write kernels take contiguous
-arrays), q-norm, k-norm, RoPE (one launch over q and k for ``T = 1``, else two), ``paged_cache_write``,
-attention (decode: ``paged_decode``, the split kernel and, with more than one split, the combine kernel;
-prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the combine), o_proj,
-``add_rms_norm``, the gate/up GEMM, ``silu_mul``, down_proj; plus one ``bf16_round`` before each FP8 GEMM
-input when ``T > f32_max_rows``. Around the layers: the embedding, the final ``add_rms_norm`` and the
-lm_head (``bf16_linear``); a decode step ends with the greedy argmax (``layers.argmax_rows``, for
-``greedy_tokens``). A decode step of batch 1 is 12 or 13 launches per layer plus 4, e.g. 13 * 36 + 4 = 472
-for Qwen3-8B.
+contiguous in a fused ``[T, N]`` output, and the kernel after it takes contiguous arrays),
+``attention_input.qk_norm_rope_cache_write`` (q-norm, k-norm, RoPE and the paged cache write in one
+launch), attention (decode: ``paged_decode``, the split kernel and, with more than one split, the combine
+kernel; prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the combine), o_proj,
+``add_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch; on the
+tensor-core path the GEMM then ``silu_mul``), down_proj; plus one ``bf16_round`` before each FP8 GEMM
+input when ``T > f32_max_rows``. Around the layers: the embedding, the final ``add_rms_norm`` and the lm_head
+(``bf16_linear``); a decode step ends with the greedy argmax (``layers.argmax_rows``, one multi-CTA
+launch, for ``greedy_tokens``). A decode step of batch 1 is 8 or 9 launches per layer plus 4, e.g.
+9 * 36 + 4 = 328 for Qwen3-8B (32 splits). Every launch has a ``label`` (what it is in the forward), which
+``bench/decode_profile.py`` uses to attribute kernel times.
 
 The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (default
 ``DEFAULT_F32_MAX_ROWS = 4``, at most 16) runs ``gemv_simt`` directly on the float32 activations, so the
@@ -46,9 +48,9 @@ from typing import Callable
 import numpy as np
 
 from fp8lab.numba_kernels import layers, splitkv
+from fp8lab.numba_kernels.attention_input import qk_norm_rope_cache_write
 from fp8lab.numba_kernels.fp8_gemm import fp8_gemm
-from fp8lab.numba_kernels.gemv_simt import gemv_simt
-from fp8lab.numba_kernels.kv_cache import paged_cache_write
+from fp8lab.numba_kernels.gemv_simt import gemv_simt, gemv_simt_swiglu
 from fp8lab.numba_kernels.layers import bf16_linear
 from fp8lab.numba_kernels.prefill import PrefillRows, paged_prefill
 
@@ -112,6 +114,7 @@ class Activations:
     logits_host: np.ndarray
     greedy_ids: object
     greedy_ids_host: np.ndarray
+    argmax_workspace: object
     workspace: object
 
 
@@ -142,6 +145,7 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
         logits_host=mem.pinned((smax, c.vocab_size), np.float32),
         greedy_ids=mem.empty("greedy token ids", (smax,), np.int32),
         greedy_ids_host=mem.pinned((smax,), np.int32),
+        argmax_workspace=layers.argmax_workspace(smax, c.vocab_size),  # small: a few KB
         workspace=mem.empty("attention split-kv workspace", (max(most, 1),), np.float32),
     )
 
@@ -176,7 +180,8 @@ class Planner:
         return Plan((Launch(layers.embedding, (w.embed_tokens, index.token_ids[:bucket], a.h[:bucket]), label="embedding"),
                      *self.decoder_layers(bucket, index.positions[:bucket], index.slots[:bucket], cache, attend),
                      self.lm_head(a.x[:bucket], bucket),
-                     Launch(layers.argmax_rows, (a.logits[:bucket], a.greedy_ids[:bucket]), label="argmax")))
+                     Launch(layers.argmax_rows, (a.logits[:bucket], a.greedy_ids[:bucket]),
+                            dict(workspace=a.argmax_workspace), label="argmax")))
 
     def prefill(self, num_tokens: int, num_seqs: int, width: int, max_context: int, cache: DeviceKVCache) -> Plan:
         """Any forward that is not a decode step, over ``num_tokens`` tokens of ``num_seqs`` sequences whose
@@ -227,25 +232,29 @@ class Planner:
             else:
                 for part, out in zip(group.parts, (q, k, v)):
                     plan.append(self.linear(part, x, out.reshape(t, part.n), x_bf16 if part.kind == "fp8" else None, "q/k/v"))
-            plan.append(Launch(layers.rms_norm, (q, layer.q_norm, eps, q), label="q/k norm"))
-            plan.append(Launch(layers.rms_norm, (k, layer.k_norm, eps, k), label="q/k norm"))
-            if t == 1:  # q and k of one token: [1, Hq + Hkv, D], contiguous
-                qk = a.qkv[0 : qd + kd].reshape(1, hq + hkv, d)
-                plan.append(Launch(layers.rope, (qk, positions, rope, qk), label="rope"))
-            else:
-                plan.append(Launch(layers.rope, (q, positions, rope, q), label="rope"))
-                plan.append(Launch(layers.rope, (k, positions, rope, k), label="rope"))
-            plan.append(Launch(paged_cache_write, (k, v, layer_cache.k, layer_cache.v, slots, layer_cache.k_scale,
-                                                   layer_cache.v_scale), dict(check_slots=False, kv_format=layer_cache.kv_format), label="cache write"))
+            plan.append(Launch(qk_norm_rope_cache_write, (q, k, v, layer.q_norm, layer.k_norm, eps, positions, rope,
+                                                          layer_cache.k, layer_cache.v, slots, layer_cache.k_scale,
+                                                          layer_cache.v_scale),
+                               dict(kv_format=layer_cache.kv_format), label="q/k norm, rope, cache write"))
             plan.append(attend(q, layer_cache, attn))
             o_in = attn.reshape(t, qd)
             plan.append(self.linear(layer.o_proj, o_in, y, self.gemm_input(o_in, layer.o_proj.kind == "fp8", plan), "o_proj"))
             plan.append(Launch(layers.add_rms_norm, (y, h, layer.post_attention_layernorm, eps, x), label="post-attention norm"))
-            plan.append(self.linear(layer.gate_up, x, gate_up, self.gemm_input(x, layer.gate_up.kind == "fp8", plan), "gate/up"))
-            plan.append(Launch(layers.silu_mul, (gate_up, act), label="swiglu"))
+            plan.extend(self.gate_up_swiglu(layer.gate_up, x, gate_up, act, plan))
             plan.append(self.linear(layer.down_proj, act, y, self.gemm_input(act, layer.down_proj.kind == "fp8", plan), "down_proj"))
         plan.append(Launch(layers.add_rms_norm, (y, h, self.weights.norm, eps, x), label="final norm"))
         return plan
+
+    def gate_up_swiglu(self, gate_up: DeviceLinear, x, gate_up_out, act, plan: list[Launch]) -> list[Launch]:
+        """``act = silu(x @ gate^T) * (x @ up^T)`` from the fused gate/up weight: one ``gemv_simt_swiglu``
+        launch on the SIMT path (the epilogue applies SwiGLU, no ``[T, 2 I]`` round trip), else the GEMM
+        into ``gate_up_out`` and ``layers.silu_mul`` (bit for bit the same)."""
+        x_bf16 = self.gemm_input(x, gate_up.kind == "fp8", plan)
+        if gate_up.kind == "fp8" and x_bf16 is None:
+            return [Launch(gemv_simt_swiglu, (x, gate_up.weight, gate_up.scale_inv, act, gate_up.block),
+                           label="gate/up gemv + swiglu")]
+        return [self.linear(gate_up, x, gate_up_out, x_bf16, "gate/up"),
+                Launch(layers.silu_mul, (gate_up_out, act), label="swiglu")]
 
     def linear(self, linear: DeviceLinear, x, out, x_bf16, label: str) -> Launch:
         """``out [M, N] = x [M, K] @ W^T``: float32 ``x`` for a SIMT GEMV (``x_bf16`` None) or ``x_bf16``, its
