@@ -1,0 +1,93 @@
+"""Draw tutorial 07's decode-step breakdown, before and after issue 15, from ``docs/data/decode_breakdown_h200.json``.
+
+``decode_breakdown.png``: for each shape (Qwen3-0.6B, Qwen3-8B, batch 1) a stacked bar per measured
+run (``before``, and ``after`` once it is measured), the decode step split into what its kernels do (the FP8 GEMVs, the norms, q/k-norm +
+RoPE + the cache write, attention, the lm_head, the argmax, the rest) plus the gaps between kernels,
+in microseconds per step; the bandwidth roofline of the step is a dashed line. The data are the
+per-kernel breakdowns ``bench/engine.py`` prints (CUPTI kernel times of CUDA-graph replays,
+``bench/decode_profile.py``), copied from two runs on an H200 (``bench/RESULTS.md``).
+
+Usage::
+
+    python docs/figures/make_decode_breakdown_figure.py [OUTPUT_DIR]
+
+``OUTPUT_DIR`` defaults to the folder this script lives in (``docs/figures/``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE.parent / "data" / "decode_breakdown_h200.json"
+FILENAME = "decode_breakdown.png"
+
+GROUPS = [  # (name, colour, does a plan label belong to it)
+    ("FP8 GEMV / GEMM", "C0", lambda label: "gemv" in label or "fp8_gemm" in label),
+    ("RMSNorm (+ residual add)", "C1", lambda label: label in ("input norm", "post-attention norm", "final norm")),
+    ("q/k-norm, RoPE, cache write", "C2", lambda label: label.startswith(("q/k norm", "rope", "cache write"))),
+    ("attention", "C3", lambda label: label.startswith("attention")),
+    ("lm_head (BF16)", "C4", lambda label: label.startswith("lm_head")),
+    ("argmax", "C5", lambda label: label == "argmax"),
+    ("the rest", "C7", lambda label: True),
+]
+
+
+def grouped(by_label: dict) -> dict:
+    """Microseconds per step of each group of ``GROUPS`` (each label counted once, in the first group it fits)."""
+    out = {name: 0.0 for name, _, _ in GROUPS}
+    for label, value in by_label.items():
+        name = next(name for name, _, belongs in GROUPS if belongs(label))
+        out[name] += value["us"]
+    return out
+
+
+def draw(data: dict, path: Path) -> None:
+    shapes = list(data["shapes"])
+    fig, axes = plt.subplots(len(shapes), 1, figsize=(9, 1.9 + 1.5 * len(shapes)), squeeze=False)
+    for ax, shape in zip(axes[:, 0], shapes):
+        runs = data["shapes"][shape]
+        measured = [run for run in ("before", "after") if run in runs]
+        for y, run in enumerate(measured):
+            profile = runs[run]
+            left = 0.0
+            for (name, colour, _), us in zip(GROUPS, grouped(profile["by_label"]).values()):
+                ax.barh(y, us, left=left, color=colour, label=name if shape == shapes[0] and run == "before" else None)
+                left += us
+            ax.barh(y, profile["gap_us"], left=left, color="white", edgecolor="0.4", hatch="//",
+                    label="gaps between kernels" if shape == shapes[0] and run == "before" else None)
+            left += profile["gap_us"]
+            ax.text(left * 1.01, y, f"{left / 1e3:.2f} ms, {profile['kernels_per_step']} kernels", va="center", fontsize=8)
+        roofline = runs["roofline_us"]
+        ax.axvline(roofline, color="k", ls="--", lw=1)
+        ax.text(roofline, len(measured) - 0.55, f" roofline {roofline / 1e3:.2f} ms", fontsize=8, va="bottom")
+        ax.set_yticks(range(len(measured)), [f"{run} ({runs[run + '_label']})" for run in measured], fontsize=8)
+        ax.set_ylim(-0.6, len(measured) - 0.1)
+        ax.invert_yaxis()
+        ax.set_title(f"{shape}, batch 1: one decode step (CUDA-graph replay, CUPTI kernel times)", fontsize=9)
+        ax.set_xlim(0, max(runs[run]["span_us"] for run in measured) * 1.3)
+    axes[-1, 0].set_xlabel("microseconds per decode step")
+    fig.legend(loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[1]) if len(argv) > 1 else HERE
+    out.mkdir(parents=True, exist_ok=True)
+    draw(json.loads(DATA.read_text()), out / FILENAME)
+    print(f"wrote {out / FILENAME}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
