@@ -9,25 +9,33 @@ What it computes: for every token ``t``, bit for bit the sequence the engine ran
    check_slots=False)`` of the normed and rotated ``k`` and of ``v`` (FP8 codes and per-token
    scales, BF16 patterns or float32; a slot of -1 is padding and writes nothing).
 
-``q`` and ``k`` are normed and rotated in place (attention reads ``q``, a prefill may read ``k``);
-``v`` is only read. The float32 operations are those of the kernels above, in their order, so the
-results are theirs bit for bit on a GPU and in the CUDA simulator: the norm is
-``fp8lab.simulators.dense.rms_norm`` with 32 threads (lane ``L`` sums ``x[L], x[L + 32], ...`` with
-fmas, a butterfly, ``sqrt(ss / D + eps)``, ``w * (x / denom)``), RoPE ``fp8lab.simulators.dense.rope``,
-the cache write ``fp8lab.reference.kv_cache.write``.
+``q``, ``k`` and ``v`` are only read, and may be column slices of the fused q/k/v GEMM output
+``[T, (Hq + 2 Hkv) D]`` (a token's q, k and v are not contiguous there), so the engine runs one GEMM
+for q, k and v. The normed, rotated q goes to its own C-contiguous ``q_out [T, Hq, D]`` (attention
+reads it; it may be ``q`` itself, in place), the normed, rotated k to the cache only. The float32
+operations are those of the kernels above, in their order, so the results are theirs bit for bit on
+a GPU and in the CUDA simulator: the norm is ``fp8lab.simulators.dense.rms_norm`` with 32 threads
+(lane ``L`` sums ``x[L], x[L + 32], ...`` with fmas, a butterfly, ``sqrt(ss / D + eps)``,
+``w * (x / denom)``), RoPE ``fp8lab.simulators.dense.rope``, the cache write
+``fp8lab.reference.kv_cache.write``.
 
 Launch: grid ``(T, Hq + Hkv)`` x 32 threads, one warp per (token, head). Block ``y < Hq`` is query
-head ``y``: norm, rope, store q. Block ``y >= Hq`` is kv head ``j = y - Hq``: norm, rope and store k,
-write k's cache row, then v's. Lane ``L`` holds elements ``L + 32 i`` (``i < ceil(D / 32)``) in
-registers; ``D`` (even, at most 256) is a compile-time constant of the kernel variant (one per head
-dim and cache format), so each lane's loads (x, weights, cos/sin, v) are issued together, unrolled.
-When ``D`` is a multiple of 64 the RoPE pair ``(i, i + D/2)`` lies in one lane; otherwise the normed
-row is staged in shared memory (D floats, ``syncwarp``) and each lane reads its elements' partners.
+head ``y``: load ``q[t, y D : (y + 1) D]``, norm, rope, store ``q_out[t, y]``. Block ``y >= Hq`` is kv
+head ``j = y - Hq`` of a token with a slot: load k's and v's row ``j``, norm and rope k, write k's
+cache row, then v's. Lane ``L`` holds elements ``L + 32 i`` (``i < ceil(D / 32)``) in registers, and
+reads all of them before it writes any (so ``q_out`` may be ``q``); ``D`` (even, at most 256) is a
+compile-time constant of the kernel variant (one per head dim and cache format), so each lane's
+loads (x, weights, cos/sin, v) are issued together, unrolled. ``q``, ``k``, ``v`` are compiled with
+layout "A" (any row stride; elements of a row adjacent). When ``D`` is a multiple of 64 the RoPE
+pair ``(i, i + D/2)`` lies in one lane; otherwise the normed row is staged in shared memory (D
+floats, ``syncwarp``) and each lane reads its elements' partners.
 
 Checked (``tests/numba_kernels/test_attention_input_kernel.py``): in the CUDA simulator, bit for bit
-against ``layers.rms_norm``, ``layers.rope`` and ``kv_cache.paged_cache_write`` run in sequence (q, k,
-both caches and scales; untouched slots keep their poison), every cache format, several head dims;
-on a GPU (``gpu``) the same at Qwen3-8B sizes; the sm_90 PTX of ``kernel_variants()``.
+against ``layers.rms_norm``, ``layers.rope`` and ``kv_cache.paged_cache_write`` run in sequence (q_out,
+both caches and scales; untouched slots keep their poison; q, k, v unchanged), every cache format,
+several head dims, q/k/v both as column slices of one fused buffer and as separate arrays with
+``q_out`` in place of ``q``; on a GPU (``gpu``) the same at Qwen3-8B sizes (fused slices); the sm_90
+PTX of ``kernel_variants()``.
 """
 
 from __future__ import annotations
@@ -56,9 +64,9 @@ COMPILED_HEAD_DIMS = (16, 64, 128)
 def attention_input_function(head_dim: int, cache_format: str):
     """The Python source of the kernel for one head dim and cache format.
 
-    Arguments ``(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
-    v_scale, slot_mapping)`` (a float cache gets placeholder scale arrays, never touched). Launch
-    ``[(T, Hq + Hkv), 32]``.
+    Arguments ``(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
+    v_scale, slot_mapping)``: ``q [T, Hq D]``, ``k``, ``v [T, Hkv D]`` (any row stride), ``q_out [T, Hq,
+    D]`` (a float cache gets placeholder scale arrays, never touched). Launch ``[(T, Hq + Hkv), 32]``.
     """
     D = head_dim
     HALF = D // 2
@@ -79,10 +87,11 @@ def attention_input_function(head_dim: int, cache_format: str):
 
     @cuda.jit(device=True, inline=True)
     def load_row(x, token, head, lane, values):
+        """Head ``head``'s D columns of row ``token`` of a 2-D ``[T, heads * D]`` array (any row stride)."""
         for r in range(E):
             d = lane + WARP_SIZE * r
             if owns(lane, r):
-                values[r] = x[token, head, d]
+                values[r] = x[token, head * D + d]
 
     @cuda.jit(device=True, inline=True)
     def load_weights(weight, lane, w):
@@ -186,8 +195,8 @@ def attention_input_function(head_dim: int, cache_format: str):
     write_row = {"fp8": write_fp8, "fp32": write_f32, "bf16": write_bf16}[cache_format]
 
     @cuda.jit(device=True, inline=True)
-    def norm_rope_store(x, weight, eps, positions, cos_sin, token, head, lane, values, stage):
-        """Load, norm, rotate and store back row ``x[token, head]``; the rotated row stays in ``values``."""
+    def norm_rope(x, weight, eps, n, positions, cos_sin, token, head, lane, values, stage):
+        """Load, norm and rotate head ``head`` of row ``token`` of ``x`` into ``values`` (``n``: D at run time)."""
         w = cuda.local.array(E, float32)
         c = cuda.local.array(E, float32)
         s = cuda.local.array(E, float32)
@@ -198,30 +207,33 @@ def attention_input_function(head_dim: int, cache_format: str):
         in_table = p >= 0 and p < cos_sin.shape[0]
         if in_table:  # outside the table nothing is read: the row becomes NaN
             load_cos_sin(cos_sin, p, lane, c, s)
-        normalize(values, w, eps, lane, float32(x.shape[2]))
+        normalize(values, w, eps, lane, n)
         partners(values, stage, lane, other)
         rotate(values, other, c, s, in_table, lane)
-        store_row(x, token, head, lane, values)
 
-    def attention_input_kernel(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
+    def attention_input_kernel(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
                                v_scale, slot_mapping):
         token = cuda.blockIdx.x
         y = cuda.blockIdx.y
         lane = cuda.threadIdx.x
         values = cuda.local.array(E, float32)
         stage = cuda.shared.array(D, float32)
-        q_heads = q.shape[1]
+        q_heads = q_out.shape[1]
+        # D read at run time: the norm divides by it as rms_norm does (see normalize)
+        n = float32(q_out.shape[2])
         if y < q_heads:
-            norm_rope_store(q, q_norm, eps, positions, cos_sin, token, y, lane, values, stage)
+            # every lane loads its elements before it stores any, and only its own: q_out may be q
+            norm_rope(q, q_norm, eps, n, positions, cos_sin, token, y, lane, values, stage)
+            store_row(q_out, token, y, lane, values)
             return
         head = y - q_heads
-        v_values = cuda.local.array(E, float32)
-        load_row(v, token, head, lane, v_values)  # issued with k's loads: v's latency overlaps k's work
-        norm_rope_store(k, k_norm, eps, positions, cos_sin, token, head, lane, values, stage)
         block_size = k_cache.shape[2]
         slot = slot_mapping[token]
         if slot < 0 or slot >= k_cache.shape[0] * block_size:  # -1: padding; never outside the cache
-            return
+            return  # k goes to the cache only: a token without a slot has nothing to do here
+        v_values = cuda.local.array(E, float32)
+        load_row(v, token, head, lane, v_values)  # issued with k's loads: v's latency overlaps k's work
+        norm_rope(k, k_norm, eps, n, positions, cos_sin, token, head, lane, values, stage)
         block = slot // block_size
         offset = slot % block_size
         write_row(values, k_cache, k_scale, block, head, offset, lane)
@@ -238,55 +250,100 @@ def _attention_input_kernel(head_dim: int, cache_format: str):
 # ---------------------------------------------------------------------------- host side
 
 
-def _byte_range(x) -> tuple[int, int]:
-    """``[start, end)`` of a C-contiguous array's data (host or device address)."""
+def _extent(x) -> tuple[int, int]:
+    """``[first byte, last byte + 1)`` of an array's data (host or device address; strides >= 0)."""
     interface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
     start = interface["data"][0]
-    return start, start + x.size * np.dtype(x.dtype).itemsize
+    if x.size == 0:
+        return start, start
+    itemsize = np.dtype(x.dtype).itemsize
+    return start, start + sum((n - 1) * s for n, s in zip(x.shape, x.strides)) + itemsize
 
 
-def _check_rows(name: str, x, shape: tuple[int, ...]):
-    if tuple(x.shape) != shape or np.dtype(x.dtype) != np.float32:
-        reject(name, f"float32 {list(shape)}", x)
-    require_c_contiguous(name, x)
+def _overlap(a, b) -> bool:
+    (a0, a1), (b0, b1) = _extent(a), _extent(b)
+    return a0 < b1 and b0 < a1
 
 
-def qk_norm_rope_cache_write(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_mapping,
-                             k_scale=None, v_scale=None, *, kv_format=None, stream=0) -> None:
-    """q/k-norm, RoPE of q and k (in place) and the paged cache write of k and v, in one launch.
+def _is_c_contiguous(x) -> bool:
+    return x.flags["C_CONTIGUOUS"] if isinstance(x, np.ndarray) else x.is_c_contiguous()
 
-    ``q``: float32 ``[T, Hq, D]``; ``k``, ``v``: float32 ``[T, Hkv, D]`` (C-contiguous, not
-    overlapping; views of one buffer are fine); ``D`` even, at most 256. ``q_norm``, ``k_norm``:
-    float32 ``[D]``; ``eps``: a float (used as float32). ``positions``: int32 ``[T]``; ``cos_sin``:
-    float32 ``[max_positions, D]`` (``layers.rope_table``); a position outside it gives NaN q and k
-    vectors. ``k_cache``, ``v_cache``, ``k_scale``, ``v_scale``, ``kv_format``: as
-    ``kv_cache.paged_cache_write`` takes them. ``slot_mapping``: int32 ``[T]``, -1 for a padding
-    token (written nowhere). The slot values are never read on the host (the caller vouches for
-    them, as ``check_slots=False``), so the call can be captured in a CUDA graph; shapes and dtypes
-    are checked (``ValueError`` naming the argument). ``stream``: a Numba stream or a ``cuda.core``
-    GraphBuilder. Bit for bit ``rms_norm`` (q, k), ``rope`` (q, k) and ``paged_cache_write``.
+
+def _check_columns(name: str, x, tokens: int, width: int):
+    """``x``: float32 ``[tokens, width]`` whose rows are contiguous (element stride 4 bytes, rows at least
+    ``width`` apart): C-contiguous, or a column slice of a wider row-major float32 buffer."""
+    if x.ndim != 2 or tuple(x.shape) != (tokens, width) or np.dtype(x.dtype) != np.float32:
+        reject(name, f"float32 [{tokens}, {width}] (C-contiguous or a column slice of a row-major buffer)", x)
+    row, column = x.strides
+    if tokens and (column != 4 or (tokens > 1 and (row < 4 * width or row % 4))):
+        raise ValueError(f"{name}: expected contiguous rows (element stride 4 bytes, row stride a multiple of 4 "
+                         f"and at least {4 * width} bytes), got strides {x.strides}")
+
+
+def _check_q_out_memory(q_out, q, k, v):
+    """``q_out`` overlaps neither ``k`` nor ``v``, and ``q`` only as ``q`` itself (in place: same start, contiguous)."""
+    if q_out.size == 0:
+        return
+    for name, x in (("k", k), ("v", v)):
+        if _overlap(q_out, x):
+            raise ValueError(f"q_out: overlaps {name} in memory (q_out may share memory with q only)")
+    if _overlap(q_out, q) and not (_is_c_contiguous(q) and _extent(q) == _extent(q_out)):
+        raise ValueError("q_out: partially overlaps q in memory (allowed: q_out is q's memory exactly, "
+                         "q C-contiguous, in place)")
+
+
+def _host_contiguous(x):
+    """A NumPy column slice as a C-contiguous copy (the simulator and ``on_device`` copy only contiguous arrays);
+    device arrays, read in place with their row stride, pass through."""
+    return np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x
+
+
+def qk_norm_rope_cache_write(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache,
+                             slot_mapping, k_scale=None, v_scale=None, *, kv_format=None, stream=0) -> None:
+    """q/k-norm and RoPE of q (to ``q_out``) and k, and the paged cache write of k and v, in one launch.
+
+    ``q_out``: float32 ``[T, Hq, D]``, C-contiguous, ``D`` even, at most 256; receives the normed,
+    rotated q. ``q``: float32 ``[T, Hq * D]``; ``k``, ``v``: float32 ``[T, Hkv * D]``; each
+    C-contiguous or a column slice of a wider row-major float32 buffer (element stride 1, any row
+    stride >= its width: the fused q/k/v GEMM output ``[T, (Hq + 2 Hkv) D]`` sliced by columns), only
+    read. ``q_out`` must not overlap ``k`` or ``v``; it may be ``q`` itself (same memory, ``q``
+    C-contiguous: in place) and must not overlap ``q`` otherwise. ``q_norm``, ``k_norm``: float32
+    ``[D]``; ``eps``: a float (used as float32). ``positions``: int32 ``[T]``; ``cos_sin``: float32
+    ``[max_positions, D]`` (``layers.rope_table``); a position outside it gives a NaN q_out vector
+    (and a NaN k in the cache). ``k_cache``, ``v_cache``, ``k_scale``, ``v_scale``, ``kv_format``: as
+    ``kv_cache.paged_cache_write`` takes them; ``Hkv`` is ``k_cache.shape[1]``. ``slot_mapping``:
+    int32 ``[T]``, -1 for a padding token (written nowhere). The slot values are never read on the
+    host (the caller vouches for them, as ``check_slots=False``), so the call can be captured in a
+    CUDA graph; shapes, dtypes, strides and overlaps are checked (``ValueError`` naming the
+    argument). ``stream``: a Numba stream or a ``cuda.core`` GraphBuilder. Bit for bit ``rms_norm``
+    (q, k), ``rope`` (q, k) and ``paged_cache_write``. ``T == 0`` launches nothing.
     """
-    names = ("q", "k", "v", "q_norm", "k_norm", "positions", "cos_sin", "k_cache", "v_cache", "slot_mapping")
-    arrays = (q, k, v, q_norm, k_norm, positions, cos_sin, k_cache, v_cache, slot_mapping)
-    q, k, v, q_norm, k_norm, positions, cos_sin, k_cache, v_cache, slot_mapping = (
+    names = ("q", "k", "v", "q_out", "q_norm", "k_norm", "positions", "cos_sin", "k_cache", "v_cache",
+             "slot_mapping")
+    arrays = (q, k, v, q_out, q_norm, k_norm, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    q, k, v, q_out, q_norm, k_norm, positions, cos_sin, k_cache, v_cache, slot_mapping = (
         as_kernel_array(n, x) for n, x in zip(names, arrays))
     k_scale = None if k_scale is None else as_kernel_array("k_scale", k_scale)
     v_scale = None if v_scale is None else as_kernel_array("v_scale", v_scale)
-    if q.ndim != 3 or np.dtype(q.dtype) != np.float32 or not 0 < q.shape[2] <= MAX_HEAD_DIM or q.shape[2] % 2:
-        reject("q", f"float32 [T, Hq, head_dim] with head_dim even and at most {MAX_HEAD_DIM}", q)
-    require_c_contiguous("q", q)
-    tokens, q_heads, head_dim = q.shape
+    if (q_out.ndim != 3 or np.dtype(q_out.dtype) != np.float32 or not 0 < q_out.shape[2] <= MAX_HEAD_DIM
+            or q_out.shape[2] % 2):
+        reject("q_out", f"float32 [T, Hq, head_dim] with head_dim even and at most {MAX_HEAD_DIM}", q_out)
+    require_c_contiguous("q_out", q_out)
+    tokens, q_heads, head_dim = q_out.shape
     cache_format = check_cache("k_cache", k_cache, k_scale, "k_scale", kv_format).name
     if np.dtype(v_cache.dtype) != np.dtype(k_cache.dtype) or tuple(v_cache.shape) != tuple(k_cache.shape):
         reject("v_cache", f"the shape {tuple(k_cache.shape)} and dtype {k_cache.dtype} of k_cache", v_cache)
     check_cache("v_cache", v_cache, v_scale, "v_scale", cache_format)
     kv_heads = k_cache.shape[1]
     if k_cache.shape[3] != head_dim:
-        reject("k_cache", f"[num_blocks, num_kv_heads, block_size, {head_dim}] (q's head_dim)", k_cache)
-    _check_rows("k", k, (tokens, kv_heads, head_dim))
-    _check_rows("v", v, (tokens, kv_heads, head_dim))
+        reject("k_cache", f"[num_blocks, num_kv_heads, block_size, {head_dim}] (q_out's head_dim)", k_cache)
+    _check_columns("q", q, tokens, q_heads * head_dim)
+    _check_columns("k", k, tokens, kv_heads * head_dim)
+    _check_columns("v", v, tokens, kv_heads * head_dim)
     for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
-        _check_rows(name, weight, (head_dim,))
+        if tuple(weight.shape) != (head_dim,) or np.dtype(weight.dtype) != np.float32:
+            reject(name, f"float32 [{head_dim}]", weight)
+        require_c_contiguous(name, weight)
     if positions.ndim != 1 or positions.shape[0] != tokens or np.dtype(positions.dtype) != np.int32:
         reject("positions", f"int32 [{tokens}]", positions)
     if cos_sin.ndim != 2 or cos_sin.shape[1] != head_dim or np.dtype(cos_sin.dtype) != np.float32:
@@ -294,18 +351,18 @@ def qk_norm_rope_cache_write(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k
     require_c_contiguous("cos_sin", cos_sin)
     if slot_mapping.ndim != 1 or slot_mapping.shape[0] != tokens or np.dtype(slot_mapping.dtype) != np.int32:
         reject("slot_mapping", f"int32 [{tokens}] (-1: padding)", slot_mapping)
-    ranges = sorted((_byte_range(x), name) for name, x in (("q", q), ("k", k), ("v", v)) if x.size)
-    for (first, first_name), (second, second_name) in zip(ranges, ranges[1:]):
-        if second[0] < first[1]:
-            raise ValueError(f"{second_name}: overlaps {first_name} in memory (q, k and v must be disjoint)")
+    _check_q_out_memory(q_out, q, k, v)
     if q_heads + kv_heads > MAX_GRID_Y:
-        raise ValueError(f"q: at most {MAX_GRID_Y} heads in all (q and kv), got {q_heads} + {kv_heads}")
+        raise ValueError(f"q_out: at most {MAX_GRID_Y} heads in all (q and kv), got {q_heads} + {kv_heads}")
     if tokens == 0:
         return
     fp8 = cache_format == "fp8"
-    args = [q, k, v, q_norm, k_norm, np.float32(eps), positions, cos_sin, k_cache, v_cache,
-            k_scale if fp8 else placeholder(3), v_scale if fp8 else placeholder(3), slot_mapping]
-    written = (0, 1, 8, 9, 10, 11) if fp8 else (0, 1, 8, 9)
+    # q before q_out: the simulator copies every NumPy argument back after the launch, in order, so an
+    # in-place q_out (another NumPy view of q's memory) gets the result last
+    args = [_host_contiguous(q), _host_contiguous(k), _host_contiguous(v), q_out, q_norm, k_norm, np.float32(eps),
+            positions, cos_sin, k_cache, v_cache, k_scale if fp8 else placeholder(3),
+            v_scale if fp8 else placeholder(3), slot_mapping]
+    written = (3, 9, 10, 11, 12) if fp8 else (3, 9, 10)
     _run(_attention_input_kernel(head_dim, cache_format), (tokens, q_heads + kv_heads), WARP_SIZE, stream, args,
          written)
 
@@ -314,15 +371,17 @@ def qk_norm_rope_cache_write(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k
 
 
 def kernel_variants():
-    """``(name, python function, numba signature)`` of the variants the PTX check compiles (C-contiguous, int32)."""
+    """``(name, python function, numba signature)`` of the variants the PTX check compiles (q, k, v with layout
+    "A": column slices of the fused q/k/v output; everything else C-contiguous; int32)."""
     f32_1d, f32_2d, f32_3d = (types.Array(types.float32, d, "C") for d in (1, 2, 3))
+    columns = types.Array(types.float32, 2, "A")
     i32_1d = types.Array(types.int32, 1, "C")
     variants = []
     for head_dim in COMPILED_HEAD_DIMS:
         for fmt in KV_CACHE_FORMATS.values():
             cache = types.Array(numba_dtype(fmt.kernel_storage), 4, "C")
-            signature = types.void(f32_3d, f32_3d, f32_3d, f32_1d, f32_1d, types.float32, i32_1d, f32_2d, cache,
-                                   cache, f32_3d, f32_3d, i32_1d)
+            signature = types.void(columns, columns, columns, f32_3d, f32_1d, f32_1d, types.float32, i32_1d, f32_2d,
+                                   cache, cache, f32_3d, f32_3d, i32_1d)
             variants.append((f"qk_norm_rope_cache_write[D={head_dim}, {fmt.name}]",
                              attention_input_function(head_dim, fmt.name), signature))
     return variants
