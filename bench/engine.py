@@ -25,6 +25,12 @@ architectures, built in memory, seeded) and each batch size it measures, in one 
    of the timed steps) divided by the device-to-device copy bandwidth measured at the start
    (``bench/timing.copy_bandwidth_tb_s``, bytes read + written); batch / that time = tokens/s.
 
+4. **where a decode step's time goes** (``--profile-steps N``, default 20; 0: off): after the timed
+   steps, ``N`` more replays of the last step under ``torch.profiler`` (CUPTI kernel times), each
+   kernel attributed to the labelled launch of the model's plan that made it
+   (``bench/decode_profile.py``): microseconds and launches per label, kernels per step, kernel
+   time, and the gaps between kernels, as a table per (shape, batch) in ``engine_results.md``.
+
 It also reports the model's ``stats`` (launches per decode step, host time per step). Results go
 to ``engine_results.md`` (a Markdown table with the command, date and GPU), ``engine_results.json``
 and ``engine.png`` (decode tokens/s bars: ours, transformers, roofline, per shape and batch) in

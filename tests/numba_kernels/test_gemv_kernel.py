@@ -466,7 +466,7 @@ SWIGLU_CASES = [
     (1, 128, 128, {"columns_per_warp": 4, "warps_per_cta": 8}, "bf16", (128, 128), False),
     (4, 5, 256, {"columns_per_warp": 4, "chunks_per_iteration": 2, "m_tile": 3, "warps_per_cta": 1}, "f32", (3, 128),
      True),
-    (2, 8, 256, {"chunks_per_iteration": 4, "warps_per_cta": 2}, "bf16", (4, 128), True),  # a group with an empty step
+    (2, 8, 256, {"chunks_per_iteration": 4, "columns_per_warp": 2, "warps_per_cta": 2}, "bf16", (4, 128), True),  # a group with an empty step
 ]
 
 

@@ -7,10 +7,9 @@ is fixed by its bucket and its cache, so its launch count is a property of the p
 (``Plan.kernel_launches``), not something counted while it runs.
 
 Launches per layer: ``add_rms_norm`` (the previous residual add fused with this norm; ``rms_norm`` in
-layer 0), the q/k/v GEMM (one fused launch for ``T = 1``, else three: a token's q, k and v are not
-contiguous in a fused ``[T, N]`` output, and the kernel after it takes contiguous arrays),
+layer 0), the q/k/v GEMM (one launch on the fused weight, whose output row ``t`` is ``[q | k | v]``),
 ``attention_input.qk_norm_rope_cache_write`` (q-norm, k-norm, RoPE and the paged cache write in one
-launch), attention (decode: ``paged_decode``, the split kernel and, with more than one split, the combine
+launch; it reads q, k and v as column slices of that output and writes q, contiguous, for attention), attention (decode: ``paged_decode``, the split kernel and, with more than one split, the combine
 kernel; prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the combine), o_proj,
 ``add_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch; on the
 tensor-core path the GEMM then ``silu_mul``), down_proj; plus one ``bf16_round`` before each FP8 GEMM
@@ -32,10 +31,12 @@ inputs change greedy tokens within a few steps, which is why its GPU tests ask f
 
 Activations live in buffers preallocated for ``max_num_tokens`` tokens and ``max_num_seqs`` sequences
 (``Activations``): the residual ``h``, the normed ``x``, a block output ``y`` (all float32
-``[T, hidden]``), q/k/v (one flat float32 buffer: ``[T, Hq, D]``, then ``[T, Hkv, D]`` twice), the
-attention output, ``gate_up [T, 2 I]``, the SwiGLU output ``[T, I]``, the BF16 GEMM input, the split-kv
-workspace and the logits of ``max_num_seqs`` rows. Nothing in a plan allocates or reads back: a decode
-step passes ``check_slots=False`` and ``max_seq_len`` = the cache's capacity, and its split count is
+``[T, hidden]``), the q/k/v GEMM output (one flat float32 buffer: ``[T, (Hq + 2 Hkv) D]``, or three
+blocks when the weights do not fuse), the normed and rotated ``q [T, Hq, D]``, the attention output,
+``gate_up [T, 2 I]``, the SwiGLU output ``[T, I]``, the BF16 GEMM input, the split-kv workspace, the
+greedy argmax's workspace and the logits of ``max_num_seqs`` rows. Nothing in a plan allocates or reads
+back: the cache write never reads its slots back, a decode step passes ``max_seq_len`` = the cache's
+capacity to attention, and its split count is
 chosen from the bucket and that capacity, so an eager step and its graph replays run the same kernels
 on the same arguments and give the same bits.
 """
@@ -105,6 +106,7 @@ class Activations:
     x: object
     y: object
     qkv: object
+    q: object
     attn: object
     gate_up: object
     act: object
@@ -136,6 +138,7 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
         x=mem.empty("activations x", (tmax, c.hidden_size), np.float32),
         y=mem.empty("activations y", (tmax, c.hidden_size), np.float32),
         qkv=mem.empty("activations q/k/v", (tmax * (hq + 2 * hkv) * d,), np.float32),
+        q=mem.empty("activations q (normed, rotated)", (tmax, hq, d), np.float32),
         attn=mem.empty("activations attention output", (tmax, hq, d), np.float32),
         gate_up=mem.empty("activations gate_up", (tmax, 2 * c.intermediate_size), np.float32),
         act=mem.empty("activations SwiGLU", (tmax, c.intermediate_size), np.float32),
@@ -213,11 +216,8 @@ class Planner:
         c, a, plan = self.config, self.activations, []
         eps = c.rms_norm_eps
         h, x, y = a.h[:t], a.x[:t], a.y[:t]
-        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qd, kd = hq * d, hkv * d
-        q = a.qkv[0 : t * qd].reshape(t, hq, d)
-        k = a.qkv[t * qd : t * (qd + kd)].reshape(t, hkv, d)
-        v = a.qkv[t * (qd + kd) : t * (qd + 2 * kd)].reshape(t, hkv, d)
+        qd = c.num_attention_heads * c.head_dim
+        q = a.q[:t]  # the attention's input: normed and rotated
         attn, gate_up, act = a.attn[:t], a.gate_up[:t], a.act[:t]
         rope = self.weights.rope_cos_sin
         for i, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache)):
@@ -225,16 +225,10 @@ class Planner:
                 plan.append(Launch(layers.rms_norm, (h, layer.input_layernorm, eps, x), label="input norm"))
             else:  # the previous layer's MLP residual add, fused with this layer's input norm
                 plan.append(Launch(layers.add_rms_norm, (y, h, layer.input_layernorm, eps, x), label="input norm"))
-            group = layer.qkv
-            x_bf16 = self.gemm_input(x, any(p.kind == "fp8" for p in group.parts), plan)
-            if t == 1 and group.fused is not None:  # one token: q, k, v are contiguous pieces of one row
-                plan.append(self.linear(group.fused, x, a.qkv[0 : qd + 2 * kd].reshape(1, qd + 2 * kd), x_bf16, "q/k/v"))
-            else:
-                for part, out in zip(group.parts, (q, k, v)):
-                    plan.append(self.linear(part, x, out.reshape(t, part.n), x_bf16 if part.kind == "fp8" else None, "q/k/v"))
-            plan.append(Launch(qk_norm_rope_cache_write, (q, k, v, layer.q_norm, layer.k_norm, eps, positions, rope,
-                                                          layer_cache.k, layer_cache.v, slots, layer_cache.k_scale,
-                                                          layer_cache.v_scale),
+            q_in, k_in, v_in = self.qkv_projections(layer.qkv, x, t, plan)
+            plan.append(Launch(qk_norm_rope_cache_write, (q_in, k_in, v_in, q, layer.q_norm, layer.k_norm, eps, positions,
+                                                          rope, layer_cache.k, layer_cache.v, slots,
+                                                          layer_cache.k_scale, layer_cache.v_scale),
                                dict(kv_format=layer_cache.kv_format), label="q/k norm, rope, cache write"))
             plan.append(attend(q, layer_cache, attn))
             o_in = attn.reshape(t, qd)
@@ -244,6 +238,24 @@ class Planner:
             plan.append(self.linear(layer.down_proj, act, y, self.gemm_input(act, layer.down_proj.kind == "fp8", plan), "down_proj"))
         plan.append(Launch(layers.add_rms_norm, (y, h, self.weights.norm, eps, x), label="final norm"))
         return plan
+
+    def qkv_projections(self, group, x, t: int, plan: list[Launch]):
+        """The q, k and v projections of ``x [t, hidden]``, their launches appended to ``plan``; returns
+        ``(q, k, v)``, 2-D ``[t, heads * head_dim]`` views. With a fused weight one GEMM writes row ``t``
+        as ``[q | k | v]`` and the views are its column slices (``qk_norm_rope_cache_write`` reads them
+        so); otherwise one GEMM each, into three contiguous blocks of the buffer."""
+        c, a = self.config, self.activations
+        qd, kd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        x_bf16 = self.gemm_input(x, any(p.kind == "fp8" for p in group.parts), plan)
+        if group.fused is not None:
+            fused = a.qkv[: t * (qd + 2 * kd)].reshape(t, qd + 2 * kd)
+            plan.append(self.linear(group.fused, x, fused, x_bf16, "q/k/v"))
+            return fused[:, :qd], fused[:, qd : qd + kd], fused[:, qd + kd :]
+        outs = (a.qkv[: t * qd].reshape(t, qd), a.qkv[t * qd : t * (qd + kd)].reshape(t, kd),
+                a.qkv[t * (qd + kd) : t * (qd + 2 * kd)].reshape(t, kd))
+        for part, out in zip(group.parts, outs):
+            plan.append(self.linear(part, x, out, x_bf16 if part.kind == "fp8" else None, "q/k/v"))
+        return outs
 
     def gate_up_swiglu(self, gate_up: DeviceLinear, x, gate_up_out, act, plan: list[Launch]) -> list[Launch]:
         """``act = silu(x @ gate^T) * (x @ up^T)`` from the fused gate/up weight: one ``gemv_simt_swiglu``

@@ -21,7 +21,7 @@ when a part's row count is not a multiple of the checkpoint's ``block_n`` the fu
 to ``block_n' = gcd(block_n, part sizes)`` rows per scale (each scale row repeated), which describes
 exactly the same dequantized matrix. ``fp8_gemm`` needs ``block_n'`` to be a multiple of 8; where it is
 not, the parts stay separate weights. A part of a fused weight is a row slice of it (a view: codes,
-scale rows), so q, k and v can also run as three GEMMs (a batch of more than one token: see
+scale rows), so q, k and v can also run as three GEMMs (where the weights do not fuse: see
 ``fp8lab.engine.cuda.plan``). Projections a checkpoint keeps in BF16 (``modules_to_not_convert``, or a
 BF16 checkpoint) are BF16 bit patterns run by ``layers.bf16_linear``; float32 weights that are not BF16
 values are rounded to BF16 at load.
