@@ -96,7 +96,7 @@ from numba import cuda, float32, uint32
 from . import arguments
 from .bits import bf16_bits_to_f32, f16_bits_to_f32, u32_as_f32
 from .dequantize import F16_PLACEMENT_SCALE, STORE, output_bits_view, placed_codes
-from .layers import exp_f32
+from .layers import silu_times
 from .warp import (
     WARP_SIZE,
     WORDS_PER_LOAD,
@@ -256,14 +256,14 @@ def swiglu_columns(columns: int, m_tile: int):
 
     @cuda.jit(device=True, inline=True)
     def write(out, acc, row0, first, m, width):
-        """Lane 0 stores ``act = silu(gate) * up`` with ``layers.silu_mul``'s expression and ``exp_f32``."""
+        """Lane 0 stores ``act = silu(gate) * up`` with ``layers.silu_mul``'s device function."""
         for p in range(pairs):
             if first + uint32(p) < width:
                 for r in range(m_tile):
                     if row0 + uint32(r) < m:
                         gate = acc[p * m_tile + r]
                         up = acc[(pairs + p) * m_tile + r]
-                        out[row0 + uint32(r), first + uint32(p)] = gate / (float32(1) + exp_f32(-gate)) * up
+                        out[row0 + uint32(r), first + uint32(p)] = silu_times(gate, up)
 
     return pairs, weight_row, write
 

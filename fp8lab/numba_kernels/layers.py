@@ -456,6 +456,13 @@ def rope(x, positions, cos_sin, out, stream=0):
 # ---------------------------------------------------------------------------- 3. SwiGLU
 
 
+@cuda.jit(device=True, inline=True)
+def silu_times(gate, up):
+    """``silu(gate) * up`` in float32, as ``fp8lab.simulators.dense.silu_mul`` orders it (one place for
+    every kernel that applies SwiGLU: ``silu_mul`` and ``gemv_simt_swiglu``'s epilogue)."""
+    return gate / (float32(1) + exp_f32(-gate)) * up
+
+
 def silu_mul_kernel(gate_up, out):
     """Launch ``[(T, ceil(I / 256)), 256]``: thread ``j`` of CTA ``(t, b)`` computes ``out[t, 256 b + j]``."""
     token = cuda.blockIdx.x
@@ -464,7 +471,7 @@ def silu_mul_kernel(gate_up, out):
     if j < intermediate:
         gate = gate_up[token, j]
         up = gate_up[token, intermediate + j]
-        out[token, j] = gate / (float32(1) + exp_f32(-gate)) * up
+        out[token, j] = silu_times(gate, up)
 
 
 _silu_mul_kernel = cuda.jit(silu_mul_kernel)
