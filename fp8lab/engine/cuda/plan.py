@@ -9,8 +9,9 @@ is fixed by its bucket and its cache, so its launch count is a property of the p
 Launches per layer: ``add_rms_norm`` (the previous residual add fused with this norm; ``rms_norm`` in
 layer 0), the q/k/v GEMM (one launch on the fused weight, whose output row ``t`` is ``[q | k | v]``),
 ``attention_input.qk_norm_rope_cache_write`` (q-norm, k-norm, RoPE and the paged cache write in one
-launch; it reads q, k and v as column slices of that output and writes q, contiguous, for attention), attention (decode: ``paged_decode``, the split kernel and, with more than one split, the combine
-kernel; prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the combine), o_proj,
+launch; it reads q, k and v as column slices of that output and writes q, contiguous, for attention),
+attention (decode: ``paged_decode``, the split kernel and, with more than one split, the combine kernel;
+prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the combine), o_proj,
 ``add_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch; on the
 tensor-core path the GEMM then ``silu_mul``), down_proj; plus one ``bf16_round`` before each FP8 GEMM
 input when ``T > f32_max_rows``. Around the layers: the embedding, the final ``add_rms_norm`` and the lm_head
@@ -234,7 +235,7 @@ class Planner:
             o_in = attn.reshape(t, qd)
             plan.append(self.linear(layer.o_proj, o_in, y, self.gemm_input(o_in, layer.o_proj.kind == "fp8", plan), "o_proj"))
             plan.append(Launch(layers.add_rms_norm, (y, h, layer.post_attention_layernorm, eps, x), label="post-attention norm"))
-            plan.extend(self.gate_up_swiglu(layer.gate_up, x, gate_up, act, plan))
+            self.gate_up_swiglu(layer.gate_up, x, gate_up, act, plan)
             plan.append(self.linear(layer.down_proj, act, y, self.gemm_input(act, layer.down_proj.kind == "fp8", plan), "down_proj"))
         plan.append(Launch(layers.add_rms_norm, (y, h, self.weights.norm, eps, x), label="final norm"))
         return plan
@@ -257,16 +258,17 @@ class Planner:
             plan.append(self.linear(part, x, out, x_bf16 if part.kind == "fp8" else None, "q/k/v"))
         return outs
 
-    def gate_up_swiglu(self, gate_up: DeviceLinear, x, gate_up_out, act, plan: list[Launch]) -> list[Launch]:
-        """``act = silu(x @ gate^T) * (x @ up^T)`` from the fused gate/up weight: one ``gemv_simt_swiglu``
-        launch on the SIMT path (the epilogue applies SwiGLU, no ``[T, 2 I]`` round trip), else the GEMM
-        into ``gate_up_out`` and ``layers.silu_mul`` (bit for bit the same)."""
+    def gate_up_swiglu(self, gate_up: DeviceLinear, x, gate_up_out, act, plan: list[Launch]) -> None:
+        """``act = silu(x @ gate^T) * (x @ up^T)`` from the fused gate/up weight, its launches appended to
+        ``plan``: one ``gemv_simt_swiglu`` on the SIMT path (the epilogue applies SwiGLU, no ``[T, 2 I]``
+        round trip), else the GEMM into ``gate_up_out`` and ``layers.silu_mul`` (bit for bit the same)."""
         x_bf16 = self.gemm_input(x, gate_up.kind == "fp8", plan)
         if gate_up.kind == "fp8" and x_bf16 is None:
-            return [Launch(gemv_simt_swiglu, (x, gate_up.weight, gate_up.scale_inv, act, gate_up.block),
-                           label="gate/up gemv + swiglu")]
-        return [self.linear(gate_up, x, gate_up_out, x_bf16, "gate/up"),
-                Launch(layers.silu_mul, (gate_up_out, act), label="swiglu")]
+            plan.append(Launch(gemv_simt_swiglu, (x, gate_up.weight, gate_up.scale_inv, act, gate_up.block),
+                               label="gate/up gemv + swiglu"))
+            return
+        plan.append(self.linear(gate_up, x, gate_up_out, x_bf16, "gate/up"))
+        plan.append(Launch(layers.silu_mul, (gate_up_out, act), label="swiglu"))
 
     def linear(self, linear: DeviceLinear, x, out, x_bf16, label: str) -> Launch:
         """``out [M, N] = x [M, K] @ W^T``: float32 ``x`` for a SIMT GEMV (``x_bf16`` None) or ``x_bf16``, its
