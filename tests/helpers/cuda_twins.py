@@ -1,9 +1,9 @@
 """Bit-exact NumPy twins of the GPU model's GEMM kernels, and the micro model, for the CUDA-model tests.
 
 In Numba's CUDA simulator a simulated GEMM costs seconds; the GPU model's tests under the simulator
-swap its three GEMM kernels for their simulators (``gemm_twins``), which compute the same float32
-operations in the same order, so the rest of the forward (norms, RoPE, KV writes, attention, sampling)
-still runs as simulated kernels.
+swap its four GEMM kernels (the SIMT GEMV with and without SwiGLU, the GEMM, the BF16 linear) for their
+simulators (``gemm_twins``), which compute the same float32 operations in the same order, so the rest
+of the forward (norms, RoPE, KV writes, attention, sampling) still runs as simulated kernels.
 """
 
 from __future__ import annotations
@@ -33,6 +33,16 @@ def gemv_simt_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **knobs):
     return out
 
 
+def gemv_simt_swiglu_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **knobs):
+    """``fp8lab.numba_kernels.gemv_simt_swiglu`` as ``fp8lab.simulators.gemv_simt.gemv_simt_swiglu`` computes it
+    (bit for bit): the float32 ``silu(gate) * up`` of the fused gate/up codes ``q [2 I, K]``."""
+    p = arguments.check_gemm(a, q, scale_inv, out, block, kernel="the SIMT GEMV", out_columns=np.shape(q)[0] // 2)
+    assert p.output == "f32" and 1 <= p.m <= 16
+    a32 = bf16_values(p.a) if p.activation == "bf16" else np.asarray(p.a, np.float32)
+    out[...] = sim_gemv.gemv_simt_swiglu(a32, p.q, p.scale_inv, p.block)
+    return out
+
+
 def fp8_gemm_twin(a, q, scale_inv, out, block=(128, 128), path="auto", stream=0):
     """``fp8lab.numba_kernels.fp8_gemm`` (``auto``: SIMT up to ``SIMT_MAX_M`` rows, else mma) by its simulators."""
     p = arguments.check_gemm(a, q, scale_inv, out, block, kernel="fp8_gemm", activations=("bf16", "f16"),
@@ -53,9 +63,10 @@ def bf16_linear_twin(x, w_bits, out, rows_per_warp=None, stream=0):
 
 
 def install_gemm_twins(monkeypatch) -> None:
-    """Swap the GPU model's three GEMM kernels for their twins (the ``gemm_twins`` fixture of conftest): in
+    """Swap the GPU model's four GEMM kernels for their twins (the ``gemm_twins`` fixture of conftest): in
     ``fp8lab.engine.cuda.plan``, whose plans name the kernels every forward launches."""
     monkeypatch.setattr(plan, "gemv_simt", gemv_simt_twin)
+    monkeypatch.setattr(plan, "gemv_simt_swiglu", gemv_simt_swiglu_twin)
     monkeypatch.setattr(plan, "fp8_gemm", fp8_gemm_twin)
     monkeypatch.setattr(plan, "bf16_linear", bf16_linear_twin)
 
