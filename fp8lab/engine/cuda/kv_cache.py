@@ -90,7 +90,7 @@ class StagedIndex(Generic[Index]):
         """Copy the host side to the device: every field whole but ``block_tables``, of which only the first
         ``table_entries`` entries (in row-major order)."""
         used = self._tables_at + int(table_entries)
-        to_device(self._device[:used], self._host[:used], stream)
+        to_device(self._device, self._host, stream, count=used)
 
 
 @dataclass

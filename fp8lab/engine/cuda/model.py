@@ -192,10 +192,10 @@ class CudaQwen3Model(CausalLM):
             self.stats.launches_by_bucket[bucket] = plan.kernel_launches
         if ids_only:  # greedy_tokens: 4 bytes per sequence
             out = a.greedy_ids_host[:s]
-            to_host(out, a.greedy_ids[:s], stream)
+            to_host(a.greedy_ids_host, a.greedy_ids, stream, count=s)
         else:  # forward: the logits
             out = a.logits_host[:s]
-            to_host(out, a.logits[:s], stream)
+            to_host(a.logits_host, a.logits, stream, count=out.size)
         enqueued = time.perf_counter()
         synchronize(stream)
         done = time.perf_counter()
@@ -255,13 +255,13 @@ class CudaQwen3Model(CausalLM):
             for first in range(0, t, smax):
                 n = min(smax, t - first)
                 self.planner.lm_head(a.x[first : first + n], n)(stream)
-                to_host(a.logits_host[:n], a.logits[:n], stream)
+                to_host(a.logits_host, a.logits, stream, count=n * self.config.vocab_size)
                 synchronize(stream)
                 logits[first : first + n] = a.logits_host[:n]
             return logits
         for i, row in enumerate(batch.last_token_rows):
             device_copy(a.selected[i : i + 1], a.x[int(row) : int(row) + 1], stream)
         self.planner.lm_head(a.selected[:s], s)(stream)
-        to_host(a.logits_host[:s], a.logits[:s], stream)
+        to_host(a.logits_host, a.logits, stream, count=s * self.config.vocab_size)
         synchronize(stream)
         return np.array(a.logits_host[:s], dtype=np.float32)

@@ -58,7 +58,7 @@ from fp8lab.numba_kernels.prefill import PrefillRows, paged_prefill
 
 from ..config import Qwen3Config
 from .kv_cache import DeviceKVCache, DeviceLayerKVCache
-from .memory import DeviceMemory
+from .memory import DeviceMemory, column_slice
 from .weights import DeviceLinear, DeviceWeights
 
 DEFAULT_F32_MAX_ROWS = 4
@@ -251,7 +251,7 @@ class Planner:
         if group.fused is not None:
             fused = a.qkv[: t * (qd + 2 * kd)].reshape(t, qd + 2 * kd)
             plan.append(self.linear(group.fused, x, fused, x_bf16, "q/k/v"))
-            return fused[:, :qd], fused[:, qd : qd + kd], fused[:, qd + kd :]
+            return column_slice(fused, 0, qd), column_slice(fused, qd, qd + kd), column_slice(fused, qd + kd, qd + 2 * kd)
         outs = (a.qkv[: t * qd].reshape(t, qd), a.qkv[t * qd : t * (qd + kd)].reshape(t, kd),
                 a.qkv[t * (qd + kd) : t * (qd + 2 * kd)].reshape(t, kd))
         for part, out in zip(group.parts, outs):
