@@ -1,9 +1,11 @@
 """Draw tutorial 07's decode-step breakdown, before and after issue 15, from ``docs/data/decode_breakdown_h200.json``.
 
 ``decode_breakdown.png``: for each shape (Qwen3-0.6B, Qwen3-8B, batch 1) a stacked bar per measured
-run (``before``, and ``after`` once it is measured), the decode step split into what its kernels do (the FP8 GEMVs, the norms, q/k-norm +
-RoPE + the cache write, attention, the lm_head, the argmax, the rest) plus the gaps between kernels,
-in microseconds per step; the bandwidth roofline of the step is a dashed line. The data are the
+run (``before`` and ``after`` the issue's changes), the decode step split into what its kernels do (the
+FP8 GEMVs, the norms, q/k-norm + RoPE + the cache write, attention, the lm_head, the argmax, the rest),
+the gaps between kernels and the host side (the measured step time minus the kernels' span: the
+Python work before the graph replay, while the GPU waits), in microseconds per step; the bandwidth
+roofline of the step is a dashed line. The data are the
 per-kernel breakdowns ``bench/engine.py`` prints (CUPTI kernel times of CUDA-graph replays,
 ``bench/decode_profile.py``), copied from two runs on an H200 (``bench/RESULTS.md``).
 
@@ -65,7 +67,12 @@ def draw(data: dict, path: Path) -> None:
             ax.barh(y, profile["gap_us"], left=left, color="white", edgecolor="0.4", hatch="//",
                     label="gaps between kernels" if shape == shapes[0] and run == "before" else None)
             left += profile["gap_us"]
-            ax.text(left * 1.01, y, f"{left / 1e3:.2f} ms, {profile['kernels_per_step']} kernels", va="center", fontsize=8)
+            host = profile["step_us"] - left
+            ax.barh(y, host, left=left, color="0.8", edgecolor="0.4",
+                    label="host side (step - kernel span)" if shape == shapes[0] and run == "before" else None)
+            left += host
+            ax.text(left * 1.01, y, f"{left / 1e3:.2f} ms per step, {profile['kernels_per_step']} kernels", va="center",
+                    fontsize=8)
         roofline = runs["roofline_us"]
         ax.axvline(roofline, color="k", ls="--", lw=1)
         ax.text(roofline, len(measured) - 0.55, f" roofline {roofline / 1e3:.2f} ms", fontsize=8, va="bottom")
@@ -73,7 +80,7 @@ def draw(data: dict, path: Path) -> None:
         ax.set_ylim(-0.6, len(measured) - 0.1)
         ax.invert_yaxis()
         ax.set_title(f"{shape}, batch 1: one decode step (CUDA-graph replay, CUPTI kernel times)", fontsize=9)
-        ax.set_xlim(0, max(runs[run]["span_us"] for run in measured) * 1.3)
+        ax.set_xlim(0, max(runs[run]["step_us"] for run in measured) * 1.35)
     axes[-1, 0].set_xlabel("microseconds per decode step")
     fig.legend(loc="lower center", ncol=4, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
