@@ -8,6 +8,9 @@ The loop (continuous batching, as in nano-vllm, without preemption)::
         else: a DECODE step (one new token for every running sequence)
         sample each sequence that has reached its end, stream its text, retire the finished
 
+``ContinuousBatch`` is that loop one step at a time (requests may join and leave between steps, each
+with its own sampling parameters); ``Generator.generate`` runs it to the end over its prompts.
+
 - **Admission.** A request reserves its worst case at admission: the cache holds at most
   ``prompt + max_new_tokens - 1`` of its tokens (the last sampled token is never written), so
   ``ceil(that / block_size)`` blocks. Requests are admitted in order while the reservations
@@ -56,8 +59,9 @@ from .sampling import SamplingParams, sample
 class GenerationResult:
     """One request's outcome. ``token_ids``: generated ids (a final stop token included);
     ``text``: their decoded text without the stop token; ``finish_reason``: ``"stop"``,
-    ``"length"`` or ``"error"`` (then ``error`` says what went wrong, and ``text`` is what was
-    streamed before); times in seconds since the start of ``generate``."""
+    ``"length"``, ``"error"`` (then ``error`` says what went wrong, and ``text`` is what was
+    streamed before) or ``"abort"`` (``ContinuousBatch.abort``: dropped by its caller); times in
+    seconds since the start of ``generate`` (of the ``ContinuousBatch``)."""
 
     index: int
     prompt_token_ids: list[int]
@@ -107,6 +111,7 @@ class _Sequence:
     max_new_tokens: int
     rng: np.random.Generator
     decoder: object | None
+    sampling: SamplingParams = SamplingParams()
     output: list[int] = field(default_factory=list)
     num_prefilled: int = 0
     streamed: list[str] = field(default_factory=list)
@@ -200,64 +205,37 @@ class Generator:
         """
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
-        seqs = [self._new_sequence(i, p, max_new_tokens, seed) for i, p in enumerate(prompts)]
+        seqs = [self._new_sequence(i, p, max_new_tokens, seed, sampling) for i, p in enumerate(prompts)]
         num_blocks = self.num_blocks or sum(blocks_for(s.max_cached_tokens, self.block_size) for s in seqs)
+        batch = ContinuousBatch(self, num_blocks)
         for s in seqs:  # fail before any work when a request cannot fit even alone
-            need = blocks_for(s.max_cached_tokens, self.block_size)
-            if need > num_blocks:
-                raise KVCacheExhausted(need, num_blocks, f"request {s.index}: {len(s.prompt)} prompt + "
-                                       f"{s.max_new_tokens} new - 1 = {s.max_cached_tokens} tokens in blocks "
-                                       f"of {self.block_size}; the whole cache has {num_blocks} blocks")
-        manager = KVCacheManager(num_blocks, self.block_size)
-        cache = self.model.allocate_kv_cache(num_blocks, self.block_size, self.kv_format)
-        stats = GenerationStats()
+            batch.check_fits(s)
+        for s in seqs:
+            batch.waiting.append(s)
         results: list[GenerationResult | None] = [None] * len(seqs)
-        waiting, running = deque(seqs), []
-        start = time.perf_counter()
-
-        while waiting or running:
-            self._admit(waiting, running, manager)
-            prefilling = [s for s in running if s.num_prefilled < len(s.prompt)]
-            t0 = time.perf_counter()
-            if prefilling:
-                ready, logits, num_prompt_tokens = self._prefill_step(prefilling, manager, cache)
-                choices = self._mask_padding(logits)
-            elif self._greedy_on_device(sampling):  # sampled where the logits are
-                ready = running
-                choices = self.model.greedy_tokens(self._decode_batch(running, manager), cache)
-            else:
-                ready, logits = running, self._decode_step(running, manager, cache)
-                choices = self._mask_padding(logits)
-            now = time.perf_counter() - start
-            for s, choice in zip(ready, choices):
-                self._advance(s, choice, sampling, on_text, now)
-            elapsed = time.perf_counter() - t0
-            if prefilling:
-                stats.prompt_tokens += num_prompt_tokens
-                stats.prompt_seconds += elapsed
-            else:
-                stats.decode_tokens += len(ready)
-                stats.decode_seconds += elapsed
-            for s in [s for s in running if s.finish_reason]:
-                running.remove(s)
-                manager.free(s.index)
-                results[s.index] = self._result(s, time.perf_counter() - start)
+        while batch.busy:
+            for result in batch.step(on_text):
+                results[result.index] = result
                 if on_finish:
-                    on_finish(results[s.index])
-        return GenerationOutput(results, stats)
+                    on_finish(result)
+        return GenerationOutput(results, batch.stats)
 
     # -- steps of the loop
 
-    def _new_sequence(self, index: int, prompt, max_new_tokens: int, seed: int | None) -> _Sequence:
+    def _new_sequence(self, index: int, prompt, max_new_tokens: int, seed: int | None,
+                      sampling: SamplingParams = SamplingParams(), rng_index: int | None = None) -> _Sequence:
+        """Request ``index`` (its rng is ``default_rng([seed, rng_index])``, ``rng_index`` defaulting to
+        ``index``), after the checks of its prompt."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError(f"prompt {index} is empty: a sequence needs at least one token")
         max_pos = self.model.config.max_position_embeddings
         if len(ids) >= max_pos:
             raise ValueError(f"prompt {index} has {len(ids)} tokens; the model's max_position_embeddings is {max_pos}")
-        rng = np.random.default_rng([seed, index]) if seed is not None else np.random.default_rng()
+        rng_key = index if rng_index is None else rng_index
+        rng = np.random.default_rng([seed, rng_key]) if seed is not None else np.random.default_rng()
         decoder = self.stream_decoder(self.tokenizer) if self.tokenizer is not None else None
-        return _Sequence(index, ids, min(max_new_tokens, max_pos - len(ids)), rng, decoder)
+        return _Sequence(index, ids, min(max_new_tokens, max_pos - len(ids)), rng, decoder, sampling)
 
     def _admit(self, waiting: deque, running: list, manager: KVCacheManager) -> None:
         """Admit waiting requests in order while their worst-case blocks fit beside the running ones'."""
@@ -374,3 +352,113 @@ class Generator:
     def _result(self, s: _Sequence, now: float) -> GenerationResult:
         return GenerationResult(s.index, s.prompt, s.output, self._final_text(s), s.finish_reason,
                                 s.first_token_time, now, s.error)
+
+
+class ContinuousBatch:
+    """The generator's loop one step at a time, over one KV cache of ``num_blocks`` blocks: requests
+    join (``add``) and leave (``abort``) between steps, each with its own sampling parameters.
+
+    ``Generator.generate`` runs one to the end over a fixed list of requests; a server
+    (``fp8lab.engine.serving.EngineLoop``) keeps one alive and feeds it. A step is the module
+    docstring's loop body: admit what fits, one forward (a prefill chunk, else one decode step of every
+    running sequence), the next token of each ready sequence, retire the finished. A decode step
+    samples on the device (``greedy_tokens``) when every running sequence is greedy, else from the
+    logits, each sequence with its own parameters.
+    """
+
+    def __init__(self, generator: Generator, num_blocks: int):
+        self.generator = generator
+        self.manager = KVCacheManager(num_blocks, generator.block_size)
+        self.cache = generator.model.allocate_kv_cache(num_blocks, generator.block_size, generator.kv_format)
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []
+        self.stats = GenerationStats()
+        self.start = time.perf_counter()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.manager.num_blocks
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def check_fits(self, s: _Sequence) -> None:
+        """``KVCacheExhausted`` when request ``s`` cannot fit even alone in this cache."""
+        need = blocks_for(s.max_cached_tokens, self.generator.block_size)
+        if need > self.num_blocks:
+            raise KVCacheExhausted(need, self.num_blocks, f"request {s.index}: {len(s.prompt)} prompt + "
+                                   f"{s.max_new_tokens} new - 1 = {s.max_cached_tokens} tokens in blocks "
+                                   f"of {self.generator.block_size}; the whole cache has {self.num_blocks} blocks")
+
+    def add(self, index: int, prompt, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+            seed: int | None = None, rng_index: int | None = None) -> None:
+        """Queue request ``index`` (not already in the batch): a string or token ids, at most
+        ``max_new_tokens`` new tokens (clamped to the model's positions), its own ``sampling`` and rng
+        (``default_rng([seed, rng_index])``, ``rng_index`` defaulting to ``index``). A bad request raises
+        ``ValueError``, one that cannot fit even alone ``KVCacheExhausted``; nothing is queued then."""
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+        if any(s.index == index for s in (*self.waiting, *self.running)):
+            raise ValueError(f"request {index} is already in the batch")
+        s = self.generator._new_sequence(index, prompt, max_new_tokens, seed, sampling, rng_index)
+        self.check_fits(s)
+        self.waiting.append(s)
+
+    def abort(self, index: int) -> GenerationResult | None:
+        """Drop request ``index`` now, its KV blocks freed at once; its result (``finish_reason``
+        ``"abort"``, the tokens it had), or None when it is not in the batch."""
+        s = next((s for s in (*self.waiting, *self.running) if s.index == index), None)
+        if s is None:
+            return None
+        if s in self.running:
+            self.running.remove(s)
+            self.manager.free(s.index)
+        else:
+            self.waiting.remove(s)
+        s.finish_reason = "abort"
+        return self.generator._result(s, time.perf_counter() - self.start)
+
+    def step(self, on_text: Callable[[int, str], None] | None = None,
+             on_tokens: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
+        """One step (see the class docstring); returns the results of the sequences it finished.
+        ``on_tokens(index, ids)`` gets each sequence's new token ids (before its text pieces),
+        ``on_text(index, piece)`` each new text piece."""
+        g = self.generator
+        g._admit(self.waiting, self.running, self.manager)
+        if not self.running:
+            return []
+        prefilling = [s for s in self.running if s.num_prefilled < len(s.prompt)]
+        t0 = time.perf_counter()
+        if prefilling:
+            ready, logits, num_prompt_tokens = g._prefill_step(prefilling, self.manager, self.cache)
+            choices = g._mask_padding(logits)
+        elif all(g._greedy_on_device(s.sampling) for s in self.running):  # sampled where the logits are
+            ready = self.running
+            choices = g.model.greedy_tokens(g._decode_batch(self.running, self.manager), self.cache)
+        else:
+            ready, logits = self.running, g._decode_step(self.running, self.manager, self.cache)
+            choices = g._mask_padding(logits)
+        now = time.perf_counter() - self.start
+        for s, choice in zip(ready, choices):
+            num_tokens, num_pieces = len(s.output), len(s.streamed)
+            g._advance(s, choice, s.sampling, None, now)
+            if on_tokens and len(s.output) > num_tokens:
+                on_tokens(s.index, s.output[num_tokens:])
+            if on_text:
+                for piece in s.streamed[num_pieces:]:
+                    on_text(s.index, piece)
+        elapsed = time.perf_counter() - t0
+        if prefilling:
+            self.stats.prompt_tokens += num_prompt_tokens
+            self.stats.prompt_seconds += elapsed
+        else:
+            self.stats.decode_tokens += len(ready)
+            self.stats.decode_seconds += elapsed
+        results = []
+        for s in [s for s in self.running if s.finish_reason]:
+            self.running.remove(s)
+            self.manager.free(s.index)
+            results.append(g._result(s, time.perf_counter() - self.start))
+        return results
