@@ -237,10 +237,11 @@ class Generator:
         decoder = self.stream_decoder(self.tokenizer) if self.tokenizer is not None else None
         return _Sequence(index, ids, min(max_new_tokens, max_pos - len(ids)), rng, decoder, sampling)
 
-    def _admit(self, waiting: deque, running: list, manager: KVCacheManager) -> None:
-        """Admit waiting requests in order while their worst-case blocks fit beside the running ones'."""
+    def _admit(self, waiting: deque, running: list, manager: KVCacheManager, max_running: int | None = None) -> None:
+        """Admit waiting requests in order while their worst-case blocks fit beside the running ones' (and
+        fewer than ``max_running`` run)."""
         reserved = sum(blocks_for(s.max_cached_tokens, self.block_size) for s in running)
-        while waiting:
+        while waiting and (max_running is None or len(running) < max_running):
             need = blocks_for(waiting[0].max_cached_tokens, self.block_size)
             if reserved + need > manager.num_blocks:
                 break
@@ -267,12 +268,16 @@ class Generator:
         """The batch of every running sequence's last sampled token."""
         return make_batch(manager, [(s.index, s.output[-1:]) for s in running])
 
-    def _next_prompt_chunk(self, s: _Sequence) -> list[int]:
+    def _peek_prompt_chunk(self, s: _Sequence) -> list[int]:
+        """The prompt tokens ``s``'s next prefill step takes."""
         end = len(s.prompt)
         if self.prefill_chunk_size is not None:
             end = min(end, s.num_prefilled + self.prefill_chunk_size)
-        chunk = s.prompt[s.num_prefilled : end]
-        s.num_prefilled = end
+        return s.prompt[s.num_prefilled : end]
+
+    def _next_prompt_chunk(self, s: _Sequence) -> list[int]:
+        chunk = self._peek_prompt_chunk(s)
+        s.num_prefilled += len(chunk)
         return chunk
 
     # -- one sequence's next token
@@ -364,9 +369,19 @@ class ContinuousBatch:
     running sequence), the next token of each ready sequence, retire the finished. A decode step
     samples on the device (``greedy_tokens``) when every running sequence is greedy, else from the
     logits, each sequence with its own parameters.
+
+    ``max_num_seqs``: at most this many sequences run at once (the rest wait); ``max_num_tokens``: a
+    prefill step takes the prefilling sequences' next chunks in order while their tokens fit in it (the
+    first always runs; give the generator a ``prefill_chunk_size`` of at most this). Both are what the
+    GPU model's preallocated buffers hold; None: no limit.
     """
 
-    def __init__(self, generator: Generator, num_blocks: int):
+    def __init__(self, generator: Generator, num_blocks: int, max_num_seqs: int | None = None,
+                 max_num_tokens: int | None = None):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_tokens", max_num_tokens)):
+            if value is not None and int(value) <= 0:
+                raise ValueError(f"{name}: expected a positive number or None, got {value}")
+        self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
         self.generator = generator
         self.manager = KVCacheManager(num_blocks, generator.block_size)
         self.cache = generator.model.allocate_kv_cache(num_blocks, generator.block_size, generator.kv_format)
@@ -420,16 +435,29 @@ class ContinuousBatch:
         s.finish_reason = "abort"
         return self.generator._result(s, time.perf_counter() - self.start)
 
+    def _prefill_group(self) -> list[_Sequence]:
+        """The running sequences with prompt tokens left whose next chunks fit in ``max_num_tokens``, in
+        order (at least the first)."""
+        group, tokens = [], 0
+        for s in self.running:
+            if s.num_prefilled < len(s.prompt):
+                chunk = len(self.generator._peek_prompt_chunk(s))
+                if group and self.max_num_tokens is not None and tokens + chunk > self.max_num_tokens:
+                    break
+                group.append(s)
+                tokens += chunk
+        return group
+
     def step(self, on_text: Callable[[int, str], None] | None = None,
              on_tokens: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
         """One step (see the class docstring); returns the results of the sequences it finished.
         ``on_tokens(index, ids)`` gets each sequence's new token ids (before its text pieces),
         ``on_text(index, piece)`` each new text piece."""
         g = self.generator
-        g._admit(self.waiting, self.running, self.manager)
+        g._admit(self.waiting, self.running, self.manager, self.max_num_seqs)
         if not self.running:
             return []
-        prefilling = [s for s in self.running if s.num_prefilled < len(s.prompt)]
+        prefilling = self._prefill_group()
         t0 = time.perf_counter()
         if prefilling:
             ready, logits, num_prompt_tokens = g._prefill_step(prefilling, self.manager, self.cache)

@@ -87,11 +87,15 @@ class LoopState:
 
 
 class EngineLoop:
-    """Serves ``generator``'s model over one KV cache of ``num_blocks`` blocks; see the module docstring."""
+    """Serves ``generator``'s model over one KV cache of ``num_blocks`` blocks, at most ``max_num_seqs``
+    sequences and ``max_num_tokens`` prefill tokens per step (``ContinuousBatch``); see the module
+    docstring."""
 
-    def __init__(self, generator: Generator, num_blocks: int):
+    def __init__(self, generator: Generator, num_blocks: int, max_num_seqs: int | None = None,
+                 max_num_tokens: int | None = None):
         self.generator = generator
-        self.batch = ContinuousBatch(generator, num_blocks)
+        self._limits = (max_num_seqs, max_num_tokens)
+        self.batch = ContinuousBatch(generator, num_blocks, *self._limits)
         self._commands: queue.Queue = queue.Queue()
         self._listeners: dict[int, Callable[[Event], None]] = {}
         self._next_id = 0
@@ -216,7 +220,7 @@ class EngineLoop:
         for s in list(self.batch.running):
             result = self.batch.abort(s.index)
             self._emit(FinishEvent(s.index, replace(result, finish_reason="error", error=f"request {s.index}: {message}")))
-        self.batch = ContinuousBatch(self.generator, self.batch.num_blocks)  # a fresh cache for the waiting ones
+        self.batch = ContinuousBatch(self.generator, self.batch.num_blocks, *self._limits)  # a fresh cache
         self.batch.waiting.extend(waiting)
 
     def _finish_with_error(self, request_id: int, prompt_ids, error: Exception) -> None:

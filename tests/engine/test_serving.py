@@ -106,6 +106,46 @@ def test_a_request_waits_until_blocks_free(model):
     assert done == [0, 1]
 
 
+class RecordingModel:
+    """Wraps a model; records ``(tokens, sequences)`` of every forward."""
+
+    def __init__(self, model):
+        self.model, self.config, self.shapes = model, model.config, []
+
+    def allocate_kv_cache(self, *args):
+        return self.model.allocate_kv_cache(*args)
+
+    def forward(self, batch, cache, all_logits=False):
+        self.shapes.append((len(batch.token_ids), batch.num_seqs))
+        return self.model.forward(batch, cache, all_logits)
+
+    def greedy_tokens(self, batch, cache):
+        self.shapes.append((len(batch.token_ids), batch.num_seqs))
+        return self.model.greedy_tokens(batch, cache)
+
+
+def test_the_limits_of_the_gpu_models_buffers(model, rng):
+    """``max_num_seqs`` caps the running sequences, ``max_num_tokens`` the tokens of a prefill step;
+    the results stay those of each request alone."""
+    vocab = model.config.vocab_size
+    recording = RecordingModel(model)
+    generator = make_generator(recording, prefill_chunk_size=6)
+    batch = ContinuousBatch(generator, num_blocks=64, max_num_seqs=2, max_num_tokens=8)
+    prompts = [random_prompt(rng, vocab, 3, 14) for _ in range(5)]
+    for i, p in enumerate(prompts):
+        batch.add(i, p, 5)
+    results = {}
+    while batch.busy:
+        assert len(batch.running) <= 2
+        results.update((r.index, r) for r in batch.step())
+    assert all(t <= 8 and s <= 2 for t, s in recording.shapes), recording.shapes
+    assert any(s == 2 for _, s in recording.shapes)  # the limit was reached, not just respected
+    for i, p in enumerate(prompts):
+        assert results[i].token_ids == alone(model, p, 5).token_ids
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        ContinuousBatch(generator, num_blocks=4, max_num_seqs=0)
+
+
 def test_bad_requests_are_refused_before_anything_is_queued(model):
     batch = ContinuousBatch(make_generator(model, block_size=4), num_blocks=2)
     with pytest.raises(ValueError, match="max_new_tokens"):
