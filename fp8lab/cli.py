@@ -8,7 +8,8 @@ Subcommands:
   (``fp8lab.testing.cli``; needs ``fp8lab[testing]``);
 - the engine's (``fp8lab[engine]``): checkpoint commands (``quantize``, ``inspect``, ``make-tiny``:
   ``fp8lab.engine.checkpoint_commands``), ``generate`` (``fp8lab.engine.generate_command``), ``eval``
-  (``fp8lab.engine.eval_command``: perplexity, and the BF16/FP8 comparison table).
+  (``fp8lab.engine.eval_command``: perplexity, and the BF16/FP8 comparison table);
+- ``fp8lab serve``: the OpenAI-compatible HTTP server (``fp8lab.serve.command``; needs ``fp8lab[serve]``).
 
 A subcommand whose dependencies are not installed is still listed; running it prints one line saying
 which extra to install and exits 1. The engine's errors print one line to stderr and exit 1;
@@ -107,6 +108,13 @@ def _register_engine(sub) -> None:
     eval_command.register(sub)
 
 
+def _register_serve(sub) -> None:
+    # needs aiohttp (and the engine's packages)
+    from fp8lab.serve import command as serve_command
+
+    serve_command.register(sub)
+
+
 def _register_unavailable(sub, names, extra: str, error: ImportError) -> None:
     """Subcommands ``names`` whose dependencies are missing: listed, and refused in one line naming the extra."""
     def refuse(args) -> int:
@@ -139,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     _register_e4m3(sub)
     _register_optional(sub, _register_check, ("check",), "testing")
     _register_optional(sub, _register_engine, ENGINE_COMMANDS, "engine")
+    _register_optional(sub, _register_serve, ("serve",), "serve")
     return parser
 
 

@@ -146,6 +146,7 @@ class EngineLoop:
 
     @property
     def state(self) -> LoopState:
+        """The loop as it was before the last event it sent (or after its last step)."""
         return self._state
 
     # -- the loop's thread
@@ -157,8 +158,11 @@ class EngineLoop:
                 break
             if self.batch.busy:
                 self._step()
-            self._state = LoopState(len(self.batch.waiting), len(self.batch.running),
-                                    self.batch.manager.num_free_blocks, self.batch.num_blocks, self._steps)
+            self._refresh_state()
+
+    def _refresh_state(self) -> None:
+        self._state = LoopState(len(self.batch.waiting), len(self.batch.running), self.batch.manager.num_free_blocks,
+                                self.batch.num_blocks, self._steps)
 
     def _take_commands(self, block: bool) -> None:
         """Every queued command; with ``block``, wait for the first."""
@@ -201,6 +205,7 @@ class EngineLoop:
             self._emit(FinishEvent(result.index, result))
 
     def _emit(self, event: Event) -> None:
+        self._refresh_state()  # what a listener sees of the loop is never older than its event
         listener = self._listeners.get(event.request_id)
         if listener is None:
             return

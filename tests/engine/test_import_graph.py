@@ -9,9 +9,12 @@ module it names (``from pkg import name`` names the submodule ``pkg.name`` when 
   import in some order;
 - ``reference`` imports nothing of fp8lab but ``reference``; ``simulators``: ``reference`` and itself;
   ``numba_kernels``: ``simulators``, ``reference`` and itself; ``engine`` anything but the command line;
-  ``testing``: ``reference`` and itself; nothing imports ``engine`` but ``engine`` and the command line;
+  ``testing``: ``reference`` and itself; ``serve`` (the HTTP server): ``engine``, ``reference`` and itself;
+  nothing imports ``engine`` but ``engine``, ``serve`` and the command line, nothing ``serve`` but itself
+  and the command line;
 - the top-level modules: ``fp8lab.cli`` (the ``fp8lab`` command: ``e4m3``, the kit's ``check``, the
-  engine's subcommands) imports ``reference``, ``testing`` and ``engine``, and nothing imports it;
+  engine's subcommands, ``serve``) imports ``reference``, ``testing``, ``engine`` and ``serve``, and nothing
+  imports it;
   ``fp8lab.pytest_plugin`` (loaded in every pytest run) imports nothing of fp8lab.
 
 The cycle finder is checked on small synthetic graphs, so that the test can fail.
@@ -32,7 +35,8 @@ MAY_IMPORT = {
     "numba_kernels": {"reference", "simulators", "numba_kernels"},
     "engine": {"reference", "simulators", "numba_kernels", "engine"},
     "testing": {"reference", "testing"},  # the kit for other people's kernels: the oracle only (NumPy, Hypothesis)
-    "cli": {"reference", "testing", "engine"},  # fp8lab/cli.py, the command line (engine and kit lazily)
+    "serve": {"reference", "engine", "serve"},  # fp8lab serve: the HTTP server over the engine (aiohttp)
+    "cli": {"reference", "testing", "engine", "serve"},  # fp8lab/cli.py, the command line (all but e4m3 lazily)
     "pytest_plugin": set(),  # fp8lab/pytest_plugin.py: the standard library and pytest only
 }
 """The views (and top-level modules) each may import (top-level ``fp8lab`` itself imports nothing)."""
