@@ -8,6 +8,8 @@ many bytes it needed (and, on a GPU, how many were free), not a crash in a kerne
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import cuda
 
@@ -114,7 +116,16 @@ def _copied_bytes(dst, src, count, what: str) -> int:
 
 # The copies call the driver directly: a Numba ``copy_to_device`` / ``copy_to_host`` (and the slice that
 # would name the prefix) costs 100 to 300 us of host time per call, against a few us here; a decode step
-# makes two of them while the GPU waits.
+# makes two of them while the GPU waits. Like Numba's methods they first make the CUDA context current in
+# the calling thread (``require_context``): a server runs the model on a thread of its own.
+
+
+@functools.cache
+def _driver_copy(name: str):
+    """Numba's ``driver.host_to_device`` or ``driver.device_to_host``, in the thread's CUDA context."""
+    from numba.cuda.cudadrv import devices, driver
+
+    return devices.require_context(getattr(driver, name))
 
 
 def to_device(dst, src: np.ndarray, stream, count: int | None = None) -> None:
@@ -124,9 +135,7 @@ def to_device(dst, src: np.ndarray, stream, count: int | None = None) -> None:
     if SIMULATOR:
         dst.reshape(-1)[: nbytes // src.itemsize] = src.reshape(-1)[: nbytes // src.itemsize]
     elif nbytes:
-        from numba.cuda.cudadrv import driver
-
-        driver.host_to_device(dst, src, nbytes, stream=stream)
+        _driver_copy("host_to_device")(dst, src, nbytes, stream=stream)
 
 
 def to_host(dst: np.ndarray, src, stream, count: int | None = None) -> None:
@@ -137,9 +146,7 @@ def to_host(dst: np.ndarray, src, stream, count: int | None = None) -> None:
     if SIMULATOR:
         dst.reshape(-1)[: nbytes // src.itemsize] = src.reshape(-1)[: nbytes // src.itemsize]
     elif nbytes:
-        from numba.cuda.cudadrv import driver
-
-        driver.device_to_host(dst, src, nbytes, stream=stream)
+        _driver_copy("device_to_host")(dst, src, nbytes, stream=stream)
 
 
 def column_slice(matrix, start: int, stop: int):
