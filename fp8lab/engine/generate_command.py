@@ -52,7 +52,7 @@ GENERATE_KV_FORMATS = {f.name: f for f in (FP8_E4M3, BF16)}
 """The KV cache formats ``--kv-cache-dtype`` offers (``fp32`` is for tests and ``fp8lab eval``)."""
 
 
-def _kv_format(text: str):
+def kv_format_argument(text: str):
     """``--kv-cache-dtype``'s value as its ``KVCacheFormat``, the one value that travels to the kernels."""
     if text not in GENERATE_KV_FORMATS:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(GENERATE_KV_FORMATS)}, got {text!r}")
@@ -76,7 +76,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                    help="tokens to generate per prompt (default 64; clamped, with a note, to what the model's "
                    "max_position_embeddings leave after the prompt)")
-    p.add_argument("--kv-cache-dtype", dest="kv_format", type=_kv_format, default=FP8_E4M3, metavar="{fp8,bf16}",
+    p.add_argument("--kv-cache-dtype", dest="kv_format", type=kv_format_argument, default=FP8_E4M3, metavar="{fp8,bf16}",
                    help="KV cache storage: fp8 (E4M3 + one scale per token and kv head) or bf16 (default fp8)")
     p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                    help="cuda: the numba_kernels on an NVIDIA GPU; reference: NumPy on the CPU; " + SIMULATOR_HELP +
@@ -164,7 +164,7 @@ def _sampling(args: argparse.Namespace):
 # ---------------------------------------------------------------------------- checks against the model
 
 
-def _check_block_size(block_size: int, config) -> None:
+def check_block_size(block_size: int, config) -> None:
     max_pos = config.max_position_embeddings
     if block_size > max_pos:
         raise ValueError(f"--block-size {block_size}: larger than the model's max_position_embeddings {max_pos}, "
@@ -195,7 +195,7 @@ def _new_tokens_per_prompt(prompt_ids: list[list[int]], max_new_tokens: int, con
 # ---------------------------------------------------------------------------- the KV cache size
 
 
-def _size(nbytes: float) -> str:
+def human_size(nbytes: float) -> str:
     """``nbytes`` in the largest binary unit that keeps it >= 1 (``38.2 KiB``, ``3.6 TiB``)."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
@@ -219,11 +219,11 @@ def _cache_blocks(args: argparse.Namespace, config, backend: str, request_blocks
     block_bytes = kv_block_bytes(config, args.block_size, args.kv_format, numpy=backend == "reference")
     fraction = args.kv_cache_memory_fraction
     budget = blocks_in_budget(available, fraction, block_bytes)
-    budget_text = (f"the KV cache budget (--kv-cache-memory-fraction {fraction} of {_size(available)} of {where}) "
-                   f"holds {budget:,} blocks of {args.block_size} tokens ({_size(block_bytes)} each)")
+    budget_text = (f"the KV cache budget (--kv-cache-memory-fraction {fraction} of {human_size(available)} of {where}) "
+                   f"holds {budget:,} blocks of {args.block_size} tokens ({human_size(block_bytes)} each)")
     if args.num_blocks is not None:
         if args.num_blocks > budget:
-            raise ValueError(f"--num-blocks {args.num_blocks}: {_size(args.num_blocks * block_bytes)} of KV cache, but "
+            raise ValueError(f"--num-blocks {args.num_blocks}: {human_size(args.num_blocks * block_bytes)} of KV cache, but "
                              f"{budget_text}; lower --num-blocks or raise --kv-cache-memory-fraction")
         return args.num_blocks
     largest = max(request_blocks)
@@ -231,7 +231,7 @@ def _cache_blocks(args: argparse.Namespace, config, backend: str, request_blocks
         i = request_blocks.index(largest)
         fp8_hint = "" if args.kv_format is FP8_E4M3 else ", use --kv-cache-dtype fp8"
         raise ValueError(f"KV cache exhausted: request {i} alone needs {largest:,} blocks "
-                         f"({_size(largest * block_bytes)}), but {budget_text}; lower --max-new-tokens, shorten the prompt{fp8_hint} or raise "
+                         f"({human_size(largest * block_bytes)}), but {budget_text}; lower --max-new-tokens, shorten the prompt{fp8_hint} or raise "
                          "--kv-cache-memory-fraction")
     if worst_case > budget:
         print(f"fp8lab generate: note: {budget_text}, of the {worst_case:,} the whole batch would take at once; "
@@ -262,7 +262,7 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--model {model_dir}: not a directory")
     checkpoint = load_checkpoint(model_dir)
     config = checkpoint.config
-    _check_block_size(args.block_size, config)
+    check_block_size(args.block_size, config)
     tokenizer = Tokenizer.from_dir(model_dir)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt]
     prompt_ids = [tokenizer.encode(p) for p in prompts]

@@ -22,9 +22,9 @@ from aiohttp import web  # the serve extra: refused in one line by fp8lab.cli wi
 
 from fp8lab.engine.generate_command import (
     DEFAULT_KV_CACHE_MEMORY_FRACTION,
-    _check_block_size,
-    _kv_format,
-    _size,
+    check_block_size,
+    human_size,
+    kv_format_argument,
 )
 from fp8lab.engine.loading import BACKEND_CHOICES, SIMULATOR_HELP
 from fp8lab.reference.kv_cache import FP8_E4M3
@@ -47,7 +47,7 @@ def register(subparsers) -> None:
                    help="the model name clients send (default: the model directory's name; fp8lab-demo for the demo)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, metavar="PORT", help=f"TCP port (default {DEFAULT_PORT})")
-    p.add_argument("--kv-cache-dtype", dest="kv_format", type=_kv_format, default=FP8_E4M3, metavar="{fp8,bf16}",
+    p.add_argument("--kv-cache-dtype", dest="kv_format", type=kv_format_argument, default=FP8_E4M3, metavar="{fp8,bf16}",
                    help="KV cache storage: fp8 (E4M3 + one scale per token and kv head) or bf16 (default fp8)")
     p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                    help="cuda: the numba_kernels on an NVIDIA GPU; reference: NumPy on the CPU; " + SIMULATOR_HELP +
@@ -101,13 +101,13 @@ def cache_blocks(args: argparse.Namespace, config, backend: str) -> int:
     budget = blocks_in_budget(available, args.kv_cache_memory_fraction, block_bytes)
     if args.num_blocks is not None:
         if args.num_blocks > budget:
-            raise ValueError(f"--num-blocks {args.num_blocks}: {_size(args.num_blocks * block_bytes)} of KV cache, more "
-                             f"than --kv-cache-memory-fraction {args.kv_cache_memory_fraction} of {_size(available)} of "
+            raise ValueError(f"--num-blocks {args.num_blocks}: {human_size(args.num_blocks * block_bytes)} of KV cache, more "
+                             f"than --kv-cache-memory-fraction {args.kv_cache_memory_fraction} of {human_size(available)} of "
                              f"{where} holds ({budget:,} blocks)")
         return args.num_blocks
     if budget < 1:
-        raise ValueError(f"--kv-cache-memory-fraction {args.kv_cache_memory_fraction} of {_size(available)} of {where} "
-                         f"holds no KV cache block ({_size(block_bytes)} each)")
+        raise ValueError(f"--kv-cache-memory-fraction {args.kv_cache_memory_fraction} of {human_size(available)} of {where} "
+                         f"holds no KV cache block ({human_size(block_bytes)} each)")
     return min(budget, most)
 
 
@@ -130,7 +130,7 @@ def build(args: argparse.Namespace):
             raise ValueError(f"--model {model_dir}: not a directory")
     checkpoint = load_checkpoint(model_dir)
     config = checkpoint.config
-    _check_block_size(args.block_size, config)
+    check_block_size(args.block_size, config)
     tokenizer = Tokenizer.from_dir(model_dir)
     backend = resolve_backend(args.backend, config)
     if backend == "cudasim":

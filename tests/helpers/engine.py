@@ -160,6 +160,11 @@ def install_fake_io(monkeypatch, folder, config=None, tensors=None):
     import sys
     import types
 
+    # the parser of `fp8lab` imports these modules, which import the real checkpoint module: load them
+    # before it is faked (else the test passes only when an earlier test happened to import them)
+    import fp8lab.engine.checkpoint_commands  # noqa: F401
+    import fp8lab.engine.eval_command  # noqa: F401
+
     if config is None:
         config = tiny_config()
         _, tensors = random_model(config, seed=5)
