@@ -5,7 +5,9 @@ Toolkit:
 
 - ``fp8lab.numba_kernels.cudasim``: warp intrinsics (shuffles, votes, ``syncwarp``) for the simulator,
   installed on import when the simulator is on;
-- ``fp8lab.numba_kernels.bits``: bit reinterpretation (uint32 <-> float32, BF16/F16 patterns) in both modes.
+- ``fp8lab.numba_kernels.bits``: bit reinterpretation (uint32 <-> float32, BF16/F16 patterns) in both modes;
+- ``fp8lab.numba_kernels.racecheck``: a shared-memory race checker for kernels run in the simulator
+  (``with racecheck.checking(): kernel[grid, block](...)``).
 """
 
 from . import cudasim

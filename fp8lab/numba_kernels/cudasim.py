@@ -207,8 +207,10 @@ def shfl_xor_sync(mask, value, lane_mask):
 
 
 def syncwarp(mask=FULL_MASK):
-    """Wait until every lane of ``mask`` has arrived."""
+    """Wait until every lane of ``mask`` has arrived (counted per thread: ``racecheck``'s warp epochs)."""
     exchange("syncwarp", mask, None)
+    thread = _current_thread()
+    thread.warp_barriers_passed = getattr(thread, "warp_barriers_passed", 0) + 1
 
 
 def ballot_sync(mask, predicate):
