@@ -1,0 +1,267 @@
+"""Exact rounding ties and softmax with huge scores in the bit-exact NumPy models (``fp8lab.simulators``).
+
+What is checked against what:
+
+- ``bit_placement.float32_to_bf16_bits`` and ``activation_bits(.., 'bf16')``: float32 values whose low
+  16 bits are exactly 0x8000 (a hand-derived table: even and odd mantissas, both signs, carries into
+  the exponent, subnormals, the overflow tie above the largest finite BF16; and every finite BF16
+  pattern with that tail) against the hand-derived codes, ``ml_dtypes.bfloat16`` and
+  ``fp8lab.reference.dense.float32_to_bf16_bits``. ``float32_to_f16_bits``: exact F16 ties (normal,
+  subnormal, the overflow tie 65520) against hand-derived patterns.
+- The GEMM models' input rounding: ``gemm_mma`` (BF16 and F16 activations) fed float32 activations that
+  are exact ties, with one-hot weights of 1.0 so each output is one rounded activation: against the
+  hand-derived rounding, ``ml_dtypes`` and ``fp8lab.reference.blockwise.gemm`` on the rounded inputs;
+  ``gemv_simt`` fed float64 activations halfway between float32 neighbours (rounded to float32 first).
+- ``splitkv`` (the one simulator of attention; prefill is decode of expanded rows) with scores of
+  magnitude 100 to 10,000 (q and k scaled up, one key far above the others, all scores equal and huge
+  of both signs), float32, BF16 and FP8 caches, 1, 3 and 8 splits, decode and causal prefill rows:
+  finite, within the split-kv float32 bound (``helpers.attention.tolerance``, derived in
+  ``tests/simulators/test_splitkv.py``) of a float64 oracle written here (softmax with the max
+  subtracted), and ``shard_partials_by_step`` (the schedule as written) bit for bit ``shard_partials``.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers.attention import prefill_rows, tolerance
+
+from fp8lab.reference import blockwise, dense, kv_cache
+from fp8lab.reference import strategies as fst
+from fp8lab.simulators import bit_placement, gemm_mma, gemv_simt
+from fp8lab.simulators import splitkv as sk
+
+# ---------------------------------------------------------------------------- BF16 and F16 ties
+
+# (float32 bit pattern, BF16 pattern), by hand: a 0x8000 tail is half a BF16 ulp; the even neighbour wins.
+BF16_TIES = [
+    (0x3F808000, 0x3F80),  # 1 + 2^-8: even, stays 1.0
+    (0x3F818000, 0x3F82),  # odd: up
+    (0x3FFF8000, 0x4000),  # odd, carry into the exponent: 2.0
+    (0x3F7F8000, 0x3F80),  # odd, carry into the exponent: 1.0
+    (0x3F7E8000, 0x3F7E),  # even, stays
+    (0x00008000, 0x0000),  # half the smallest subnormal: zero
+    (0x00018000, 0x0002),  # odd subnormal: up
+    (0x007F8000, 0x0080),  # largest subnormal's tie: the smallest normal
+    (0x7F7E8000, 0x7F7E),  # near overflow, even: stays
+    (0x7F7F8000, 0x7F80),  # the largest finite BF16 is odd: its tie overflows to +inf
+    (0x7F7F7FFF, 0x7F7F),  # a hair below: stays the largest finite
+    (0x3F808001, 0x3F81),  # a hair above a tie: up
+    (0x3F817FFF, 0x3F81),  # a hair below a tie: down
+]
+
+
+def bf16_cases():
+    bits = np.array([b for b, _ in BF16_TIES], np.uint32)
+    want = np.array([w for _, w in BF16_TIES], np.uint16)
+    return (np.concatenate([bits, bits | np.uint32(0x80000000)]).view(np.float32),
+            np.concatenate([want, want | np.uint16(0x8000)]))
+
+
+def test_bf16_ties_hand_table():
+    x, want = bf16_cases()
+    for got in (bit_placement.float32_to_bf16_bits(x), bit_placement.activation_bits(x, "bf16"),
+                bit_placement.float32_to_bits(x, "bf16")):
+        assert got.dtype == np.uint16
+        np.testing.assert_array_equal(got, want)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(x.astype(ml_dtypes.bfloat16).view(np.uint16), want)
+
+
+def test_every_bf16_tie_rounds_to_even():
+    upper = np.arange(1 << 16, dtype=np.uint32)
+    upper = upper[(upper & 0x7F80) != 0x7F80]  # exponent 0xFF with a 0x8000 tail is a NaN
+    x = ((upper << 16) | 0x8000).view(np.float32)
+    got = bit_placement.float32_to_bf16_bits(x)
+    np.testing.assert_array_equal(got, (upper + (upper & 1)).astype(np.uint16))
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(got, x.astype(ml_dtypes.bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(got, dense.float32_to_bf16_bits(x))  # the oracle's own helper agrees
+
+
+# (value, F16 pattern), by hand: F16 has 10 mantissa bits, subnormals 2^-24 apart, largest finite 65504.
+F16_TIES = [
+    (1 + 2.0**-11, 0x3C00),      # between 1.0 (even) and 1 + 2^-10
+    (1 + 3 * 2.0**-11, 0x3C02),  # between 1 + 2^-10 (odd) and 1 + 2^-9
+    (2 - 2.0**-11, 0x4000),      # between 2 - 2^-10 (odd, 0x3BFF) and 2.0: carry into the exponent
+    (2.0**-25, 0x0000),          # half the smallest subnormal: zero
+    (3 * 2.0**-25, 0x0002),      # odd subnormal 0x0001: up
+    (65520.0, 0x7C00),           # between 65504 (0x7BFF, odd) and 2^16: overflows to inf
+    (65504.0 + 8, 0x7BFF),       # below that tie: 65504
+]
+
+
+def test_f16_ties_hand_table():
+    x = np.array([v for v, _ in F16_TIES] + [-v for v, _ in F16_TIES], np.float32)
+    want = np.array([c for _, c in F16_TIES] + [c | 0x8000 for _, c in F16_TIES], np.uint16)
+    np.testing.assert_array_equal(bit_placement.float32_to_f16_bits(x), want)
+    np.testing.assert_array_equal(bit_placement.activation_bits(x, "f16"), want)
+
+
+# ---------------------------------------------------------------------------- the GEMMs' input rounding
+
+
+def tie_activations(rng, m, k, fmt):
+    """float32 ``[m, k]`` activations, every one an exact tie of ``fmt`` ('bf16' or 'f16'), both parities and
+    signs, of moderate magnitude (so that the products with bit placement's ``2^-120`` stay normal), and
+    the hand-derived even neighbour of each."""
+    if fmt == "bf16":
+        upper = rng.integers(0x3D80, 0x5D80, (m, k)).astype(np.uint32)  # BF16 exponents 2^-4 .. 2^59
+        upper |= rng.integers(0, 2, (m, k)).astype(np.uint32) << 15
+        even = (upper + (upper & 1)) << 16  # odd mantissa: up; even: stays
+        return ((upper << 16) | 0x8000).view(np.float32), even.astype(np.uint32).view(np.float32)
+    half = rng.integers(0x0400, 0x7BFF, (m, k)).astype(np.int64)  # normal F16 patterns but the largest
+    half |= rng.integers(0, 2, (m, k)) << 15
+    lo, hi = half.astype(np.uint16).view(np.float16), (half + 1).astype(np.uint16).view(np.float16)
+    tie = ((lo.astype(np.float64) + hi.astype(np.float64)) / 2).astype(np.float32)  # exact in float32
+    return tie, np.where(half & 1, hi, lo).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
+def test_gemm_mma_rounds_tie_activations_to_even(rng, fmt):
+    m, n, k = 3, 16, 128
+    a, even = tie_activations(rng, m, k, fmt)
+    q = np.zeros((n, k), np.uint8)
+    q[np.arange(n), 7 * np.arange(n)] = 0x38  # column j reads activation 7 j with weight 1.0: out = rounded a
+    scale_inv = np.ones((1, 1), np.float32)
+    got = gemm_mma.gemm_mma(a, q, scale_inv, (n, k), activation=fmt)
+    want = even[:, 7 * np.arange(n)]
+    np.testing.assert_array_equal(got, want)
+    oracle = a.astype(ml_dtypes.bfloat16).astype(np.float32) if fmt == "bf16" else a.astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(got, oracle[:, 7 * np.arange(n)])
+    np.testing.assert_array_equal(got, blockwise.gemm(oracle, q, scale_inv, (n, k)).astype(np.float32))
+    assert np.count_nonzero(got != a[:, 7 * np.arange(n)]) == got.size  # every input really was a tie
+
+
+def test_gemv_simt_rounds_float64_activations_to_float32_once(rng):
+    m, n, k = 2, 8, 512
+    lo = (rng.standard_normal((m, k)) * 4).astype(np.float32)
+    a = (lo.astype(np.float64) + np.nextafter(lo, np.float32(np.inf)).astype(np.float64)) / 2  # float32 ties
+    q = np.zeros((n, k), np.uint8)
+    q[np.arange(n), 60 * np.arange(n)] = 0x38
+    got = gemv_simt.gemv_simt(a, q, np.ones((1, 1), np.float32), (n, k))
+    want = a.astype(np.float32)[:, 60 * np.arange(n)]  # NumPy's float64 -> float32 cast is RNE
+    np.testing.assert_array_equal(got, want)
+    bits = want.view(np.uint32)
+    assert np.all(bits & 1 == 0)  # ties round to the even float32 neighbour
+
+
+# ---------------------------------------------------------------------------- split-kv with huge scores
+
+HEAD_DIM = 32
+SOFTMAX_SCALE = HEAD_DIM**-0.5
+BLOCK_SIZE = 4
+
+
+def unit(rng):
+    u = rng.standard_normal(HEAD_DIM)
+    return u / np.linalg.norm(u)
+
+
+def score_cases(rng, num_heads=2):
+    """Per sequence ``(name, q[num_heads, D], k[L, 1, D], v[L, 1, D])``, float32, scores of 100 to 10,000."""
+    cases = []
+    for name, target, length in (("scaled_100", 100.0, 9), ("scaled_10000", 1e4, 13)):
+        q = rng.standard_normal((num_heads, HEAD_DIM))
+        k = rng.standard_normal((length, 1, HEAD_DIM))
+        factor = np.sqrt(target / np.abs(SOFTMAX_SCALE * q @ k[:, 0].T).max())
+        cases.append((name, q * factor, k * factor, rng.standard_normal((length, 1, HEAD_DIM))))
+    u = unit(rng)  # one key far above the others: theirs ~ +-20, key 5's ~ +5000
+    k = rng.standard_normal((11, 1, HEAD_DIM))
+    k[5, 0] = 1000 * u
+    cases.append(("one_far_key", 30 * u + rng.standard_normal((num_heads, HEAD_DIM)), k,
+                  rng.standard_normal((11, 1, HEAD_DIM))))
+    u = unit(rng)  # all scores equal and huge: one key repeated, +8000 for head 0, -8000 for head 1
+    cases.append(("equal_huge", np.stack([100 * u, -100 * u]), np.broadcast_to(80 * u * np.sqrt(HEAD_DIM), (10, 1, HEAD_DIM)),
+                  rng.standard_normal((10, 1, HEAD_DIM))))
+    return [(n, q.astype(np.float32), np.ascontiguousarray(k, np.float32), v.astype(np.float32))
+            for n, q, k, v in cases]
+
+
+def paged_batch(rng, cases, fmt):
+    """The cases' K/V written by ``fp8lab.reference.kv_cache.write`` into one paged cache of ``fmt`` (the
+    simulator's view: a BF16 cache holds BF16 values in float32) over shuffled blocks, unused slots NaN."""
+    lens = np.array([k.shape[0] for _, _, k, _ in cases], np.int32)
+    blocks = -(-lens // BLOCK_SIZE)
+    num_blocks = int(blocks.sum()) + 2
+    pool = rng.permutation(num_blocks)
+    tables = np.full((len(cases), int(blocks.max())), -1, np.int32)
+    shape = (num_blocks, 1, BLOCK_SIZE, HEAD_DIM)
+    fp8 = fmt == "fp8"
+    caches = [np.full(shape, 0x7F, np.uint8) if fp8 else np.full(shape, np.nan, np.float32) for _ in range(2)]
+    scales = [np.full(shape[:3], np.nan, np.float32) if fp8 else None for _ in range(2)]
+    start = 0
+    for i, (_, _, k, v) in enumerate(cases):
+        tables[i, : blocks[i]] = pool[start : start + blocks[i]]
+        start += blocks[i]
+        slots = kv_cache.slots_for_positions(tables[i], np.arange(lens[i]), BLOCK_SIZE)
+        for c, s, x in zip(caches, scales, (k, v)):
+            kv_cache.write(c, s, x.astype(ml_dtypes.bfloat16).astype(np.float32) if fmt == "bf16" else x, slots)
+    q = np.stack([c[1] for c in cases])
+    return fst.PagedKVData(q, caches[0], caches[1], scales[0], scales[1], tables, lens, SOFTMAX_SCALE)
+
+
+def stored_values(cache, scales, table, length):
+    """float64 ``[length, D]`` of kv head 0 as the cache stores them, decoded with ``ml_dtypes`` (FP8: the
+    contract's float32 product ``decode(code) * scale``)."""
+    slots = np.asarray(table)[np.arange(length) // BLOCK_SIZE] * BLOCK_SIZE + np.arange(length) % BLOCK_SIZE
+    raw = cache[slots // BLOCK_SIZE, 0, slots % BLOCK_SIZE]
+    if scales is None:
+        return raw.astype(np.float64)
+    s = scales[slots // BLOCK_SIZE, 0, slots % BLOCK_SIZE]
+    return (raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * s[:, None]).astype(np.float64)
+
+
+def oracle(data):
+    """float64 decode attention with the max subtracted, per sequence (one kv head)."""
+    out = np.zeros(data.q.shape)
+    for i, length in enumerate(data.seq_lens):
+        k = stored_values(data.k_cache, data.k_scale, data.block_tables[i], int(length))
+        v = stored_values(data.v_cache, data.v_scale, data.block_tables[i], int(length))
+        s = SOFTMAX_SCALE * data.q[i].astype(np.float64) @ k.T
+        w = np.exp(s - s.max(axis=1, keepdims=True))
+        out[i] = (w @ v) / w.sum(axis=1, keepdims=True)
+    return out
+
+
+def check_bound(data, got, num_splits):
+    assert np.all(np.isfinite(got))
+    error = np.max(np.abs(got - oracle(data)), axis=-1)
+    bound = tolerance(data, None, num_splits)
+    assert np.all(error <= bound), (error, bound)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_with_huge_scores(rng, fmt, num_splits):
+    data = paged_batch(rng, score_cases(rng), fmt)
+    got = sk.paged_decode(*data.decode_args(), num_splits=num_splits)
+    check_bound(data, got, num_splits)
+    # closed forms: the far key takes all the weight (the others' is exp2 of < -4000: 0); equal scores give
+    # the mean of the values, at +8000 and at -8000 (a softmax without the max subtracted gives inf / inf
+    # or 0 / 0 there)
+    v_far = stored_values(data.v_cache, data.v_scale, data.block_tables[2], 11)[5]
+    np.testing.assert_allclose(got[2], np.broadcast_to(v_far, (2, HEAD_DIM)), rtol=0, atol=2.0**-20 * np.abs(v_far).max())
+    v_equal = stored_values(data.v_cache, data.v_scale, data.block_tables[3], 10)
+    np.testing.assert_allclose(got[3], np.broadcast_to(v_equal.mean(axis=0), (2, HEAD_DIM)), rtol=0,
+                               atol=1e-5 * np.abs(v_equal).max())
+    # the vectorized model is the step-by-step schedule, bit for bit, huge scores included
+    fast = sk.shard_partials(*data.decode_args(), num_splits=num_splits)
+    slow = sk.shard_partials_by_step(*data.decode_args(), num_splits=num_splits)
+    for name in ("m", "l", "acc"):
+        np.testing.assert_array_equal(getattr(fast, name), getattr(slow, name))
+    assert np.all(np.isfinite(fast.l)) and np.all(fast.m[..., 0] > -np.inf)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8"])
+def test_prefill_rows_with_huge_scores(rng, fmt):
+    """Causal prefill is decode of one row per query token (each reading its causal prefix): the last 8
+    tokens of each case's sequence as new tokens, the first ones a cached prefix."""
+    cases = score_cases(rng)
+    data = paged_batch(rng, cases, fmt)
+    query_lens = np.full(len(cases), 8, np.int32)
+    row_tables, row_lens = prefill_rows(data.block_tables, data.seq_lens, query_lens)
+    q = np.concatenate([(c[1][None] * rng.uniform(0.9, 1.1, (8, 1, 1))).astype(np.float32) for c in cases])
+    rows = fst.PagedKVData(q, data.k_cache, data.v_cache, data.k_scale, data.v_scale, row_tables, row_lens,
+                           SOFTMAX_SCALE)
+    for num_splits in (1, 2):
+        check_bound(rows, sk.paged_decode(*rows.decode_args(), num_splits=num_splits), num_splits)
