@@ -191,11 +191,11 @@ class ServerThread:
     ``EngineLoop``), ``tokenizer``, ``config``, ``model_name``; ``stop()`` ends it."""
 
     def __init__(self, *argv: str):
-        from fp8lab import cli
-
         from .server import Server
 
-        args = cli.build_parser().parse_args(["serve", *argv, "--port", "0"])
+        parser = argparse.ArgumentParser(prog="fp8lab")
+        register(parser.add_subparsers(dest="command"))
+        args = parser.parse_args(["serve", *argv, "--port", "0"])
         self.engine, self.tokenizer, self.model_name, self.config, _ = build(args)
         app = Server(self.engine, self.tokenizer, self.model_name, self.config.max_position_embeddings,
                      self.config.vocab_size).app()

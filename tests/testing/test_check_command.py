@@ -171,9 +171,10 @@ def test_every_check_of_the_kit_is_an_op_and_every_parameter_an_option():
 
 
 def test_the_engine_stand_ins_are_the_engines_subcommands():
-    """``fp8lab.cli.ENGINE_COMMANDS`` (listed where the engine is missing) are what the engine registers."""
+    """``fp8lab.cli.ENGINE_COMMANDS`` (listed where the engine is missing) are what the engine registers; ``serve``
+    is the server's."""
     commands = set(cli.build_parser()._subparsers._group_actions[0].choices)
-    assert commands == {"e4m3", "check", *cli.ENGINE_COMMANDS}
+    assert commands == {"e4m3", "check", *cli.ENGINE_COMMANDS, "serve"}
 
 
 # ---------------------------------------------------------------------------- with packages missing
