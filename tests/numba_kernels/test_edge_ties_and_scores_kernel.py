@@ -29,6 +29,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers.attention import prefill_rows, tolerance
+from helpers.edge_cases import (
+    HEAD_DIM,
+    SOFTMAX_SCALE,
+    bf16_cases,
+    e4m3_midpoints,
+    every_bf16_tie,
+    tie_row,
+    unit,
+)
 from numba import cuda
 
 import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
@@ -50,56 +59,6 @@ pytestmark = pytest.mark.cudasim
 # ---------------------------------------------------------------------------- tie data, derived by hand
 
 # (float32 bit pattern, BF16 pattern): a 0x8000 tail is half a BF16 ulp; the even neighbour wins.
-BF16_TIES = [
-    (0x3F808000, 0x3F80),  # 1 + 2^-8: even, stays 1.0
-    (0x3F818000, 0x3F82),  # odd: up
-    (0x3FFF8000, 0x4000),  # odd, carry into the exponent: 2.0
-    (0x3F7F8000, 0x3F80),  # odd, carry into the exponent: 1.0
-    (0x3F7E8000, 0x3F7E),  # even, stays
-    (0x00008000, 0x0000),  # half the smallest subnormal: zero
-    (0x00018000, 0x0002),  # odd subnormal: up
-    (0x007F8000, 0x0080),  # largest subnormal's tie: the smallest normal
-    (0x7F7E8000, 0x7F7E),  # near overflow, even: stays
-    (0x7F7F8000, 0x7F80),  # the largest finite BF16 is odd: its tie overflows to +inf
-    (0x7F7F7FFF, 0x7F7F),  # a hair below: stays the largest finite
-    (0x3F808001, 0x3F81),  # a hair above a tie: up
-    (0x3F817FFF, 0x3F81),  # a hair below a tie: down
-]
-
-
-def bf16_cases():
-    b = np.array([x for x, _ in BF16_TIES], np.uint32)
-    w = np.array([y for _, y in BF16_TIES], np.uint16)
-    return np.concatenate([b, b | np.uint32(0x80000000)]).view(np.float32), np.concatenate([w, w | np.uint16(0x8000)])
-
-
-def every_bf16_tie():
-    upper = np.arange(1 << 16, dtype=np.uint32)
-    upper = upper[(upper & 0x7F80) != 0x7F80]  # exponent 0xFF with a 0x8000 tail is a NaN
-    return ((upper << 16) | 0x8000).view(np.float32), (upper + (upper & 1)).astype(np.uint16)
-
-
-def e4m3_midpoints():
-    """Every midpoint between neighbouring E4M3 values 0x00..0x7E, and 464, both signs, with the even code."""
-    values = e4m3.VALUES[: e4m3.MAX_CODE + 1].astype(np.float64)
-    mid = np.concatenate([(values[:-1] + values[1:]) / 2, [464.0]])
-    lower = np.arange(mid.size)
-    even = (lower + (lower & 1)).astype(np.uint8)  # codes are ordered like magnitudes: the even of i, i + 1
-    return np.concatenate([mid, -mid]).astype(np.float32), np.concatenate([even, even | 0x80])
-
-
-def tie_row(rng, n, scale_exponent):
-    """``n`` E4M3 midpoints (random picks, parities and signs) and +-448, times ``2^scale_exponent``: amax
-    ``448 * 2^k``, so the scale is exactly ``2^k`` and ``x / scale`` are the ties. ``(row, expected codes)``."""
-    mid, even = e4m3_midpoints()
-    half = mid.size // 2
-    pick = rng.choice(np.r_[0 : half - 1, half : 2 * half - 1], n - 2)  # +-464 left out (amax above 448)
-    values = np.concatenate([mid[pick].astype(np.float64), [448.0, -448.0]])
-    codes = np.concatenate([even[pick], [0x7E, 0xFE]]).astype(np.uint8)
-    order = rng.permutation(n)
-    return np.ldexp(values[order], scale_exponent).astype(np.float32), codes[order]
-
-
 # ---------------------------------------------------------------------------- device helpers, in a kernel
 
 
@@ -132,7 +91,7 @@ def test_device_helpers_round_bf16_ties_to_even():
 
 
 def test_device_encoder_rounds_every_e4m3_midpoint_to_even():
-    x, want = e4m3_midpoints()
+    x, want = e4m3_midpoints(signed=True)
     above = np.nextafter(np.float32(464), np.float32(np.inf))
     x = np.concatenate([x, [above, -above, 480.0]]).astype(np.float32)
     want = np.concatenate([want, [0x7E, 0xFE, 0x7E]]).astype(np.uint8)  # saturating: above 464 is 448
@@ -334,14 +293,7 @@ def test_dequantize_bf16_output_ties(rng):
 
 # ---------------------------------------------------------------------------- attention with huge scores
 
-HEAD_DIM = 32
-SOFTMAX_SCALE = HEAD_DIM**-0.5
 BLOCK_SIZE = 4
-
-
-def unit(rng):
-    u = rng.standard_normal(HEAD_DIM)
-    return u / np.linalg.norm(u)
 
 
 def score_cases(rng):

@@ -28,44 +28,21 @@ large scores. What is checked against what:
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.edge_cases import (
+    BF16_OVERFLOWING_TIE,
+    BF16_TIES,
+    HEAD_DIM,
+    SOFTMAX_SCALE,
+    bf16_cases,
+    e4m3_midpoints,
+    every_bf16_tie,
+    score_cases,
+    tie_row,
+)
 
 from fp8lab.reference import attention, blockwise, dense, e4m3, kv_cache
 
 # ---------------------------------------------------------------------------- BF16 ties
-
-# (float32 bit pattern, BF16 pattern it must round to), derived by hand: the tail 0x8000 is exactly
-# half a BF16 ulp, so the even one of the two neighbours wins.
-BF16_TIES = [
-    (0x3F808000, 0x3F80),  # 1 + 2^-8: 1.0 (mantissa 0, even) stays
-    (0x3F818000, 0x3F82),  # 1 + 2^-7 + 2^-8: odd 0x3F81 rounds up to 1 + 2^-6
-    (0x3FFF8000, 0x4000),  # 1.9921875 + 2^-8: odd, the carry runs into the exponent: 2.0
-    (0x3F7F8000, 0x3F80),  # 0.99609375 + 2^-9: odd, carries into the exponent: 1.0
-    (0x3F7E8000, 0x3F7E),  # even, stays
-    (0x00008000, 0x0000),  # half the smallest BF16 subnormal: to zero (even)
-    (0x00018000, 0x0002),  # odd subnormal rounds up
-    (0x007F8000, 0x0080),  # the largest subnormal's tie becomes the smallest normal
-    (0x7F7E8000, 0x7F7E),  # near overflow, even: stays finite
-    (0x7F7F8000, 0x7F80),  # the largest finite BF16 is odd: its tie overflows to +inf
-    (0x7F7F7FFF, 0x7F7F),  # a hair below that tie: the largest finite BF16
-    (0x3F808001, 0x3F81),  # just above a tie: up, whatever the parity
-    (0x3F817FFF, 0x3F81),  # just below a tie: down, whatever the parity
-]
-
-
-def bf16_cases():
-    bits = np.array([b for b, _ in BF16_TIES], np.uint32)
-    want = np.array([w for _, w in BF16_TIES], np.uint16)
-    # both signs: the sign bit does not take part in the rounding
-    return (np.concatenate([bits, bits | np.uint32(0x80000000)]).view(np.float32),
-            np.concatenate([want, want | np.uint16(0x8000)]))
-
-
-def every_bf16_tie():
-    """Every finite BF16 pattern (both signs, subnormals, zero) with the low half 0x8000: all exact ties."""
-    upper = np.arange(1 << 16, dtype=np.uint32)
-    upper = upper[(upper & 0x7F80) != 0x7F80]  # exponent 0xFF with a 0x8000 tail is a NaN, not a tie
-    return ((upper << 16) | 0x8000).view(np.float32), upper.astype(np.uint16)
-
 
 def test_bf16_ties_match_the_hand_table_and_ml_dtypes():
     x, want = bf16_cases()
@@ -75,14 +52,15 @@ def test_bf16_ties_match_the_hand_table_and_ml_dtypes():
     with np.errstate(over="ignore"):
         np.testing.assert_array_equal(x.astype(ml_dtypes.bfloat16).view(np.uint16), want)
     np.testing.assert_array_equal(dense.round_to_bf16(x).view(np.uint32), want.astype(np.uint32) << 16)
-    assert np.isposinf(dense.round_to_bf16(x)[9]) and np.isneginf(dense.round_to_bf16(x)[len(BF16_TIES) + 9])
+    overflow = BF16_OVERFLOWING_TIE
+    assert np.isposinf(dense.round_to_bf16(x)[overflow]) and np.isneginf(dense.round_to_bf16(x)[len(BF16_TIES) + overflow])
 
 
 def test_every_bf16_tie_rounds_to_even():
-    x, upper = every_bf16_tie()
+    x, want = every_bf16_tie()  # odd mantissa: up; even: stays
     assert x.size == 2 * (65536 // 2 - 128)  # 65280 ties, none a NaN
+    upper = (x.view(np.uint32) >> 16).astype(np.uint16)
     got = dense.float32_to_bf16_bits(x)
-    want = (upper.astype(np.uint32) + (upper & 1)).astype(np.uint16)  # odd mantissa: up; even: stays
     np.testing.assert_array_equal(got, want)
     with np.errstate(over="ignore"):
         np.testing.assert_array_equal(got, x.astype(ml_dtypes.bfloat16).view(np.uint16))
@@ -118,14 +96,6 @@ E4M3_TIES = [
 ]
 
 
-def all_midpoints():
-    """Every midpoint between neighbouring non-negative E4M3 values (0x00..0x7E) and 464, with the even code."""
-    values = e4m3.VALUES[: e4m3.MAX_CODE + 1].astype(np.float64)
-    mid = np.concatenate([(values[:-1] + values[1:]) / 2, [464.0]])
-    lower = np.arange(mid.size)  # the code below midpoint i is i (codes are ordered like magnitudes)
-    return mid, (lower + (lower & 1)).astype(np.uint8)  # the even one of codes i, i + 1
-
-
 TIE_DTYPES = [np.float64, np.float32, np.float16, ml_dtypes.bfloat16, np.longdouble]
 
 
@@ -140,7 +110,7 @@ def test_e4m3_hand_table():
 
 @pytest.mark.parametrize("dtype", TIE_DTYPES, ids=lambda d: np.dtype(d).name)
 def test_every_e4m3_midpoint_rounds_to_even_in_every_dtype(dtype):
-    mid, want = all_midpoints()
+    mid, want = e4m3_midpoints()
     x = np.concatenate([mid, -mid]).astype(dtype)
     assert np.all(x.astype(np.float64) == np.concatenate([mid, -mid]))  # the midpoints are exact in dtype
     want = np.concatenate([want, want | 0x80])
@@ -170,19 +140,6 @@ def test_464_and_above_under_both_overflow_policies():
 
 
 # ---------------------------------------------------------------------------- quantizers that divide by a scale
-
-
-def tie_row(rng, n, scale_exponent):
-    """A row of ``n`` E4M3 midpoints (random parities and signs, both ranges) and ``+-448``, all times
-    ``2^scale_exponent``: its amax is ``448 * 2^k``, so the scale is exactly ``2^k`` and every scaled value is
-    the tie itself. Returns ``(row float32, expected codes)``."""
-    mid, even = all_midpoints()
-    pick = rng.choice(mid.size - 1, n - 2, replace=True)  # leave 464 out: it would raise amax above 448
-    sign = rng.integers(0, 2, n - 2).astype(np.uint8)
-    values = np.concatenate([np.where(sign, -mid[pick], mid[pick]), [448.0, -448.0]])
-    codes = np.concatenate([even[pick] | (sign << 7), [0x7E, 0xFE]]).astype(np.uint8)
-    order = rng.permutation(n)
-    return np.ldexp(values[order], scale_exponent).astype(np.float32), codes[order]
 
 
 @pytest.mark.parametrize("scale_exponent", [0, 3, -5, -20])
@@ -221,40 +178,6 @@ def test_blockwise_weight_and_activation_quantizers_round_ties_to_even(rng):
 
 
 # ---------------------------------------------------------------------------- attention with huge scores
-
-HEAD_DIM = 32
-SOFTMAX_SCALE = HEAD_DIM**-0.5
-
-
-def unit(rng):
-    u = rng.standard_normal(HEAD_DIM)
-    return u / np.linalg.norm(u)
-
-
-def score_cases(rng, num_heads=2):
-    """Per sequence ``(name, q[num_heads, D], k[L, 1, D], v[L, 1, D])``, float32, scores of 100 to 10,000."""
-    cases = []
-    for name, target, length in (("scaled_100", 100.0, 9), ("scaled_10000", 1e4, 13)):
-        q = rng.standard_normal((num_heads, HEAD_DIM))
-        k = rng.standard_normal((length, 1, HEAD_DIM))
-        scores = SOFTMAX_SCALE * q @ k[:, 0].T
-        q *= np.sqrt(target / np.abs(scores).max())  # q and k scaled up alike
-        k *= np.sqrt(target / np.abs(scores).max())
-        cases.append((name, q, k, rng.standard_normal((length, 1, HEAD_DIM))))
-    # one key far above the others: others' scores ~ +-20, key 5's ~ +5000
-    u = unit(rng)
-    q = 30 * u + rng.standard_normal((num_heads, HEAD_DIM))
-    k = rng.standard_normal((11, 1, HEAD_DIM))
-    k[5, 0] = 1000 * u
-    cases.append(("one_far_key", q, k, rng.standard_normal((11, 1, HEAD_DIM))))
-    # all scores equal and huge: one key repeated; head 0 sees +8000 everywhere, head 1 -8000
-    u = unit(rng)
-    q = np.stack([100 * u, -100 * u] + [100 * u] * (num_heads - 2))
-    k = np.broadcast_to(80 * u * np.sqrt(HEAD_DIM), (10, 1, HEAD_DIM))
-    cases.append(("equal_huge", q, k, rng.standard_normal((10, 1, HEAD_DIM))))
-    return [(n, q.astype(np.float32), np.ascontiguousarray(k, np.float32), v.astype(np.float32))
-            for n, q, k, v in cases]
-
 
 def oracle(q, k, v):
     """float64 softmax attention with the max subtracted: ``q[H, D]`` over ``k, v[L, D]`` (one kv head)."""

@@ -24,6 +24,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers.attention import prefill_rows, tolerance
+from helpers.edge_cases import (
+    HEAD_DIM,
+    SOFTMAX_SCALE,
+    bf16_cases,
+    score_cases,
+)
 
 from fp8lab.reference import blockwise, dense, kv_cache
 from fp8lab.reference import strategies as fst
@@ -33,30 +39,6 @@ from fp8lab.simulators import splitkv as sk
 # ---------------------------------------------------------------------------- BF16 and F16 ties
 
 # (float32 bit pattern, BF16 pattern), by hand: a 0x8000 tail is half a BF16 ulp; the even neighbour wins.
-BF16_TIES = [
-    (0x3F808000, 0x3F80),  # 1 + 2^-8: even, stays 1.0
-    (0x3F818000, 0x3F82),  # odd: up
-    (0x3FFF8000, 0x4000),  # odd, carry into the exponent: 2.0
-    (0x3F7F8000, 0x3F80),  # odd, carry into the exponent: 1.0
-    (0x3F7E8000, 0x3F7E),  # even, stays
-    (0x00008000, 0x0000),  # half the smallest subnormal: zero
-    (0x00018000, 0x0002),  # odd subnormal: up
-    (0x007F8000, 0x0080),  # largest subnormal's tie: the smallest normal
-    (0x7F7E8000, 0x7F7E),  # near overflow, even: stays
-    (0x7F7F8000, 0x7F80),  # the largest finite BF16 is odd: its tie overflows to +inf
-    (0x7F7F7FFF, 0x7F7F),  # a hair below: stays the largest finite
-    (0x3F808001, 0x3F81),  # a hair above a tie: up
-    (0x3F817FFF, 0x3F81),  # a hair below a tie: down
-]
-
-
-def bf16_cases():
-    bits = np.array([b for b, _ in BF16_TIES], np.uint32)
-    want = np.array([w for _, w in BF16_TIES], np.uint16)
-    return (np.concatenate([bits, bits | np.uint32(0x80000000)]).view(np.float32),
-            np.concatenate([want, want | np.uint16(0x8000)]))
-
-
 def test_bf16_ties_hand_table():
     x, want = bf16_cases()
     for got in (bit_placement.float32_to_bf16_bits(x), bit_placement.activation_bits(x, "bf16"),
@@ -147,34 +129,7 @@ def test_gemv_simt_rounds_float64_activations_to_float32_once(rng):
 
 # ---------------------------------------------------------------------------- split-kv with huge scores
 
-HEAD_DIM = 32
-SOFTMAX_SCALE = HEAD_DIM**-0.5
 BLOCK_SIZE = 4
-
-
-def unit(rng):
-    u = rng.standard_normal(HEAD_DIM)
-    return u / np.linalg.norm(u)
-
-
-def score_cases(rng, num_heads=2):
-    """Per sequence ``(name, q[num_heads, D], k[L, 1, D], v[L, 1, D])``, float32, scores of 100 to 10,000."""
-    cases = []
-    for name, target, length in (("scaled_100", 100.0, 9), ("scaled_10000", 1e4, 13)):
-        q = rng.standard_normal((num_heads, HEAD_DIM))
-        k = rng.standard_normal((length, 1, HEAD_DIM))
-        factor = np.sqrt(target / np.abs(SOFTMAX_SCALE * q @ k[:, 0].T).max())
-        cases.append((name, q * factor, k * factor, rng.standard_normal((length, 1, HEAD_DIM))))
-    u = unit(rng)  # one key far above the others: theirs ~ +-20, key 5's ~ +5000
-    k = rng.standard_normal((11, 1, HEAD_DIM))
-    k[5, 0] = 1000 * u
-    cases.append(("one_far_key", 30 * u + rng.standard_normal((num_heads, HEAD_DIM)), k,
-                  rng.standard_normal((11, 1, HEAD_DIM))))
-    u = unit(rng)  # all scores equal and huge: one key repeated, +8000 for head 0, -8000 for head 1
-    cases.append(("equal_huge", np.stack([100 * u, -100 * u]), np.broadcast_to(80 * u * np.sqrt(HEAD_DIM), (10, 1, HEAD_DIM)),
-                  rng.standard_normal((10, 1, HEAD_DIM))))
-    return [(n, q.astype(np.float32), np.ascontiguousarray(k, np.float32), v.astype(np.float32))
-            for n, q, k, v in cases]
 
 
 def paged_batch(rng, cases, fmt):
