@@ -6,14 +6,20 @@
   values, with the even code) and ``tie_row`` (midpoints times ``2^k`` in a row whose amax makes the
   quantizer's scale exactly ``2^k``, so the scaled values are the ties themselves).
 - Attention with huge scores: ``score_cases`` (scores of 100 to 10,000, one key far above the others, all
-  scores equal and huge of both signs), over ``HEAD_DIM``-wide heads.
+  scores equal and huge of both signs), over ``HEAD_DIM``-wide heads; ``paged_batch`` writes them into one
+  paged cache (the simulator's view), ``kernel_caches`` gives a kernel's arrays of it, ``decode_oracle`` is
+  float64 attention over what the cache stores (``stored_values``) and ``check_decode_bound`` the split-kv
+  float32 bound around it.
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
-from fp8lab.reference import e4m3
+from fp8lab.reference import e4m3, kv_cache
+from fp8lab.reference import strategies as fst
+from helpers.attention import tolerance
 
 # ---------------------------------------------------------------------------- BF16 ties
 
@@ -112,3 +118,65 @@ def score_cases(rng, num_heads: int = 2) -> list[tuple[str, np.ndarray, np.ndarr
                   rng.standard_normal((10, 1, HEAD_DIM))))
     return [(n, q.astype(np.float32), np.ascontiguousarray(k, np.float32), v.astype(np.float32))
             for n, q, k, v in cases]
+
+
+def paged_batch(rng, cases, fmt: str, block_size: int = 4) -> fst.PagedKVData:
+    """The cases' K/V written by ``fp8lab.reference.kv_cache.write`` into one paged cache of ``fmt`` (``fp32``,
+    ``bf16``, ``fp8``) over shuffled blocks, unused slots NaN; the simulator's view (a BF16 cache holds BF16
+    values in float32)."""
+    lens = np.array([k.shape[0] for _, _, k, _ in cases], np.int32)
+    blocks = -(-lens // block_size)
+    num_blocks = int(blocks.sum()) + 2
+    pool = rng.permutation(num_blocks)
+    tables = np.full((len(cases), int(blocks.max())), -1, np.int32)
+    shape = (num_blocks, 1, block_size, HEAD_DIM)
+    fp8 = fmt == "fp8"
+    caches = [np.full(shape, 0x7F, np.uint8) if fp8 else np.full(shape, np.nan, np.float32) for _ in range(2)]
+    scales = [np.full(shape[:3], np.nan, np.float32) if fp8 else None for _ in range(2)]
+    start = 0
+    for i, (_, _, k, v) in enumerate(cases):
+        tables[i, : blocks[i]] = pool[start : start + blocks[i]]
+        start += blocks[i]
+        slots = kv_cache.slots_for_positions(tables[i], np.arange(lens[i]), block_size)
+        for c, s, x in zip(caches, scales, (k, v)):
+            kv_cache.write(c, s, x.astype(ml_dtypes.bfloat16).astype(np.float32) if fmt == "bf16" else x, slots)
+    q = np.stack([c[1] for c in cases])
+    return fst.PagedKVData(q, caches[0], caches[1], scales[0], scales[1], tables, lens, SOFTMAX_SCALE)
+
+
+def kernel_caches(data: fst.PagedKVData, fmt: str) -> list[np.ndarray]:
+    """``data``'s K and V caches as a kernel takes them (BF16 as uint16 patterns)."""
+    caches = [data.k_cache, data.v_cache]
+    return [c.astype(ml_dtypes.bfloat16).view(np.uint16) for c in caches] if fmt == "bf16" else caches
+
+
+def stored_values(cache, scales, table, length: int) -> np.ndarray:
+    """float64 ``[length, D]`` of kv head 0 as the cache stores it, decoded with ``ml_dtypes`` (FP8: the
+    contract's float32 product ``decode(code) * scale``)."""
+    pos, block_size = np.arange(length), cache.shape[2]
+    blocks, offsets = np.asarray(table)[pos // block_size], pos % block_size
+    raw = cache[blocks, 0, offsets]
+    if scales is None:
+        return raw.astype(np.float64)
+    return (raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * scales[blocks, 0, offsets][:, None]).astype(np.float64)
+
+
+def decode_oracle(data: fst.PagedKVData) -> np.ndarray:
+    """float64 decode attention with the max subtracted, one row per sequence (one kv head)."""
+    out = np.zeros(data.q.shape)
+    for i, length in enumerate(data.seq_lens):
+        k = stored_values(data.k_cache, data.k_scale, data.block_tables[i], int(length))
+        v = stored_values(data.v_cache, data.v_scale, data.block_tables[i], int(length))
+        s = SOFTMAX_SCALE * data.q[i].astype(np.float64) @ k.T
+        w = np.exp(s - s.max(axis=1, keepdims=True))
+        out[i] = (w @ v) / w.sum(axis=1, keepdims=True)
+    return out
+
+
+def check_decode_bound(data: fst.PagedKVData, got: np.ndarray, splits) -> None:
+    """``got`` finite and within the split-kv bound (``helpers.attention.tolerance``; the largest over the
+    split counts ``splits``) of ``decode_oracle``."""
+    assert np.all(np.isfinite(got))
+    error = np.max(np.abs(got - decode_oracle(data)), axis=-1)
+    bound = np.max([tolerance(data, None, n) for n in splits], axis=0)
+    assert np.all(error <= bound), (error, bound)

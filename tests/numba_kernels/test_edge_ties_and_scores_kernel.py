@@ -28,13 +28,17 @@ What is checked against what (tiny sizes: a simulated CTA costs about 0.1 s):
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers.attention import prefill_rows, tolerance
+from helpers.attention import prefill_rows
 from helpers.edge_cases import (
     HEAD_DIM,
     SOFTMAX_SCALE,
     bf16_cases,
+    check_decode_bound,
     e4m3_midpoints,
     every_bf16_tie,
+    kernel_caches,
+    paged_batch,
+    stored_values,
     tie_row,
     unit,
 )
@@ -293,8 +297,6 @@ def test_dequantize_bf16_output_ties(rng):
 
 # ---------------------------------------------------------------------------- attention with huge scores
 
-BLOCK_SIZE = 4
-
 
 def score_cases(rng):
     """Per sequence ``(name, q[2, D], k[L, 1, D], v[L, 1, D])``, float32, scores of 100 to 10,000 (few sequences:
@@ -315,66 +317,10 @@ def score_cases(rng):
             for n, q, k, v in cases]
 
 
-def paged_batch(rng, cases, fmt, block_size=BLOCK_SIZE):
-    """The cases' K/V written by ``fp8lab.reference.kv_cache.write`` into one paged cache over shuffled blocks
-    (unused slots NaN). Returns the kernel's caches (BF16 as uint16 patterns) and the simulator's view of the
-    same data (BF16 values in float32) as ``PagedKVData``."""
-    lens = np.array([k.shape[0] for _, _, k, _ in cases], np.int32)
-    blocks = -(-lens // block_size)
-    num_blocks = int(blocks.sum()) + 2
-    pool = rng.permutation(num_blocks)
-    tables = np.full((len(cases), int(blocks.max())), -1, np.int32)
-    shape = (num_blocks, 1, block_size, HEAD_DIM)
-    fp8 = fmt == "fp8"
-    caches = [np.full(shape, 0x7F, np.uint8) if fp8 else np.full(shape, np.nan, np.float32) for _ in range(2)]
-    scales = [np.full(shape[:3], np.nan, np.float32) if fp8 else None for _ in range(2)]
-    start = 0
-    for i, (_, _, k, v) in enumerate(cases):
-        tables[i, : blocks[i]] = pool[start : start + blocks[i]]
-        start += blocks[i]
-        slots = kv_cache.slots_for_positions(tables[i], np.arange(lens[i]), block_size)
-        for c, s, x in zip(caches, scales, (k, v)):
-            kv_cache.write(c, s, x.astype(ml_dtypes.bfloat16).astype(np.float32) if fmt == "bf16" else x, slots)
-    q = np.stack([c[1] for c in cases])
-    view = fst.PagedKVData(q, caches[0], caches[1], scales[0], scales[1], tables, lens, SOFTMAX_SCALE)
-    kernel_caches = [c.astype(ml_dtypes.bfloat16).view(np.uint16) for c in caches] if fmt == "bf16" else caches
-    return kernel_caches, view
-
-
-def stored_values(cache, scales, table, length):
-    """float64 ``[length, D]`` of kv head 0 as the cache stores it, decoded with ``ml_dtypes`` (FP8: the
-    contract's float32 product ``decode(code) * scale``)."""
-    pos, block_size = np.arange(length), cache.shape[2]
-    blocks, offsets = np.asarray(table)[pos // block_size], pos % block_size
-    raw = cache[blocks, 0, offsets]
-    if scales is None:
-        return raw.astype(np.float64)
-    return (raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * scales[blocks, 0, offsets][:, None]).astype(np.float64)
-
-
-def oracle(data):
-    """float64 decode attention with the max subtracted, one row per sequence (one kv head)."""
-    out = np.zeros(data.q.shape)
-    for i, length in enumerate(data.seq_lens):
-        k = stored_values(data.k_cache, data.k_scale, data.block_tables[i], int(length))
-        v = stored_values(data.v_cache, data.v_scale, data.block_tables[i], int(length))
-        s = SOFTMAX_SCALE * data.q[i].astype(np.float64) @ k.T
-        w = np.exp(s - s.max(axis=1, keepdims=True))
-        out[i] = (w @ v) / w.sum(axis=1, keepdims=True)
-    return out
-
-
-def check_bound(data, got, splits):
-    """Finite and within the split-kv bound (the largest over the split counts ``splits``) of the oracle."""
-    assert np.all(np.isfinite(got))
-    error = np.max(np.abs(got - oracle(data)), axis=-1)
-    bound = np.max([tolerance(data, None, n) for n in splits], axis=0)
-    assert np.all(error <= bound), (error, bound)
-
-
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8"])
 def test_paged_decode_with_huge_scores(rng, fmt):
-    (k_cache, v_cache), data = paged_batch(rng, score_cases(rng), fmt)
+    data = paged_batch(rng, score_cases(rng), fmt)
+    k_cache, v_cache = kernel_caches(data, fmt)
     largest = [np.abs(SOFTMAX_SCALE * data.q[i].astype(np.float64)
                       @ stored_values(data.k_cache, data.k_scale, data.block_tables[i], int(n)).T).max(axis=1)
                for i, n in enumerate(data.seq_lens)]
@@ -391,7 +337,7 @@ def test_paged_decode_with_huge_scores(rng, fmt):
             np.testing.assert_array_equal(workspace[..., :HEAD_DIM], partials.acc)
             np.testing.assert_array_equal(workspace[..., HEAD_DIM], partials.m)
             np.testing.assert_array_equal(workspace[..., HEAD_DIM + 1], partials.l)
-        check_bound(data, out, [num_splits])
+        check_decode_bound(data, out, [num_splits])
         # the far key takes all the weight; equal scores (+8000 and -8000) give the mean of the values
         v_far = stored_values(data.v_cache, data.v_scale, data.block_tables[1], 11)[5]
         np.testing.assert_allclose(out[1], np.broadcast_to(v_far, out[1].shape), rtol=0, atol=2.0**-20 * np.abs(v_far).max())
@@ -406,7 +352,8 @@ def test_paged_prefill_with_huge_scores(rng, fmt):
     simulator on the rows expanded by hand, within the bound of the float64 oracle. Blocks of 8 tokens keep
     the "auto" split count (at most the blocks of a row) and so the simulated CTAs few."""
     cases = score_cases(rng)
-    (k_cache, v_cache), data = paged_batch(rng, cases, fmt, block_size=8)
+    data = paged_batch(rng, cases, fmt, block_size=8)
+    k_cache, v_cache = kernel_caches(data, fmt)
     query_lens = np.array([2, 1, 1], np.int32)
     q = np.concatenate([(c[1][None] * rng.uniform(0.9, 1.1, (n, 1, 1))).astype(np.float32)
                         for c, n in zip(cases, query_lens)])
@@ -418,4 +365,4 @@ def test_paged_prefill_with_huge_scores(rng, fmt):
                            SOFTMAX_SCALE)
     expected = sk.paged_decode(*rows.decode_args())  # "auto": the kernel's rule on these rows
     np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
-    check_bound(rows, out, range(1, 9))  # whatever "auto" chose: at most 8 splits per head
+    check_decode_bound(rows, out, range(1, 9))  # whatever "auto" chose: at most 8 splits per head

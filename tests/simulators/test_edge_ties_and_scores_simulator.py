@@ -23,15 +23,18 @@ What is checked against what:
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers.attention import prefill_rows, tolerance
+from helpers.attention import prefill_rows
 from helpers.edge_cases import (
     HEAD_DIM,
     SOFTMAX_SCALE,
     bf16_cases,
+    check_decode_bound,
+    paged_batch,
     score_cases,
+    stored_values,
 )
 
-from fp8lab.reference import blockwise, dense, kv_cache
+from fp8lab.reference import blockwise, dense
 from fp8lab.reference import strategies as fst
 from fp8lab.simulators import bit_placement, gemm_mma, gemv_simt
 from fp8lab.simulators import splitkv as sk
@@ -129,68 +132,12 @@ def test_gemv_simt_rounds_float64_activations_to_float32_once(rng):
 
 # ---------------------------------------------------------------------------- split-kv with huge scores
 
-BLOCK_SIZE = 4
-
-
-def paged_batch(rng, cases, fmt):
-    """The cases' K/V written by ``fp8lab.reference.kv_cache.write`` into one paged cache of ``fmt`` (the
-    simulator's view: a BF16 cache holds BF16 values in float32) over shuffled blocks, unused slots NaN."""
-    lens = np.array([k.shape[0] for _, _, k, _ in cases], np.int32)
-    blocks = -(-lens // BLOCK_SIZE)
-    num_blocks = int(blocks.sum()) + 2
-    pool = rng.permutation(num_blocks)
-    tables = np.full((len(cases), int(blocks.max())), -1, np.int32)
-    shape = (num_blocks, 1, BLOCK_SIZE, HEAD_DIM)
-    fp8 = fmt == "fp8"
-    caches = [np.full(shape, 0x7F, np.uint8) if fp8 else np.full(shape, np.nan, np.float32) for _ in range(2)]
-    scales = [np.full(shape[:3], np.nan, np.float32) if fp8 else None for _ in range(2)]
-    start = 0
-    for i, (_, _, k, v) in enumerate(cases):
-        tables[i, : blocks[i]] = pool[start : start + blocks[i]]
-        start += blocks[i]
-        slots = kv_cache.slots_for_positions(tables[i], np.arange(lens[i]), BLOCK_SIZE)
-        for c, s, x in zip(caches, scales, (k, v)):
-            kv_cache.write(c, s, x.astype(ml_dtypes.bfloat16).astype(np.float32) if fmt == "bf16" else x, slots)
-    q = np.stack([c[1] for c in cases])
-    return fst.PagedKVData(q, caches[0], caches[1], scales[0], scales[1], tables, lens, SOFTMAX_SCALE)
-
-
-def stored_values(cache, scales, table, length):
-    """float64 ``[length, D]`` of kv head 0 as the cache stores them, decoded with ``ml_dtypes`` (FP8: the
-    contract's float32 product ``decode(code) * scale``)."""
-    slots = np.asarray(table)[np.arange(length) // BLOCK_SIZE] * BLOCK_SIZE + np.arange(length) % BLOCK_SIZE
-    raw = cache[slots // BLOCK_SIZE, 0, slots % BLOCK_SIZE]
-    if scales is None:
-        return raw.astype(np.float64)
-    s = scales[slots // BLOCK_SIZE, 0, slots % BLOCK_SIZE]
-    return (raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * s[:, None]).astype(np.float64)
-
-
-def oracle(data):
-    """float64 decode attention with the max subtracted, per sequence (one kv head)."""
-    out = np.zeros(data.q.shape)
-    for i, length in enumerate(data.seq_lens):
-        k = stored_values(data.k_cache, data.k_scale, data.block_tables[i], int(length))
-        v = stored_values(data.v_cache, data.v_scale, data.block_tables[i], int(length))
-        s = SOFTMAX_SCALE * data.q[i].astype(np.float64) @ k.T
-        w = np.exp(s - s.max(axis=1, keepdims=True))
-        out[i] = (w @ v) / w.sum(axis=1, keepdims=True)
-    return out
-
-
-def check_bound(data, got, num_splits):
-    assert np.all(np.isfinite(got))
-    error = np.max(np.abs(got - oracle(data)), axis=-1)
-    bound = tolerance(data, None, num_splits)
-    assert np.all(error <= bound), (error, bound)
-
-
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_decode_with_huge_scores(rng, fmt, num_splits):
     data = paged_batch(rng, score_cases(rng), fmt)
     got = sk.paged_decode(*data.decode_args(), num_splits=num_splits)
-    check_bound(data, got, num_splits)
+    check_decode_bound(data, got, [num_splits])
     # closed forms: the far key takes all the weight (the others' is exp2 of < -4000: 0); equal scores give
     # the mean of the values, at +8000 and at -8000 (a softmax without the max subtracted gives inf / inf
     # or 0 / 0 there)
@@ -219,4 +166,4 @@ def test_prefill_rows_with_huge_scores(rng, fmt):
     rows = fst.PagedKVData(q, data.k_cache, data.v_cache, data.k_scale, data.v_scale, row_tables, row_lens,
                            SOFTMAX_SCALE)
     for num_splits in (1, 2):
-        check_bound(rows, sk.paged_decode(*rows.decode_args(), num_splits=num_splits), num_splits)
+        check_decode_bound(rows, sk.paged_decode(*rows.decode_args(), num_splits=num_splits), [num_splits])
