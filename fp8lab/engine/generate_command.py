@@ -59,6 +59,23 @@ def kv_format_argument(text: str):
     return GENERATE_KV_FORMATS[text]
 
 
+def add_kv_cache_dtype_option(p) -> None:
+    p.add_argument("--kv-cache-dtype", dest="kv_format", type=kv_format_argument, default=FP8_E4M3, metavar="{fp8,bf16}",
+                   help="KV cache storage: fp8 (E4M3 + one scale per token and kv head) or bf16 (default fp8)")
+
+
+def add_backend_option(p) -> None:
+    p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
+                   help="cuda: the numba_kernels on an NVIDIA GPU; reference: NumPy on the CPU; " + SIMULATOR_HELP +
+                   "; auto (default): cuda when numba-cuda sees a GPU and the kernels take the model, else reference")
+
+
+def add_kv_cache_memory_option(p) -> None:
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=DEFAULT_KV_CACHE_MEMORY_FRACTION, metavar="F",
+                   help="share of the memory available after loading the model (host memory; free GPU memory for "
+                   f"cuda) that the KV cache may use, in (0, 1] (default {DEFAULT_KV_CACHE_MEMORY_FRACTION})")
+
+
 def register(subparsers) -> None:
     """Add ``generate`` to the ``fp8lab`` parser."""
     p = subparsers.add_parser(
@@ -76,11 +93,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                    help="tokens to generate per prompt (default 64; clamped, with a note, to what the model's "
                    "max_position_embeddings leave after the prompt)")
-    p.add_argument("--kv-cache-dtype", dest="kv_format", type=kv_format_argument, default=FP8_E4M3, metavar="{fp8,bf16}",
-                   help="KV cache storage: fp8 (E4M3 + one scale per token and kv head) or bf16 (default fp8)")
-    p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
-                   help="cuda: the numba_kernels on an NVIDIA GPU; reference: NumPy on the CPU; " + SIMULATOR_HELP +
-                   "; auto (default): cuda when numba-cuda sees a GPU and the kernels take the model, else reference")
+    add_kv_cache_dtype_option(p)
+    add_backend_option(p)
     p.add_argument("--allow-slow-simulator", action="store_true",
                    help="run --backend cudasim on a model bigger than a micro model anyway (minutes per token)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
@@ -95,9 +109,7 @@ def register(subparsers) -> None:
                    "--kv-cache-memory-fraction; requests beyond it wait their turn)")
     p.add_argument("--block-size", type=int, default=16, metavar="B",
                    help="tokens per KV cache block, 1 to the model's max_position_embeddings (default 16)")
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=DEFAULT_KV_CACHE_MEMORY_FRACTION, metavar="F",
-                   help="share of the memory available after loading the model (host memory; free GPU memory for "
-                   f"cuda) that the KV cache may use, in (0, 1] (default {DEFAULT_KV_CACHE_MEMORY_FRACTION})")
+    add_kv_cache_memory_option(p)
     p.set_defaults(handler=_generate_command)
 
 

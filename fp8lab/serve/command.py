@@ -21,13 +21,12 @@ from pathlib import Path
 from aiohttp import web  # the serve extra: refused in one line by fp8lab.cli without it
 
 from fp8lab.engine.generate_command import (
-    DEFAULT_KV_CACHE_MEMORY_FRACTION,
+    add_backend_option,
+    add_kv_cache_dtype_option,
+    add_kv_cache_memory_option,
     check_block_size,
     human_size,
-    kv_format_argument,
 )
-from fp8lab.engine.loading import BACKEND_CHOICES, SIMULATOR_HELP
-from fp8lab.reference.kv_cache import FP8_E4M3
 
 DEFAULT_PORT = 8000
 
@@ -47,11 +46,8 @@ def register(subparsers) -> None:
                    help="the model name clients send (default: the model directory's name; fp8lab-demo for the demo)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, metavar="PORT", help=f"TCP port (default {DEFAULT_PORT})")
-    p.add_argument("--kv-cache-dtype", dest="kv_format", type=kv_format_argument, default=FP8_E4M3, metavar="{fp8,bf16}",
-                   help="KV cache storage: fp8 (E4M3 + one scale per token and kv head) or bf16 (default fp8)")
-    p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
-                   help="cuda: the numba_kernels on an NVIDIA GPU; reference: NumPy on the CPU; " + SIMULATOR_HELP +
-                   "; auto (default): cuda when numba-cuda sees a GPU and the kernels take the model, else reference")
+    add_kv_cache_dtype_option(p)
+    add_backend_option(p)
     p.add_argument("--max-num-seqs", type=int, default=16, metavar="N",
                    help="sequences decoded together at most; more requests wait (default 16)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="T",
@@ -60,9 +56,7 @@ def register(subparsers) -> None:
                    help="KV cache blocks (default: what --kv-cache-memory-fraction holds, at most --max-num-seqs "
                    "sequences of the model's full context)")
     p.add_argument("--block-size", type=int, default=16, metavar="B", help="tokens per KV cache block (default 16)")
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=DEFAULT_KV_CACHE_MEMORY_FRACTION, metavar="F",
-                   help="share of the memory available after loading the model (host memory; free GPU memory for "
-                   f"cuda) that the KV cache may use, in (0, 1] (default {DEFAULT_KV_CACHE_MEMORY_FRACTION})")
+    add_kv_cache_memory_option(p)
     p.set_defaults(handler=_serve_command)
 
 
