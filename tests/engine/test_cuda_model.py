@@ -369,6 +369,39 @@ def test_gpu_graph_replay_is_bit_identical_to_eager_steps(tiny):
     print(f"\ngraphs: {graphs.stats.as_dict()}\neager: {eager.stats.as_dict()}")
 
 
+def stepped_logits(model, prompts, schedule, kv):
+    """Prefill ``prompts``, then one decode step per entry of ``schedule`` (the sequences that step runs, by
+    index: batches that shrink reuse a larger bucket's graph with padding rows); every step's logits."""
+    manager = KVCacheManager(32, 16)
+    cache = model.allocate_kv_cache(32, 16, kv)
+    for i in range(len(prompts)):
+        manager.add_sequence(i)
+    logits = model.forward(make_batch(manager, list(enumerate(prompts))), cache)
+    tokens = {i: int(np.argmax(row)) for i, row in enumerate(logits)}
+    out = []
+    for active in schedule:
+        step = model.forward(make_batch(manager, [(i, [tokens[i]]) for i in active]), cache)
+        tokens.update((i, int(np.argmax(row))) for i, row in zip(active, step))
+        out.append(step)
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_replayed_after_a_smaller_batch_are_eager_steps(tiny):
+    """A bucket's graph captured at 4 sequences, replayed at 3 (a padding row where a sequence was) and a
+    smaller bucket after it: every step's logits bit for bit the eager model's."""
+    checkpoint, tokenizer = tiny
+    prompts = [tokenizer.encode(p) for p in (*GPU_PROMPTS, "A third one", "and a fourth")]
+    schedule = [[0, 1, 2, 3]] * 3 + [[0, 1, 3]] * 3 + [[2]] * 2
+    options = dict(max_num_tokens=64, max_num_seqs=4, f32_max_rows=16)
+    graphs = CudaQwen3Model.from_checkpoint(checkpoint, **options)
+    eager = CudaQwen3Model.from_checkpoint(checkpoint, **options, cuda_graphs=False)
+    for kv in ("bf16", "fp8"):
+        for got, want in zip(stepped_logits(graphs, prompts, schedule, kv), stepped_logits(eager, prompts, schedule, kv)):
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert graphs.stats.graph_replays >= 2 * 5 and eager.stats.graph_replays == 0
+
+
 @pytest.mark.gpu
 def test_gpu_long_prompt_takes_bf16_gemm_inputs(tiny):
     """A 40-token prompt (more than ``f32_max_rows``): tensor-core GEMMs on BF16 activations."""
