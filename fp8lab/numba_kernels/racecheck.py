@@ -211,27 +211,30 @@ def _install() -> None:
         from numba.cuda.simulator import kernelapi
         from numba.np import numpy_support
 
-        original_array = kernelapi.FakeCUDAShared.array
-
         def array(self, shape, dtype, alignment=None):
-            if not _ENABLED:
-                return original_array(self, shape, dtype, alignment)
+            # the simulator's own allocation rule (one array per source line of the kernel; dynamic shared
+            # memory one buffer), written out here: it finds the calling line on the stack, which must be
+            # the kernel's, not this wrapper's
             if alignment is not None:
                 raise RuntimeError("Array alignment is not supported in cudasim")
             dtype = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)
-            checked = self.__dict__.setdefault("_racecheck", {})
             caller = traceback.extract_stack(sys._getframe(1), limit=1)[-1]
             site = f"{caller.filename}:{caller.lineno}"
             if shape == 0:  # dynamic shared memory: every request views the one buffer
-                records = checked.setdefault("dynamic", _Records(f"(dynamic shared memory, first requested at {site}; "
-                                                                 "elements in bytes)", (self._dynshared_size,), 1))
                 count = self._dynshared_size // dtype.itemsize
-                return _shared(np.frombuffer(self._dynshared.data, dtype=dtype, count=count), self._dynshared, records)
-            key = (caller.filename, caller.lineno)  # as the simulator's own: one allocation per source line
-            if key not in checked:
+                plain = np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
+                if not _ENABLED:
+                    return plain
+                records = self.__dict__.setdefault("_racecheck", {}).setdefault("dynamic", _Records(
+                    f"(dynamic shared memory, first requested at {site}; elements in bytes)", (self._dynshared_size,), 1))
+                return _shared(plain, self._dynshared, records)
+            key = (caller.filename, caller.lineno)
+            allocations = self.__dict__.setdefault("_racecheck", {}) if _ENABLED else self._allocations
+            if key not in allocations:
                 buffer = np.empty(shape, dtype)
-                checked[key] = _shared(buffer, buffer, _Records(f"allocated at {site}", buffer.shape, dtype.itemsize))
-            return checked[key]
+                allocations[key] = (_shared(buffer, buffer, _Records(f"allocated at {site}", buffer.shape, dtype.itemsize))
+                                    if _ENABLED else buffer)
+            return allocations[key]
 
         kernelapi.FakeCUDAShared.array = array
 

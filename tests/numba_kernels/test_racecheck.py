@@ -12,6 +12,7 @@ with its result still bit for bit its simulator's (the checker changes nothing i
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import numpy as np
@@ -214,6 +215,29 @@ def test_off_outside_checking_and_only_in_the_simulator(rng):
     out = np.full(64, np.nan, np.float32)
     neighbour_sum[1, 64](x, out, False)  # the race is there, but nothing checks it
     assert np.all(np.isfinite(out))
+
+
+@cuda.jit
+def two_arrays(x, out):
+    a = cuda.shared.array(32, float32)
+    b = cuda.shared.array(32, float32)
+    t = cuda.threadIdx.x
+    a[t] = x[t]
+    b[t] = 2 * x[t]
+    cuda.syncthreads()
+    out[t] = a[t] + b[(t + 1) % 32]
+
+
+def test_shared_arrays_stay_apart_checked_and_after_checking(rng):
+    """Each ``cuda.shared.array`` line is its own array, while checking and in unchecked launches after it (the
+    checker replaces the simulator's allocation, which finds its caller on the stack)."""
+    x = rng.standard_normal(32).astype(np.float32)
+    want = x + 2 * np.roll(x, -1)
+    for checked in (True, False):
+        out = np.full(32, np.nan, np.float32)
+        with racecheck.checking() if checked else contextlib.nullcontext():
+            two_arrays[1, 32](x, out)
+        np.testing.assert_array_equal(out, want)
 
 
 def test_blocks_start_afresh(rng):
