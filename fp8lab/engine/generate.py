@@ -407,19 +407,30 @@ class ContinuousBatch:
                                    f"{s.max_new_tokens} new - 1 = {s.max_cached_tokens} tokens in blocks "
                                    f"of {self.generator.block_size}; the whole cache has {self.num_blocks} blocks")
 
-    def add(self, index: int, prompt, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-            seed: int | None = None, rng_index: int | None = None) -> None:
-        """Queue request ``index`` (not already in the batch): a string or token ids, at most
-        ``max_new_tokens`` new tokens (clamped to the model's positions), its own ``sampling`` and rng
-        (``default_rng([seed, rng_index])``, ``rng_index`` defaulting to ``index``). A bad request raises
-        ``ValueError``, one that cannot fit even alone ``KVCacheExhausted``; nothing is queued then."""
+    def new_request(self, index: int, prompt, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                    seed: int | None = None, rng_index: int | None = None) -> _Sequence:
+        """Request ``index``, checked, not yet queued: a string or token ids, at most ``max_new_tokens`` new
+        tokens (clamped to the model's positions), its own ``sampling`` and rng (``default_rng([seed,
+        rng_index])``, ``rng_index`` defaulting to ``index``). A bad request raises ``ValueError``, one that
+        cannot fit even alone ``KVCacheExhausted``. Reads nothing that steps change (any thread may call it)."""
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
-        if any(s.index == index for s in (*self.waiting, *self.running)):
-            raise ValueError(f"request {index} is already in the batch")
         s = self.generator._new_sequence(index, prompt, max_new_tokens, seed, sampling, rng_index)
         self.check_fits(s)
+        return s
+
+    def enqueue(self, s: _Sequence) -> None:
+        """Queue a request from ``new_request`` (its index not already in the batch)."""
+        if any(other.index == s.index for other in (*self.waiting, *self.running)):
+            raise ValueError(f"request {s.index} is already in the batch")
         self.waiting.append(s)
+
+    def add(self, index: int, prompt, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+            seed: int | None = None, rng_index: int | None = None) -> None:
+        """``enqueue(new_request(...))``: nothing is queued when a check fails."""
+        if any(s.index == index for s in (*self.waiting, *self.running)):
+            raise ValueError(f"request {index} is already in the batch")
+        self.enqueue(self.new_request(index, prompt, max_new_tokens, sampling, seed, rng_index))
 
     def abort(self, index: int) -> GenerationResult | None:
         """Drop request ``index`` now, its KV blocks freed at once; its result (``finish_reason``

@@ -130,13 +130,9 @@ class EngineLoop:
         with self._id_lock:
             request_id = self._next_id
             self._next_id += 1
-        if request.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens: expected >= 1, got {request.max_new_tokens}")
-        # the checks ContinuousBatch.add makes, on a sequence that is then thrown away
-        probe = self.generator._new_sequence(request_id, request.prompt_ids, request.max_new_tokens, request.seed,
-                                             request.sampling, 0)
-        self.batch.check_fits(probe)
-        self._commands.put(("submit", request_id, (request, on_event)))
+        sequence = self.batch.new_request(request_id, request.prompt_ids, request.max_new_tokens, request.sampling,
+                                          request.seed, rng_index=0)
+        self._commands.put(("submit", request_id, (sequence, on_event)))
         return request_id
 
     def abort(self, request_id: int) -> None:
@@ -173,13 +169,9 @@ class EngineLoop:
         while True:
             kind, request_id, payload = command
             if kind == "submit":
-                request, on_event = payload
+                sequence, on_event = payload
                 self._listeners[request_id] = on_event
-                try:
-                    self.batch.add(request_id, request.prompt_ids, request.max_new_tokens, request.sampling,
-                                   request.seed, rng_index=0)
-                except Exception as e:  # checked in submit already; anything else is this request's alone
-                    self._finish_with_error(request_id, request.prompt_ids, e)
+                self.batch.enqueue(sequence)  # checked in submit; its id is new
             elif kind == "abort":
                 result = self.batch.abort(request_id)
                 if result is not None:
@@ -227,8 +219,3 @@ class EngineLoop:
             self._emit(FinishEvent(s.index, replace(result, finish_reason="error", error=f"request {s.index}: {message}")))
         self.batch = ContinuousBatch(self.generator, self.batch.num_blocks, *self._limits)  # a fresh cache
         self.batch.waiting.extend(waiting)
-
-    def _finish_with_error(self, request_id: int, prompt_ids, error: Exception) -> None:
-        result = GenerationResult(request_id, list(prompt_ids), [], "", "error", float("nan"), 0.0,
-                                  f"request {request_id}: {type(error).__name__}: {error}")
-        self._emit(FinishEvent(request_id, result))
