@@ -16,6 +16,7 @@ import asyncio
 import errno
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web  # the serve extra: refused in one line by fp8lab.cli without it
@@ -105,13 +106,27 @@ def cache_blocks(args: argparse.Namespace, config, backend: str) -> int:
     return min(budget, most)
 
 
-def build(args: argparse.Namespace):
-    """The engine loop (not started), the tokenizer, the model name and the config for ``args``."""
+@dataclass
+class Served:
+    """What ``build`` makes of a command line: the engine loop (not started) and the application over it."""
+
+    engine: object  # fp8lab.engine.serving.EngineLoop
+    app: web.Application
+    tokenizer: object
+    model_name: str
+    config: object
+    backend: str
+
+
+def build(args: argparse.Namespace) -> Served:
+    """The model, its engine loop (not started) and the HTTP application for ``args``."""
     from fp8lab.engine.checkpoint import load_checkpoint
     from fp8lab.engine.generate import Generator, collect_stop_token_ids
     from fp8lab.engine.loading import check_simulator_size, load_model, resolve_backend
     from fp8lab.engine.serving import EngineLoop
     from fp8lab.engine.tokenizer import Tokenizer
+
+    from .server import Server
 
     check_options(args)
     if args.model is None:
@@ -136,7 +151,9 @@ def build(args: argparse.Namespace):
                           prefill_chunk_size=args.max_num_batched_tokens)
     engine = EngineLoop(generator, cache_blocks(args, config, backend), max_num_seqs=args.max_num_seqs,
                         max_num_tokens=args.max_num_batched_tokens)
-    return engine, tokenizer, args.served_model_name or name, config, backend
+    name = args.served_model_name or name
+    app = Server(engine, tokenizer, name, config.max_position_embeddings, config.vocab_size).app()
+    return Served(engine, app, tokenizer, name, config, backend)
 
 
 async def serve(app: web.Application, host: str, port: int, ready=None) -> None:
@@ -161,19 +178,17 @@ async def serve(app: web.Application, host: str, port: int, ready=None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .server import Server
-
-    engine, tokenizer, name, config, backend = build(args)
-    app = Server(engine, tokenizer, name, config.max_position_embeddings, config.vocab_size).app()
+    served = build(args)
+    engine = served.engine
     engine.start()
 
     def ready(port: int) -> None:
-        print(f"fp8lab serve: {name} on http://{args.host}:{port}/v1 (backend {backend}, kv cache "
+        print(f"fp8lab serve: {served.model_name} on http://{args.host}:{port}/v1 (backend {served.backend}, kv cache "
               f"{args.kv_format.name}, {engine.batch.num_blocks:,} blocks of {args.block_size} tokens, up to "
               f"{args.max_num_seqs} sequences); Ctrl-C stops it", file=sys.stderr, flush=True)
 
     try:
-        asyncio.run(serve(app, args.host, args.port, ready))
+        asyncio.run(serve(served.app, args.host, args.port, ready))
     finally:
         engine.shutdown()
     return 0
@@ -185,14 +200,12 @@ class ServerThread:
     ``EngineLoop``), ``tokenizer``, ``config``, ``model_name``; ``stop()`` ends it."""
 
     def __init__(self, *argv: str):
-        from .server import Server
-
         parser = argparse.ArgumentParser(prog="fp8lab")
         register(parser.add_subparsers(dest="command"))
-        args = parser.parse_args(["serve", *argv, "--port", "0"])
-        self.engine, self.tokenizer, self.model_name, self.config, _ = build(args)
-        app = Server(self.engine, self.tokenizer, self.model_name, self.config.max_position_embeddings,
-                     self.config.vocab_size).app()
+        served = build(parser.parse_args(["serve", *argv, "--port", "0"]))
+        self.engine, self.tokenizer, self.model_name, self.config = (served.engine, served.tokenizer,
+                                                                     served.model_name, served.config)
+        app = served.app
         self.engine.start()
         self._loop = asyncio.new_event_loop()
         ready, self.port = threading.Event(), None
