@@ -220,27 +220,3 @@ def test_without_aiohttp_serve_names_its_extra(tmp_path):
     assert result.returncode == 1 and not result.stdout
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("fp8lab serve: ")
     assert 'pip install "fp8lab[serve]"' in result.stderr
-
-
-@pytest.mark.gpu
-def test_gpu_serve_on_the_cuda_backend_is_fp8lab_generate(capsys):
-    """The engine thread drives the GPU model (its CUDA context made current there): a greedy answer alone is
-    ``fp8lab generate --backend cuda``'s; four at once are all answered in full. (Their texts may differ from
-    each alone: a prefill of more than ``f32_max_rows`` tokens feeds the FP8 GEMMs BF16-rounded inputs.)"""
-    import concurrent.futures
-
-    s = ServerThread("--backend", "cuda", "--max-num-seqs", "4")
-    try:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        want = generate(capsys, "--backend", "cuda", "--prompt", PROMPT, "--max-new-tokens", "12")
-        one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
-        assert one.choices[0].text == want
-        prompts = [PROMPT, "import numpy as np", "class Point:", "The json module"]
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=12,
-                                                                         temperature=0), prompts))
-        assert all(a.usage.completion_tokens == 12 or a.choices[0].finish_reason == "stop" for a in answers)
-        state = s.engine.state
-        assert state.running == state.waiting == 0 and state.free_blocks == state.num_blocks
-    finally:
-        s.stop()
