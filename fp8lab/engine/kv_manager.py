@@ -231,11 +231,19 @@ class KVCacheManager:
                                    f"to {len(requests)} sequence(s), {self.block_size} tokens per block")
         slots = {}
         for seq, n in requests.items():
-            self._tables[seq].extend(self.allocator.allocate(needed[seq]))
+            table = self._tables[seq]
+            table.extend(self.allocator.allocate(needed[seq]))
             start = self._lens[seq]
             self._lens[seq] = start + int(n)
-            slots[seq] = self.slots(seq, np.arange(start, start + int(n)))
+            slots[seq] = self._new_slots(table, start, int(n))
         return slots
+
+    def _new_slots(self, table: list[int], start: int, n: int) -> np.ndarray:
+        """Slots of positions ``start .. start + n - 1`` of a sequence with block ``table`` (int64), the rule of
+        ``fp8lab.reference.kv_cache.slots_for_positions`` for positions just reserved, so without its checks:
+        a decode step reserves one slot per sequence, and the host time of a step is time the GPU waits."""
+        bs = self.block_size
+        return np.fromiter((table[p // bs] * bs + p % bs for p in range(start, start + n)), np.int64, count=n)
 
     def slots(self, seq: Hashable, positions) -> np.ndarray:
         """Slots of token ``positions`` of ``seq`` (positions must already be reserved)."""

@@ -35,6 +35,7 @@ oracles in ``fp8lab/reference/`` still propagate NaN where a test asks them to.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Hashable, Protocol, Sequence
 
@@ -92,7 +93,7 @@ class ForwardBatch:
         if len(self.positions) != t or len(self.slot_mapping) != t:
             raise ValueError(f"ForwardBatch: token_ids ({t}), positions ({len(self.positions)}) and "
                              f"slot_mapping ({len(self.slot_mapping)}) must have one entry per token")
-        if int(np.sum(self.query_lens)) != t or np.any(self.query_lens <= 0):
+        if int(self.query_lens.sum()) != t or (self.query_lens.size and self.query_lens.min() <= 0):
             raise ValueError(f"ForwardBatch: query_lens {self.query_lens.tolist()} must be positive and sum to {t}")
         if np.any(self.context_lens < self.query_lens):
             raise ValueError("ForwardBatch: every context_len must count the sequence's new tokens too")
@@ -131,14 +132,18 @@ def make_batch(manager: KVCacheManager, chunks: Sequence[tuple[Hashable, Sequenc
     seqs = [seq for seq, _ in chunks]
     if len(set(seqs)) != len(seqs):
         raise ValueError("make_batch: a sequence appears twice in one batch")
-    starts = {seq: manager.context_len(seq) for seq in seqs}
-    slots = manager.append_batch({seq: len(ids) for seq, ids in chunks})
+    lengths = [len(ids) for _, ids in chunks]
+    starts = [manager.context_len(seq) for seq in seqs]
+    slots = manager.append_batch(dict(zip(seqs, lengths)))
+    total = sum(lengths)
+    # one array per field, each filled in one pass: a decode step builds this for every step, on the host
     return ForwardBatch(
-        token_ids=np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids in chunks]),
-        positions=np.concatenate([np.arange(starts[seq], starts[seq] + len(ids)) for seq, ids in chunks]),
-        slot_mapping=np.concatenate([slots[seq] for seq in seqs]),
-        query_lens=np.array([len(ids) for _, ids in chunks], dtype=np.int64),
-        context_lens=np.array([manager.context_len(seq) for seq in seqs], dtype=np.int64),
+        token_ids=np.fromiter(itertools.chain.from_iterable(ids for _, ids in chunks), np.int64, count=total),
+        positions=np.fromiter(itertools.chain.from_iterable(range(s, s + n) for s, n in zip(starts, lengths)),
+                              np.int64, count=total),
+        slot_mapping=slots[seqs[0]] if len(seqs) == 1 else np.concatenate([slots[seq] for seq in seqs]),
+        query_lens=np.array(lengths, dtype=np.int64),
+        context_lens=np.array([s + n for s, n in zip(starts, lengths)], dtype=np.int64),
         block_tables=manager.block_tables(seqs),
     )
 

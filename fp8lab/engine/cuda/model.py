@@ -52,6 +52,17 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(buckets + [int(max_num_seqs)])
 
 
+def _within(values: np.ndarray, low: int, high: int) -> bool:
+    """Whether every value lies in ``[low, high)`` (two reductions: the checks run before every decode step,
+    and the GPU waits for them)."""
+    return values.size == 0 or (low <= values.min() and values.max() < high)
+
+
+def _is_decode_step(batch: ForwardBatch) -> bool:
+    """One new token per sequence (``batch.check()`` has made every query length positive)."""
+    return len(batch.token_ids) == batch.num_seqs
+
+
 class CudaQwen3Model(CausalLM):
     """A Qwen3 (FP8) causal LM whose forward runs as ``numba_kernels`` on the device; see the module docstring.
 
@@ -112,7 +123,7 @@ class CudaQwen3Model(CausalLM):
         """
         start = time.perf_counter()
         self._check(batch, kv_cache)
-        if np.all(batch.query_lens == 1):
+        if _is_decode_step(batch):
             return self._decode_step(batch, kv_cache, start)
         self.stats.prefill_forwards += 1
         return self._prefill(batch, kv_cache, all_logits)
@@ -125,7 +136,7 @@ class CudaQwen3Model(CausalLM):
         of the logits; a prefill samples the host logits with the same rule (``fp8lab.reference.dense.argmax_rows``)."""
         start = time.perf_counter()
         self._check(batch, kv_cache)
-        if np.all(batch.query_lens == 1):
+        if _is_decode_step(batch):
             return self._decode_step(batch, kv_cache, start, ids_only=True)
         self.stats.prefill_forwards += 1
         return argmax_rows(self._prefill(batch, kv_cache, False))
@@ -143,15 +154,15 @@ class CudaQwen3Model(CausalLM):
         if s > self.max_num_seqs:
             raise ValueError(f"batch of {s} sequences: more than max_num_seqs={self.max_num_seqs}, the size of the "
                              "preallocated per-sequence buffers (build the model with a larger max_num_seqs)")
-        if np.any(batch.token_ids < 0) or np.any(batch.token_ids >= c.vocab_size):
+        if not _within(batch.token_ids, 0, c.vocab_size):
             raise ValueError(f"token ids must lie in [0, {c.vocab_size})")
-        if np.any(batch.positions < 0) or np.any(batch.positions >= c.max_position_embeddings):
+        if not _within(batch.positions, 0, c.max_position_embeddings):
             raise ValueError(f"positions must lie in [0, {c.max_position_embeddings}) (max_position_embeddings)")
         slots = np.asarray(batch.slot_mapping)
         num_slots = cache.num_blocks * cache.block_size
-        if np.any(slots < 0) or np.any(slots >= num_slots) or np.unique(slots).size != slots.size:
+        if not _within(slots, 0, num_slots) or len(set(slots.tolist())) != slots.size:
             raise ValueError(f"slot_mapping: slots must be distinct and lie in [0, {num_slots})")
-        if batch.block_tables.shape[1] > cache.width or np.any(batch.context_lens > cache.capacity):
+        if batch.block_tables.shape[1] > cache.width or not _within(batch.context_lens, 0, cache.capacity + 1):
             raise ValueError(f"block_tables: at most {cache.width} blocks ({cache.capacity} tokens) per sequence in "
                              "this cache")
 
