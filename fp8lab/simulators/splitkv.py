@@ -104,8 +104,11 @@ MAX_HEADS_PER_CTA = 4
 """Query heads one CTA serves at most (each costs a lane 32 registers: its query and accumulator)."""
 MAX_SPLITS_PER_HEAD = 8
 """``"auto"`` splits a (sequence, query head) over at most 8 CTAs: ``8 * heads_per_cta`` shards."""
-CTAS_PER_SM = 2
-"""``"auto"`` aims at this many CTAs per SM (a CTA is small: 4 warps)."""
+CTAS_PER_SM = 1
+"""``"auto"`` aims at this many CTAs per SM. One, measured on an H200 (``bench/RESULTS.md``, 2026-12-02): at the
+Qwen3-8B shape, batch 1, 16 shards (128 CTAs) beat 32 (256 CTAs, the earlier target of 2 per SM) at every
+context from 532 to 8,192 tokens, and in the decode step they took 0.11 ms off 4.0 ms; where both rules
+give the same count (Qwen3-0.6B, batch 1) or 1 CTA per SM gives fewer shards (batch 4) the step was unchanged."""
 NUM_SMS = 132
 """Streaming multiprocessors of an H100 SXM / H200: the default GPU of the ``auto`` heuristic."""
 LOG2E = math.log2(math.e)
@@ -182,12 +185,12 @@ def choose_num_splits(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_
                       block_size: int = 16) -> int:
     """The ``"auto"`` split count: split the KV only when the grid alone would leave SMs idle.
 
-    Decode attention is memory bound, so the goal is a full GPU: ``CTAS_PER_SM`` = 2 CTAs per SM.
+    Decode attention is memory bound, so the goal is a full GPU: ``CTAS_PER_SM`` = 1 CTA per SM.
     The grid without splitting has ``num_seqs * num_heads / heads_per_cta`` CTAs. The answer is the
-    largest ``s`` with ``grid * s <= 2 * num_sms``, at most ``8 * heads_per_cta`` (8 CTAs per query
+    largest ``s`` with ``grid * s <= num_sms``, at most ``8 * heads_per_cta`` (8 CTAs per query
     head, as many as a kernel with one head per CTA would use; more shards cost more combine
     traffic than they gain), at most the number of KV blocks of the longest sequence (a shard with
-    no work is waste), and at least 1. It is 1 whenever ``grid * 2 > 2 * num_sms``.
+    no work is waste), and at least 1. It is 1 whenever ``grid * 2 > num_sms``.
     """
     per_cta = heads_per_cta(int(num_heads) // max(1, int(num_kv_heads)))
     grid = int(num_seqs) * int(num_heads) // per_cta

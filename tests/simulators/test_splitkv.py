@@ -157,13 +157,14 @@ def test_split_heuristic(num_seqs, num_kv_heads, group, max_seq_len, num_sms, bl
 
 
 def test_split_heuristic_examples():
-    assert sk.choose_num_splits(1, 32, 8, 16384) == 32  # batch 1, Qwen3-8B: 8 CTAs, 4 heads each
-    assert sk.choose_num_splits(1, 32, 8, 1024) == 32  # 64 blocks: 2 per shard
-    assert sk.choose_num_splits(8, 32, 8, 4096) == 4  # 64 CTAs x 4 = 256 <= 264
+    assert sk.choose_num_splits(1, 32, 8, 16384) == 16  # batch 1, Qwen3-8B: 8 CTAs, 4 heads each; 8 x 16 <= 132
+    assert sk.choose_num_splits(1, 32, 8, 1024) == 16  # 64 blocks: 4 per shard
+    assert sk.choose_num_splits(8, 32, 8, 4096) == 2  # 64 CTAs x 2 = 128 <= 132
     assert sk.choose_num_splits(1, 16, 8, 4096) == 16  # Qwen3-0.6B: GQA 2, at most 8 x 2 shards
     assert sk.choose_num_splits(1, 8, 8, 4096) == 8  # no GQA: one head per CTA, at most 8
     assert sk.choose_num_splits(1, 32, 8, 40, block_size=16) == 3  # only 3 blocks of work
     assert sk.choose_num_splits(64, 32, 8, 4096) == 1  # 512 CTAs fill the GPU
+    assert sk.choose_num_splits(16, 32, 8, 4096) == 1  # 128 CTAs: a second shard each would not fit
     assert sk.choose_num_splits(1, 32, 8, 0) == 1
 
 

@@ -17,7 +17,7 @@ tensor-core path the GEMM then ``silu_mul``), down_proj; plus one ``bf16_round``
 input when ``T > f32_max_rows``. Around the layers: the embedding, the final ``add_rms_norm`` and the lm_head
 (``bf16_linear``); a decode step ends with the greedy argmax (``layers.argmax_rows``, one multi-CTA
 launch, for ``greedy_tokens``). A decode step of batch 1 is 8 or 9 launches per layer plus 4, e.g.
-9 * 36 + 4 = 328 for Qwen3-8B (32 splits). Every launch has a ``label`` (what it is in the forward), which
+9 * 36 + 4 = 328 for Qwen3-8B (16 splits). Every launch has a ``label`` (what it is in the forward), which
 ``bench/decode_profile.py`` uses to attribute kernel times.
 
 The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (default
