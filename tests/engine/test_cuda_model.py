@@ -198,6 +198,34 @@ def test_a_batch_larger_than_the_buffers_is_a_value_error(small_model):
         small_model.forward(make_batch(manager, [(0, [1]), (1, [2]), (2, [3])]), cache)
 
 
+@pytest.mark.cudasim
+def test_a_batch_the_cache_cannot_take_is_a_value_error(small_model, gemm_twins):
+    """Each of the model's batch checks, on a decode batch wrong in one field only; the good batch runs (its GEMMs
+    as their NumPy twins, the rest in the CUDA simulator)."""
+    from dataclasses import replace
+
+    cache = small_model.allocate_kv_cache(8, 4, "fp8")
+    manager = KVCacheManager(8, 4)
+    for i in range(2):
+        manager.add_sequence(i)
+    good = make_batch(manager, [(0, [6]), (1, [7])])  # each sequence's first token, as a decode step
+    vocab, positions = small_model.config.vocab_size, small_model.config.max_position_embeddings
+    bad = [(dict(token_ids=np.array([6, vocab])), "token ids must lie in"),
+           (dict(token_ids=np.array([-1, 7])), "token ids must lie in"),
+           (dict(positions=np.array([0, positions])), "positions must lie in"),
+           (dict(slot_mapping=np.array([0, 0])), "slots must be distinct"),
+           (dict(slot_mapping=np.array([0, 32])), r"slots must be distinct and lie in \[0, 32\)"),
+           (dict(slot_mapping=np.array([-1, 5])), "slots must be distinct and lie in"),
+           (dict(context_lens=np.array([1, 9])), "block_tables: at most"),
+           (dict(query_lens=np.array([1, 0])), "query_lens"),
+           (dict(positions=np.array([0])), "one entry per token")]
+    for fields, message in bad:
+        for run in (small_model.forward, small_model.greedy_tokens):
+            with pytest.raises(ValueError, match=message):
+                run(replace(good, **fields), cache)
+    assert small_model.greedy_tokens(good, cache).shape == (2,)
+
+
 def test_kv_exhaustion_surfaces_through_the_generator(small_model):
     generator = Generator(small_model, None, kv_format="fp8", block_size=4, num_blocks=1, stop_token_ids=())
     with pytest.raises(KVCacheExhausted, match="2 blocks needed, 1 free"):
