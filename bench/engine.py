@@ -263,8 +263,8 @@ def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: in
 
 
 def bench_ours(checkpoint, prompts: np.ndarray, rows: dict, args):
-    """Fill the ``ours_*`` fields of ``rows`` (batch -> Row); errors are recorded per batch. Returns the model
-    when ``--profile-steps`` asks for breakdowns (``profile_ours`` runs them after every timing), else None."""
+    """Fill the ``ours_*`` fields of ``rows`` (batch -> Row); errors are recorded per batch. Returns the model,
+    for ``profile_ours`` to profile after every timing."""
     from fp8lab.engine.cuda.model import CudaQwen3Model
 
     max_batch = max(args.batches)
@@ -273,39 +273,30 @@ def bench_ours(checkpoint, prompts: np.ndarray, rows: dict, args):
     start = time.perf_counter()
     model = CudaQwen3Model.from_checkpoint(checkpoint, **limits)
     log(f"  ours: model on the GPU in {time.perf_counter() - start:.1f} s; {gpu_memory_line()}")
-    try:
-        for batch in args.batches:
-            row = rows[batch]
-            try:
-                start = time.perf_counter()
-                warm = run_once(model, prompts[:batch], 0, max(1, args.warmup_steps), args.block_size, args.kv_cache_dtype)
-                log(f"  ours: batch {batch} warm-up (compile, graph capture) {time.perf_counter() - start:.1f} s")
-                r = run_once(model, prompts[:batch], args.warmup_steps, args.decode_tokens, args.block_size, args.kv_cache_dtype)
-            except Exception as e:  # noqa: BLE001 - keep the other batches' results
-                traceback.print_exc()
-                row.errors.append(f"ours: {type(e).__name__}: {e}")
-                log(f"  ours: batch {batch} FAILED: {e}")
-                continue
-            decode_s = sum(r["step_s"])
-            # the warm-up run's prefill is the same work: the faster of the two (compilation happens in the first)
-            row.ours_prefill_tok_s = batch * args.prompt_len / min(r["prefill_s"], warm["prefill_s"])
-            row.ours_decode_tok_s = batch * len(r["step_s"]) / decode_s
-            row.ours_step_ms = [round(s * 1e3, 4) for s in r["step_s"]]
-            row.model_stats = {k: v for k, v in r["stats"].items() if _number(v) is not None or isinstance(v, str)}
-            row.launches_per_step = _number(r["stats"].get("launches_per_decode_step"))
-            row.host_us_per_step = host_us_per_step(r["stats"])
-            log(f"  ours: batch {batch}: prefill {row.ours_prefill_tok_s:,.0f} tok/s, decode {row.ours_decode_tok_s:,.1f} tok/s "
-                f"(median step {1e3 * statistics.median(r['step_s']):.2f} ms; roofline {row.roofline_tok_s:,.1f} tok/s); "
-                f"stats {row.model_stats}")
-    except BaseException:
-        del model
-        free_gpu_memory()
-        raise
-    if args.profile_steps:
-        return model
-    del model
-    free_gpu_memory()
-    return None
+    for batch in args.batches:
+        row = rows[batch]
+        try:
+            start = time.perf_counter()
+            warm = run_once(model, prompts[:batch], 0, max(1, args.warmup_steps), args.block_size, args.kv_cache_dtype)
+            log(f"  ours: batch {batch} warm-up (compile, graph capture) {time.perf_counter() - start:.1f} s")
+            r = run_once(model, prompts[:batch], args.warmup_steps, args.decode_tokens, args.block_size, args.kv_cache_dtype)
+        except Exception as e:  # noqa: BLE001 - keep the other batches' results
+            traceback.print_exc()
+            row.errors.append(f"ours: {type(e).__name__}: {e}")
+            log(f"  ours: batch {batch} FAILED: {e}")
+            continue
+        decode_s = sum(r["step_s"])
+        # the warm-up run's prefill is the same work: the faster of the two (compilation happens in the first)
+        row.ours_prefill_tok_s = batch * args.prompt_len / min(r["prefill_s"], warm["prefill_s"])
+        row.ours_decode_tok_s = batch * len(r["step_s"]) / decode_s
+        row.ours_step_ms = [round(s * 1e3, 4) for s in r["step_s"]]
+        row.model_stats = {k: v for k, v in r["stats"].items() if _number(v) is not None or isinstance(v, str)}
+        row.launches_per_step = _number(r["stats"].get("launches_per_decode_step"))
+        row.host_us_per_step = host_us_per_step(r["stats"])
+        log(f"  ours: batch {batch}: prefill {row.ours_prefill_tok_s:,.0f} tok/s, decode {row.ours_decode_tok_s:,.1f} tok/s "
+            f"(median step {1e3 * statistics.median(r['step_s']):.2f} ms; roofline {row.roofline_tok_s:,.1f} tok/s); "
+            f"stats {row.model_stats}")
+    return model
 
 
 def profile_ours(model, prompts: np.ndarray, rows: dict, args) -> None:
@@ -583,9 +574,9 @@ def run(args: argparse.Namespace) -> int:
         log(f"{label}: checkpoint ready in {time.perf_counter() - start:.1f} s")
         try:
             model = bench_ours(checkpoint, prompts, rows, args)
-            if model is not None:
+            if args.profile_steps:
                 to_profile.append((model, prompts, rows))
-            del model
+            del model  # released below unless it waits for its profile
         except Exception as e:  # noqa: BLE001 - e.g. fp8lab.engine.cuda missing: still run the peer
             traceback.print_exc()
             for r in rows.values():

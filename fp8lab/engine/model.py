@@ -141,7 +141,7 @@ def make_batch(manager: KVCacheManager, chunks: Sequence[tuple[Hashable, Sequenc
         token_ids=np.fromiter(itertools.chain.from_iterable(ids for _, ids in chunks), np.int64, count=total),
         positions=np.fromiter(itertools.chain.from_iterable(range(s, s + n) for s, n in zip(starts, lengths)),
                               np.int64, count=total),
-        slot_mapping=slots[seqs[0]] if len(seqs) == 1 else np.concatenate([slots[seq] for seq in seqs]),
+        slot_mapping=np.concatenate([slots[seq] for seq in seqs]),
         query_lens=np.array(lengths, dtype=np.int64),
         context_lens=np.array([s + n for s, n in zip(starts, lengths)], dtype=np.int64),
         block_tables=manager.block_tables(seqs),
