@@ -87,6 +87,7 @@ SwiGLU also: ``q``'s ``N`` even, ``out`` float32 ``[M, N / 2]``, ``columns_per_w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -231,13 +232,14 @@ def plain_columns(columns: int, m_tile: int, store):
         return uint32(min(first + uint32(j), width - uint32(1)))
 
     @cuda.jit(device=True, inline=True)
-    def write(out, acc, row0, first, m, width):
-        """Lane 0 stores every column of every row of the tile that lies inside ``out``."""
+    def write(out, acc, row0, part_row0, first, m, width):
+        """Lane 0 stores every column of every row of the tile that lies inside ``out`` (row ``r`` of the
+        tile at ``out`` row ``part_row0 + row0 + r``: ``part_row0`` is where the K slice's part starts)."""
         for j in range(columns):
             if first + uint32(j) < width:
                 for r in range(m_tile):
                     if row0 + uint32(r) < m:
-                        store(out, row0 + uint32(r), first + uint32(j), acc[j * m_tile + r])
+                        store(out, part_row0 + row0 + uint32(r), first + uint32(j), acc[j * m_tile + r])
 
     return columns, weight_row, write
 
@@ -255,8 +257,9 @@ def swiglu_columns(columns: int, m_tile: int):
         return uint32(min(first + uint32(j % pairs), width - uint32(1)) + uint32(j // pairs) * width)
 
     @cuda.jit(device=True, inline=True)
-    def write(out, acc, row0, first, m, width):
-        """Lane 0 stores ``act = silu(gate) * up`` with ``layers.silu_mul``'s device function."""
+    def write(out, acc, row0, part_row0, first, m, width):
+        """Lane 0 stores ``act = silu(gate) * up`` with ``layers.silu_mul``'s device function (one K
+        slice only: ``part_row0`` is 0)."""
         for p in range(pairs):
             if first + uint32(p) < width:
                 for r in range(m_tile):
@@ -281,7 +284,9 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
     accumulators and the loaded codes live in registers, and the block divisions become shifts.
 
     Arguments of the kernel: flat uint32 views of ``a`` and ``q``, the flat ``scale_inv``, the 2-D
-    ``out`` (its bits view for BF16) and ``M, N, K`` (``N``: rows of ``q``, ``2 I`` for SwiGLU).
+    ``out`` (its bits view for BF16; for split-K the parts as ``[S * M, N]``), ``M, N, K`` (``N``: rows
+    of ``q``, ``2 I`` for SwiGLU) and the K slice's width ``K / S`` (``K`` unless split-K; the grid's
+    third dimension is ``S``).
     """
     if swiglu and (output != "f32" or columns_per_warp % 2):
         raise ValueError(f"swiglu: needs a float32 output and an even columns_per_warp, got {output}, "
@@ -344,7 +349,7 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
     compute_group = unrolled(compute_chunk, group)
 
     @cuda.jit
-    def kernel(a_words, q_words, scales_flat, out, m, n, k):
+    def kernel(a_words, q_words, scales_flat, out, m, n, k, slice_k):
         lane = uint32(cuda.threadIdx.x) % u_warp
         warp = uint32(cuda.blockIdx.x) * uint32(warps_per_cta) + uint32(cuda.threadIdx.x) // u_warp
         width = uint32(n) // uint32(rows_per_output)  # output columns: N, or I = N / 2 for SwiGLU
@@ -353,21 +358,29 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
             return  # the whole warp leaves together: no lane is left waiting in a shuffle
         m, k = uint32(m), uint32(k)
         row0 = uint32(cuda.blockIdx.y) * uint32(m_tile)
-        chunks = uint32(k // uint32(BYTES_PER_LANE))
+        # Split-K: CTA layer z computes the plain kernel's sum over K slice z (``slice_k`` wide, whole K
+        # blocks; the host divides, so the kernel has no integer division), as if the slice were the
+        # whole row; it writes rows z * M .. z * M + M - 1 of ``out`` (the parts [S, M, N]). One slice
+        # (slice_k = K): the plain GEMV.
+        split, row_chunks = uint32(cuda.blockIdx.z), uint32(k // uint32(BYTES_PER_LANE))
+        chunks = uint32(uint32(slice_k) // uint32(BYTES_PER_LANE))  # the slice's chunks: the lane loop's range
+        skipped = uint32(split * chunks)  # chunks of the row before the slice
         groups = uint32((chunks + u_warp * uint32(group) - uint32(1)) // (u_warp * uint32(group)))  # every lane's
 
-        # Where each row, column and scale row starts in the flat arrays. Rows past M read row M - 1
-        # and columns past the output's read its last one's weight rows: computed like the others,
-        # never stored.
+        # Where each row, column and scale row of the slice starts in the flat arrays. Rows past M read
+        # row M - 1 and columns past the output's read its last one's weight rows: computed like the
+        # others, never stored.
         row_start = cuda.local.array(m_tile, uint32)
         for r in range(m_tile):
-            row_start[r] = uint32(min(row0 + uint32(r), m - uint32(1)) * (chunks * words_per_chunk))
+            row_start[r] = uint32(min(row0 + uint32(r), m - uint32(1)) * (row_chunks * words_per_chunk)
+                                  + skipped * words_per_chunk)
         q_start = cuda.local.array(columns, uint32)
         scale_start = cuda.local.array(columns, uint32)
         for j in range(columns):
             col = weight_row(first, j, width)
-            q_start[j] = uint32(col * (k // u_words))
-            scale_start[j] = uint32((col // u_block_n) * ((k + u_block_k - uint32(1)) // u_block_k))
+            q_start[j] = uint32(col * (k // u_words) + skipped * u_words)
+            scale_start[j] = uint32((col // u_block_n) * ((k + u_block_k - uint32(1)) // u_block_k)
+                                    + skipped // chunks_per_scale)
 
         acc = cuda.local.array(accumulators, float32)
         for x in range(accumulators):
@@ -401,7 +414,7 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         for x in range(accumulators):
             acc[x] = warp_sum(acc[x])
         if lane == 0:
-            write(out, acc, row0, first, m, width)
+            write(out, acc, row0, split * m, first, m, width)
 
     return kernel
 
@@ -413,28 +426,29 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
 class GemvLaunch:
     """The launch shape of ``gemv_simt`` for one problem."""
 
-    grid: tuple[int, int]  # (column tiles of warps_per_cta * columns_per_warp columns, row tiles of m_tile rows)
+    grid: tuple[int, int, int]  # (column tiles of warps_per_cta * columns_per_warp columns, row tiles, K slices)
     block: tuple[int]  # threads per CTA: 32 * warps_per_cta
     m_tile: int
     warps_per_cta: int
     chunks_per_iteration: int
     columns_per_warp: int
-    steps: int  # warp steps of 512 codes per column: ceil(K / 512)
+    steps: int  # warp steps of 512 codes per column and K slice: ceil(K / k_splits / 512)
+    k_splits: int = 1  # K slices, one layer of CTAs each (gemv_simt_split_k)
 
 
 def default_knobs(m: int, n: int, k: int) -> dict:
     """The knobs ``gemv_simt`` uses when none are given, for ``a[M, K] @ q[N, K]^T``.
 
-    All ``M`` rows in one tile (every weight byte read once); four columns per warp up to M = 8 (the
-    activations loaded and widened once for all four: with float32 activations, 64 bytes per row and
-    chunk, the activation loads are what each extra row costs), two beyond (the accumulators'
+    All ``M`` rows in one tile (every weight byte read once); 4-warp CTAs; four columns per warp up to
+    M = 8 (the activations loaded and widened once for all four: with float32 activations, 64 bytes per
+    row and chunk, the activation loads are what each extra row costs), two beyond (the accumulators'
     register budget); one chunk per group. Measured on an H200 with float32 activations (the engine's
-    decode input; ``bench/RESULTS.md``, 2026-12-01): four columns per warp beat two on the Qwen3-8B
-    shapes at every M from 1 to 8 (e.g. M = 1: 29.9 against 36.1 us at 24576 x 4096; M = 4: 27.6
-    against 38.5 us at 6144 x 4096), 8-warp CTAs beat 4-warp ones at M <= 2, and more chunks per
-    group were slower everywhere.
+    decode input; ``bench/RESULTS.md``): four columns per warp beat two on the Qwen3-8B shapes at every
+    M from 1 to 8 (2026-12-01), more chunks per group were slower everywhere, and 4-warp CTAs beat 8-warp
+    ones on all eight Qwen3-8B and Qwen3-0.6B shapes at M = 1 (by 1 to 7%) and M = 2 (by up to 33%:
+    q/k/v 18.9 -> 12.7 us; 2026-12-02, ``bench/gemv_split_k.py``).
     """
-    return {"m_tile": int(m), "warps_per_cta": 8 if m <= 2 else WARPS_PER_CTA, "chunks_per_iteration": 1,
+    return {"m_tile": int(m), "warps_per_cta": WARPS_PER_CTA, "chunks_per_iteration": 1,
             "columns_per_warp": 4 if m <= 8 else 2}
 
 
@@ -459,10 +473,11 @@ def tuning_candidates(m: int, swiglu: bool = False) -> list[dict]:
 
 def gemv_simt_launch_info(m: int, n: int, k: int, m_tile: int | None = None, warps_per_cta: int | None = None,
                           chunks_per_iteration: int | None = None, columns_per_warp: int | None = None,
-                          swiglu: bool = False) -> GemvLaunch:
+                          swiglu: bool = False, k_splits: int = 1) -> GemvLaunch:
     """Grid, CTA shape, row tile and loop shape of ``gemv_simt`` for ``a[M, K] @ q[N, K]^T`` (None:
     the ``default_knobs`` value); ``swiglu``: of ``gemv_simt_swiglu`` (``N = 2 I`` weight rows, a warp
-    per ``columns_per_warp / 2`` outputs, so the grid covers ``I`` outputs)."""
+    per ``columns_per_warp / 2`` outputs, so the grid covers ``I`` outputs); ``k_splits``: of
+    ``gemv_simt_split_k`` with that many K slices (the grid's third dimension)."""
     m, n, k = int(m), int(n), int(k)
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"a: the SIMT GEMV handles 1 <= M <= {MAX_ROWS} rows, got M = {m}")
@@ -491,8 +506,9 @@ def gemv_simt_launch_info(m: int, n: int, k: int, m_tile: int | None = None, war
     knobs = {name: int(value) for name, value in knobs.items()}  # (compile-time constants of the kernel)
     rows_per_output = 2 if swiglu else 1  # weight rows behind one output column
     outputs_per_cta = knobs["warps_per_cta"] * knobs["columns_per_warp"] // rows_per_output
-    grid = (-(-(n // rows_per_output) // outputs_per_cta), -(-m // knobs["m_tile"]))
-    return GemvLaunch(grid=grid, block=(knobs["warps_per_cta"] * WARP_SIZE,), steps=-(-k // K_PER_STEP), **knobs)
+    grid = (-(-(n // rows_per_output) // outputs_per_cta), -(-m // knobs["m_tile"]), int(k_splits))
+    return GemvLaunch(grid=grid, block=(knobs["warps_per_cta"] * WARP_SIZE,), steps=-(-(k // k_splits) // K_PER_STEP),
+                      k_splits=int(k_splits), **knobs)
 
 
 def gemv_simt(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta=None, chunks_per_iteration=None,
@@ -521,9 +537,42 @@ def gemv_simt(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta
     return out
 
 
+def gemv_simt_split_k(a, q, scale_inv, parts, block=(128, 128), m_tile=None, warps_per_cta=None,
+                      chunks_per_iteration=None, columns_per_warp=None, stream=0):
+    """Split-K: ``parts[s] = gemv_simt`` of K slice ``s`` (``K / S`` wide, ``S = parts.shape[0]``), so
+    that the product is ``fp8lab.simulators.gemv_simt.sum_parts(parts)``: ``parts[0] + parts[1] + ...``
+    in float32, in that order, which the consumer computes (``layers.add_rms_norm`` takes the parts as
+    its ``x``); returns ``parts``.
+
+    The narrow shapes (``N`` = hidden size, e.g. o_proj and down_proj) have too few columns to keep
+    the memory busy with one warp per column; S slices give S times the warps, each with an S times
+    shorter chain of dependent steps. Each slice is summed exactly as ``gemv_simt`` sums a whole row
+    (``fp8lab.simulators.gemv_simt.gemv_simt_split_k`` is the bit-exact model).
+
+    ``parts``: float32 ``[S, M, N]``, ``1 <= S``, and for ``S > 1`` ``K / S`` a multiple of ``BK`` (each
+    slice whole K blocks); ``a``, ``q``, ``scale_inv``, ``block``, the knobs and ``stream`` as in ``gemv_simt``.
+    """
+    a, q, parts = (arguments.as_kernel_array(name, x) for name, x in (("a", a), ("q", q), ("parts", parts)))
+    m, n = (a.shape[0] if a.ndim == 2 else 0), (q.shape[0] if q.ndim == 2 else 0)
+    arguments.require("parts", parts, f"float32 [S, {m}, {n}] (the K slices' partial products)",
+                      parts.ndim == 3 and tuple(parts.shape[1:]) == (m, n) and parts.shape[0] >= 1
+                      and np.dtype(parts.dtype) == np.float32)
+    arguments.require_c_contiguous("parts", parts)
+    splits = parts.shape[0]
+    problem = arguments.check_gemm(a, q, scale_inv, parts[0], block, kernel="the SIMT GEMV")
+    if splits > 1 and problem.k % (splits * problem.block[1]):
+        raise ValueError(f"parts: {splits} K slices of K = {problem.k} must each be whole K blocks of "
+                         f"{problem.block[1]}, but K / {splits} is not a multiple of {problem.block[1]}")
+    launch = gemv_simt_launch_info(problem.m, problem.n, problem.k, m_tile, warps_per_cta, chunks_per_iteration,
+                                   columns_per_warp, k_splits=splits)
+    _launch(dataclasses.replace(problem, out=parts.reshape(splits * problem.m, problem.n)), launch, stream)
+    return parts
+
+
 def _launch(problem: arguments.GemmProblem, launch: GemvLaunch, stream, swiglu: bool = False):
     """The checks that need the knobs and the device pointers, then the launch (``gemv_simt_kernel``'s
-    arguments: flat uint32 views of ``a`` and ``q``, the flat ``scale_inv``, ``out``'s bits view)."""
+    arguments: flat uint32 views of ``a`` and ``q``, the flat ``scale_inv``, ``out``'s bits view; with
+    K slices, ``out`` is the parts viewed as ``[S * M, N]``)."""
     for name in ("a", "q"):
         arguments.require_load_alignment(name, getattr(problem, name), "the SIMT GEMV")
     if problem.n * problem.k // 4 >= MAX_WORDS:
@@ -534,7 +583,7 @@ def _launch(problem: arguments.GemmProblem, launch: GemvLaunch, stream, swiglu: 
                               launch.chunks_per_iteration, launch.columns_per_warp, swiglu)
     kernel[launch.grid, launch.block, stream](
         problem.a.view(np.uint32).reshape(-1), problem.q.view(np.uint32).reshape(-1), problem.scale_inv.reshape(-1),
-        output_bits_view(problem.out, problem.output), problem.m, problem.n, problem.k)
+        output_bits_view(problem.out, problem.output), problem.m, problem.n, problem.k, problem.k // launch.k_splits)
 
 
 def gemv_simt_swiglu(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta=None,

@@ -13,7 +13,8 @@ Kernels and launch shapes (CTAs x threads):
    ``n <= 256`` (q/k-norm) a warp per row, 4 rows per CTA; otherwise a CTA of
    ``rms_norm_threads_per_row(n)`` threads per row. ``add_rms_norm(x, residual, weight, eps, out)``:
    ``residual += x``, then the norm of the new residual, in one launch (bit for bit ``add_into`` +
-   ``rms_norm``). The order depends on ``n`` only: batch-invariant. A kernel per ``n``: each thread
+   ``rms_norm``); ``add_parts_rms_norm(parts, ...)`` adds a split-K GEMV's parts ``[S, ...]``, summed in
+   part order (``gemv_simt.gemv_simt_split_k``), the same way. The order depends on ``n`` only: batch-invariant. A kernel per ``n``: each thread
    loads its (at most 8) elements and weights at once, keeps them in registers and reads the row once;
    ``n > 8192`` takes the generic loop kernel (two passes over the row), in the same order.
 2. ``rope(x, positions, cos_sin, out)``: NeoX rotation of ``x[T, heads, head_dim]`` (in place allowed)
@@ -143,9 +144,21 @@ def plain_value(x, residual, row, k):
 
 
 @cuda.jit(device=True, inline=True)
+def summed_parts(parts, row, k):
+    """``parts[0][row, k] + parts[1][row, k] + ...`` in float32, in part order (one part: itself): the
+    product of a split-K GEMV from its K slices' parts ``[S, rows, n]``
+    (``fp8lab.simulators.dense.sum_parts``)."""
+    total = parts[0, row, k]
+    for s in range(1, parts.shape[0]):
+        total += parts[s, row, k]
+    return total
+
+
+@cuda.jit(device=True, inline=True)
 def residual_sum(x, residual, row, k):
-    """add_rms_norm's first pass: ``residual += x``; the new residual is what gets normalized."""
-    s = residual[row, k] + x[row, k]
+    """add_rms_norm's first pass: ``residual += x`` (``x`` as parts ``[S, rows, n]``, summed first); the
+    new residual is what gets normalized."""
+    s = residual[row, k] + summed_parts(x, row, k)
     residual[row, k] = s
     return s
 
@@ -196,7 +209,8 @@ def add_warp_totals(warp_totals, warps):
 
 def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int):
     """The Python source of the norm kernel ``(x, residual, weight, eps, out)`` for rows of length ``n``
-    (non-fused: ``residual`` is ``x``), the row held in registers.
+    (non-fused: ``residual`` is ``x``; fused: ``x`` is the parts ``[S, rows, n]`` of what is added, one
+    part for a plain add), the row held in registers.
 
     ``warp_per_row``: launch ``[ceil(rows / 4), 128]``, warp ``w`` of CTA ``b`` takes row ``4 b + w``.
     Otherwise: launch ``[rows, rms_norm_threads_per_row(n)]``, CTA ``b`` takes row ``b``. Thread ``t``
@@ -222,9 +236,14 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int):
             if whole or k < n:
                 values[j] = residual[row, k] if fused else x[row, k]
                 if fused:
-                    extra[j] = x[row, k]
+                    extra[j] = x[0, row, k]
                 weights[j] = weight[k]
         if fused:
+            for s in range(1, x.shape[0]):  # the further parts of a split-K product, in part order
+                for j in range(elements):
+                    k = t + threads * j
+                    if whole or k < n:
+                        extra[j] = extra[j] + x[s, row, k]
             for j in range(elements):
                 k = t + threads * j
                 if whole or k < n:
@@ -240,10 +259,10 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int):
         return acc
 
     @cuda.jit(device=True, inline=True)
-    def normalize(x, eps, out, row, t, values, weights, sum_of_squares):
-        # x.shape[1] (== n) read at run time, as the generic kernel does: a constant power-of-two n would let
+    def normalize(residual, eps, out, row, t, values, weights, sum_of_squares):
+        # residual.shape[1] (== n) read at run time, as the generic kernel does: a constant power-of-two n would let
         # the compiler turn the division into a multiply and contract it with `+ eps` into an fma
-        denom = sqrt_f32(sum_of_squares / float32(x.shape[1]) + eps)
+        denom = sqrt_f32(sum_of_squares / float32(residual.shape[1]) + eps)
         for j in range(elements):
             k = t + threads * j
             if whole or k < n:
@@ -252,13 +271,13 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int):
     def rms_norm_warp_kernel(x, residual, weight, eps, out):
         lane = cuda.threadIdx.x % WARP_SIZE
         row = cuda.blockIdx.x * NORM_ROWS_PER_CTA + cuda.threadIdx.x // WARP_SIZE
-        if row >= x.shape[0]:
+        if row >= residual.shape[0]:
             return  # the whole warp leaves together
         values = cuda.local.array(elements, float32)
         weights = cuda.local.array(elements, float32)
         load_row(x, residual, weight, row, lane, values, weights)
         total = warp_sum(partial_sum_of_squares(lane, values))
-        normalize(x, eps, out, row, lane, values, weights, total)
+        normalize(residual, eps, out, row, lane, values, weights, total)
 
     def rms_norm_cta_kernel(x, residual, weight, eps, out):
         warp_totals = cuda.shared.array(MAX_WARPS_PER_CTA, float32)
@@ -271,7 +290,7 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int):
         if t % WARP_SIZE == 0:
             warp_totals[t // WARP_SIZE] = warp_total
         cuda.syncthreads()
-        normalize(x, eps, out, row, t, values, weights, add_warp_totals(warp_totals, warps))
+        normalize(residual, eps, out, row, t, values, weights, add_warp_totals(warp_totals, warps))
 
     return rms_norm_warp_kernel if warp_per_row else rms_norm_cta_kernel
 
@@ -281,20 +300,21 @@ def rms_norm_loop_function(fused: bool):
     rows too long for registers (``norm_elements_per_thread(n)`` None: ``n > 8192``). Launch ``[rows,
     rms_norm_threads_per_row(n)]``; thread ``t`` loops over ``k = t, t + B, ...`` twice (the sum of
     squares, then the normalization, rereading the row). The same order as the register kernels.
+    Fused: ``x`` is the parts ``[S, rows, n]`` of what is added to the residual (one part: a plain add).
     Checked bit for bit against ``fp8lab.simulators.dense.rms_norm`` / ``add_rms_norm``.
     """
     first_pass, second_pass = FIRST_PASS[fused], SECOND_PASS[fused]
 
     @cuda.jit(device=True, inline=True)
     def normalize(x, residual, weight, eps, out, row, first, stride, sum_of_squares):
-        denom = sqrt_f32(sum_of_squares / float32(x.shape[1]) + eps)
-        for k in range(first, x.shape[1], stride):
+        denom = sqrt_f32(sum_of_squares / float32(residual.shape[1]) + eps)
+        for k in range(first, residual.shape[1], stride):
             out[row, k] = weight[k] * (second_pass(x, residual, row, k) / denom)
 
     @cuda.jit(device=True, inline=True)
     def partial_sum_of_squares(x, residual, row, first, stride):
         acc = float32(0)
-        for k in range(first, x.shape[1], stride):
+        for k in range(first, residual.shape[1], stride):
             v = first_pass(x, residual, row, k)
             acc = cuda.fma(v, v, acc)
         return acc
@@ -380,7 +400,27 @@ def add_rms_norm(x, residual, weight, eps, out, stream=0):
     never ``residual``. Bit for bit equal to ``add_into(residual, x)`` then ``rms_norm(residual)``.
     """
     (x2, residual2, out2), weight, rows, n = _check_norm(x, weight, out, residual)
-    _launch_norm(True, x2, residual2, weight, eps, out2, rows, n, stream)
+    _launch_norm(True, x2.reshape(1, rows, n), residual2, weight, eps, out2, rows, n, stream)
+    return out
+
+
+def add_parts_rms_norm(parts, residual, weight, eps, out, stream=0):
+    """``add_rms_norm`` of a split-K product given as its parts: ``residual += sum_parts(parts)``, the
+    parts ``parts[0] + parts[1] + ...`` added in float32 in part order first (what
+    ``gemv_simt.gemv_simt_split_k`` leaves: ``fp8lab.simulators.dense.sum_parts``), then ``out =
+    rms_norm(residual)``; returns ``out``.
+
+    ``parts``: float32 ``[S, ...]`` with ``S >= 1`` parts of ``residual``'s shape, C-contiguous; the rest
+    as ``add_rms_norm`` (``out`` may be ``parts[0]``). One part is ``add_rms_norm`` bit for bit.
+    """
+    parts, residual = as_kernel_array("parts", parts), as_kernel_array("residual", residual)
+    if parts.ndim < 2 or parts.shape[0] < 1 or tuple(parts.shape[1:]) != tuple(residual.shape) \
+            or np.dtype(parts.dtype) != np.float32:
+        reject("parts", f"float32 [S, {', '.join(map(str, residual.shape))}] (S >= 1 parts of residual's shape)",
+               parts)
+    require_c_contiguous("parts", parts)
+    (_, residual2, out2), weight, rows, n = _check_norm(parts[0], weight, out, residual)
+    _launch_norm(True, parts.reshape(parts.shape[0], rows, n), residual2, weight, eps, out2, rows, n, stream)
     return out
 
 
@@ -1014,9 +1054,10 @@ def kernel_variants():
     u32_1d = types.Array(types.uint32, 1, "C")
     u16_2d = types.Array(types.uint16, 2, "C")
     variants = []
-    norm_signature = types.void(f32_2d, f32_2d, f32_1d, types.float32, f32_2d)
     for fused in (False, True):
         norm = "add_rms_norm" if fused else "rms_norm"
+        # the fused norm's x: the parts [S, rows, n] of what is added to the residual
+        norm_signature = types.void(f32_3d if fused else f32_2d, f32_2d, f32_1d, types.float32, f32_2d)
         for n in NORM_PTX_SIZES:  # q/k-norm (a warp per row, 4 elements per lane) and the hidden size (8 per thread)
             warp_per_row = rms_norm_threads_per_row(n) == WARP_SIZE
             variants.append((f"{norm}[{'warp' if warp_per_row else 'cta'} per row, n={n}]",

@@ -12,6 +12,8 @@ FFMA's single rounding):
   ``acc = fma(x_k, x_k, acc)`` over ``k = t, t + threads, ...`` from 0; a butterfly per warp
   (``common.butterfly_sum``); the warps' totals added in warp order from 0. Then
   ``denom = sqrt(ss / n + eps)`` and ``weight * (x / denom)``, each rounded once.
+  ``add_parts_rms_norm(parts, ...)``: the residual add of a split-K product, ``sum_parts(parts)``
+  (``parts[0] + parts[1] + ...``, float32, in part order) added to the residual in one addition.
 - ``rope(x, positions, cos_sin)``: from the float32 table of ``layers.rope_table``,
   ``y_i = fma(x_i, c, -(x_{i+h} s))``, ``y_{i+h} = fma(x_{i+h}, c, x_i s)``; a position outside
   the table gives a NaN vector.
@@ -94,6 +96,21 @@ def add_rms_norm(x, residual, weight, eps, threads: int) -> tuple[np.ndarray, np
     the new residual that the kernel stores."""
     h = np.asarray(residual, np.float32) + np.asarray(x, np.float32)
     return rms_norm(h, weight, eps, threads), h
+
+
+def sum_parts(parts) -> np.ndarray:
+    """A split-K product from its parts ``[S, ...]``: ``((parts[0] + parts[1]) + parts[2]) + ...`` in
+    float32, in part order (one part is itself). What the consumer of ``gemv_simt_split_k`` computes."""
+    parts = np.asarray(parts, np.float32)
+    total = parts[0].copy()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+def add_parts_rms_norm(parts, residual, weight, eps, threads: int) -> tuple[np.ndarray, np.ndarray]:
+    """``layers.add_parts_rms_norm``: ``add_rms_norm(sum_parts(parts), residual, ...)``."""
+    return add_rms_norm(sum_parts(parts), residual, weight, eps, threads)
 
 
 # ---------------------------------------------------------------------------- rotary embedding

@@ -309,6 +309,55 @@ def gemv_simt_swiglu(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, m_tile: int
     return dense.silu_mul(gemv_simt(a, q, scale_inv, block, m_tile))
 
 
+K_SPLITS = (1, 2, 3, 4, 6, 8)
+"""The split-K slice counts the engine chooses among (``choose_k_splits``)."""
+SPLIT_K_CTAS_PER_SM = 4
+"""``choose_k_splits`` aims at this many CTAs (of ``SPLIT_K_COLUMNS_PER_CTA`` columns) per SM."""
+SPLIT_K_COLUMNS_PER_CTA = 16
+"""Columns per CTA of the kernel's default launch (4 warps of 4 columns)."""
+
+
+def choose_k_splits(n: int, k: int, block_k: int, num_sms: int) -> int:
+    """The K slices ``S`` of the engine's split-K GEMVs (o_proj and down_proj, whose parts the residual
+    norm adds) for ``q[N, K]`` on a GPU of ``num_sms`` SMs: among ``K_SPLITS`` with ``K / S`` whole blocks
+    of ``block_k``, the one whose grid of ``ceil(N / 16) * S`` CTAs comes nearest, as a ratio, to
+    ``SPLIT_K_CTAS_PER_SM * num_sms`` (ties: fewer slices).
+
+    It depends on the weight's shape and the GPU, never on ``M``: a row's bits do not depend on the
+    batch it is in. Measured on an H200 (132 SMs, ``bench/gemv_split_k.py``, ``bench/RESULTS.md``): Qwen3-8B
+    o_proj and down_proj get 2 slices, Qwen3-0.6B's 8; q/k/v and gate/up would get 1.
+    """
+    ctas = -(-int(n) // SPLIT_K_COLUMNS_PER_CTA)
+    target = SPLIT_K_CTAS_PER_SM * int(num_sms)
+    allowed = [s for s in K_SPLITS if s == 1 or int(k) % (s * int(block_k)) == 0]
+    return min(allowed, key=lambda s: (abs(np.log(ctas * s / target)), s))
+
+
+def gemv_simt_split_k(a, q, scale_inv, k_splits: int, block=blockwise.DEFAULT_BLOCK, m_tile: int = 8) -> np.ndarray:
+    """Split-K: float32 ``parts[S, M, N]``, ``parts[s] = gemv_simt`` of K slice ``s`` (columns
+    ``[s K / S, (s + 1) K / S)`` of ``a`` and ``q`` with their block scales); the product is
+    ``sum_parts(parts)``. The model of ``numba_kernels.gemv_simt.gemv_simt_split_k``, whose CTA layer
+    ``s`` runs the plain kernel on slice ``s`` as if it were the whole row.
+
+    For ``S > 1``, ``K / S`` must be a multiple of ``BK`` (each slice whole K blocks, so a slice's scales
+    are whole columns of ``scale_inv``); the rest as ``gemv_simt``.
+    """
+    a32, codes, (bn, bk), m_tile = _check_arguments(a, q, block, m_tile)
+    k, splits = a32.shape[1], int(k_splits)
+    if splits < 1 or (splits > 1 and k % (splits * bk)):
+        raise ValueError(f"k_splits: {k_splits} K slices of K = {k} must each be whole K blocks of {bk}")
+    if splits == 1:  # the plain GEMV (K need not be whole blocks)
+        return gemv_simt(a32, codes, scale_inv, (bn, bk), m_tile)[None]
+    width, blocks = k // splits, k // splits // bk
+    scales = np.asarray(scale_inv, np.float32)
+    return np.stack([gemv_simt(a32[:, s * width:(s + 1) * width], codes[:, s * width:(s + 1) * width],
+                               scales[:, s * blocks:(s + 1) * blocks], (bn, bk), m_tile) for s in range(splits)])
+
+
+sum_parts = dense.sum_parts
+"""The split-K product from its parts (``fp8lab.simulators.dense.sum_parts``)."""
+
+
 def _butterfly_lane0(acc: np.ndarray) -> np.ndarray:
     """``butterfly_sum(acc)[..., 0]``, the value lane 0 stores, with only the additions it depends on.
 

@@ -1,7 +1,7 @@
 """Bit-exact NumPy twins of the GPU model's GEMM kernels, and the micro model, for the CUDA-model tests.
 
 In Numba's CUDA simulator a simulated GEMM costs seconds; the GPU model's tests under the simulator
-swap its four GEMM kernels (the SIMT GEMV with and without SwiGLU, the GEMM, the BF16 linear) for their
+swap its five GEMM kernels (the SIMT GEMV plain, split-K and with SwiGLU, the GEMM, the BF16 linear) for their
 simulators (``gemm_twins``), which compute the same float32 operations in the same order, so the rest
 of the forward (norms, RoPE, KV writes, attention, sampling) still runs as simulated kernels.
 """
@@ -31,6 +31,15 @@ def gemv_simt_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **knobs):
     a32 = bf16_values(p.a) if p.activation == "bf16" else np.asarray(p.a, np.float32)
     out[...] = sim_gemv.gemv_simt(a32, p.q, p.scale_inv, p.block)
     return out
+
+
+def gemv_simt_split_k_twin(a, q, scale_inv, parts, block=(128, 128), stream=0, **knobs):
+    """``fp8lab.numba_kernels.gemv_simt.gemv_simt_split_k`` as ``fp8lab.simulators.gemv_simt.gemv_simt_split_k``
+    computes it (bit for bit): the float32 parts ``[S, M, N]`` of the K slices."""
+    p = arguments.check_gemm(a, q, scale_inv, parts[0], block, kernel="the SIMT GEMV")
+    assert p.output == "f32" and 1 <= p.m <= 16 and p.activation == "f32"
+    parts[...] = sim_gemv.gemv_simt_split_k(np.asarray(p.a, np.float32), p.q, p.scale_inv, parts.shape[0], p.block)
+    return parts
 
 
 def gemv_simt_swiglu_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **knobs):
@@ -63,20 +72,22 @@ def bf16_linear_twin(x, w_bits, out, rows_per_warp=None, stream=0):
 
 
 def install_gemm_twins(monkeypatch) -> None:
-    """Swap the GPU model's four GEMM kernels for their twins (the ``gemm_twins`` fixture of conftest): in
+    """Swap the GPU model's five GEMM kernels for their twins (the ``gemm_twins`` fixture of conftest): in
     ``fp8lab.engine.cuda.plan``, whose plans name the kernels every forward launches."""
     monkeypatch.setattr(plan, "gemv_simt", gemv_simt_twin)
     monkeypatch.setattr(plan, "gemv_simt_swiglu", gemv_simt_swiglu_twin)
+    monkeypatch.setattr(plan, "gemv_simt_split_k", gemv_simt_split_k_twin)
     monkeypatch.setattr(plan, "fp8_gemm", fp8_gemm_twin)
     monkeypatch.setattr(plan, "bf16_linear", bf16_linear_twin)
 
 
 def micro_config(layers: int = 1, **overrides):
-    """hidden 128 (the GEMMs' K must be a multiple of 128), 2 query heads / 1 kv head of 64, I = 128;
+    """hidden 128 (the GEMMs' K must be a multiple of 128), 2 query heads / 1 kv head of 64, I = 256;
     FP8 blocks 48 x 128: fused q/k/v (128 + 64 + 64 rows) and gate/up re-block to 16 rows, o/down have a
-    partial edge block; 8 positions, so that with blocks of 4 a sequence has 2 blocks and a decode step
-    2 splits (the combine kernel runs)."""
-    fields = dict(block=(48, 128), hidden_size=128, intermediate_size=128, num_hidden_layers=layers,
+    partial edge block, and down_proj (K = 256) is a split-K GEMV of 2 slices on the SIMT path (its two
+    parts go through ``add_parts_rms_norm``); 8 positions, so that with blocks of 4 a sequence has 2
+    blocks and a decode step 2 splits (the combine kernel runs)."""
+    fields = dict(block=(48, 128), hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=8)
     fields.update(overrides)
     return tiny_config(**fields)

@@ -127,13 +127,15 @@ def check_against_simulator_and_reference(a32, q, scale_inv, block, out_fmt, out
 def test_launch_info():
     knobs = {"warps_per_cta": 4, "chunks_per_iteration": 2, "columns_per_warp": 1}
     info = gemv_simt_launch_info(1, 4096, 12288, **knobs)
-    assert info.grid == (1024, 1) and info.block == (128,) and info.m_tile == 1 and info.steps == 24
+    assert info.grid == (1024, 1, 1) and info.block == (128,) and info.m_tile == 1 and info.steps == 24
     info = gemv_simt_launch_info(5, 6, 640, **knobs)
-    assert info.m_tile == 5 and info.grid == (2, 1) and info.steps == 2  # default: all rows in one tile
+    assert info.m_tile == 5 and info.grid == (2, 1, 1) and info.steps == 2  # default: all rows in one tile
     info = gemv_simt_launch_info(16, 10, 512, m_tile=4, warps_per_cta=8, chunks_per_iteration=4, columns_per_warp=2)
-    assert info.grid == (1, 4) and info.block == (256,) and info.m_tile == 4 and info.chunks_per_iteration == 4
+    assert info.grid == (1, 4, 1) and info.block == (256,) and info.m_tile == 4 and info.chunks_per_iteration == 4
     info = gemv_simt_launch_info(3, 4097, 4096, m_tile=2, warps_per_cta=2, columns_per_warp=4)
-    assert info.grid == (513, 2) and info.block == (64,) and info.columns_per_warp == 4
+    assert info.grid == (513, 2, 1) and info.block == (64,) and info.columns_per_warp == 4
+    info = gemv_simt_launch_info(1, 4096, 12288, k_splits=3)  # a layer of CTAs per K slice of 4096
+    assert info.grid == (256, 1, 3) and info.k_splits == 3 and info.steps == 8
     for m in range(1, 17):  # the defaults and the tuning candidates are valid knobs, one tile of all rows
         defaults = kernel_module.default_knobs(m, 4096, 4096)
         info = gemv_simt_launch_info(m, 4096, 4096)
@@ -444,10 +446,10 @@ def gemv_then_silu_mul(a_in, q, scale_inv, block, **knobs):
 
 
 def test_swiglu_launch_info():
-    info = gemv_simt_launch_info(1, 24576, 4096, swiglu=True)  # defaults for M = 1: 8 warps, two pairs each
-    assert info.grid == (12288 // 16, 1) and info.block == (256,) and info.columns_per_warp == 4
+    info = gemv_simt_launch_info(1, 24576, 4096, swiglu=True)  # defaults for M = 1: 4 warps, two pairs each
+    assert info.grid == (12288 // 8, 1, 1) and info.block == (128,) and info.columns_per_warp == 4
     info = gemv_simt_launch_info(3, 10, 256, warps_per_cta=2, columns_per_warp=4, swiglu=True)
-    assert info.grid == (2, 1)  # I = 5 outputs, 2 per warp, 4 per CTA
+    assert info.grid == (2, 1, 1)  # I = 5 outputs, 2 per warp, 4 per CTA
     for m in range(1, 17):
         for knobs in kernel_module.tuning_candidates(m, swiglu=True):
             assert gemv_simt_launch_info(m, 4096, 4096, swiglu=True, **knobs).columns_per_warp in (2, 4)
@@ -550,3 +552,105 @@ def test_bf16_oracle_helpers_agree_with_ml_dtypes(rng):
     """The test's own BF16 rounding is ml_dtypes' (so the bit-exact output checks mean something)."""
     x = (rng.standard_normal(1000) * 100).astype(np.float32)
     assert np.array_equal(rounded_like(x, "bf16"), x.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+# ---------------------------------------------------------------------------- split-K (gemv_simt_split_k)
+
+
+def check_split_k(a32, q, scale_inv, block, parts, label):
+    """All written; every part bit for bit ``simulators.gemv_simt.gemv_simt_split_k``; the parts' sum in
+    slice order within the float32 bound of the float64 oracle (each product passes at most ``S - 1``
+    more roundings: the additions of the parts)."""
+    splits = parts.shape[0]
+    assert np.all(np.isfinite(parts)), f"{label}: unwritten (poisoned) or non-finite parts"
+    expected = simulator.gemv_simt_split_k(a32, q, scale_inv, splits, block)
+    differ = np.count_nonzero(parts.view(np.uint32) != expected.view(np.uint32))
+    assert differ == 0, f"{label}: {differ} part elements differ from the simulator"
+    total = simulator.sum_parts(parts).astype(np.float64)
+    k = a32.shape[1]
+    magnitude = np.abs(a32.astype(np.float64)) @ np.abs(blockwise.dequantize(q, scale_inv, block).astype(np.float64)).T
+    bound = (gamma(22 + simulator.num_steps(k // splits) + splits) + k * 2.0**-52) * magnitude
+    reference = blockwise.gemm(a32, q, scale_inv, block)
+    assert np.all(np.abs(total - reference) <= bound), f"{label}: the parts' sum is outside the float32 bound"
+
+
+@st.composite
+def split_k_problems(draw):
+    """Tiny shapes with tails in M and N, K of 2 to 9 blocks of 128 split into 1 to K / 128 slices, any knobs."""
+    m, n = draw(st.integers(1, 3)), draw(st.integers(1, 9))
+    blocks = draw(st.sampled_from([2, 3, 4, 6, 9]))
+    splits = draw(st.sampled_from([s for s in range(1, blocks + 1) if blocks % s == 0]))
+    columns = draw(st.sampled_from(kernel_module.COLUMNS_PER_WARP))
+    groups = [g for g in kernel_module.CHUNKS_PER_ITERATION if g * columns <= kernel_module.MAX_GROUP_SLOTS]
+    knobs = {"warps_per_cta": draw(st.sampled_from((1, 2, 3))), "chunks_per_iteration": draw(st.sampled_from(groups)),
+             "columns_per_warp": columns, "m_tile": draw(st.sampled_from((None, 1, 2)))}
+    block = (draw(st.integers(1, n + 2)), 128)
+    return m, n, 128 * blocks, splits, block, knobs, draw(st.sampled_from(ACTIVATION_FORMATS)), draw(st.integers(0, 2**32 - 1))
+
+
+@pytest.mark.cudasim
+@settings(max_examples=5)
+@given(split_k_problems())
+def test_simulated_split_k_on_random_shapes(problem):
+    """Each layer of CTAs sums its K slice as the plain kernel sums a row: the parts are the simulator's."""
+    m, n, k, splits, block, knobs, act_fmt, seed = problem
+    a, q, scale_inv = random_problem(np.random.default_rng(seed), m, n, k, block)
+    a_in, a32 = activations(a, act_fmt)
+    parts = np.full((splits, m, n), np.nan, np.float32)
+    kernel_module.gemv_simt_split_k(a_in, q, scale_inv, parts, block, **knobs)
+    check_split_k(a32, q, scale_inv, block, parts, str(problem))
+
+
+@pytest.mark.cudasim
+def test_simulated_split_k_of_one_slice_is_the_plain_gemv(rng):
+    """S = 1: one part, the plain kernel's output bit for bit (K = 1152: a partial last warp step)."""
+    m, n, k, block = 2, 5, 1152, (2, 128)
+    a, q, scale_inv = random_problem(rng, m, n, k, block)
+    parts, out = np.full((1, m, n), np.nan, np.float32), poisoned_output((m, n), "f32")
+    kernel_module.gemv_simt_split_k(a, q, scale_inv, parts, block)
+    gemv_simt(a, q, scale_inv, out, block)
+    assert np.array_equal(parts[0].view(np.uint32), out.view(np.uint32))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p[0].copy(), "parts: expected float32 \\[S, 2, 4\\]"),
+    (lambda p: p[:, :, :3].copy(), "parts: expected float32 \\[S, 2, 4\\]"),
+    (lambda p: p.astype(np.float16), "parts: expected float32"),
+    (lambda p: np.full((3, 2, 4), np.nan, np.float32), "K / 3 is not a multiple of 128"),
+    (lambda p: np.full((4, 2, 4), np.nan, np.float32), "K / 4 is not a multiple of 128"),
+    (lambda p: np.asfortranarray(np.full((2, 2, 4), np.nan, np.float32)), "C-contiguous"),
+])
+def test_bad_split_k_arguments_raise_before_launch(rng, no_launch, change, message):
+    a, q, scale_inv, _ = good_arguments(rng)
+    parts = change(np.full((2, 2, 4), np.nan, np.float32))
+    with pytest.raises(ValueError, match=message):
+        kernel_module.gemv_simt_split_k(a, q, scale_inv, parts)
+    assert np.all(np.isnan(parts))  # untouched
+
+
+def test_the_split_rule_on_the_qwen3_shapes():
+    """``choose_k_splits`` on an H200's 132 SMs: the narrow residual GEMMs split, the wide ones do not,
+    and a K of one block cannot."""
+    assert [simulator.choose_k_splits(n, k, 128, 132) for n, k in
+            [(4096, 4096), (4096, 12288), (1024, 2048), (1024, 3072), (24576, 4096), (6144, 4096)]] == [2, 2, 8, 8, 1, 1]
+    assert simulator.choose_k_splits(16, 128, 128, 132) == 1
+    for n, k in [(4096, 4096), (1024, 3072), (128, 768)]:
+        s = simulator.choose_k_splits(n, k, 128, 132)
+        assert k % (s * 128) == 0 and s in simulator.K_SPLITS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1, 4096, 4096), (1, 4096, 12288), (4, 4096, 12288), (1, 1024, 3072),
+                                     (3, 1024, 2048)])
+def test_gpu_split_k_against_simulator_and_reference(m, n, k):
+    """The engine's split counts at Qwen3-8B and Qwen3-0.6B o_proj / down_proj sizes, float32 activations."""
+    from numba import cuda
+
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    block = (128, 128)
+    a, q, scale_inv = random_problem(rng, m, n, k, block)
+    splits = simulator.choose_k_splits(n, k, 128, cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    parts = cuda.to_device(np.full((splits, m, n), np.nan, np.float32))
+    kernel_module.gemv_simt_split_k(cuda.to_device(a), cuda.to_device(q), cuda.to_device(scale_inv), parts, block)
+    check_split_k(a, q, scale_inv, block, parts.copy_to_host(), f"seed {seed}, M={m} N={n} K={k} S={splits}")

@@ -92,7 +92,7 @@ def variants():
     return [Variant(f"gemv_simt{'_swiglu' if swiglu else ''} M_TILE={m_tile} {activation}->{output} warps={warps} "
                     f"G={group} NC={columns}",
                     gemv_simt_kernel(m_tile, activation, output, 128, 128, warps, group, columns, swiglu).py_func,
-                    f"void(uint32[::1], uint32[::1], float32[::1], {ARRAY[output]}[:, ::1], int64, int64, int64)",
+                    f"void(uint32[::1], uint32[::1], float32[::1], {ARRAY[output]}[:, ::1], int64, int64, int64, int64)",
                     info={"m_tile": m_tile, "group": group, "columns": columns, "swiglu": swiglu,
                           "words_per_chunk": WORDS_PER_CHUNK[activation]})
             for m_tile, activation, output, warps, group, columns, swiglu in cases]

@@ -149,6 +149,50 @@ def test_add_rms_norm_adds_then_normalizes(rng, rows, n):
 
 
 @pytest.mark.cudasim
+@pytest.mark.parametrize("rows, n", [(5, 96), (2, 520)], ids=["warp per row", "cta per row"])
+def test_add_parts_rms_norm_adds_the_parts_in_order(rng, rows, n):
+    """A split-K product's 3 parts: summed in part order (``simulators.dense.sum_parts``), added to the
+    residual in one addition, normalized; the same bits as ``add_rms_norm`` of that sum; one part is
+    ``add_rms_norm`` bit for bit."""
+    parts = spread_activations(rng, (3, rows, n))
+    original = spread_activations(rng, (rows, n))
+    weight = spread_activations(rng, (n,), spread=1)
+    residual, out = original.copy(), poisoned((rows, n))
+    layers.add_parts_rms_norm(parts, residual, weight, 1e-6, out)
+    summed = (parts[0] + parts[1]) + parts[2]
+    np.testing.assert_array_equal(residual.view(np.uint32), (original + summed).view(np.uint32))
+    check_rms_norm(original + summed, weight, 1e-6, out)
+    simulated, total = sim.add_parts_rms_norm(parts, original, weight, 1e-6, layers.rms_norm_threads_per_row(n))
+    np.testing.assert_array_equal(out.view(np.uint32), simulated.view(np.uint32))
+    np.testing.assert_array_equal(residual.view(np.uint32), total.view(np.uint32))
+
+    staged, plain = original.copy(), poisoned((rows, n))
+    layers.add_rms_norm(summed, staged, weight, 1e-6, plain)
+    np.testing.assert_array_equal(plain.view(np.uint32), out.view(np.uint32))
+
+    one_part, fused = original.copy(), poisoned((rows, n))
+    layers.add_parts_rms_norm(parts[:1], one_part, weight, 1e-6, fused)
+    staged, plain = original.copy(), poisoned((rows, n))
+    layers.add_rms_norm(parts[0], staged, weight, 1e-6, plain)
+    np.testing.assert_array_equal(fused.view(np.uint32), plain.view(np.uint32))
+    np.testing.assert_array_equal(one_part.view(np.uint32), staged.view(np.uint32))
+
+
+@pytest.mark.parametrize("parts, message", [
+    (np.full((2, 3, 64), np.nan, np.float32), "parts: expected float32 \\[S, 2, 64\\]"),
+    (np.full((2, 64), np.nan, np.float32), "parts: expected float32"),
+    (np.full((0, 2, 64), np.nan, np.float32), "parts: expected float32"),
+    (np.full((2, 2, 64), np.nan, np.float64), "parts: expected float32"),
+    (np.full((2, 2, 128), np.nan, np.float32)[:, :, ::2], "parts: expected a C-contiguous"),
+])
+def test_bad_parts_raise_before_launch(parts, message):
+    residual, out = np.ones((2, 64), np.float32), poisoned((2, 64))
+    with pytest.raises(ValueError, match=message):
+        layers.add_parts_rms_norm(parts, residual, np.ones(64, np.float32), 1e-6, out)
+    assert np.all(np.isnan(out)) and np.all(residual == 1)
+
+
+@pytest.mark.cudasim
 @pytest.mark.parametrize("fused", [False, True], ids=["rms_norm", "add_rms_norm"])
 def test_the_generic_loop_norm_kernel_matches_the_simulator(rng, fused):
     """The fallback for rows too long for registers (n > 8192 on a GPU), launched directly at a small n
@@ -161,9 +205,11 @@ def test_the_generic_loop_norm_kernel_matches_the_simulator(rng, fused):
     x, original = spread_activations(rng, (2, n)), spread_activations(rng, (2, n))
     weight = spread_activations(rng, (n,), spread=1)
     residual, out = (original.copy() if fused else x), poisoned(x.shape)
-    cuda.jit(layers.rms_norm_loop_function(fused))[2, threads](x, residual, weight, np.float32(1e-6), out)
+    parts = np.stack([x, spread_activations(rng, (2, n))])  # the fused kernel adds parts [S, rows, n]
+    cuda.jit(layers.rms_norm_loop_function(fused))[2, threads](parts if fused else x, residual, weight,
+                                                              np.float32(1e-6), out)
     if fused:
-        expected, total = sim.add_rms_norm(x, original, weight, 1e-6, threads)
+        expected, total = sim.add_parts_rms_norm(parts, original, weight, 1e-6, threads)
         np.testing.assert_array_equal(residual.view(np.uint32), total.view(np.uint32))
     else:
         expected = sim.rms_norm(x, weight, 1e-6, threads)

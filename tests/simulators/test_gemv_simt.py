@@ -210,6 +210,45 @@ def test_random_data_within_the_float32_bound(problem):
     assert np.all(np.abs(got - expected) <= bound)
 
 
+def whole_block_splits(k: int, bk: int) -> list[int]:
+    return [s for s in gs.K_SPLITS if s == 1 or k % (s * bk) == 0]
+
+
+@given(gemv_problems(exact=True), st.data())
+def test_split_k_is_exact_on_exact_data(problem, data):
+    """Split-K: the parts' sum in slice order, on data whose every float32 sum is exact, is the oracle."""
+    a, q, scale_inv, block, m_tile = problem
+    splits = data.draw(st.sampled_from(whole_block_splits(a.shape[1], block[1])))
+    parts = gs.gemv_simt_split_k(a, q, scale_inv, splits, block, m_tile=m_tile)
+    assert parts.shape == (splits,) + (a.shape[0], q.shape[0]) and parts.dtype == np.float32
+    assert np.array_equal(gs.sum_parts(parts), blockwise.gemm(a, q, scale_inv, block))
+
+
+@given(gemv_problems(exact=False), st.data())
+def test_split_k_within_the_float32_bound(problem, data):
+    """Each product passes the ``16 + T_slice + 5`` roundings of its slice and at most ``S - 1``
+    additions of the parts."""
+    a, q, scale_inv, block, m_tile = problem
+    k = a.shape[1]
+    splits = data.draw(st.sampled_from(whole_block_splits(k, block[1])))
+    total = gs.sum_parts(gs.gemv_simt_split_k(a, q, scale_inv, splits, block, m_tile=m_tile))
+    magnitude = np.abs(a.astype(np.float64)) @ np.abs(blockwise.dequantize(q, scale_inv, block).astype(np.float64)).T
+    bound = (gamma(22 + gs.num_steps(k // splits) + splits) + k * 2.0**-52) * magnitude
+    assert np.all(np.isfinite(total))
+    assert np.all(np.abs(total - blockwise.gemm(a, q, scale_inv, block)) <= bound)
+
+
+def test_split_k_of_one_slice_is_the_plain_model_and_bad_splits_are_refused():
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((2, 384)).astype(np.float32)
+    q = rng.integers(0, 0x7E, (3, 384)).astype(np.uint8)
+    scale_inv = np.ones((1, 3), np.float32)
+    assert np.array_equal(gs.gemv_simt_split_k(a, q, scale_inv, 1, (128, 128))[0], gs.gemv_simt(a, q, scale_inv))
+    for bad in (0, 2, 4):
+        with pytest.raises(ValueError, match="k_splits"):
+            gs.gemv_simt_split_k(a, q, scale_inv, bad, (128, 128))
+
+
 @given(gemv_problems(exact=False))
 def test_m_tile_never_changes_the_bits(problem):
     a, q, scale_inv, block, _ = problem

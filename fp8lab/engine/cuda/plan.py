@@ -6,15 +6,15 @@ builder (``fp8lab.engine.cuda.graphs``): every wrapper takes ``stream=``. The se
 is fixed by its bucket and its cache, so its launch count is a property of the plan
 (``Plan.kernel_launches``), not something counted while it runs.
 
-Launches per layer: ``add_rms_norm`` (the previous residual add fused with this norm; ``rms_norm`` in
+Launches per layer: ``add_parts_rms_norm`` (the previous residual add fused with this norm; ``rms_norm`` in
 layer 0), the q/k/v GEMM (one launch on the fused weight, whose output row ``t`` is ``[q | k | v]``),
 ``attention_input.qk_norm_rope_cache_write`` (q-norm, k-norm, RoPE and the paged cache write in one
 launch; it reads q, k and v as column slices of that output and writes q, contiguous, for attention),
 attention (decode: ``paged_decode``, the split kernel and, with more than one split, the combine kernel;
 prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the combine), o_proj,
-``add_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch; on the
+``add_parts_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch; on the
 tensor-core path the GEMM then ``silu_mul``), down_proj; plus one ``bf16_round`` before each FP8 GEMM
-input when ``T > f32_max_rows``. Around the layers: the embedding, the final ``add_rms_norm`` and the lm_head
+input when ``T > f32_max_rows``. Around the layers: the embedding, the final ``add_parts_rms_norm`` and the lm_head
 (``bf16_linear``); a decode step ends with the greedy argmax (``layers.argmax_rows``, one multi-CTA
 launch, for ``greedy_tokens``). A decode step of batch 1 is 8 or 9 launches per layer plus 4, e.g.
 9 * 36 + 4 = 328 for Qwen3-8B (16 splits). Every launch has a ``label`` (what it is in the forward), which
@@ -30,9 +30,15 @@ cost far less than the FP8 weights themselves, while at M = 5..16 the tensor-cor
 faster than the SIMT GEMV. (The random tiny model is much more sensitive: its flat logits let BF16
 inputs change greedy tokens within a few steps, which is why its GPU tests ask for ``f32_max_rows=16``.)
 
+The residual stream's GEMMs (o_proj, down_proj) on the SIMT path are split-K (``gemv_simt_split_k``, ``S =
+fp8lab.simulators.gemv_simt.choose_k_splits`` K slices: 2 for Qwen3-8B, 8 for Qwen3-0.6B on an H200): their
+narrow weights (``N`` = hidden size) give too few warps to keep the memory busy otherwise. They leave
+``S`` float32 parts, and the next norm (``layers.add_parts_rms_norm``) adds them in slice order to the
+residual; every other path leaves one part, and one part is ``add_rms_norm`` bit for bit.
+
 Activations live in buffers preallocated for ``max_num_tokens`` tokens and ``max_num_seqs`` sequences
-(``Activations``): the residual ``h``, the normed ``x``, a block output ``y`` (all float32
-``[T, hidden]``), the q/k/v GEMM output (one flat float32 buffer: ``[T, (Hq + 2 Hkv) D]``, or three
+(``Activations``): the residual ``h``, the normed ``x`` (float32 ``[T, hidden]``), a block output ``y``
+(float32 split-K parts ``[S, T, hidden]``, flat), the q/k/v GEMM output (one flat float32 buffer: ``[T, (Hq + 2 Hkv) D]``, or three
 blocks when the weights do not fuse), the normed and rotated ``q [T, Hq, D]``, the attention output,
 ``gate_up [T, 2 I]``, the SwiGLU output ``[T, I]``, the BF16 GEMM input, the split-kv workspace, the
 greedy argmax's workspace and the logits of ``max_num_seqs`` rows. Nothing in a plan allocates or reads
@@ -52,9 +58,14 @@ import numpy as np
 from fp8lab.numba_kernels import layers, splitkv
 from fp8lab.numba_kernels.attention_input import qk_norm_rope_cache_write
 from fp8lab.numba_kernels.fp8_gemm import fp8_gemm
-from fp8lab.numba_kernels.gemv_simt import gemv_simt, gemv_simt_swiglu
+from fp8lab.numba_kernels.gemv_simt import (
+    gemv_simt,
+    gemv_simt_split_k,
+    gemv_simt_swiglu,
+)
 from fp8lab.numba_kernels.layers import bf16_linear
 from fp8lab.numba_kernels.prefill import PrefillRows, paged_prefill
+from fp8lab.simulators.gemv_simt import K_SPLITS, choose_k_splits
 
 from ..config import Qwen3Config
 from .kv_cache import DeviceKVCache, DeviceLayerKVCache
@@ -137,7 +148,8 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
     return Activations(
         h=mem.empty("activations h", (tmax, c.hidden_size), np.float32),
         x=mem.empty("activations x", (tmax, c.hidden_size), np.float32),
-        y=mem.empty("activations y", (tmax, c.hidden_size), np.float32),
+        y=mem.empty("activations y (a residual block's output, as split-K parts)",
+                    (max(tmax, max(K_SPLITS) * min(tmax, f32_max_rows)) * c.hidden_size,), np.float32),
         qkv=mem.empty("activations q/k/v", (tmax * (hq + 2 * hkv) * d,), np.float32),
         q=mem.empty("activations q (normed, rotated)", (tmax, hq, d), np.float32),
         attn=mem.empty("activations attention output", (tmax, hq, d), np.float32),
@@ -216,7 +228,7 @@ class Planner:
         the residual stream into ``x[:t]``."""
         c, a, plan = self.config, self.activations, []
         eps = c.rms_norm_eps
-        h, x, y = a.h[:t], a.x[:t], a.y[:t]
+        h, x, y = a.h[:t], a.x[:t], None  # y: the parts of the last residual block's output
         qd = c.num_attention_heads * c.head_dim
         q = a.q[:t]  # the attention's input: normed and rotated
         attn, gate_up, act = a.attn[:t], a.gate_up[:t], a.act[:t]
@@ -225,20 +237,38 @@ class Planner:
             if i == 0:
                 plan.append(Launch(layers.rms_norm, (h, layer.input_layernorm, eps, x), label="input norm"))
             else:  # the previous layer's MLP residual add, fused with this layer's input norm
-                plan.append(Launch(layers.add_rms_norm, (y, h, layer.input_layernorm, eps, x), label="input norm"))
+                plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.input_layernorm, eps, x), label="input norm"))
             q_in, k_in, v_in = self.qkv_projections(layer.qkv, x, t, plan)
             plan.append(Launch(qk_norm_rope_cache_write, (q_in, k_in, v_in, q, layer.q_norm, layer.k_norm, eps, positions,
                                                           rope, layer_cache.k, layer_cache.v, slots,
                                                           layer_cache.k_scale, layer_cache.v_scale),
                                dict(kv_format=layer_cache.kv_format), label="q/k norm, rope, cache write"))
             plan.append(attend(q, layer_cache, attn))
-            o_in = attn.reshape(t, qd)
-            plan.append(self.linear(layer.o_proj, o_in, y, self.gemm_input(o_in, layer.o_proj.kind == "fp8", plan), "o_proj"))
-            plan.append(Launch(layers.add_rms_norm, (y, h, layer.post_attention_layernorm, eps, x), label="post-attention norm"))
+            y = self.residual_linear(layer.o_proj, attn.reshape(t, qd), "o_proj", plan)
+            plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.post_attention_layernorm, eps, x),
+                               label="post-attention norm"))
             self.gate_up_swiglu(layer.gate_up, x, gate_up, act, plan)
-            plan.append(self.linear(layer.down_proj, act, y, self.gemm_input(act, layer.down_proj.kind == "fp8", plan), "down_proj"))
-        plan.append(Launch(layers.add_rms_norm, (y, h, self.weights.norm, eps, x), label="final norm"))
+            y = self.residual_linear(layer.down_proj, act, "down_proj", plan)
+        plan.append(Launch(layers.add_parts_rms_norm, (y, h, self.weights.norm, eps, x), label="final norm"))
         return plan
+
+    def residual_linear(self, linear: DeviceLinear, x, label: str, plan: list[Launch]):
+        """``x [t, K] @ W^T`` for the residual stream (o_proj, down_proj), its launches appended to ``plan``;
+        returns it as the parts ``[S, t, N]`` in ``activations.y`` that the next norm adds
+        (``layers.add_parts_rms_norm``). On the SIMT path a split-K GEMV of ``S = choose_k_splits`` slices
+        (a narrow weight keeps the memory busy only with more warps than columns); any other path
+        writes one part."""
+        t, n = x.shape[0], linear.n
+        x_bf16 = self.gemm_input(x, linear.kind == "fp8", plan)
+        if linear.kind == "fp8" and x_bf16 is None:
+            splits = choose_k_splits(n, linear.k, linear.block[1], splitkv.device_num_sms())
+            parts = self.activations.y[: splits * t * n].reshape(splits, t, n)
+            plan.append(Launch(gemv_simt_split_k, (x, linear.weight, linear.scale_inv, parts, linear.block),
+                               label=f"{label} gemv"))
+            return parts
+        parts = self.activations.y[: t * n].reshape(1, t, n)
+        plan.append(self.linear(linear, x, parts.reshape(t, n), x_bf16, label))
+        return parts
 
     def qkv_projections(self, group, x, t: int, plan: list[Launch]):
         """The q, k and v projections of ``x [t, hidden]``, their launches appended to ``plan``; returns
