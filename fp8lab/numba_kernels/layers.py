@@ -207,11 +207,10 @@ def add_warp_totals(warp_totals, warps):
     return total
 
 
-def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int, parts: int = 1):
+def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int):
     """The Python source of the norm kernel ``(x, residual, weight, eps, out)`` for rows of length ``n``
     (non-fused: ``residual`` is ``x``; fused: ``x`` is the parts ``[S, rows, n]`` of what is added, one
-    part for a plain add; ``parts`` = S, a constant of the kernel, so that the loads of every part are
-    unrolled and in flight together), the row held in registers.
+    part for a plain add), the row held in registers.
 
     ``warp_per_row``: launch ``[ceil(rows / 4), 128]``, warp ``w`` of CTA ``b`` takes row ``4 b + w``.
     Otherwise: launch ``[rows, rms_norm_threads_per_row(n)]``, CTA ``b`` takes row ``b``. Thread ``t``
@@ -240,7 +239,7 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int, parts: i
                     extra[j] = x[0, row, k]
                 weights[j] = weight[k]
         if fused:
-            for s in range(1, parts):  # the further parts of a split-K product, in part order
+            for s in range(1, x.shape[0]):  # the further parts of a split-K product, in part order
                 for j in range(elements):
                     k = t + threads * j
                     if whole or k < n:
@@ -335,16 +334,15 @@ def rms_norm_loop_function(fused: bool):
 
 
 @functools.cache
-def _rms_norm_kernel(fused: bool, n: int, parts: int):
-    """The norm kernel for rows of length ``n`` adding ``parts`` parts (compiled once per ``(fused, n,
-    parts)``). On a GPU it is compiled for its CTA size (``launch_bounds``): ptxas keeps within the
-    registers a launch can have."""
+def _rms_norm_kernel(fused: bool, n: int):
+    """The norm kernel for rows of length ``n`` (compiled once per ``(fused, n)``). On a GPU it is
+    compiled for its CTA size (``launch_bounds``): ptxas keeps within the registers a launch can have."""
     threads = rms_norm_threads_per_row(n)
     warp_per_row = threads == WARP_SIZE
     options = {} if SIMULATOR else {"launch_bounds": WARP_SIZE * NORM_ROWS_PER_CTA if warp_per_row else threads}
     if norm_elements_per_thread(n) is None:
         return cuda.jit(rms_norm_loop_function(fused), **options)
-    return cuda.jit(rms_norm_register_function(fused, warp_per_row, n, parts), **options)
+    return cuda.jit(rms_norm_register_function(fused, warp_per_row, n), **options)
 
 
 def _check_norm(x, weight, out, residual=None):
@@ -376,7 +374,7 @@ def _launch_norm(fused, x, residual, weight, eps, out, rows, n, stream):
     block = WARP_SIZE * NORM_ROWS_PER_CTA if warp_per_row else threads
     args = [x, residual, weight, np.float32(eps), out]
     written = (1, 4) if fused else (4,)
-    _run(_rms_norm_kernel(fused, n, x.shape[0] if fused else 1), grid, block, stream, args, written)
+    _run(_rms_norm_kernel(fused, n), grid, block, stream, args, written)
 
 
 def rms_norm(x, weight, eps, out, stream=0):
@@ -1064,9 +1062,6 @@ def kernel_variants():
             warp_per_row = rms_norm_threads_per_row(n) == WARP_SIZE
             variants.append((f"{norm}[{'warp' if warp_per_row else 'cta'} per row, n={n}]",
                              rms_norm_register_function(fused, warp_per_row, n), norm_signature))
-            if fused:  # a split-K product's parts (Qwen3-0.6B's 8, the most the engine chooses)
-                variants.append((f"{norm}[{'warp' if warp_per_row else 'cta'} per row, n={n}, 8 parts]",
-                                 rms_norm_register_function(fused, warp_per_row, n, 8), norm_signature))
         variants.append((f"{norm}[cta per row, loop]", rms_norm_loop_function(fused), norm_signature))
     variants.append(("rope", rope_kernel, types.void(f32_3d, i32_1d, f32_2d, f32_3d)))
     variants.append(("silu_mul", silu_mul_kernel, types.void(f32_2d, f32_2d)))
