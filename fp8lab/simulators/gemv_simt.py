@@ -309,8 +309,9 @@ def gemv_simt_swiglu(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, m_tile: int
     return dense.silu_mul(gemv_simt(a, q, scale_inv, block, m_tile))
 
 
-K_SPLITS = (1, 2, 3, 4, 6, 8)
-"""The split-K slice counts the engine chooses among (``choose_k_splits``)."""
+K_SPLITS = (1, 2, 3, 4)
+"""The split-K slice counts the engine chooses among (``choose_k_splits``). More slices made the narrow
+GEMVs of Qwen3-0.6B a little faster still, but the residual norm reads every part (``bench/RESULTS.md``)."""
 SPLIT_K_CTAS_PER_SM = 4
 """``choose_k_splits`` aims at this many CTAs (of ``SPLIT_K_COLUMNS_PER_CTA`` columns) per SM."""
 SPLIT_K_COLUMNS_PER_CTA = 16
@@ -325,7 +326,7 @@ def choose_k_splits(n: int, k: int, block_k: int, num_sms: int) -> int:
 
     It depends on the weight's shape and the GPU, never on ``M``: a row's bits do not depend on the
     batch it is in. Measured on an H200 (132 SMs, ``bench/gemv_split_k.py``, ``bench/RESULTS.md``): Qwen3-8B
-    o_proj and down_proj get 2 slices, Qwen3-0.6B's 8; q/k/v and gate/up would get 1.
+    o_proj and down_proj get 2 slices, Qwen3-0.6B's 4; q/k/v and gate/up would get 1.
     """
     ctas = -(-int(n) // SPLIT_K_COLUMNS_PER_CTA)
     target = SPLIT_K_CTAS_PER_SM * int(num_sms)

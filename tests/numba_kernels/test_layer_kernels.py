@@ -695,6 +695,28 @@ def test_gpu_rms_norm_bit_for_bit(rows, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("parts, rows, n", [(4, 1, 1024), (4, 4, 1024), (2, 1, HIDDEN), (2, 3, HIDDEN), (3, 2, 8200)])
+def test_gpu_add_parts_rms_norm_bit_for_bit(parts, rows, n):
+    """The split-K parts of Qwen3-0.6B (4, hidden 1024) and Qwen3-8B (2, hidden 4096), and the generic loop
+    kernel: the residual bit for bit ``residual + sum_parts(parts)``, the norm the simulator's."""
+    from numba import cuda
+
+    seed, rng = fresh_rng()
+    x = spread_activations(rng, (parts, rows, n))
+    residual = spread_activations(rng, (rows, n))
+    weight = spread_activations(rng, (n,), spread=1)
+    residual_device, out = cuda.to_device(residual), cuda.to_device(poisoned((rows, n)))
+    layers.add_parts_rms_norm(cuda.to_device(x), residual_device, cuda.to_device(weight), 1e-6, out)
+    expected, total = sim.add_parts_rms_norm(x, residual, weight, 1e-6, layers.rms_norm_threads_per_row(n))
+    try:
+        np.testing.assert_array_equal(residual_device.copy_to_host().view(np.uint32), total.view(np.uint32))
+        check_rms_norm(total, weight, 1e-6, out.copy_to_host())
+        np.testing.assert_array_equal(out.copy_to_host().view(np.uint32), expected.view(np.uint32))
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}") from error
+
+
+@pytest.mark.gpu
 def test_gpu_rope_bit_for_bit():
     from numba import cuda
 

@@ -31,7 +31,7 @@ faster than the SIMT GEMV. (The random tiny model is much more sensitive: its fl
 inputs change greedy tokens within a few steps, which is why its GPU tests ask for ``f32_max_rows=16``.)
 
 The residual stream's GEMMs (o_proj, down_proj) on the SIMT path are split-K (``gemv_simt_split_k``, ``S =
-fp8lab.simulators.gemv_simt.choose_k_splits`` K slices: 2 for Qwen3-8B, 8 for Qwen3-0.6B on an H200): their
+fp8lab.simulators.gemv_simt.choose_k_splits`` K slices: 2 for Qwen3-8B, 4 for Qwen3-0.6B on an H200): their
 narrow weights (``N`` = hidden size) give too few warps to keep the memory busy otherwise. They leave
 ``S`` float32 parts, and the next norm (``layers.add_parts_rms_norm``) adds them in slice order to the
 residual; every other path leaves one part, and one part is ``add_rms_norm`` bit for bit.
