@@ -77,6 +77,11 @@ instead of the finite values the simulator defines).
 Checked against ``fp8lab.simulators.gemv_simt`` bit for bit (CUDA simulator and GPU) and against
 ``fp8lab.reference.blockwise.gemm`` by relative error (``tests/numba_kernels/test_gemv_kernel.py``).
 
+Split-K (``gemv_simt_split_k``): the grid's third dimension is ``S`` K slices of whole ``BK`` blocks; CTA
+layer ``z`` runs the schedule above on slice ``z`` as if it were the whole row and writes part ``z`` of
+float32 ``parts[S, M, N]``; the product is the parts' sum in slice order (``fp8lab.simulators.dense.sum_parts``,
+added by ``layers.add_parts_rms_norm``). Checked bit for bit against ``fp8lab.simulators.gemv_simt.gemv_simt_split_k``.
+
 Requirements (``ValueError`` before anything is launched): those of ``arguments.check_gemm``
 (``K`` and ``BK`` multiples of 128, shapes and dtypes) plus ``1 <= M <= 16``, the knobs in range
 and within the register budget (``chunks_per_iteration * columns_per_warp <= 8``,
@@ -541,8 +546,8 @@ def gemv_simt_split_k(a, q, scale_inv, parts, block=(128, 128), m_tile=None, war
                       chunks_per_iteration=None, columns_per_warp=None, stream=0):
     """Split-K: ``parts[s] = gemv_simt`` of K slice ``s`` (``K / S`` wide, ``S = parts.shape[0]``), so
     that the product is ``fp8lab.simulators.gemv_simt.sum_parts(parts)``: ``parts[0] + parts[1] + ...``
-    in float32, in that order, which the consumer computes (``layers.add_rms_norm`` takes the parts as
-    its ``x``); returns ``parts``.
+    in float32, in that order, which the consumer computes (``layers.add_parts_rms_norm`` adds them to
+    the residual); returns ``parts``.
 
     The narrow shapes (``N`` = hidden size, e.g. o_proj and down_proj) have too few columns to keep
     the memory busy with one warp per column; S slices give S times the warps, each with an S times

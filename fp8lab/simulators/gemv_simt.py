@@ -42,6 +42,10 @@ bf16 or f16 value, widened) the product ``a * w`` (w has 4 significant bits) is 
 so ``part + a * w`` in float32 *is* ``fma(a, w, part)``; the model then uses plain float32 NumPy
 arithmetic (several times faster). Other float32 activations take ``fma_f32`` for every product.
 
+Split-K (``gemv_simt_split_k``, the model of ``numba_kernels.gemv_simt.gemv_simt_split_k``): ``S`` K slices
+of whole ``BK`` blocks, each summed by ``gemv_simt`` as if it were the whole row, the parts then added in
+slice order (``sum_parts``); ``choose_k_splits`` is the engine's rule for ``S``.
+
 SwiGLU in the epilogue (``gemv_simt_swiglu``, the model of ``numba_kernels.gemv_simt.gemv_simt_swiglu``):
 ``dense.silu_mul(gemv_simt(a, q, scale_inv))`` for the fused gate/up codes ``q[2 I, K]``. The kernel
 variant is the same composition: its warps sum the gate and up columns ``j`` and ``I + j`` as the
