@@ -99,7 +99,7 @@ def main():
 
     with profile(activities=[ProfilerActivity.CUDA]):
         print("inside torch.profiler", time_launch(g4, stream, 10))
-    print("after a torch.profiler session and after it., time_launch(g4, stream))
+    print("after a torch.profiler session", time_launch(g4, stream))
     g5 = build(x, stream)
     print("a new graph after the profiler", time_launch(g5, stream))
 
