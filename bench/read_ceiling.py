@@ -4,8 +4,8 @@
 
 A decode GEMV at M = 1 must read its weight codes once, so no GEMV of that size can beat one kernel that only
 reads them. This benchmark times such a kernel (``read_kernel``: each thread sums 128-bit loads of a uint32
-buffer, ``LOADS`` in flight per thread, grid-stride over the buffer, one word written per CTA so the loads are
-not removed) for the weight bytes of every Qwen3-8B and Qwen3-0.6B GEMV and the lm_head, by CUDA-graph
+buffer, ``LOADS`` in flight per thread, grid-stride over the buffer; a store guarded by a test the sum
+practically never passes keeps the loads from being removed) for the weight bytes of every Qwen3-8B and Qwen3-0.6B GEMV and the lm_head, by CUDA-graph
 replay with buffers rotated past the L2 (``bench/timing.py``). It reports the best over a few grid sizes, as
 TB/s (bytes read / time) against the device-to-device copy bandwidth (bytes read + written) of the same run.
 The gap between the small sizes and the large ones is the cost of a kernel's start and end (launch, the ramp
@@ -25,14 +25,22 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gemm import L2_BYTES  # noqa: E402
+from gemv_split_k import SHAPES  # noqa: E402
 
-SIZES = {
-    "qwen3-8b o": 4096 * 4096, "qwen3-8b q/k/v": 6144 * 4096, "qwen3-8b down": 4096 * 12288,
-    "qwen3-8b gate/up": 24576 * 4096, "qwen3-8b lm_head (BF16)": 151936 * 4096 * 2,
-    "qwen3-0.6b o": 1024 * 2048, "qwen3-0.6b q/k/v": 4096 * 1024, "qwen3-0.6b down": 1024 * 3072,
-    "qwen3-0.6b gate/up": 6144 * 1024, "qwen3-0.6b lm_head (BF16)": 151936 * 1024 * 2,
-}
-"""Bytes each kernel reads: the FP8 codes of the GEMV's weight (its scales are 1/16384 of that) or the BF16 lm_head."""
+from fp8lab.engine import shapes  # noqa: E402
+
+
+def read_sizes() -> dict[str, int]:
+    """Bytes each kernel reads: the FP8 codes of each decode GEMV's weight (``gemv_split_k.SHAPES``; the scales
+    are 1/16384 of that), then the BF16 lm_head of the shape."""
+    sizes = {}
+    for shape, gemvs in SHAPES.items():
+        sizes.update({f"{shape} {name}": n * k for name, (n, k) in gemvs.items()})
+        config = shapes.shape_config(shape)
+        sizes[f"{shape} lm_head (BF16)"] = config.vocab_size * config.hidden_size * 2
+    return sizes
+
+
 LOADS = 4
 THREADS = 128
 CTAS_PER_SM = (2, 4, 8, 16)
@@ -76,14 +84,14 @@ def main(argv=None) -> int:
     lines = [f"Copy bandwidth {bandwidth:.2f} TB/s (read + write). One read-only kernel per size, {THREADS} threads "
              f"per CTA, {LOADS} 128-bit loads in flight per thread, best grid of {CTAS_PER_SM} CTAs per SM.", "",
              "| what | MB | read us | read TB/s | of copy bandwidth | best CTAs per SM |", "|---|---|---|---|---|---|"]
-    for name, nbytes in SIZES.items():
+    for name, nbytes in read_sizes().items():
         copies = max(2, int(np.ceil(3 * L2_BYTES / nbytes)))
         buffers = [cuda.device_array(nbytes // 4, np.uint32) for _ in range(copies)]  # contents do not matter
         best = None
         for per_sm in CTAS_PER_SM:
             grid = min(sms * per_sm, -(-nbytes // (16 * THREADS)))
 
-            def launch(i, stream, grid=grid):
+            def launch(i, stream, grid=grid, buffers=buffers):
                 read_kernel[grid, THREADS, stream](buffers[i % copies], out)
 
             us = graph_time_us(launch)
@@ -92,7 +100,6 @@ def main(argv=None) -> int:
         tb_s = nbytes / best[0] / 1e6
         lines.append(f"| {name} | {nbytes / 1e6:.1f} | {best[0]:.2f} | {tb_s:.2f} | {tb_s / bandwidth:.0%} | {best[1]} |")
         print(lines[-1], flush=True)
-        del buffers
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "read_ceiling.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
