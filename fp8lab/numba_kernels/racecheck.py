@@ -93,13 +93,16 @@ class Access:
 
 
 class _Records:
-    """The accesses of one block to one shared buffer: per byte, the last write and the reads since."""
+    """The accesses of one block to one shared buffer: per byte, the writes that may still race (the last plain
+    write and the atomic writes since) and the reads since."""
 
     def __init__(self, name: str, shape: tuple[int, ...], itemsize: int):
         self.name, self.shape, self.itemsize = name, shape, itemsize
         self.lock = threading.Lock()
         self.block = None
-        self.writes: dict[int, Access] = {}
+        # per byte, by thread: the last plain write, or the atomic writes since it (atomics do not order one
+        # another, so a plain access must be checked against each of them, not only the latest)
+        self.writes: dict[int, dict[int, Access]] = {}
         self.reads: dict[int, dict[int, Access]] = {}
 
     def element(self, cell: int) -> str:
@@ -114,15 +117,18 @@ class _Records:
             if block != self.block:  # a new block: nothing of the previous one can race with it
                 self.block, self.writes, self.reads = block, {}, {}
             for cell in cells.tolist():
-                last = self.writes.get(cell)
-                if last is not None and access.conflicts_with(last):
-                    self._report(last, access, cell)
+                writers = self.writes.setdefault(cell, {})
+                for earlier in writers.values():
+                    if access.conflicts_with(earlier):
+                        self._report(earlier, access, cell)
                 readers = self.reads.setdefault(cell, {})
                 if access.write:
                     for earlier in readers.values():
                         if access.conflicts_with(earlier):
                             self._report(earlier, access, cell)
-                    self.writes[cell] = access
+                    if not access.atomic:
+                        writers.clear()
+                    writers[access.thread] = access
                     readers.clear()
                 else:
                     readers[access.thread] = access

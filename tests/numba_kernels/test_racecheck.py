@@ -111,6 +111,25 @@ def everyone_writes_one(out, use_atomic, read_too):
 
 
 @cuda.jit
+def last_atomic_then_read(out, done):
+    """Thread 5 adds last (it spins until the other seven have added) and then reads the cell plainly: its
+    own atomic is the cell's latest write, yet the read races with the other seven's."""
+    cell = cuda.shared.array(1, int32)
+    t = cuda.threadIdx.x
+    if t == 0:
+        cell[0] = 0
+    cuda.syncthreads()
+    if t != 5:
+        cuda.atomic.add(cell, 0, 1)
+        cuda.atomic.add(done, 0, 1)
+    else:
+        while cuda.atomic.add(done, 0, 0) < 7:  # the simulator's threads are host threads: this waits
+            pass
+        cuda.atomic.add(cell, 0, 1)
+        out[1] = cell[0]
+
+
+@cuda.jit
 def async_neighbour(x, out, barrier):
     stage = cuda.shared.array(128, float32)
     t = cuda.threadIdx.x
@@ -188,6 +207,8 @@ def test_writers_of_one_element_and_atomics():
         assert out[0] == 8
         with pytest.raises(racecheck.SharedMemoryRace):
             everyone_writes_one[1, 8](out, True, True)
+        with pytest.raises(racecheck.SharedMemoryRace, match="read-after-write"):
+            last_atomic_then_read[1, 8](out, np.zeros(1, np.int32))
 
 
 def test_a_cp_async_copy_is_a_write_when_its_wait_lands_it(rng):
