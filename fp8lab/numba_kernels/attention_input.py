@@ -48,7 +48,7 @@ from numba.np.numpy_support import from_dtype as numba_dtype
 
 from fp8lab.reference.kv_cache import KV_CACHE_FORMATS
 
-from . import mathops
+from . import mathops, pdl
 from .arguments import as_kernel_array, reject, require_c_contiguous
 from .kv_cache import E4M3_MAX, MIN_SCALE, check_cache, placeholder, warp_max
 from .layers import MAX_GRID_Y, WARP_PER_ROW_MAX_N, _run, sqrt_f32
@@ -213,6 +213,7 @@ def attention_input_function(head_dim: int, cache_format: str):
 
     def attention_input_kernel(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
                                v_scale, slot_mapping):
+        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
         token = cuda.blockIdx.x
         y = cuda.blockIdx.y
         lane = cuda.threadIdx.x

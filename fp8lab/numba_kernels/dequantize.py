@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, uint32
 
-from . import arguments
+from . import arguments, pdl
 from .bits import e4m3x2_to_f16x2, f16_bits_to_f32, f32_to_bf16_bits
 
 CODES_PER_WORD = 4
@@ -150,6 +150,7 @@ def dequantize_kernel(output: str, block_n: int, block_k: int):
 
     @cuda.jit
     def kernel(q_words, scale_inv, out):
+        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
         words_per_row = q_words.shape[1]
         total = q_words.shape[0] * words_per_row
         word = cuda.grid(1)
@@ -234,5 +235,5 @@ def dequantize(q, scale_inv, out, block=(128, 128), stream=0):
     q, scale_inv, out, (bn, bk), output = check_dequantize(q, scale_inv, out, block)
     launch = dequantize_launch_info(*q.shape)
     kernel = dequantize_kernel(output, bn, bk)
-    kernel[launch.grid, launch.block, stream](q.view(np.uint32), scale_inv, output_bits_view(out, output))
+    pdl.launch(kernel, launch.grid, launch.block, stream, q.view(np.uint32), scale_inv, output_bits_view(out, output))
     return out

@@ -96,7 +96,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, uint16, uint32, uint64
 
-from . import bits
+from . import bits, pdl
 from .arguments import check_gemm, require_load_alignment
 from .cp_async import (
     commit_group,
@@ -464,6 +464,7 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
     def gemm_mma_kernel(a_words, q_words, scale_inv, out, block_n, block_k):
         # Indices are uint32 from the start: the compiler then knows they are not negative and drops
         # the fix-ups that Python semantics (negative indices, floor division) would otherwise cost.
+        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
         thread = uint32(cuda.threadIdx.x)
         warp, lane = thread // WARP_SIZE, thread % WARP_SIZE
         g, t = lane >> 2, lane & 3
@@ -589,5 +590,5 @@ def gemm_mma(a, q, scale_inv, out, block=(128, 128), m_blocks=None, stream=0, *,
     kernel = compiled_kernel(launch.tiling, problem.activation, problem.output)
     args = (a_words, q_words, problem.scale_inv, out_view, np.uint32(problem.block[0]), np.uint32(problem.block[1]))
     _allow_shared_memory(kernel, args, launch.shared_bytes)
-    kernel[launch.grid, launch.block, stream, launch.shared_bytes](*args)
+    pdl.launch(kernel, launch.grid, launch.block, stream, *args, shared_bytes=launch.shared_bytes)
     return problem.out

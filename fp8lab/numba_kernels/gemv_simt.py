@@ -99,7 +99,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, uint32
 
-from . import arguments
+from . import arguments, pdl
 from .bits import bf16_bits_to_f32, f16_bits_to_f32, u32_as_f32
 from .dequantize import F16_PLACEMENT_SCALE, STORE, output_bits_view, placed_codes
 from .layers import silu_times
@@ -401,6 +401,10 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         scales_b = cuda.local.array(slots, float32)
 
         load_group((q_words, scales_flat, q_start, scale_start, lane, uint32(0), chunks, codes_a, scales_a))
+        # The first group's weight loads are in flight; the activations (and ``out``, which an earlier
+        # kernel may still read) are the previous kernels' business: wait for them to complete.
+        pdl.wait_for_prior_grids()
+        pdl.launch_dependents()  # the next kernel may launch now; it waits for this one before it reads our output
         g = uint32(0)
         while g < groups:
             load_group((q_words, scales_flat, q_start, scale_start, lane, uint32(group) * (g + uint32(1)), chunks,
@@ -586,7 +590,8 @@ def _launch(problem: arguments.GemmProblem, launch: GemvLaunch, stream, swiglu: 
     bn, bk = problem.block
     kernel = gemv_simt_kernel(launch.m_tile, problem.activation, problem.output, bn, bk, launch.warps_per_cta,
                               launch.chunks_per_iteration, launch.columns_per_warp, swiglu)
-    kernel[launch.grid, launch.block, stream](
+    pdl.launch(
+        kernel, launch.grid, launch.block, stream,
         problem.a.view(np.uint32).reshape(-1), problem.q.view(np.uint32).reshape(-1), problem.scale_inv.reshape(-1),
         output_bits_view(problem.out, problem.output), problem.m, problem.n, problem.k, problem.k // launch.k_splits)
 

@@ -57,7 +57,7 @@ from fp8lab.reference.kv_cache import (
     kv_cache_format,
 )
 
-from . import mathops
+from . import mathops, pdl
 from .arguments import as_kernel_array, reject, require_c_contiguous
 from .bits import SIMULATOR, bf16_bits_to_f32, f16_bits_to_f32
 from .warp import BUTTERFLY_OFFSETS, FULL_MASK, WARP_SIZE
@@ -149,6 +149,7 @@ def cache_write_function(input_format: str, cache_format: str):
     write_vector = _make_vector_writers(INPUT_LOADERS[input_format])[cache_format]
 
     def cache_write_kernel(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
         token = cuda.blockIdx.x
         head = cuda.blockIdx.y
         warp = cuda.threadIdx.x // WARP_SIZE
@@ -315,7 +316,7 @@ def paged_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scal
               w.slot_mapping]
     device = [on_device(x, stream) for x in arrays]
     kernel = _cache_write_kernel(w.input_format, w.cache_format)
-    kernel[(w.slot_mapping.shape[0], w.k_cache.shape[1]), THREADS_PER_CTA, stream](*device)
+    pdl.launch(kernel, (w.slot_mapping.shape[0], w.k_cache.shape[1]), THREADS_PER_CTA, stream, *device)
     for host, dev in zip(arrays[2:6], device[2:6]):
         if dev is not host:  # a NumPy array that on_device copied to the GPU: bring the result back
             dev.copy_to_host(host, stream=stream)

@@ -54,6 +54,7 @@ from numba import cuda, types
 
 from fp8lab.reference.checks import check_block_tables
 
+from . import pdl
 from .arguments import as_kernel_array, reject, require_c_contiguous
 from .bits import SIMULATOR
 from .kv_cache import check_cache, on_device, to_host
@@ -105,6 +106,7 @@ def expand_prefill_rows(block_tables, context_lens, query_lens, row_tables, row_
     Every lane walks ``query_lens`` to the sequence ``s`` holding row ``r`` (``start`` = its first
     row); a row past the last sequence's tokens gets length 0 and a zero table row.
     """
+    pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
     r = cuda.blockIdx.x
     lane = cuda.threadIdx.x
     num_seqs = query_lens.shape[0]
@@ -270,7 +272,7 @@ def expand_rows(call: PrefillCall, stream=0) -> PrefillRows:
         rows = prefill_rows_workspace(num_tokens, call.block_tables.shape[1])
     if num_tokens:
         indices = [on_device(x, stream) for x in (call.block_tables, call.context_lens, call.query_lens)]
-        _expand_kernel[num_tokens, WARP_SIZE, stream](*indices, rows.block_tables, rows.seq_lens)
+        pdl.launch(_expand_kernel, num_tokens, WARP_SIZE, stream, *indices, rows.block_tables, rows.seq_lens)
     return rows
 
 

@@ -87,7 +87,7 @@ from fp8lab.simulators.splitkv import (
     num_slots,
 )
 
-from . import mathops
+from . import mathops, pdl
 from .arguments import (
     as_kernel_array,
     reject,
@@ -377,6 +377,7 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
 
     def split_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
                      use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out):
+        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
         seq = cuda.blockIdx.x
         head0 = cuda.blockIdx.y * H
         shard = cuda.blockIdx.z
@@ -495,6 +496,7 @@ def combine_kernel(workspace, num_splits, out):
     each weight ``exp2(m_s - m*)`` computed once, into shared memory; each thread then loads its
     ``acc`` values 8 shards at a time (loads in flight together) before their fmas, in shard order.
     """
+    pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
     seq = cuda.blockIdx.x
     head = cuda.blockIdx.y
     d = cuda.threadIdx.x
@@ -702,11 +704,12 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     workspace_device = on_device(workspace, stream)
     heads = heads_per_cta(num_heads // call.num_kv_heads)
     kernel = _split_kernel(call.cache_format, head_dim, heads, tokens_in_flight)
-    kernel[(num_seqs, num_heads // heads, call.num_splits), THREADS_PER_CTA, stream](
+    pdl.launch(
+        kernel, (num_seqs, num_heads // heads, call.num_splits), THREADS_PER_CTA, stream,
         *device, int(call.alibi_slopes is not None), call.scale_log2, call.num_kv_heads, call.block_size,
         call.num_splits, workspace_device, out_device)
     if call.num_splits > 1:
-        _combine_kernel[(num_seqs, num_heads), head_dim, stream](workspace_device, call.num_splits, out_device)
+        pdl.launch(_combine_kernel, (num_seqs, num_heads), head_dim, stream, workspace_device, call.num_splits, out_device)
     if out_device is not call.out:  # a NumPy out on a GPU
         out_device.copy_to_host(call.out, stream=stream)
     return out

@@ -431,6 +431,29 @@ def test_gpu_graphs_replayed_after_a_smaller_batch_are_eager_steps(tiny):
 
 
 @pytest.mark.gpu
+def test_gpu_graph_replay_at_the_qwen3_06b_shape_is_bit_identical_to_eager_steps():
+    """The decode graph launches its kernels as programmatic dependent launches (``numba_kernels.pdl``: each
+    starts before its predecessor ends and waits for it); eager steps are ordinary launches. At the tiny
+    model's sizes most kernels are one wave; at the Qwen3-0.6B shape (4 of its layers, a random FP8
+    checkpoint) the GEMVs, norms and split-kv kernels have their real grids. Every step's logits, batch 4
+    and then 1: bit for bit the eager model's, so no kernel read a buffer before its producer finished."""
+    from fp8lab.engine import shapes
+
+    checkpoint = shapes.random_checkpoint("qwen3-0.6b", seed=11, num_hidden_layers=4)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, checkpoint.config.vocab_size, n).tolist() for n in (9, 17, 24, 5)]
+    schedule = [[0, 1, 2, 3]] * 4 + [[1]] * 3
+    options = dict(max_num_tokens=64, max_num_seqs=4)
+    graphs = CudaQwen3Model.from_checkpoint(checkpoint, **options)
+    eager = CudaQwen3Model.from_checkpoint(checkpoint, **options, cuda_graphs=False)
+    for kv in ("bf16", "fp8"):
+        for got, want in zip(stepped_logits(graphs, prompts, schedule, kv), stepped_logits(eager, prompts, schedule, kv)):
+            assert np.isfinite(want).all()
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert graphs.stats.graph_replays >= 2 * 4 and eager.stats.graph_replays == 0
+
+
+@pytest.mark.gpu
 def test_gpu_long_prompt_takes_bf16_gemm_inputs(tiny):
     """A 40-token prompt (more than ``f32_max_rows``): tensor-core GEMMs on BF16 activations."""
     checkpoint, tokenizer = tiny

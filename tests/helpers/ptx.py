@@ -308,3 +308,23 @@ def each_variant(compiled: list[Compiled], check) -> None:
         except AssertionError as error:
             failures.append(f"{c.name}: {error}")
     assert not failures, f"{len(failures)} of {len(compiled)} variants failed:\n" + "\n".join(failures)
+
+
+def check_pdl_rules(ptx: str, weights_before_wait: bool = False) -> None:
+    """The rules of ``fp8lab.numba_kernels.pdl`` in a kernel's PTX: it waits for the previous kernel
+    (``griddepcontrol.wait``) before any store or atomic to global or generic memory and only then lets the next
+    kernel launch (``griddepcontrol.launch_dependents``); before the wait it loads nothing from memory either,
+    except (``weights_before_wait``, the SIMT GEMV) through the read-only path (``ld.global.nc``, the weight
+    codes) and ``ld.global.f32`` (their block scales). The PTX of a kernel is straight-line up to its first
+    branch, and the two instructions come first, so "before" in the text is before in time."""
+    assert ptx.count("griddepcontrol.launch_dependents;") == 1, "launch_dependents: not exactly once"
+    assert ptx.count("griddepcontrol.wait;") == 1, "griddepcontrol.wait: not exactly once"
+    before = ptx[: ptx.index("griddepcontrol.wait;")]
+    assert "griddepcontrol.launch_dependents;" not in before, "launch_dependents before the wait"
+    for line in before.splitlines():
+        op = line.strip().split(" ")[0].split("\t")[0]
+        if op.startswith(("st.", "atom.", "red.")) and not op.startswith(("st.local", "st.param", "st.shared")):
+            raise AssertionError(f"a store before griddepcontrol.wait: {line.strip()}")
+        if op.startswith("ld.") and not op.startswith(("ld.param", "ld.local", "ld.shared")):
+            allowed = weights_before_wait and (op.startswith("ld.global.nc.") or op == "ld.global.f32")
+            assert allowed, f"a load before griddepcontrol.wait: {line.strip()}"

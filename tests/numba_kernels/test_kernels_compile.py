@@ -12,7 +12,13 @@ name a session hook may look for to start these compiles in the background right
 import re
 
 import pytest
-from helpers.ptx import compile_sets, each_variant, progress_printer, run_compiled
+from helpers.ptx import (
+    check_pdl_rules,
+    compile_sets,
+    each_variant,
+    progress_printer,
+    run_compiled,
+)
 
 # ---------------------------------------------------------------------------- the variant sets (run with the simulator off)
 
@@ -190,6 +196,7 @@ def test_gemm_mma_kernels_compile_to_sm90_ptx(compiled):
                        f".maxntid {info['threads']}", ".minnctapersm 1"):
             assert needle in c.ptx, needle
         assert ".f64" not in c.ptx
+        check_pdl_rules(c.ptx)
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in c.resources, c.resources
         used = int(re.search(r"Used (\d+) registers", c.resources).group(1))
         print(f"{c.name}: {used} registers, {info['shared_bytes']} bytes shared")
@@ -274,11 +281,13 @@ def test_fp8_weight_kernels_compile_to_sm90_ptx(compiled):
         assert ptx.count("shfl.sync.bfly.b32") == 5 * m_tile * columns
         # 32-bit index arithmetic: no division or remainder instruction, nothing in float64
         assert not re.search(r"\b(div|rem)\.[su]", ptx) and ".f64" not in ptx
+        check_pdl_rules(ptx, weights_before_wait=True)  # the first group's codes and scales load before the wait
         check_no_spills(c)
 
     def check_dequantize(c):
         assert "ld.global.u32" in c.ptx or "ld.global.nc.u32" in c.ptx, "codes not loaded 4 at a time"
         assert "cvt.f32.f16" in c.ptx and "shfl" not in c.ptx
+        check_pdl_rules(c.ptx)
         check_no_spills(c)
 
     each_variant(compiled["gemv_simt"], check_gemv)
@@ -303,6 +312,7 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
             assert re.search(r"ld\.global\.nc\.v4\.[uf]32\b", ptx)  # a lane reads its 16 elements in 128-bit loads
         if name == "combine":
             assert "ex2.approx.f32" in ptx and "div.rn.f32" in ptx
+        check_pdl_rules(ptx)
         check_no_spills(c)  # every per-lane array lives in registers
 
     each_variant(compiled["kv_cache and splitkv"], check)
@@ -315,6 +325,7 @@ def test_attention_input_kernels_compile_to_sm90_ptx(compiled):
         assert ".target sm_90" in c.ptx and ".local" not in c.ptx and ".f64" not in c.ptx
         for needle in ("shfl.sync.bfly.b32", "fma.rn.f32", "sqrt.rn.f32", "div.rn.f32"):
             assert needle in c.ptx, needle
+        check_pdl_rules(c.ptx)
         check_no_spills(c)
 
     each_variant(compiled["attention_input"], check)

@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers.numerics import U, gamma, spread_activations
-from helpers.ptx import compile_sets, each_variant, progress_printer
+from helpers.ptx import check_pdl_rules, compile_sets, each_variant, progress_printer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -639,6 +639,7 @@ def check_layer_kernel_ptx(c) -> None:
         assert ptx.count("shfl.sync.bfly.b32") == 20  # value and index, 5 steps: a CTA's warps, the merging warp
         assert "atom.global.add.u32" in ptx or "atom.global.add.s32" in ptx  # the row's finished-CTA count
         assert ptx.count("membar.gl") + ptx.count("fence.sc.gpu") + ptx.count("fence.acq_rel.gpu") >= 2
+    check_pdl_rules(ptx)
     if c.resources is not None:
         assert "0 bytes spill stores" in c.resources, c.resources
 

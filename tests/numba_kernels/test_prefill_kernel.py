@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from helpers.attention import as_float32, filled_cache, prefill_rows, tolerance
 from helpers.attention import reference_prefill as helpers_reference_prefill
-from helpers.ptx import compile_sets, each_variant, progress_printer
+from helpers.ptx import check_pdl_rules, compile_sets, each_variant, progress_printer
 from hypothesis import given
 from hypothesis import strategies as st
 from numba import cuda
@@ -281,6 +281,7 @@ def check_expansion_ptx(c) -> None:
     assert ".target sm_90" in c.ptx
     assert ".local" not in c.ptx and ".f64" not in c.ptx
     assert "st.global.u32" in c.ptx or "st.global.b32" in c.ptx
+    check_pdl_rules(c.ptx)
 
 
 def test_expansion_kernel_compiles_to_sm90_ptx(request):
