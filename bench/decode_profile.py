@@ -9,10 +9,14 @@
 kernel of a step to the launch of the model's plan that made it: the step's plan
 (``model.planner.decode``) lists its launches in order, each with a label (``Launch.label``: "q/k/v
 gemv", "input norm", ...) and its kernel count, and a replay runs exactly those kernels in that
-order. It reports, per step: the kernel time by label (microseconds and launches), the kernel count,
-the kernel-busy span (first kernel start to last kernel end) and the *gaps*: span minus the sum of
-kernel times, the time the GPU sat idle between the step's kernels. Nothing here is imported by the
-engine (torch is a benchmark dependency only).
+order. It reports, per step and label: the launches, the time each kernel *adds to the step* (from the
+previous kernel's end to its own end: its work plus the gap before it, what removing it would save),
+and its CUPTI duration (start to end); then the kernel count, the kernel-busy span (first kernel start
+to last kernel end, the sum of the added times) and the *gaps*: span minus the sum of durations. With
+programmatic dependent launch (``fp8lab.numba_kernels.pdl``) a kernel starts while its predecessor
+runs and its duration includes its wait, so durations overlap, their sum exceeds the span and the
+"gap" is negative (the overlap); the added times stay a partition of the span. Nothing here is
+imported by the engine (torch is a benchmark dependency only).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ class DecodeProfile:
     kernels_per_step: int
     kernel_us: float  # sum of kernel durations
     span_us: float  # first kernel start to last kernel end
-    by_label: dict = field(default_factory=dict)  # label -> {"launches": n, "us": t}
+    by_label: dict = field(default_factory=dict)  # label -> {"launches": n, "us": duration, "added_us": t}
     attributed: bool = True  # False: the kernel sequence did not match the plan (labels are kernel names)
 
     @property
@@ -85,7 +89,7 @@ def profile_decode_steps(model, step_batch, cache, steps: int = 20) -> DecodePro
     events = _kernel_events(prof)
     per_step = len(events) // steps if steps else 0
     attributed = per_step == len(labels) and len(events) == per_step * steps
-    totals: dict = defaultdict(lambda: {"launches": 0, "us": 0.0})
+    totals: dict = defaultdict(lambda: {"launches": 0, "us": 0.0, "added_us": 0.0})
     spans, busy = [], []
     for s in range(steps):
         chunk = events[s * per_step : (s + 1) * per_step]
@@ -93,11 +97,15 @@ def profile_decode_steps(model, step_batch, cache, steps: int = 20) -> DecodePro
             continue
         spans.append(chunk[-1][1] + chunk[-1][2] - chunk[0][1])
         busy.append(sum(d for _, _, d in chunk))
-        for i, (name, _, duration) in enumerate(chunk):
+        previous_end = chunk[0][1]
+        for i, (name, start, duration) in enumerate(chunk):
             label = labels[i] if attributed else short_kernel_name(name)
             totals[label]["launches"] += 1
             totals[label]["us"] += duration
-    by_label = {k: {"launches": v["launches"] / steps, "us": v["us"] / steps} for k, v in totals.items()}
+            end = start + duration
+            totals[label]["added_us"] += max(end - previous_end, 0.0)
+            previous_end = max(previous_end, end)
+    by_label = {k: {key: value / steps for key, value in v.items()} for k, v in totals.items()}
     return DecodeProfile(bucket, steps, per_step, statistics.fmean(busy) if busy else 0.0,
                          statistics.fmean(spans) if spans else 0.0, by_label, attributed)
 
@@ -110,13 +118,16 @@ def short_kernel_name(name: str) -> str:
 
 
 def breakdown_table(profile: DecodeProfile, title: str = "") -> str:
-    """A Markdown table of ``profile``: label, launches per step, us per step, share of the kernel time."""
+    """A Markdown table of ``profile``: label, launches per step, us added to the step and their share of the
+    span, us of CUPTI duration (see the module docstring)."""
     lines = [title, ""] if title else []
-    lines += ["| kernel (plan launch) | launches per step | us per step | share of kernel time |", "|---|---|---|---|"]
-    total = profile.kernel_us or 1.0
-    for label, v in sorted(profile.by_label.items(), key=lambda kv: -kv[1]["us"]):
-        lines.append(f"| {label} | {v['launches']:.0f} | {v['us']:,.1f} | {100 * v['us'] / total:.1f}% |")
-    lines.append(f"| **all kernels** | {profile.kernels_per_step} | {profile.kernel_us:,.1f} | 100% |")
+    lines += ["| kernel (plan launch) | launches per step | us added to the step | share of the span | us duration |",
+              "|---|---|---|---|---|"]
+    span = profile.span_us or 1.0
+    for label, v in sorted(profile.by_label.items(), key=lambda kv: -kv[1]["added_us"]):
+        lines.append(f"| {label} | {v['launches']:.0f} | {v['added_us']:,.1f} | {100 * v['added_us'] / span:.1f}% "
+                     f"| {v['us']:,.1f} |")
+    lines.append(f"| **all kernels** | {profile.kernels_per_step} | {profile.span_us:,.1f} | 100% | {profile.kernel_us:,.1f} |")
     lines.append("")
     lines.append(f"Per step: {profile.kernels_per_step} kernels, {profile.kernel_us:,.1f} us of kernel time, span "
                  f"{profile.span_us:,.1f} us (first kernel start to last end), gaps between kernels "
