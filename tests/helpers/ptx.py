@@ -325,6 +325,8 @@ def check_pdl_rules(ptx: str, weights_before_wait: bool = False) -> None:
         op = line.strip().split(" ")[0].split("\t")[0]
         if op.startswith(("st.", "atom.", "red.")) and not op.startswith(("st.local", "st.param", "st.shared")):
             raise AssertionError(f"a store before griddepcontrol.wait: {line.strip()}")
+        if op.startswith("cp.async"):  # a copy from global memory is a load too
+            raise AssertionError(f"an asynchronous copy before griddepcontrol.wait: {line.strip()}")
         if op.startswith("ld.") and not op.startswith(("ld.param", "ld.local", "ld.shared")):
             allowed = weights_before_wait and (op.startswith("ld.global.nc.") or op == "ld.global.f32")
             assert allowed, f"a load before griddepcontrol.wait: {line.strip()}"

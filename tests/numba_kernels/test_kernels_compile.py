@@ -131,9 +131,38 @@ def variants():
     return [Variant(*v) for v in attention_input.kernel_variants()]
 '''
 
+PDL_RULES = r'''
+from numba import cuda
+from fp8lab.numba_kernels import pdl
+from helpers.ptx import Variant
+
+def follows_the_rules(x, out):
+    pdl.prologue()
+    out[cuda.threadIdx.x] = x[cuda.threadIdx.x]
+
+def writes_before_the_wait(x, out):
+    out[cuda.threadIdx.x] = 1.0
+    pdl.prologue()
+    out[cuda.threadIdx.x] += x[cuda.threadIdx.x]
+
+def reads_before_the_wait(x, out):
+    v = x[cuda.threadIdx.x]
+    pdl.prologue()
+    out[cuda.threadIdx.x] = v
+
+def triggers_before_the_wait(x, out):
+    pdl.launch_dependents()
+    pdl.wait_for_prior_grids()
+    out[cuda.threadIdx.x] = x[cuda.threadIdx.x]
+
+def variants():
+    return [Variant(f.__name__, f, "void(float32[:], float32[:])") for f in
+            (follows_the_rules, writes_before_the_wait, reads_before_the_wait, triggers_before_the_wait)]
+'''
+
 PTX_VARIANT_SETS = {"gemv_simt": GEMV_SIMT, "kv_cache and splitkv": KV_CACHE_AND_SPLITKV, "gemm_mma": GEMM_MMA,
                     "attention_input": ATTENTION_INPUT, "dequantize": DEQUANTIZE, "mma helper": MMA_HELPER,
-                    "toolkit": TOOLKIT}
+                    "toolkit": TOOLKIT, "pdl rules": PDL_RULES}
 """Everything this module compiles; the slowest sets first, so that the queue ends with short compiles."""
 
 
@@ -167,6 +196,16 @@ def test_toolkit_compiles_to_sm90_ptx(compiled):
         assert ".target sm_90" in c.ptx
 
     each_variant(compiled["toolkit"], check)
+
+
+def test_the_pdl_rule_check_rejects_each_broken_rule(compiled):
+    """``check_pdl_rules`` passes a kernel that follows ``pdl``'s rules and names each broken one."""
+    by_name = {c.name: c.ptx for c in compiled["pdl rules"]}
+    check_pdl_rules(by_name["follows_the_rules"])
+    for name, message in (("writes_before_the_wait", "a store before"), ("reads_before_the_wait", "a load before"),
+                          ("triggers_before_the_wait", "launch_dependents before the wait")):
+        with pytest.raises(AssertionError, match=message):
+            check_pdl_rules(by_name[name])
 
 
 def test_mma_helper_calls_compile_to_sm90_ptx(compiled):
