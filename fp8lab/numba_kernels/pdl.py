@@ -65,9 +65,12 @@ else:
     from cuda.core import launch as core_launch
     from llvmlite import ir
     from numba import cuda, types
-    from numba.cuda.cudadrv import driver
-    from numba.cuda.cudadrv.driver import GraphBuilder
     from numba.cuda.extending import intrinsic
+
+    try:  # numba-cuda's own names (0.30): what a graph capture passes as its stream, and its cuda.core stream
+        from numba.cuda.cudadrv.driver import GraphBuilder, _to_core_stream
+    except ImportError:  # a numba-cuda without them: every launch is Numba's (the instructions are then no-ops)
+        GraphBuilder = _to_core_stream = None
 
     def _compiles_for_sm90() -> bool:
         """Whether kernels compile for a GPU with ``griddepcontrol`` (sm_90 and later): this machine's GPU, or,
@@ -118,7 +121,7 @@ else:
         would pay on every launch and a graph pays once, at capture. Compiles on first use for the
         arguments' types and passes them as Numba's launch would.
         """
-        if not (HAS_PDL and isinstance(stream, GraphBuilder)):
+        if not (HAS_PDL and GraphBuilder is not None and isinstance(stream, GraphBuilder)):
             kernel[griddim, blockdim, stream, shared_bytes](*args)
             return
         compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
@@ -127,6 +130,6 @@ else:
             compiled._prepare_args(argument_type, value, stream, writebacks, kernel_args)
         config = LaunchConfig(grid=griddim, block=blockdim, shmem_size=shared_bytes,
                               programmatic_stream_serialization=True)
-        core_launch(driver._to_core_stream(stream), config, compiled._codelibrary.get_cufunc().kernel, *kernel_args)
+        core_launch(_to_core_stream(stream), config, compiled._codelibrary.get_cufunc().kernel, *kernel_args)
         for writeback in writebacks:
             writeback()
