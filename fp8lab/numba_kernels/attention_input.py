@@ -213,7 +213,7 @@ def attention_input_function(head_dim: int, cache_format: str):
 
     def attention_input_kernel(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
                                v_scale, slot_mapping):
-        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         token = cuda.blockIdx.x
         y = cuda.blockIdx.y
         lane = cuda.threadIdx.x

@@ -150,7 +150,7 @@ def dequantize_kernel(output: str, block_n: int, block_k: int):
 
     @cuda.jit
     def kernel(q_words, scale_inv, out):
-        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         words_per_row = q_words.shape[1]
         total = q_words.shape[0] * words_per_row
         word = cuda.grid(1)

@@ -464,7 +464,7 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
     def gemm_mma_kernel(a_words, q_words, scale_inv, out, block_n, block_k):
         # Indices are uint32 from the start: the compiler then knows they are not negative and drops
         # the fix-ups that Python semantics (negative indices, floor division) would otherwise cost.
-        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         thread = uint32(cuda.threadIdx.x)
         warp, lane = thread // WARP_SIZE, thread % WARP_SIZE
         g, t = lane >> 2, lane & 3

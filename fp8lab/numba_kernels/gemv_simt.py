@@ -403,8 +403,7 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         load_group((q_words, scales_flat, q_start, scale_start, lane, uint32(0), chunks, codes_a, scales_a))
         # The first group's weight loads are in flight; the activations (and ``out``, which an earlier
         # kernel may still read) are the previous kernels' business: wait for them to complete.
-        pdl.wait_for_prior_grids()
-        pdl.launch_dependents()  # the next kernel may launch now; it waits for this one before it reads our output
+        pdl.prologue()  # then the next kernel may launch; it waits for this one before it reads our output
         g = uint32(0)
         while g < groups:
             load_group((q_words, scales_flat, q_start, scale_start, lane, uint32(group) * (g + uint32(1)), chunks,

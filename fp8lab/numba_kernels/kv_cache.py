@@ -149,7 +149,7 @@ def cache_write_function(input_format: str, cache_format: str):
     write_vector = _make_vector_writers(INPUT_LOADERS[input_format])[cache_format]
 
     def cache_write_kernel(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
-        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         token = cuda.blockIdx.x
         head = cuda.blockIdx.y
         warp = cuda.threadIdx.x // WARP_SIZE

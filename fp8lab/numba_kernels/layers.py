@@ -269,7 +269,7 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int):
                 out[row, k] = weights[j] * (values[j] / denom)
 
     def rms_norm_warp_kernel(x, residual, weight, eps, out):
-        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         lane = cuda.threadIdx.x % WARP_SIZE
         row = cuda.blockIdx.x * NORM_ROWS_PER_CTA + cuda.threadIdx.x // WARP_SIZE
         if row >= residual.shape[0]:
@@ -281,7 +281,7 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int):
         normalize(residual, eps, out, row, lane, values, weights, total)
 
     def rms_norm_cta_kernel(x, residual, weight, eps, out):
-        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         warp_totals = cuda.shared.array(MAX_WARPS_PER_CTA, float32)
         row = cuda.blockIdx.x
         t = cuda.threadIdx.x
@@ -322,7 +322,7 @@ def rms_norm_loop_function(fused: bool):
         return acc
 
     def rms_norm_loop_kernel(x, residual, weight, eps, out):
-        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         warp_totals = cuda.shared.array(MAX_WARPS_PER_CTA, float32)
         row = cuda.blockIdx.x
         t = cuda.threadIdx.x
@@ -445,7 +445,7 @@ def rope_kernel(x, positions, cos_sin, out):
 
     A position outside the table gives a NaN vector (the table is not read).
     """
-    pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+    pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
     token = cuda.blockIdx.x
     head = cuda.blockIdx.y
     half = x.shape[2] // 2
@@ -509,7 +509,7 @@ def silu_times(gate, up):
 
 def silu_mul_kernel(gate_up, out):
     """Launch ``[(T, ceil(I / 256)), 256]``: thread ``j`` of CTA ``(t, b)`` computes ``out[t, 256 b + j]``."""
-    pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+    pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
     token = cuda.blockIdx.x
     j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     intermediate = out.shape[1]
@@ -557,7 +557,7 @@ def embedding_kernel(table, ids, out):
 
     An id outside ``[0, vocab)`` writes NaN (the table is not read).
     """
-    pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+    pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
     token = cuda.blockIdx.x
     j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     if j < out.shape[1]:
@@ -670,7 +670,7 @@ def bf16_linear_function(m_tile: int, rows_per_warp: int):
                 acc[j * m_tile + r] = a
 
     def bf16_linear_kernel(x_words, w_words, out, m, n, k):
-        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         lane = cuda.threadIdx.x % WARP_SIZE
         warp = cuda.blockIdx.x * LINEAR_WARPS_PER_CTA + cuda.threadIdx.x // WARP_SIZE
         first_n = warp * rows
@@ -820,7 +820,7 @@ def argmax_kernel(logits, out_ids, slice_length, partial_values, partial_indices
     and resets ``counters[r]`` to 0 for the next launch (or CUDA-graph replay). ``beats`` is a total
     order, so neither the slices nor the merge order change the answer: ``reference.dense.argmax_rows``.
     """
-    pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+    pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
     best_values = cuda.shared.array(MAX_WARPS_PER_CTA, float32)
     best_indices = cuda.shared.array(MAX_WARPS_PER_CTA, int32)
     last = cuda.shared.array(1, int32)
@@ -972,7 +972,7 @@ def argmax_rows(logits, out_ids, stream=0, workspace=None, logits_per_cta=None):
 
 def add_into_kernel(x, y):
     """Launch 1-D, a thread per element: ``x[i] += y[i]``."""
-    pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+    pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
     i = cuda.grid(1)
     if i < x.shape[0]:
         x[i] += y[i]
@@ -1004,7 +1004,7 @@ def add_into(x, y, stream=0):
 def bf16_round_kernel(x, out):
     """Launch 1-D, a thread per element: ``out[i]`` = the BF16 bits of ``x[i]``, round to nearest even
     (NaN stays a NaN)."""
-    pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+    pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
     i = cuda.grid(1)
     if i < x.shape[0]:
         out[i] = mathops.f32_to_bf16_bits_rne(x[i])

@@ -107,7 +107,8 @@ else:
 
     @cuda.jit(device=True, inline=True)
     def prologue():
-        """The first statement of a kernel that reads nothing before its predecessors' results."""
+        """Wait for the previous kernels, then let the next one launch: what a kernel runs before it reads their
+        results or writes anything (most kernels as their first statement; the SIMT GEMV after its first loads)."""
         wait_for_prior_grids()
         launch_dependents()
 

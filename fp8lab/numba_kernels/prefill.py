@@ -106,7 +106,7 @@ def expand_prefill_rows(block_tables, context_lens, query_lens, row_tables, row_
     Every lane walks ``query_lens`` to the sequence ``s`` holding row ``r`` (``start`` = its first
     row); a row past the last sequence's tokens gets length 0 and a zero table row.
     """
-    pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+    pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
     r = cuda.blockIdx.x
     lane = cuda.threadIdx.x
     num_seqs = query_lens.shape[0]

@@ -377,7 +377,7 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
 
     def split_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
                      use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out):
-        pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         seq = cuda.blockIdx.x
         head0 = cuda.blockIdx.y * H
         shard = cuda.blockIdx.z
@@ -496,7 +496,7 @@ def combine_kernel(workspace, num_splits, out):
     each weight ``exp2(m_s - m*)`` computed once, into shared memory; each thread then loads its
     ``acc`` values 8 shards at a time (loads in flight together) before their fmas, in shard order.
     """
-    pdl.prologue()  # griddepcontrol: let the next kernel launch, wait for the previous one
+    pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
     seq = cuda.blockIdx.x
     head = cuda.blockIdx.y
     d = cuda.threadIdx.x
