@@ -110,6 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, metavar="DIR",
                    help="benchmark this checkpoint folder instead of random --shapes")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random weights and prompts (default 0)")
+    p.add_argument("--f32-max-rows", type=int, default=None, metavar="R",
+                   help="our GEMMs of at most R rows take float32 activations, larger ones BF16 (default: the engine's)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers BF16 peer")
     p.add_argument("--profile-steps", type=int, default=20, metavar="N",
                    help="replayed decode steps profiled for the per-kernel breakdown (CUPTI via torch.profiler; 0: none)")
@@ -270,6 +272,8 @@ def bench_ours(checkpoint, prompts: np.ndarray, rows: dict, args):
     max_batch = max(args.batches)
     # the engine's defaults (f32_max_rows among them), as fp8lab generate runs them
     limits = {"max_num_tokens": max_batch * args.prompt_len, "max_num_seqs": max_batch}
+    if args.f32_max_rows is not None:  # a row that is not the engine's default says so in the command line
+        limits["f32_max_rows"] = args.f32_max_rows
     start = time.perf_counter()
     model = CudaQwen3Model.from_checkpoint(checkpoint, **limits)
     log(f"  ours: model on the GPU in {time.perf_counter() - start:.1f} s; {gpu_memory_line()}")

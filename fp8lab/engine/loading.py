@@ -149,9 +149,10 @@ def load_model(checkpoint, backend: str = "auto", gemm_input: str = "float32", *
     the simulator. ``cuda`` without a GPU is a ``RuntimeError``.
 
     On the GPU model ``gemm_input="bf16"`` means ``f32_max_rows=0``: every FP8 GEMM rounds its input
-    to BF16. ``"float32"`` keeps ``f32_max_rows`` (default 4): GEMMs of at most that many rows take
-    float32 inputs, larger ones BF16, so a caller that wants float32 throughout feeds at most
-    ``f32_max_rows`` tokens per forward (as ``fp8lab.engine.evaluate`` does)."""
+    to BF16. ``"float32"`` keeps ``f32_max_rows`` (default ``plan.default_f32_max_rows``: 4, or 1 for
+    large layers): GEMMs of at most that many rows take float32 inputs, larger ones BF16, so a caller
+    that wants float32 throughout feeds at most ``f32_max_rows`` tokens per forward (as
+    ``fp8lab.engine.evaluate`` does)."""
     if gemm_input not in GEMM_INPUTS:
         raise ValueError(f"gemm_input: expected one of {', '.join(GEMM_INPUTS)}, got {gemm_input!r}")
     name = resolve_backend(backend, checkpoint.config)

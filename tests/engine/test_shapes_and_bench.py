@@ -62,6 +62,18 @@ def test_parameter_counts_match_the_model_cards():
     assert big["embedding"] == big["lm_head"] == 151936 * 4096
 
 
+@pytest.mark.parametrize("name, f32_max_rows", [("qwen3-0.6b", 4), ("qwen3-8b", 1), ("tiny", 4)])
+def test_default_gemm_input_rule_follows_the_layer_size(name, f32_max_rows):
+    """``plan.default_f32_max_rows``: float32 GEMM inputs up to 4 rows for small layers, 1 row for large ones;
+    its weights per layer agree with the parameter count less the norms (an independent count)."""
+    from fp8lab.engine.cuda.plan import default_f32_max_rows, layer_weights
+
+    config = shapes.shape_config(name)
+    norms = config.num_hidden_layers * (2 * config.hidden_size + 2 * config.head_dim) + config.hidden_size
+    assert layer_weights(config) * config.num_hidden_layers + norms == shapes.parameter_counts(config)["layers"]
+    assert default_f32_max_rows(config) == f32_max_rows
+
+
 def test_tiny_shape_is_the_tiny_model_and_names_are_checked():
     assert shapes.shape_config("tiny") == tiny_config(fp8=True)
     assert shapes.shape_names() == ["tiny", "qwen3-0.6b", "qwen3-8b"]
@@ -271,8 +283,9 @@ def bench_script():
 def test_bench_driver_report_and_figure(bench_script, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "fp8lab.engine.cuda.model", types.SimpleNamespace(CudaQwen3Model=FakeCudaModel))
     config = shapes.shape_config("test-mini", num_hidden_layers=1)
+    # f32_max_rows None: the engine's default, so no keyword reaches the model (FakeCudaModel takes none)
     args = argparse.Namespace(batches=[1, 2], prompt_len=6, decode_tokens=2, warmup_steps=1, block_size=4, kv_cache_dtype="fp8",
-                              profile_steps=0)
+                              profile_steps=0, f32_max_rows=None)
     context = 6 + 1 + (2 + 1) / 2
     rows = {}
     for batch in args.batches:

@@ -38,7 +38,7 @@ from ..model import CausalLM, ForwardBatch, check_tensors
 from . import graphs
 from .kv_cache import DeviceKVCache
 from .memory import DeviceMemory, device_copy, new_stream, synchronize, to_host
-from .plan import DEFAULT_F32_MAX_ROWS, Plan, Planner, allocate_activations
+from .plan import Plan, Planner, allocate_activations, default_f32_max_rows
 from .stats import CudaModelStats
 from .weights import unsupported_reason, upload_weights
 
@@ -69,12 +69,12 @@ class CudaQwen3Model(CausalLM):
     ``tensors``: checkpoint tensors as ``fp8lab.engine.checkpoint`` loads them (``Qwen3Model``'s input).
     ``max_num_tokens``: most tokens in one forward (a prefill's prompt tokens); ``max_num_seqs``: most
     sequences in one forward (the decode batch); ``f32_max_rows``: GEMMs of at most this many rows take
-    float32 activations (SIMT GEMV), larger ones BF16 (tensor cores); ``cuda_graphs``: capture and
-    replay decode steps (GPU only).
+    float32 activations (SIMT GEMV), larger ones BF16 (tensor cores); None: ``plan.default_f32_max_rows``
+    of the config (4, or 1 for large layers); ``cuda_graphs``: capture and replay decode steps (GPU only).
     """
 
     def __init__(self, config: Qwen3Config, tensors: dict[str, np.ndarray], *, max_num_tokens: int = 2048,
-                 max_num_seqs: int = 16, f32_max_rows: int = DEFAULT_F32_MAX_ROWS, cuda_graphs: bool = True):
+                 max_num_seqs: int = 16, f32_max_rows: int | None = None, cuda_graphs: bool = True):
         reason = unsupported_reason(config)
         if reason is not None:
             raise ValueError(f"CudaQwen3Model: unsupported model: {reason}")
@@ -82,6 +82,8 @@ class CudaQwen3Model(CausalLM):
         if int(max_num_seqs) < 1 or int(max_num_tokens) < int(max_num_seqs):
             raise ValueError(f"max_num_seqs ({max_num_seqs}) must be >= 1 and max_num_tokens ({max_num_tokens}) "
                              f">= max_num_seqs")
+        if f32_max_rows is None:
+            f32_max_rows = default_f32_max_rows(config)
         if not 0 <= int(f32_max_rows) <= SIMT_MAX_ROWS:
             raise ValueError(f"f32_max_rows: expected 0 to {SIMT_MAX_ROWS} (the SIMT GEMV's row limit), got {f32_max_rows}")
         self.config = config

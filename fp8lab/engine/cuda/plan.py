@@ -20,15 +20,17 @@ launch, for ``greedy_tokens``). A decode step of batch 1 is 8 or 9 launches per 
 9 * 36 + 4 = 328 for Qwen3-8B (16 splits). Every launch has a ``label`` (what it is in the forward), which
 ``bench/decode_profile.py`` uses to attribute kernel times.
 
-The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (default
-``DEFAULT_F32_MAX_ROWS = 4``, at most 16) runs ``gemv_simt`` directly on the float32 activations, so the
-product is the reference's float32 linear up to the summation order; a larger one (long prompts, decode
-batches of more than 4) rounds the activations to BF16 (a small kernel, ``layers.bf16_round``) and runs
-``fp8_gemm`` (tensor cores), W8A16 as the kernels are designed. The default comes from the accuracy table
-of the trained demo model (``docs/08_accuracy.md``, ``bench/RESULTS.md``): BF16 inputs into FP8 weights
-cost far less than the FP8 weights themselves, while at M = 5..16 the tensor-core GEMM is 3 to 5 times
-faster than the SIMT GEMV. (The random tiny model is much more sensitive: its flat logits let BF16
-inputs change greedy tokens within a few steps, which is why its GPU tests ask for ``f32_max_rows=16``.)
+The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (at most 16) runs
+``gemv_simt`` directly on the float32 activations, so the product is the reference's float32 linear up to the
+summation order; a larger one (long prompts, decode batches) rounds the activations to BF16 (a small kernel,
+``layers.bf16_round``) and runs ``fp8_gemm`` (tensor cores), W8A16 as the kernels are designed. The accuracy
+table of the trained demo model (``docs/08_accuracy.md``, ``bench/RESULTS.md``) says BF16 inputs into FP8 weights
+cost far less than the FP8 weights themselves, so the default (``default_f32_max_rows``) is whatever is faster:
+float32 up to 4 rows for a model with small layers (Qwen3-0.6B, 16 M weights per layer: the SIMT GEMV is 10%
+faster at batch 2 and 4), float32 for one row only for a model with large ones (Qwen3-8B, 193 M per layer: at
+batch 4 the tensor-core step is 35% faster, the SIMT GEMV's time growing with every row). (The random tiny model
+is much more sensitive: its flat logits let BF16 inputs change greedy tokens within a few steps, which is why
+its GPU tests ask for ``f32_max_rows=16``.)
 
 The residual stream's GEMMs (o_proj, down_proj) on the SIMT path are split-K (``gemv_simt_split_k``, ``S =
 fp8lab.simulators.gemv_simt.choose_k_splits`` K slices: 2 for Qwen3-8B, 4 for Qwen3-0.6B on an H200): their
@@ -72,8 +74,25 @@ from .kv_cache import DeviceKVCache, DeviceLayerKVCache
 from .memory import DeviceMemory, column_slice
 from .weights import DeviceLinear, DeviceWeights
 
-DEFAULT_F32_MAX_ROWS = 4
-"""GEMMs of at most this many rows take float32 activations by default (see the module docstring)."""
+SMALL_LAYERS_F32_MAX_ROWS = 4
+"""The default ``f32_max_rows`` of a model with small decoder layers (see ``default_f32_max_rows``)."""
+LARGE_LAYER_WEIGHTS = 64 * 2**20
+"""Projection weights per decoder layer from which a model counts as large: the tensor-core GEMM then beats the
+SIMT GEMV from 2 rows on. Measured at the two ends only (H200, ``bench/RESULTS.md``): Qwen3-0.6B (16 M per layer)
+and Qwen3-8B (193 M); the threshold between them is a round number, not a measured crossover."""
+
+
+def layer_weights(config: Qwen3Config) -> int:
+    """The projection weights of one decoder layer: q/k/v, o, gate/up and down."""
+    c = config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+
+
+def default_f32_max_rows(config: Qwen3Config) -> int:
+    """GEMMs of at most this many rows take float32 activations by default: 4 (decode batches of up to 4 on the SIMT
+    GEMV), or 1 for a model of at least ``LARGE_LAYER_WEIGHTS`` weights per layer (see the module docstring)."""
+    return 1 if layer_weights(config) >= LARGE_LAYER_WEIGHTS else SMALL_LAYERS_F32_MAX_ROWS
 
 
 @dataclass(frozen=True)
