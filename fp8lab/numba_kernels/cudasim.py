@@ -11,7 +11,11 @@ runs unchanged on a GPU and in the simulator:
 
 - ``shfl_sync``, ``shfl_up_sync``, ``shfl_down_sync``, ``shfl_xor_sync`` (width 32);
 - ``syncwarp``, ``ballot_sync``, ``any_sync``, ``all_sync``, ``activemask`` (for converged code);
-- and it replaces the simulator's ``fma`` (two roundings) by a fused one (one rounding).
+- and it replaces the simulator's ``fma`` (two roundings) by a fused one (one rounding);
+- and it makes the simulator's ``BlockManager`` (which starts a block's threads and releases them
+  together from each ``syncthreads``) check on its threads every ``MANAGER_POLL_S`` instead of in a
+  busy loop: the loop held the GIL against the threads it waits for, which made kernels several times
+  slower, and on a loaded machine often 10 to 30 times slower.
 
 How a collective works here: each lane named in ``mask`` deposits its value in a rendezvous
 keyed by ``(warp, mask, n)``, where ``n`` counts that lane's earlier collectives with the same
@@ -39,7 +43,8 @@ from collections import defaultdict
 from .warp import FULL_MASK, WARP_SIZE
 
 TIMEOUT_S = 300.0  # generous: a loaded 2-core CI machine can stall simulated threads for many seconds
-_POLL_S = 0.002
+_POLL_S = 0.01  # how often a lane waiting in a collective checks for a deadlock (it is woken when the collective completes)
+MANAGER_POLL_S = 0.0005  # how often the block manager looks at its threads (see _run_block)
 
 
 class _Rendezvous:
@@ -73,8 +78,14 @@ def _current_thread():
 
 
 # Every simulated thread, by block manager and linear thread id, registered when created (see
-# install()), so that a lane that has not started yet can be told from one that has exited.
-_threads: "weakref.WeakKeyDictionary[object, dict[int, threading.Thread]]" = weakref.WeakKeyDictionary()
+# install()), so that a lane that has not started yet can be told from one that has exited. The
+# threads are held weakly: a thread refers to its manager, so a strong reference here would keep
+# every finished block (its manager, threads and warp states: thousands of objects per launch)
+# alive for the rest of the process. The simulator's BlockManager holds its block's threads while
+# the block runs, which is as long as a lane looks them up.
+_threads: "weakref.WeakKeyDictionary[object, weakref.WeakValueDictionary[int, threading.Thread]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _block_threads(manager) -> dict[int, threading.Thread]:
@@ -155,7 +166,10 @@ def exchange(op: str, mask: int, value) -> dict[int, object]:
         key = (mask_key, n)
         rendezvous = state.in_flight.setdefault(key, _Rendezvous(lanes))
         rendezvous.values[lane] = value
-        state.condition.notify_all()
+        # The last lane to arrive wakes the others (waking them on every deposit costs n^2 wake-ups per
+        # collective); meanwhile they wake every _POLL_S to look for a deadlock.
+        if len(rendezvous.values) == len(lanes):
+            state.condition.notify_all()
         deadline = time.monotonic() + TIMEOUT_S
         while len(rendezvous.values) < len(lanes):
             if getattr(thread, "abort", False):
@@ -270,8 +284,67 @@ def fma(a, b, c):
     return a * b + c
 
 
+def _run_block(self, grid_point, *args):
+    """numba-cuda 0.30's ``BlockManager.run``, step for step: start every thread of the block; whenever every
+    live thread waits at ``syncthreads``, release them all (one by one, as ``_check_missing_lanes`` expects);
+    on a thread's exception, abort the others and raise it. The one change: where a look at the threads
+    finds nothing to do, the manager sleeps ``MANAGER_POLL_S`` before the next look, instead of spinning
+    and taking the GIL from the threads it waits for."""
+    import numpy as np
+    from numba.cuda.simulator.kernel import BlockThread
+
+    threads, livethreads, blockedthreads = set(), set(), set()
+    for block_point in np.ndindex(*self._block_dim):
+
+        def target():
+            self._f(*args)
+
+        t = BlockThread(target, self, grid_point, block_point, self._debug)
+        t.start()
+        threads.add(t)
+        livethreads.add(t)
+    while livethreads:
+        for t in livethreads:
+            if t.syncthreads_blocked:
+                blockedthreads.add(t)
+            elif t.exception:
+                for t_other in threads:  # abort every other thread; not joined (as numba-cuda does)
+                    t_other.abort = True
+                    t_other.syncthreads_blocked = False
+                    t_other.syncthreads_event.set()
+                raise t.exception[0].with_traceback(t.exception[1])
+        released = livethreads == blockedthreads
+        if released:
+            for t in blockedthreads:
+                t.syncthreads_blocked = False
+                t.syncthreads_event.set()
+            blockedthreads = set()
+        livethreads = {t for t in livethreads if t.is_alive()}
+        if livethreads and not released:
+            time.sleep(MANAGER_POLL_S)
+    for t in threads:  # an exception set just before its thread finished
+        if t.exception:
+            raise t.exception[0].with_traceback(t.exception[1])
+
+
+def _block_manager_is_numba_cudas(kernel) -> bool:
+    """Whether numba-cuda's ``BlockManager`` and ``BlockThread`` are those ``_run_block`` copies (0.30's); with
+    another version the simulator keeps its own loop (correct, only slower)."""
+    import inspect
+
+    try:
+        manager = inspect.signature(kernel.BlockManager.__init__).parameters
+        thread = inspect.signature(getattr(kernel.BlockThread.__init__, "_fp8lab_original", kernel.BlockThread.__init__))
+    except (TypeError, ValueError):
+        return False
+    return (list(manager) == ["self", "f", "grid_dim", "block_dim", "debug"]
+            and list(thread.parameters) == ["self", "f", "manager", "blockIdx", "threadIdx", "debug"]
+            and all(hasattr(kernel.BlockThread, name) for name in ("syncthreads", "run")))
+
+
 def install() -> bool:
-    """Add the warp intrinsics to the simulator's fake ``cuda`` module; True if the simulator is on."""
+    """Add the warp intrinsics to the simulator's fake ``cuda`` module (and its block manager's polling, see
+    ``_run_block``); True if the simulator is on."""
     from numba import config
 
     if not config.ENABLE_CUDASIM:
@@ -297,8 +370,12 @@ def install() -> bool:
         def registering_init(self, *args, **kwargs):
             original_init(self, *args, **kwargs)
             with _warps_lock:
-                _threads.setdefault(self._manager, {})[self.thread_id] = self
+                _threads.setdefault(self._manager, weakref.WeakValueDictionary())[self.thread_id] = self
 
+        registering_init._fp8lab_original = original_init
         kernel.BlockThread.__init__ = registering_init
         kernel.BlockThread._fp8lab_registered = True
+    if not getattr(kernel.BlockManager, "_fp8lab_polls", False) and _block_manager_is_numba_cudas(kernel):
+        kernel.BlockManager.run = _run_block
+        kernel.BlockManager._fp8lab_polls = True
     return True

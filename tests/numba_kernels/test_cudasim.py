@@ -220,3 +220,57 @@ def test_lanes_not_yet_released_from_a_passed_barrier_are_not_a_deadlock(monkeyp
     out = np.zeros(64, np.int64)
     barrier_then_shuffle[1, 64](out)
     assert np.array_equal(out, np.arange(64) ^ 1)
+
+
+@cuda.jit
+def reverse_through_shared(x, out):
+    buffer = cuda.shared.array(64, np.float32)
+    buffer[cuda.threadIdx.x] = x[cuda.threadIdx.x]
+    cuda.syncthreads()
+    v = buffer[63 - cuda.threadIdx.x]
+    cuda.syncthreads()
+    buffer[cuda.threadIdx.x] = 2 * v
+    cuda.syncthreads()
+    out[cuda.blockIdx.x, cuda.threadIdx.x] = buffer[63 - cuda.threadIdx.x]
+
+
+@cuda.jit
+def fails_in_one_lane(out):
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 37:
+        out[1000] = 1  # out of bounds
+    out[cuda.threadIdx.x] = 1
+
+
+def test_the_block_manager_polls_and_keeps_the_simulators_semantics():
+    """install() replaces the simulator's busy-polling block manager by fp8lab.numba_kernels.cudasim's (the
+    numba-cuda it was written for is installed); threads meet at every barrier and an exception in one
+    thread is raised with its thread and block."""
+    from numba.cuda.simulator import kernel
+
+    from fp8lab.numba_kernels import cudasim
+
+    assert kernel.BlockManager.run is cudasim._run_block
+    x = np.arange(64, dtype=np.float32)
+    out = np.zeros((3, 64), np.float32)
+    reverse_through_shared[3, 64](x, out)
+    assert np.array_equal(out, np.tile(2 * x, (3, 1)))
+    with pytest.raises(IndexError, match=r"tid=\[37, 0, 0\] ctaid=\[0, 0, 0\]"):
+        fails_in_one_lane[1, 64](np.zeros(64, np.int64))
+
+
+def test_finished_blocks_are_not_kept_alive():
+    """Regression: the registry of simulated threads held every finished block (its threads, their warp
+    states) for the rest of the process, thousands of objects per launch."""
+    import gc
+
+    from fp8lab.numba_kernels import cudasim
+
+    gc.collect()
+    before = (len(cudasim._threads), len(cudasim._warps), len(gc.get_objects()))
+    out = np.zeros(512, np.int64)
+    for _ in range(5):
+        many_lanes_shuffle_at_once[2, 256](out)
+    gc.collect()
+    assert len(cudasim._threads) <= before[0] and len(cudasim._warps) <= before[1]
+    assert len(gc.get_objects()) < before[2] + 1000  # 10 blocks of 256 threads: ~30,000 objects were kept
