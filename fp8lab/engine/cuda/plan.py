@@ -52,6 +52,7 @@ on the same arguments and give the same bits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -70,6 +71,7 @@ from fp8lab.numba_kernels.prefill import PrefillRows, paged_prefill
 from fp8lab.simulators.gemv_simt import K_SPLITS, choose_k_splits
 
 from ..config import Qwen3Config
+from ..layout import expected_tensors
 from .kv_cache import DeviceKVCache, DeviceLayerKVCache
 from .memory import DeviceMemory, column_slice
 from .weights import DeviceLinear, DeviceWeights
@@ -83,10 +85,9 @@ and Qwen3-8B (193 M); the threshold between them is a round number, not a measur
 
 
 def layer_weights(config: Qwen3Config) -> int:
-    """The projection weights of one decoder layer: q/k/v, o, gate/up and down."""
-    c = config
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    """The projection weights of one decoder layer (q/k/v, o, gate/up and down), counted from the checkpoint layout."""
+    return sum(math.prod(spec.shape) for name, spec in expected_tensors(config).items()
+               if name.startswith("model.layers.0.") and name.endswith("_proj.weight"))
 
 
 def default_f32_max_rows(config: Qwen3Config) -> int:
