@@ -484,47 +484,64 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
 
 
 MAX_SPLITS = 256
-"""Shards a combine can merge (its shared memory holds one weight and one ``l`` per shard)."""
-COMBINE_LOADS_IN_FLIGHT = 8
+"""The most shards a call may ask for (it bounds the workspace; the combine itself has no limit)."""
+COMBINE_SHARDS_PER_PASS = 16
+"""Shards whose partials a combine thread holds in registers at once (one round trip to the L2 for up to 16)."""
 
 
-def combine_kernel(workspace, num_splits, out):
+@cuda.jit(device=True, inline=True)
+def load_partials(parts, first_row, row_words, d, head_dim, first, num_splits, m, l, acc):
+    """Shards ``first ... first + 16`` (those below ``num_splits``) of one (sequence, head): their ``m``, ``l``
+    and element ``d`` of their ``acc`` into ``m``, ``l``, ``acc`` (registers), all loads issued together."""
+    for i in range(COMBINE_SHARDS_PER_PASS):
+        if first + i < num_splits:
+            at = (first_row + first + i) * row_words
+            acc[i] = parts[at + d]
+            m[i] = parts[at + head_dim]
+            l[i] = parts[at + head_dim + 1]
+
+
+def combine_kernel(parts, max_splits, num_splits, out):
     """Merge the shards' partials in shard order and normalize; thread ``d`` owns element ``d``.
 
-    Launch ``[(num_seqs, num_heads), head_dim]``. Workspace row ``[..., shard, :]`` holds
-    ``acc[0:head_dim], m, l``. The shards' ``m`` and ``l`` are loaded by many threads at once and
-    each weight ``exp2(m_s - m*)`` computed once, into shared memory; each thread then loads its
-    ``acc`` values 8 shards at a time (loads in flight together) before their fmas, in shard order.
+    Launch ``[(num_seqs, num_heads), head_dim]``. ``parts``: the workspace ``[num_seqs, num_heads,
+    max_splits, head_dim + 2]``, flat; its row ``[seq, head, shard, :]`` holds ``acc[0:head_dim], m, l``.
+
+    The work is a few hundred instructions per thread, so the time is latency: every thread loads
+    the ``m``, ``l`` and its ``acc`` element of 16 shards at once (one round trip to the L2 for the
+    usual split counts), takes ``m* = max m`` over all shards in registers, computes every weight
+    ``exp2(m_s - m*)`` itself (no shared memory and no barrier: the same few exponentials in each
+    thread cost less than a barrier's wait), then runs the ``l`` and ``acc`` fma chains in shard
+    order. More than 16 shards take further passes of 16 (their ``m`` first, for ``m*``).
     """
     pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
     seq = cuda.blockIdx.x
     head = cuda.blockIdx.y
     d = cuda.threadIdx.x
+    num_heads = out.shape[1]
     head_dim = out.shape[2]
-    shard_m = cuda.shared.array(MAX_SPLITS, float32)
-    shard_l = cuda.shared.array(MAX_SPLITS, float32)
-    for s in range(d, num_splits, head_dim):
-        shard_m[s] = workspace[seq, head, s, head_dim]
-        shard_l[s] = workspace[seq, head, s, head_dim + 1]
-    cuda.syncthreads()
-    m_star = shard_m[0]
-    for s in range(1, num_splits):
-        m_star = mathops.nan_max(m_star, shard_m[s])
-    cuda.syncthreads()
-    for s in range(d, num_splits, head_dim):
-        shard_m[s] = merge_weight(shard_m[s], m_star)  # now the weight
-    cuda.syncthreads()
-    values = cuda.local.array(COMBINE_LOADS_IN_FLIGHT, float32)
+    row_words = head_dim + 2
+    first_row = (seq * num_heads + head) * max_splits
+    m = cuda.local.array(COMBINE_SHARDS_PER_PASS, float32)
+    l = cuda.local.array(COMBINE_SHARDS_PER_PASS, float32)
+    acc = cuda.local.array(COMBINE_SHARDS_PER_PASS, float32)
+    load_partials(parts, first_row, row_words, d, head_dim, 0, num_splits, m, l, acc)
+    m_star = m[0]
+    for i in range(1, COMBINE_SHARDS_PER_PASS):
+        if i < num_splits:
+            m_star = mathops.nan_max(m_star, m[i])
+    for s in range(COMBINE_SHARDS_PER_PASS, num_splits):  # more than 16 shards: the rest of the max
+        m_star = mathops.nan_max(m_star, parts[(first_row + s) * row_words + head_dim])
     l_sum = float32(0)
     acc_sum = float32(0)
-    for first in range(0, num_splits, COMBINE_LOADS_IN_FLIGHT):
-        for i in range(COMBINE_LOADS_IN_FLIGHT):
+    for first in range(0, num_splits, COMBINE_SHARDS_PER_PASS):
+        if first > 0:
+            load_partials(parts, first_row, row_words, d, head_dim, first, num_splits, m, l, acc)
+        for i in range(COMBINE_SHARDS_PER_PASS):
             if first + i < num_splits:
-                values[i] = workspace[seq, head, first + i, d]
-        for i in range(COMBINE_LOADS_IN_FLIGHT):
-            if first + i < num_splits:
-                l_sum = cuda.fma(shard_m[first + i], shard_l[first + i], l_sum)
-                acc_sum = cuda.fma(shard_m[first + i], values[i], acc_sum)
+                weight = merge_weight(m[i], m_star)
+                l_sum = cuda.fma(weight, l[i], l_sum)
+                acc_sum = cuda.fma(weight, acc[i], acc_sum)
     out[seq, head, d] = normalized(acc_sum, l_sum)
 
 
@@ -709,7 +726,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
         *device, int(call.alibi_slopes is not None), call.scale_log2, call.num_kv_heads, call.block_size,
         call.num_splits, workspace_device, out_device)
     if call.num_splits > 1:
-        pdl.launch(_combine_kernel, (num_seqs, num_heads), head_dim, stream, workspace_device, call.num_splits, out_device)
+        pdl.launch(_combine_kernel, (num_seqs, num_heads), head_dim, stream, workspace_device.reshape(workspace_device.size),
+                   workspace_device.shape[2], call.num_splits, out_device)
     if out_device is not call.out:  # a NumPy out on a GPU
         out_device.copy_to_host(call.out, stream=stream)
     return out
@@ -733,5 +751,5 @@ def kernel_variants():
     variants = [(f"split[{fmt}, head_dim={head_dim}, heads={heads}]", split_kernel_function(fmt, head_dim, heads),
                  signature) for fmt, head_dim, heads in shapes]
     variants.append(("combine", combine_kernel,
-                     types.void(types.Array(f32, 4, "C"), types.int64, types.Array(f32, 3, "C"))))
+                     types.void(types.Array(f32, 1, "C"), types.int64, types.int64, types.Array(f32, 3, "C"))))
     return variants

@@ -176,6 +176,49 @@ def test_auto_splits_are_bit_exact(rng):
     np.testing.assert_array_equal(got.view(np.uint32), sk.paged_decode(*simulator_args(data)).view(np.uint32))
 
 
+@pytest.mark.cudasim
+@pytest.mark.parametrize("num_splits", [2, 5, 16, 17, 40])
+def test_combine_kernel_is_the_simulators_combine(rng, num_splits):
+    """The combine kernel alone on random partials, bit for bit ``fp8lab.simulators.splitkv.combine_partials``:
+    up to 40 shards (more than the 16 a thread holds at once), empty shards (the neutral element) among them,
+    a sequence whose shards are all empty (a zero row), in a workspace with more shard rows than the call uses
+    (NaN-poisoned: a combine that read them would fail)."""
+    num_seqs, num_heads, head_dim, max_splits = 3, 2, 32, num_splits + 3
+    m = (rng.standard_normal((num_seqs, num_heads, num_splits)) * 8).astype(np.float32)
+    l = rng.uniform(0.5, 30, m.shape).astype(np.float32)
+    acc = (rng.standard_normal(m.shape + (head_dim,)) * l[..., None]).astype(np.float32)
+    empty = rng.random(m.shape) < 0.3
+    empty[2] = True  # sequence 2: nothing attended
+    m[empty], l[empty], acc[empty] = -np.inf, 0, 0
+    workspace = np.full((num_seqs, num_heads, max_splits, head_dim + 2), np.nan, np.float32)
+    workspace[:, :, :num_splits, :head_dim] = acc
+    workspace[:, :, :num_splits, head_dim] = m
+    workspace[:, :, :num_splits, head_dim + 1] = l
+    out = np.full((num_seqs, num_heads, head_dim), np.nan, np.float32)
+    kernels._combine_kernel[(num_seqs, num_heads), head_dim](workspace.reshape(-1), max_splits, num_splits, out)
+    expected = sk.combine_partials(m, l, acc)
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+    assert np.all(out[2] == 0)
+
+
+@pytest.mark.cudasim
+def test_combine_kernel_passes_a_nan_through(rng):
+    """A NaN in one shard's partial (non-finite cache data) reaches that head's output; the other heads stay finite."""
+    num_splits, head_dim = 20, 32
+    m = rng.standard_normal((1, 2, num_splits)).astype(np.float32)
+    l = rng.uniform(1, 5, m.shape).astype(np.float32)
+    acc = rng.standard_normal(m.shape + (head_dim,)).astype(np.float32)
+    for field, shard in (("m", 18), ("acc", 3)):
+        workspace = np.concatenate([acc, m[..., None], l[..., None]], axis=-1).astype(np.float32)
+        if field == "m":
+            workspace[0, 0, shard, head_dim] = np.nan
+        else:
+            workspace[0, 0, shard, 5] = np.nan
+        out = np.zeros((1, 2, head_dim), np.float32)
+        kernels._combine_kernel[(1, 2), head_dim](workspace.reshape(-1), num_splits, num_splits, out)
+        assert np.isnan(out[0, 0, 5]) and np.all(np.isfinite(out[0, 1])), field
+
+
 # ---------------------------------------------------------------------------- regressions
 
 
