@@ -22,8 +22,8 @@ it only through ``exp2`` (``fp8lab.numba_kernels.mathops``); GPU results are che
 Kernels and launch shapes:
 
 1. ``split_kernel``, grid ``(num_seqs, num_heads / H, num_splits)``, 128 threads = 4 warps per CTA,
-   ``H = heads_per_cta(num_heads / num_kv_heads)`` query heads sharing one kv head (4 for Qwen3-8B's
-   32/8). The CTA takes shard ``blockIdx.z`` of the sequence (``shard_range``: whole KV blocks). A
+   ``H = heads_per_cta(num_heads / num_kv_heads, num_seqs * max_seq_len)`` query heads sharing one kv head
+   (for Qwen3-8B's 32/8: 1 at short contexts, 4 at long ones). The CTA takes shard ``blockIdx.z`` of the sequence (``shard_range``: whole KV blocks). A
    token is read by ``lanes_per_token = head_dim / 16`` lanes, lane ``r`` of them owning elements
    ``[16 r, 16 r + 16)``: for an FP8 cache one 128-bit load of 16 codes (two for BF16, four for
    float32). The CTA's ``num_slots`` groups of lanes (16 at head_dim 128: 4 tokens per warp) each
@@ -587,6 +587,7 @@ class DecodeCall:
     head_dim: int
     num_kv_heads: int
     block_size: int
+    max_seq_len: int
 
 
 def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
@@ -656,7 +657,7 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     v_words, v_scales = flat_cache(v_cache, v_scale)
     return DecodeCall(q, k_words, v_words, k_scales, v_scales, _as_int32(block_tables), _as_int32(seq_lens),
                       alibi_slopes, scale_log2, splits, workspace, out, cache_format, head_dim, num_kv_heads,
-                      block_size)
+                      block_size, max_seq_len)
 
 
 def flat_cache(cache, scales):
@@ -719,7 +720,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     device = [on_device(x, stream) for x in args]
     out_device = on_device(call.out, stream)
     workspace_device = on_device(workspace, stream)
-    heads = heads_per_cta(num_heads // call.num_kv_heads)
+    heads = heads_per_cta(num_heads // call.num_kv_heads, num_seqs * call.max_seq_len)
     kernel = _split_kernel(call.cache_format, head_dim, heads, tokens_in_flight)
     pdl.launch(
         kernel, (num_seqs, num_heads // heads, call.num_splits), THREADS_PER_CTA, stream,
@@ -738,7 +739,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
 
 def kernel_variants():
     """``(name, python function, numba signature)`` of the decode kernel variants the PTX check compiles:
-    every (cache format, head size) with 4 heads per CTA, and FP8 at 128 with 1, 2 and 3 (C-contiguous,
+    every (cache format, head size) with 4 heads per CTA, and every format at 128 with 1, 2 and 3 (C-contiguous,
     int32 indices)."""
     f32 = types.float32
     words = types.Array(types.uint32, 1, "C")
@@ -747,7 +748,7 @@ def kernel_variants():
         types.Array(types.int32, 2, "C"), types.Array(types.int32, 1, "C"), types.Array(f32, 1, "C"), types.int64,
         f32, types.int64, types.int64, types.int64, types.Array(f32, 4, "C"), types.Array(f32, 3, "C"))
     shapes = [(fmt, head_dim, MAX_HEADS_PER_CTA) for fmt in KV_CACHE_FORMATS for head_dim in HEAD_DIMS]
-    shapes += [("fp8", 128, heads) for heads in range(1, MAX_HEADS_PER_CTA)]
+    shapes += [(fmt, 128, heads) for fmt in KV_CACHE_FORMATS for heads in range(1, MAX_HEADS_PER_CTA)]
     variants = [(f"split[{fmt}, head_dim={head_dim}, heads={heads}]", split_kernel_function(fmt, head_dim, heads),
                  signature) for fmt, head_dim, heads in shapes]
     variants.append(("combine", combine_kernel,

@@ -15,7 +15,7 @@ How (the schedule a CUDA kernel follows, and this model reproduces in float32, o
 operation):
 
 - **Grid** ``(num_seqs, num_heads / H, num_splits)``: one CTA of 4 warps per sequence, *shard* and
-  group of ``H = heads_per_cta(num_heads / num_kv_heads)`` query heads that share one kv head (GQA:
+  group of ``H = heads_per_cta(num_heads / num_kv_heads, num_seqs * max_seq_len)`` query heads that share one kv head (GQA:
   the CTA loads and decodes each K and V row once for its ``H`` heads). ``shard_bounds`` cuts
   ``[0, L)`` into ``num_splits`` ranges of whole KV blocks (the last ones may be empty).
   ``choose_num_splits`` is the ``"auto"`` heuristic.
@@ -102,13 +102,18 @@ ELEMENTS_PER_LANE = 16
 MAX_HEAD_DIM = WARP_SIZE * ELEMENTS_PER_LANE
 MAX_HEADS_PER_CTA = 4
 """Query heads one CTA serves at most (each costs a lane 32 registers: its query and accumulator)."""
+HEADS_PER_CTA_BY_TOKENS = ((2048, 1), (8192, 2))
+"""``(tokens, cap)``: at most ``cap`` query heads per CTA while a call's ``num_seqs * max_seq_len`` is at most
+``tokens``; ``MAX_HEADS_PER_CTA`` beyond. Why (``heads_per_cta``) and the measurements (``bench/RESULTS.md``,
+2026-12-03): on an H200, Qwen3-8B and Qwen3-0.6B heads, batches 1 to 16, contexts 512 to 16,384, this rule is
+within 4% of the fastest of 1, 2 and 4 heads per CTA in every case measured."""
 MAX_SPLITS_PER_HEAD = 8
 """``"auto"`` splits a (sequence, query head) over at most 8 CTAs: ``8 * heads_per_cta`` shards."""
-CTAS_PER_SM = 1
-"""``"auto"`` aims at this many CTAs per SM. One, measured on an H200 (``bench/RESULTS.md``, 2026-12-02): at the
-Qwen3-8B shape, batch 1, 16 shards (128 CTAs) beat 32 (256 CTAs, the earlier target of 2 per SM) at every
-context from 532 to 8,192 tokens, and in the decode step they took 0.11 ms off 4.0 ms; where both rules
-give the same count (Qwen3-0.6B, batch 1) or 1 CTA per SM gives fewer shards (batch 4) the step was unchanged."""
+CTAS_PER_SM = 2
+"""``"auto"`` aims at this many CTAs per SM. Two, measured on an H200 (``bench/RESULTS.md``, 2026-12-03) with
+``heads_per_cta`` as above: as fast as one or faster in every case measured (at the Qwen3-8B shape, batch 4,
+8,192 tokens: 56.1 against 71.9 us). (One per SM, the rule of 2026-12-02, was faster with 4 heads per CTA at
+batch 1 up to 8,192 tokens, where ``heads_per_cta`` now takes 1 or 2.)"""
 NUM_SMS = 132
 """Streaming multiprocessors of an H100 SXM / H200: the default GPU of the ``auto`` heuristic."""
 LOG2E = math.log2(math.e)
@@ -176,23 +181,33 @@ def lane_elements(head_dim: int) -> np.ndarray:
     return np.where(idx < head_dim, idx, -1)
 
 
-def heads_per_cta(group: int) -> int:
-    """Query heads per CTA: the largest divisor of the GQA group size that is at most 4."""
-    return max(h for h in range(1, MAX_HEADS_PER_CTA + 1) if int(group) % h == 0)
+def heads_per_cta(group: int, tokens: int) -> int:
+    """Query heads per CTA: the largest divisor of the GQA group size within the cap ``HEADS_PER_CTA_BY_TOKENS``
+    sets for ``tokens`` (``num_seqs * max_seq_len`` of the call): 1 up to 2,048 tokens, 2 up to 8,192, 4 beyond.
+
+    A CTA of ``H`` heads loads and decodes each K and V row once for its ``H`` heads, so a head-token
+    costs fewer instructions, which is what long contexts need (at 16,384 tokens, 4 heads per CTA take
+    40 us, 1 head 56 us). But it runs the ``H`` heads' work one after another and merges ``H`` heads'
+    slots, and a short context is bound by that chain, not by the instructions per token: at 512
+    tokens, 1 head per CTA takes 9.5 us, 4 heads 13.3. Which heads share a CTA never changes a bit of
+    the result: only the split count does.
+    """
+    cap = next((c for most, c in HEADS_PER_CTA_BY_TOKENS if int(tokens) <= most), MAX_HEADS_PER_CTA)
+    return max(h for h in range(1, cap + 1) if int(group) % h == 0)
 
 
 def choose_num_splits(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, num_sms: int = NUM_SMS,
                       block_size: int = 16) -> int:
     """The ``"auto"`` split count: split the KV only when the grid alone would leave SMs idle.
 
-    Decode attention is memory bound, so the goal is a full GPU: ``CTAS_PER_SM`` = 1 CTA per SM.
-    The grid without splitting has ``num_seqs * num_heads / heads_per_cta`` CTAs. The answer is the
-    largest ``s`` with ``grid * s <= num_sms``, at most ``8 * heads_per_cta`` (8 CTAs per query
-    head, as many as a kernel with one head per CTA would use; more shards cost more combine
-    traffic than they gain), at most the number of KV blocks of the longest sequence (a shard with
-    no work is waste), and at least 1. It is 1 whenever ``grid * 2 > num_sms``.
+    The goal is a full GPU: ``CTAS_PER_SM`` = 2 CTAs per SM. The grid without splitting has
+    ``num_seqs * num_heads / H`` CTAs (``H = heads_per_cta(group, num_seqs * max_seq_len)``). The
+    answer is the largest ``s`` with ``grid * s <= 2 * num_sms``, at most ``8 * H`` (8 CTAs per query
+    head; more shards cost more combine traffic than they gain), at most the number of KV blocks of
+    the longest sequence (a shard with no work is waste), and at least 1. It is 1 whenever
+    ``grid * 2 > 2 * num_sms``.
     """
-    per_cta = heads_per_cta(int(num_heads) // max(1, int(num_kv_heads)))
+    per_cta = heads_per_cta(int(num_heads) // max(1, int(num_kv_heads)), int(num_seqs) * int(max_seq_len))
     grid = int(num_seqs) * int(num_heads) // per_cta
     if grid <= 0:
         return 1

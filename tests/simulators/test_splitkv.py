@@ -136,8 +136,16 @@ def test_head_dim_beyond_the_warp_is_an_error():
 
 
 @pytest.mark.parametrize("group, per_cta", [(1, 1), (2, 2), (3, 3), (4, 4), (5, 1), (6, 3), (8, 4), (12, 4), (7, 1)])
-def test_heads_per_cta(group, per_cta):
-    assert sk.heads_per_cta(group) == per_cta
+def test_heads_per_cta_at_long_contexts(group, per_cta):
+    """Beyond 8,192 tokens: the largest divisor of the group size up to 4."""
+    assert sk.heads_per_cta(group, 8193) == per_cta
+
+
+@pytest.mark.parametrize("group, tokens, per_cta", [(4, 0, 1), (4, 2048, 1), (4, 2049, 2), (4, 8192, 2), (8, 8192, 2),
+                                                    (3, 8192, 1), (6, 4096, 2), (2, 512, 1), (1, 100_000, 1)])
+def test_heads_per_cta_by_tokens(group, tokens, per_cta):
+    """Short calls take fewer heads per CTA: 1 up to 2,048 tokens (num_seqs * max_seq_len), at most 2 up to 8,192."""
+    assert sk.heads_per_cta(group, tokens) == per_cta
 
 
 @given(num_seqs=st.integers(0, 300), num_kv_heads=st.integers(1, 16), group=st.integers(1, 8),
@@ -146,7 +154,7 @@ def test_heads_per_cta(group, per_cta):
 def test_split_heuristic(num_seqs, num_kv_heads, group, max_seq_len, num_sms, block_size):
     num_heads = num_kv_heads * group
     splits = sk.choose_num_splits(num_seqs, num_heads, num_kv_heads, max_seq_len, num_sms=num_sms, block_size=block_size)
-    per_cta = sk.heads_per_cta(group)
+    per_cta = sk.heads_per_cta(group, num_seqs * max_seq_len)
     grid = num_seqs * num_heads // per_cta
     assert 1 <= splits <= sk.MAX_SPLITS_PER_HEAD * per_cta
     if grid >= sk.CTAS_PER_SM * num_sms:
@@ -154,17 +162,21 @@ def test_split_heuristic(num_seqs, num_kv_heads, group, max_seq_len, num_sms, bl
     if splits > 1:
         assert grid * splits <= sk.CTAS_PER_SM * num_sms  # splitting stays within the target
         assert splits <= -(-max_seq_len // block_size)  # never more shards than blocks of work
+        assert grid * (splits + 1) > sk.CTAS_PER_SM * num_sms or splits in (sk.MAX_SPLITS_PER_HEAD * per_cta,
+                                                                           -(-max_seq_len // block_size))
 
 
 def test_split_heuristic_examples():
-    assert sk.choose_num_splits(1, 32, 8, 16384) == 16  # batch 1, Qwen3-8B: 8 CTAs, 4 heads each; 8 x 16 <= 132
-    assert sk.choose_num_splits(1, 32, 8, 1024) == 16  # 64 blocks: 4 per shard
-    assert sk.choose_num_splits(8, 32, 8, 4096) == 2  # 64 CTAs x 2 = 128 <= 132
-    assert sk.choose_num_splits(1, 16, 8, 4096) == 16  # Qwen3-0.6B: GQA 2, at most 8 x 2 shards
+    # Qwen3-8B (32 query heads, 8 kv heads), 132 SMs, 2 CTAs per SM
+    assert sk.choose_num_splits(1, 32, 8, 16384) == 32  # 4 heads per CTA: 8 CTAs x 32 shards = 256 <= 264
+    assert sk.choose_num_splits(1, 32, 8, 8192) == 16  # 2 heads per CTA: 16 CTAs, at most 8 x 2 shards
+    assert sk.choose_num_splits(1, 32, 8, 1024) == 8  # 1 head per CTA: 32 CTAs, at most 8 shards
+    assert sk.choose_num_splits(8, 32, 8, 4096) == 4  # 32,768 tokens: 4 heads per CTA, 64 CTAs x 4 = 256
+    assert sk.choose_num_splits(16, 32, 8, 4096) == 2  # 128 CTAs x 2
+    assert sk.choose_num_splits(64, 32, 8, 4096) == 1  # 512 CTAs fill the GPU
+    assert sk.choose_num_splits(1, 16, 8, 4096) == 16  # Qwen3-0.6B: GQA 2, 2 heads per CTA, at most 8 x 2 shards
     assert sk.choose_num_splits(1, 8, 8, 4096) == 8  # no GQA: one head per CTA, at most 8
     assert sk.choose_num_splits(1, 32, 8, 40, block_size=16) == 3  # only 3 blocks of work
-    assert sk.choose_num_splits(64, 32, 8, 4096) == 1  # 512 CTAs fill the GPU
-    assert sk.choose_num_splits(16, 32, 8, 4096) == 1  # 128 CTAs: a second shard each would not fit
     assert sk.choose_num_splits(1, 32, 8, 0) == 1
 
 
