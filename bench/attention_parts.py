@@ -60,7 +60,8 @@ def main() -> int:
                         np.float32(HEAD_DIM**-0.5 * splitkv.LOG2E), NUM_KV_HEADS, BLOCK_SIZE, splits, workspace, out)
 
                 def combine(i, stream, splits=splits):
-                    splitkv._combine_kernel[(batch, NUM_HEADS), HEAD_DIM, stream](workspace, splits, out)
+                    splitkv._combine_kernel[(batch, NUM_HEADS), HEAD_DIM, stream](
+                        workspace.reshape(workspace.size), workspace.shape[2], splits, out)
 
                 def whole(i, stream, split=split, combine=combine):
                     split(i, stream)

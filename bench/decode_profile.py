@@ -78,8 +78,11 @@ def profile_decode_steps(model, step_batch, cache, steps: int = 20) -> DecodePro
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from fp8lab.engine.cuda.plan import decode_context_bound
+
     bucket = model._bucket(step_batch.num_seqs)
-    labels = plan_labels(model.planner.decode(bucket, cache))
+    bound = decode_context_bound(int(max(step_batch.context_lens)), cache.capacity)
+    labels = plan_labels(model.planner.decode(bucket, cache, bound))
     model.greedy_tokens(step_batch, cache)  # warm (the graph exists after the first step of a bucket)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

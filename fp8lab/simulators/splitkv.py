@@ -104,9 +104,10 @@ MAX_HEADS_PER_CTA = 4
 """Query heads one CTA serves at most (each costs a lane 32 registers: its query and accumulator)."""
 HEADS_PER_CTA_BY_TOKENS = ((2048, 1), (8192, 2))
 """``(tokens, cap)``: at most ``cap`` query heads per CTA while a call's ``num_seqs * max_seq_len`` is at most
-``tokens``; ``MAX_HEADS_PER_CTA`` beyond. Why (``heads_per_cta``) and the measurements (``bench/RESULTS.md``,
-2026-12-03): on an H200, Qwen3-8B and Qwen3-0.6B heads, batches 1 to 16, contexts 512 to 16,384, this rule is
-within 4% of the fastest of 1, 2 and 4 heads per CTA in every case measured."""
+``tokens``; ``MAX_HEADS_PER_CTA`` beyond. Why: ``heads_per_cta``; the measurements: ``bench/attention_plan.py``
+(``bench/RESULTS.md``, 2026-12-03): on an H200, Qwen3-8B and Qwen3-0.6B heads, batches 1 to 16, contexts 512
+to 16,384, this rule (with 2 CTAs per SM) is within 4.4% of the fastest of 1, 2 and 4 heads per CTA and 1 or
+2 CTAs per SM in every case measured, and never slower than the plan it replaced."""
 MAX_SPLITS_PER_HEAD = 8
 """``"auto"`` splits a (sequence, query head) over at most 8 CTAs: ``8 * heads_per_cta`` shards."""
 CTAS_PER_SM = 2

@@ -49,11 +49,13 @@ from helpers.engine import (
 
 import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
 from fp8lab.engine.cuda.model import CudaQwen3Model, decode_buckets
+from fp8lab.engine.cuda.plan import decode_context_bound
 from fp8lab.engine.cuda.weights import fuse_fp8_for_gemm, unsupported_reason
 from fp8lab.engine.generate import Generator
 from fp8lab.engine.kv_manager import KVCacheExhausted, KVCacheManager
 from fp8lab.engine.loading import get_backend, load_model, resolve_backend
 from fp8lab.engine.model import Qwen3Model, make_batch
+from fp8lab.numba_kernels import splitkv
 from fp8lab.numba_kernels.bits import SIMULATOR
 from fp8lab.reference import blockwise
 
@@ -269,6 +271,28 @@ def test_decode_buckets():
     assert decode_buckets(1) == (1,)
     assert decode_buckets(16) == (1, 2, 4, 8, 16)
     assert decode_buckets(12) == (1, 2, 4, 8, 12)
+
+
+def test_decode_context_bound():
+    assert [decode_context_bound(n, 40960) for n in (0, 1, 512, 513, 1024, 5000)] == [512, 512, 512, 1024, 1024, 8192]
+    assert decode_context_bound(5000, 4096) == 4096 and decode_context_bound(3, 100) == 100  # at most the capacity
+
+
+def test_a_decode_plan_is_made_for_its_context_bound_not_the_cache():
+    """A short context in a large cache: attention is planned for the bound (its split count, its
+    ``max_seq_len``), not for the cache's capacity, whose plan would differ."""
+    config = micro_config(layers=1, max_position_embeddings=16384)
+    model = CudaQwen3Model(config, micro_tensors(config), max_num_tokens=8, max_num_seqs=2)
+    cache = model.allocate_kv_cache(512, 16, "fp8")
+    sms = splitkv.device_num_sms()
+    heads = (config.num_attention_heads, config.num_key_value_heads)
+    bound = decode_context_bound(20, cache.capacity)
+    assert bound == 512 < cache.capacity
+    attention = [launch for launch in model.planner.decode(1, cache, bound).launches
+                 if launch.label == "attention"]
+    expected = splitkv.choose_num_splits(1, *heads, bound, sms, 16)
+    assert expected != splitkv.choose_num_splits(1, *heads, cache.capacity, sms, 16)
+    assert [(a.options["num_splits"], a.options["max_seq_len"]) for a in attention] == [(expected, bound)]
 
 
 def test_backend_selection_without_a_gpu():

@@ -1,11 +1,12 @@
 """CUDA graphs of the decode step (GPU only).
 
 A decode step pads its batch to a *bucket* (1, 2, 4, 8, ... and ``max_num_seqs``) and runs a fixed plan
-(``fp8lab.engine.cuda.plan.Planner.decode``) on its cache's persistent index buffers, padded rows having
+(``fp8lab.engine.cuda.plan.Planner.decode``, one per bucket and context bound) on its cache's persistent
+index buffers, padded rows having
 slot -1 (``paged_cache_write`` writes nothing) and length 0 (a zero attention row). On a GPU the first
-decode step of a bucket runs eagerly (which compiles and warms every kernel) and then its plan is
+decode step of a (bucket, bound) runs eagerly (which compiles and warms every kernel) and then its plan is
 captured into a CUDA graph with a ``cuda.core`` GraphBuilder (``kernel[grid, block, builder]``, as
-``bench/timing.py``); later steps of the bucket copy the index arrays in, replay the graph and copy the
+``bench/timing.py``); later steps of it copy the index arrays in, replay the graph and copy the
 result out: one graph launch instead of hundreds of Python launches of 10 to 25 us each. Graphs belong
 to the KV cache they were captured with (they hold its addresses) and are dropped with it. In the
 simulator there are no graphs: the same padded plan runs eagerly.

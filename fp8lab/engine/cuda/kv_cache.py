@@ -16,7 +16,7 @@ per-model state, and CUDA graphs captured with a cache read exactly these addres
 
 Each index is a dataclass of named arrays that lie end to end in one device buffer, with a page-locked
 host twin of the same layout (``StagedIndex``): a forward fills the host side by name and moves it in
-with one copy. Graphs (``graphs``, by bucket) belong to the cache they were captured with and are
+with one copy. Graphs (``graphs``, by bucket and context bound) belong to the cache they were captured with and are
 dropped with it.
 """
 
@@ -145,7 +145,7 @@ class DeviceKVCache:
             block_tables=(smax * width,)))
         self.prefill_row_tables = mem.empty("prefill expanded block tables", (tmax * width,), np.int32)
         self.prefill_row_lens = mem.empty("prefill expanded lengths", (tmax,), np.int32)
-        self.graphs: dict[int, object] = {}
+        self.graphs: dict[tuple[int, int], object] = {}
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -9,7 +9,8 @@ the logits (or, for ``greedy_tokens``, the greedy ids) out; nothing is allocated
 read back.
 
 Prefill and decode: a batch whose sequences all have one new token is a *decode step*: padded to its
-bucket, run eagerly once and then replayed as a CUDA graph on a GPU (``fp8lab.engine.cuda.graphs``); any
+bucket, planned for its context bound (``plan.decode_context_bound``), run eagerly once per (bucket, bound)
+and then replayed as a CUDA graph on a GPU (``fp8lab.engine.cuda.graphs``); any
 other batch runs eagerly with ``paged_prefill`` over all its rows (a one-token chunk is a prefill chunk
 whose attention is exactly a decode; ``fp8lab.engine.generate`` never mixes the two). Logits are
 computed only for each sequence's last token (``all_logits``: every token, in chunks of
@@ -38,7 +39,13 @@ from ..model import CausalLM, ForwardBatch, check_tensors
 from . import graphs
 from .kv_cache import DeviceKVCache
 from .memory import DeviceMemory, device_copy, new_stream, synchronize, to_host
-from .plan import Plan, Planner, allocate_activations, default_f32_max_rows
+from .plan import (
+    Plan,
+    Planner,
+    allocate_activations,
+    decode_context_bound,
+    default_f32_max_rows,
+)
 from .stats import CudaModelStats
 from .weights import unsupported_reason, upload_weights
 
@@ -192,15 +199,16 @@ class CudaQwen3Model(CausalLM):
     def _decode_step(self, batch: ForwardBatch, cache: DeviceKVCache, start: float, ids_only: bool = False):
         s, a, stream = batch.num_seqs, self.activations, self._stream
         bucket = self._bucket(s)
+        bound = decode_context_bound(int(np.max(batch.context_lens)), cache.capacity)
         self._stage_decode_index(batch, cache, bucket)
         cache.decode_index.copy_in(bucket * cache.width, stream)
-        graph = cache.graphs.get(bucket)
+        graph = cache.graphs.get((bucket, bound))
         replay = graph is not None
         if replay:
             graph.launch(self._graph_stream())
             self.stats.graph_replays += 1
         else:
-            plan = self.planner.decode(bucket, cache)
+            plan = self.planner.decode(bucket, cache, bound)
             plan.run(stream)
             self.stats.launches_by_bucket[bucket] = plan.kernel_launches
         if ids_only:  # greedy_tokens: 4 bytes per sequence
@@ -221,7 +229,7 @@ class CudaQwen3Model(CausalLM):
             self.stats.replay_wall_seconds += done - start
         result = np.array(out, dtype=np.int64 if ids_only else np.float32)
         if not replay and self.cuda_graphs:
-            self._capture(bucket, cache, plan)
+            self._capture((bucket, bound), cache, plan)
         return result
 
     def _graph_stream(self):
@@ -230,12 +238,12 @@ class CudaQwen3Model(CausalLM):
             self._core_stream = graphs.core_stream(self._stream)
         return self._core_stream
 
-    def _capture(self, bucket: int, cache: DeviceKVCache, plan: Plan) -> None:
-        """Capture the decode ``plan`` of ``bucket`` that just ran eagerly into a graph of ``cache``. A failure
-        turns graphs off for this model, with a warning."""
+    def _capture(self, key: tuple[int, int], cache: DeviceKVCache, plan: Plan) -> None:
+        """Capture the decode ``plan`` of ``key`` = (bucket, context bound) that just ran eagerly into a graph of
+        ``cache``. A failure turns graphs off for this model, with a warning."""
         begin = time.perf_counter()
         try:
-            cache.graphs[bucket] = graphs.capture(plan, self._graph_stream())
+            cache.graphs[key] = graphs.capture(plan, self._graph_stream())
         except Exception as e:
             self.cuda_graphs = False
             self.stats.graph_error = f"{type(e).__name__}: {e}"

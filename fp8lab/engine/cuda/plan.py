@@ -17,7 +17,7 @@ tensor-core path the GEMM then ``silu_mul``), down_proj; plus one ``bf16_round``
 input when ``T > f32_max_rows``. Around the layers: the embedding, the final ``add_parts_rms_norm`` and the lm_head
 (``bf16_linear``); a decode step ends with the greedy argmax (``layers.argmax_rows``, one multi-CTA
 launch, for ``greedy_tokens``). A decode step of batch 1 is 8 or 9 launches per layer plus 4, e.g.
-9 * 36 + 4 = 328 for Qwen3-8B (16 splits). Every launch has a ``label`` (what it is in the forward), which
+9 * 36 + 4 = 328 for Qwen3-8B (8 splits at the benchmark's context). Every launch has a ``label`` (what it is in the forward), which
 ``bench/decode_profile.py`` uses to attribute kernel times.
 
 The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (at most 16) runs
@@ -44,10 +44,10 @@ Activations live in buffers preallocated for ``max_num_tokens`` tokens and ``max
 blocks when the weights do not fuse), the normed and rotated ``q [T, Hq, D]``, the attention output,
 ``gate_up [T, 2 I]``, the SwiGLU output ``[T, I]``, the BF16 GEMM input, the split-kv workspace, the
 greedy argmax's workspace and the logits of ``max_num_seqs`` rows. Nothing in a plan allocates or reads
-back: the cache write never reads its slots back, a decode step passes ``max_seq_len`` = the cache's
-capacity to attention, and its split count is
-chosen from the bucket and that capacity, so an eager step and its graph replays run the same kernels
-on the same arguments and give the same bits.
+back: the cache write never reads its slots back, a decode step passes attention ``max_seq_len`` = its
+context bound (``decode_context_bound``: a power of two that holds the batch's longest context, at most the
+cache's capacity), and its split count is chosen from the bucket and that bound, so an eager step and the
+graph replays of its (bucket, bound) run the same kernels on the same arguments and give the same bits.
 """
 
 from __future__ import annotations
@@ -82,6 +82,26 @@ LARGE_LAYER_WEIGHTS = 64 * 2**20
 """Projection weights per decoder layer from which a model counts as large: the tensor-core GEMM then beats the
 SIMT GEMV from 2 rows on. Measured at the two ends only (H200, ``bench/RESULTS.md``): Qwen3-0.6B (16 M per layer)
 and Qwen3-8B (193 M); the threshold between them is a round number, not a measured crossover."""
+
+
+MIN_DECODE_CONTEXT = 512
+"""The smallest context a decode step's attention is planned for (``decode_context_bound``)."""
+
+
+def decode_context_bound(longest: int, capacity: int) -> int:
+    """The ``max_seq_len`` a decode step's attention is planned for: the smallest power of two from
+    ``MIN_DECODE_CONTEXT`` on that holds the batch's longest context, at most the cache's ``capacity``.
+
+    The split count and the heads per CTA follow from it (``splitkv.choose_num_splits``), and a decode
+    step gets one CUDA graph per (bucket, bound). So a short conversation in a large cache runs the
+    attention planned for short contexts (at 512 tokens of Qwen3-8B, 9.6 us per layer against 20.1 for
+    the plan of a 40,960-token cache), at the price of a capture each time a batch's longest context
+    crosses a power of two.
+    """
+    bound = MIN_DECODE_CONTEXT
+    while bound < int(longest):
+        bound *= 2
+    return max(1, min(bound, int(capacity)))
 
 
 def layer_weights(config: Qwen3Config) -> int:
@@ -159,7 +179,8 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     widest = max(c.hidden_size, hq * d, c.intermediate_size)
     needs_bf16 = f32_max_rows < tmax
-    # the split-kv workspace: enough for the split count "auto" picks for any number of rows
+    # the split-kv workspace: enough for the split count "auto" picks for any number of rows (the longest
+    # contexts split the most: 4 heads per CTA allow 8 x 4 shards)
     sms, most = splitkv.device_num_sms(), 0
     for rows in range(1, tmax + 1):
         s = splitkv.choose_num_splits(rows, hq, hkv, 2**62, sms, 1)
@@ -198,18 +219,19 @@ class Planner:
         self.f32_max_rows = f32_max_rows
         self.softmax_scale = config.head_dim ** -0.5
 
-    def decode(self, bucket: int, cache: DeviceKVCache) -> Plan:
-        """A decode step of ``bucket`` rows, reading only the cache's decode index buffers (what a CUDA graph
-        captures); leaves the logits in ``activations.logits[:bucket]`` and their argmax in ``greedy_ids``."""
+    def decode(self, bucket: int, cache: DeviceKVCache, max_context: int) -> Plan:
+        """A decode step of ``bucket`` rows whose contexts are at most ``max_context`` tokens (``decode_context_bound``),
+        reading only the cache's decode index buffers (what a CUDA graph captures); leaves the logits in
+        ``activations.logits[:bucket]`` and their argmax in ``greedy_ids``."""
         w, a, index = self.weights, self.activations, cache.decode_index.device
         lens, tables = index.context_lens[:bucket], index.block_tables[:bucket]
-        splits = self.num_splits(bucket, cache.capacity, cache.block_size)
+        splits = self.num_splits(bucket, max_context, cache.block_size)
         workspace = self.workspace(bucket, splits)
 
         def attend(q, layer_cache, out):
             return Launch(splitkv.paged_decode, (q, layer_cache.k, layer_cache.v, tables, lens, self.softmax_scale,
                                                  out, layer_cache.k_scale, layer_cache.v_scale),
-                          dict(num_splits=splits, workspace=workspace, max_seq_len=cache.capacity,
+                          dict(num_splits=splits, workspace=workspace, max_seq_len=max_context,
                                kv_format=layer_cache.kv_format),
                           kernels=1 + (splits > 1), label="attention")
 
