@@ -1,13 +1,17 @@
-"""Draw tutorial 07's decode-step breakdown, before and after issue 15, from ``docs/data/decode_breakdown_h200.json``.
+"""Draw tutorial 07's decode-step breakdown, before issue 15, after its first kernels and now, from
+``docs/data/decode_breakdown_h200.json``.
 
 ``decode_breakdown.png``: for each shape (Qwen3-0.6B, Qwen3-8B, batch 1) a stacked bar per measured
-run (``before`` and ``after`` the issue's changes), the decode step split into what its kernels do (the
+run (``before`` the issue's changes, ``after`` its first kernels, ``now``), the decode step split into what its kernels do (the
 FP8 GEMVs, the norms, q/k-norm + RoPE + the cache write, attention, the lm_head, the argmax, the rest),
 the gaps between kernels and the host side (the measured step time minus the kernels' span: the
 Python work before the graph replay, while the GPU waits), in microseconds per step; the bandwidth
 roofline of the step is a dashed line. The data are the
 per-kernel breakdowns ``bench/engine.py`` prints (CUPTI kernel times of CUDA-graph replays,
-``bench/decode_profile.py``), copied from two runs on an H200 (``bench/RESULTS.md``).
+``bench/decode_profile.py``), copied from three runs on an H200 (``bench/RESULTS.md``). Since programmatic
+dependent launch (the ``now`` run) the kernels overlap, so that run's times are what each kernel adds to
+the step (from the previous kernel's end to its own end, its gap included): they partition the span, and
+its gaps are 0.
 
 Usage::
 
@@ -57,7 +61,7 @@ def draw(data: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(shapes), 1, figsize=(9, 1.9 + 1.5 * len(shapes)), squeeze=False)
     for ax, shape in zip(axes[:, 0], shapes):
         runs = data["shapes"][shape]
-        measured = [run for run in ("before", "after") if run in runs]
+        measured = [run for run in ("before", "after", "now") if run in runs]
         for y, run in enumerate(measured):
             profile = runs[run]
             left = 0.0
@@ -75,7 +79,7 @@ def draw(data: dict, path: Path) -> None:
                     fontsize=8)
         roofline = runs["roofline_us"]
         ax.axvline(roofline, color="k", ls="--", lw=1)
-        ax.text(roofline, len(measured) - 0.55, f" roofline {roofline / 1e3:.2f} ms", fontsize=8, va="bottom")
+        ax.text(roofline, len(measured) - 0.55, f" roofline {roofline / 1e3:.2f} ms", fontsize=8, va="top")
         ax.set_yticks(range(len(measured)), [f"{run} ({runs[run + '_label']})" for run in measured], fontsize=8)
         ax.set_ylim(-0.6, len(measured) - 0.1)
         ax.invert_yaxis()
