@@ -22,12 +22,12 @@ it only through ``exp2`` (``fp8lab.numba_kernels.mathops``); GPU results are che
 Kernels and launch shapes:
 
 1. ``split_kernel``, grid ``(num_seqs, num_heads / H, num_splits)``, 128 threads = 4 warps per CTA,
-   ``H = heads_per_cta(num_heads / num_kv_heads, num_seqs * max_seq_len)`` query heads sharing one kv head
-   (for Qwen3-8B's 32/8: 1 at short contexts, 4 at long ones). The CTA takes shard ``blockIdx.z`` of the sequence (``shard_range``: whole KV blocks). A
-   token is read by ``lanes_per_token = head_dim / 16`` lanes, lane ``r`` of them owning elements
-   ``[16 r, 16 r + 16)``: for an FP8 cache one 128-bit load of 16 codes (two for BF16, four for
-   float32). The CTA's ``num_slots`` groups of lanes (16 at head_dim 128: 4 tokens per warp) each
-   take the shard's tokens ``start + slot, start + slot + num_slots, ...``. Per token: dequantize on
+   ``H = heads_per_cta(num_heads / num_kv_heads, num_seqs * max_seq_len)`` query heads sharing one kv
+   head (for Qwen3-8B's 32/8: 1 at short contexts, 4 at long ones). The CTA takes shard ``blockIdx.z``
+   of the sequence (``shard_range``: whole KV blocks). A token is read by ``lanes_per_token =
+   head_dim / 16`` lanes, lane ``r`` of them owning elements ``[16 r, 16 r + 16)``: for an FP8 cache
+   one 128-bit load of 16 codes (two for BF16, four for float32). The CTA's ``num_slots`` groups of
+   lanes (16 at head_dim 128: 4 tokens per warp) each take the shard's tokens ``start + slot, start + slot + num_slots, ...``. Per token: dequantize on
    load (E4M3 by F16 bit placement, ``decode(c) * 2^-8``; BF16 by a shift), for each of the ``H``
    heads the lane's 16-fma chain with the query (pre-scaled by ``softmax_scale * log2(e)`` and by
    256), a ``shfl_xor`` butterfly over the slot's lanes, the per-token ``k_scale``, the ALiBi fma;

@@ -113,7 +113,7 @@ MAX_SPLITS_PER_HEAD = 8
 CTAS_PER_SM = 2
 """``"auto"`` aims at this many CTAs per SM. Two, measured on an H200 (``bench/RESULTS.md``, 2026-12-03) with
 ``heads_per_cta`` as above: as fast as one or faster in every case measured (at the Qwen3-8B shape, batch 4,
-8,192 tokens: 56.1 against 71.9 us). (One per SM, the rule of 2026-12-02, was faster with 4 heads per CTA at
+8,192 tokens: 56.7 against 72.1 us). (One per SM, the rule of 2026-12-02, was faster with 4 heads per CTA at
 batch 1 up to 8,192 tokens, where ``heads_per_cta`` now takes 1 or 2.)"""
 NUM_SMS = 132
 """Streaming multiprocessors of an H100 SXM / H200: the default GPU of the ``auto`` heuristic."""
@@ -188,9 +188,9 @@ def heads_per_cta(group: int, tokens: int) -> int:
 
     A CTA of ``H`` heads loads and decodes each K and V row once for its ``H`` heads, so a head-token
     costs fewer instructions, which is what long contexts need (at 16,384 tokens, 4 heads per CTA take
-    40 us, 1 head 56 us). But it runs the ``H`` heads' work one after another and merges ``H`` heads'
+    40 us, 1 head 55 us). But it runs the ``H`` heads' work one after another and merges ``H`` heads'
     slots, and a short context is bound by that chain, not by the instructions per token: at 512
-    tokens, 1 head per CTA takes 9.5 us, 4 heads 13.3. Which heads share a CTA never changes a bit of
+    tokens, 1 head per CTA takes 9.6 us, 4 heads 13.2. Which heads share a CTA never changes a bit of
     the result: only the split count does.
     """
     cap = next((c for most, c in HEADS_PER_CTA_BY_TOKENS if int(tokens) <= most), MAX_HEADS_PER_CTA)
