@@ -12,9 +12,10 @@ architectures, built in memory, seeded) and each batch size it measures, in one 
    the wall time of one ``forward`` of all the batch's prompts (``P`` random token ids each), the
    faster of the two runs.
    Decode: ``W`` untimed steps, then ``N`` timed steps of one greedy token per sequence (EOS
-   ignored); a step's time is the host wall time of ``make_batch`` + ``forward`` (the model's
-   graph decode path with greedy sampling on the device, ``greedy_tokens``), i.e. what a user of the engine
-   waits for. The logits are checked to be finite before anything is reported.
+   ignored), pipelined as ``fp8lab.engine.generate`` runs them (``submit_greedy``: the next step's
+   ``make_batch`` and graph launch, its token ids fed on the device, before this step's ids are read;
+   ``fp8lab.engine.cuda.pipeline``); a step's time is the host wall time from one step's ids to the
+   next's, i.e. what a user of the engine waits for. The logits are checked to be finite before anything is reported.
 2. **transformers** BF16: ``Qwen3ForCausalLM`` from a ``Qwen3Config`` of the same shape, random
    init, ``dtype=bfloat16`` on the GPU (default attention, sdpa), after the engine is freed.
    Prefill: one forward of the prompts (``logits_to_keep=1``, median of 3 after a warm-up). Decode:
@@ -44,6 +45,7 @@ GPU memory: one model at a time (ours is deleted, ``torch.cuda.empty_cache()``, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -241,14 +243,25 @@ def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: in
     prefill_s = time.perf_counter() - start
     check_logits(logits, batch, vocab, f"prefill, batch {batch}")
     tokens = np.argmax(logits, axis=-1)
-    step_s = []
-    for _ in range(warmup + steps):  # greedy: the CausalLM interface's greedy_tokens (on the device for ours)
+    # greedy decode as fp8lab.engine.generate.ContinuousBatch runs it on the GPU model (submit_greedy): step n + 1
+    # is enqueued, its token ids taken on the device from step n, before step n's ids are read on the host
+    step_s, pending, total = [], None, warmup + steps
+    for n in range(total):
         start = time.perf_counter()
-        step = make_batch(manager, [(i, [int(tokens[i])]) for i in range(batch)])
-        tokens = model.greedy_tokens(step, cache)
+        if pending is None:
+            last = make_batch(manager, [(i, [int(tokens[i])]) for i in range(batch)])
+            current = model.submit_greedy(last, cache)
+        else:
+            current = pending
+        pending = None
+        if n + 1 < total:
+            last = make_batch(manager, [(i, [0]) for i in range(batch)])  # placeholder ids: fed from ``current``
+            pending = model.submit_greedy(last, cache, feed=current)
+        inputs, tokens = tokens, current.tokens()
         step_s.append(time.perf_counter() - start)
-    # the last step once more with its logits (same slots, same K/V written again): all finite, and the
-    # device's greedy choice is the host's argmax of them
+    # the last step once more with its logits (its real token ids, the same slots, the same K/V written again):
+    # all finite, and the device's greedy choice is the host's argmax of them
+    step = dataclasses.replace(last, token_ids=np.asarray(inputs, dtype=np.int64))
     logits = model.forward(step, cache)
     check_logits(logits, batch, vocab, f"decode, batch {batch}")
     if not np.array_equal(np.asarray(tokens), np.argmax(logits, axis=-1)):
@@ -423,8 +436,9 @@ def report(rows: list[Row], meta: dict, breakdowns: dict) -> str:
         f"Random FP8 checkpoints (`fp8lab.engine.shapes`: random E4M3 codes and block scales, BF16 embeddings), "
         f"{meta['prompt_len']} random prompt tokens per sequence, {meta['decode_tokens']} timed greedy decode steps after "
         f"{meta['warmup_steps']} untimed ones (EOS ignored), KV cache {meta['kv_cache_dtype']}, block {meta['block_size']}. "
-        "Ours: `CudaQwen3Model`, host wall time per step (make_batch + `greedy_tokens`: the CUDA-graph decode step "
-        "with the argmax on the device, token ids to the host); prefill is one forward of the whole batch. "
+        "Ours: `CudaQwen3Model`, host wall time per step, pipelined as `fp8lab generate` runs it (`submit_greedy`: the "
+        "CUDA-graph decode step with the argmax on the device, the next step enqueued with its token ids fed on the "
+        "device before this step's ids come to the host); prefill is one forward of the whole batch. "
         f"transformers {meta.get('transformers', 'n/a')} BF16 (random init, sdpa): prefill one forward "
         "(`logits_to_keep=1`), decode (generate of N + 1 tokens - generate of 1) / N. Roofline: bytes read per decode "
         "step (FP8 weights + F32 scales + BF16 lm_head + norms + embedding rows + KV cache at the average context) / copy "

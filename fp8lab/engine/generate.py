@@ -389,6 +389,7 @@ class ContinuousBatch:
         self.running: list[_Sequence] = []
         self.stats = GenerationStats()
         self.start = time.perf_counter()
+        self._pending: _GreedyStep | None = None  # a greedy step enqueued ahead (see ``step``)
 
     @property
     def num_blocks(self) -> int:
@@ -396,8 +397,8 @@ class ContinuousBatch:
 
     @property
     def busy(self) -> bool:
-        """Whether a request waits or runs."""
-        return bool(self.waiting or self.running)
+        """Whether a request waits or runs, or a step enqueued ahead is still to be taken (``step``)."""
+        return bool(self.waiting or self.running or self._pending)
 
     def check_fits(self, s: _Sequence) -> None:
         """``KVCacheExhausted`` when request ``s`` cannot fit even alone in this cache."""
@@ -463,23 +464,74 @@ class ContinuousBatch:
              on_tokens: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
         """One step (see the class docstring); returns the results of the sequences it finished.
         ``on_tokens(index, ids)`` gets each sequence's new token ids (before its text pieces),
-        ``on_text(index, piece)`` each new text piece."""
+        ``on_text(index, piece)`` each new text piece.
+
+        Greedy decode steps on a model that can pipeline them (``submit_greedy``, the GPU model) overlap:
+        before a step's ids are read, the next step is enqueued with them as its tokens, on the device
+        (``fp8lab.engine.cuda.pipeline``), when it is certain to be wanted but for stop tokens: the same
+        sequences, all still greedy, none at its length limit. So a step may find its forward already
+        enqueued by the step before (``_pending``); a row of a sequence that finished or was aborted
+        meanwhile is dropped.
+        """
         g = self.generator
         g._admit(self.waiting, self.running, self.manager, self.max_num_seqs)
+        t0 = time.perf_counter()
+        if self._pending is not None:
+            current, self._pending = self._pending, None
+            return self._finish_greedy_step(current, on_text, on_tokens, t0)
         if not self.running:
             return []
         prefilling = self._prefill_group()
-        t0 = time.perf_counter()
         if prefilling:
             ready, logits, num_prompt_tokens = g._prefill_step(prefilling, self.manager, self.cache)
-            choices = g._mask_padding(logits)
-        elif all(g._greedy_on_device(s.sampling) for s in self.running):  # sampled where the logits are
-            ready = self.running
-            choices = g.model.greedy_tokens(g._decode_batch(self.running, self.manager), self.cache)
-        else:
-            ready, logits = self.running, g._decode_step(self.running, self.manager, self.cache)
-            choices = g._mask_padding(logits)
-        now = time.perf_counter() - self.start
+            self._advance_all(ready, g._mask_padding(logits), on_text, on_tokens)
+            self.stats.prompt_tokens += num_prompt_tokens
+            self.stats.prompt_seconds += time.perf_counter() - t0
+            return self._retire_finished()
+        if all(g._greedy_on_device(s.sampling) for s in self.running):  # sampled where the logits are
+            current = _GreedyStep(list(self.running), self._submit_greedy(g._decode_batch(self.running, self.manager)))
+            return self._finish_greedy_step(current, on_text, on_tokens, t0)
+        logits = g._decode_step(self.running, self.manager, self.cache)
+        self._advance_all(self.running, g._mask_padding(logits), on_text, on_tokens)
+        self.stats.decode_tokens += len(self.running)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        return self._retire_finished()
+
+    # -- the pieces of a step
+
+    def _submit_greedy(self, batch, feed=None):
+        """A decode step with greedy sampling where the logits are: enqueued (``submit_greedy``) on a model
+        that pipelines, else computed now; either way an object whose ``tokens()`` are its ids."""
+        model = self.generator.model
+        if hasattr(model, "submit_greedy"):
+            return model.submit_greedy(batch, self.cache, feed=feed)
+        return _ReadyTokens(model.greedy_tokens(batch, self.cache))
+
+    def _can_chain(self, step: _GreedyStep) -> bool:
+        """Whether the step after ``step`` is certain to be a greedy decode step of the same sequences, in
+        order, unless one samples a stop token: nothing joined, left or switched to host sampling, and no
+        sequence reaches its length limit with ``step``'s token."""
+        g = self.generator
+        return (hasattr(g.model, "submit_greedy") and self.running == step.seqs and not self._prefill_group()
+                and all(g._greedy_on_device(s.sampling) and len(s.output) + 1 < s.max_new_tokens for s in step.seqs))
+
+    def _finish_greedy_step(self, step: _GreedyStep, on_text, on_tokens, t0: float) -> list[GenerationResult]:
+        """Enqueue the next greedy step behind ``step`` where it is certain to be wanted (``_can_chain``), then
+        wait for ``step``'s ids and advance its sequences that still run."""
+        if self._can_chain(step):
+            placeholders = [(s.index, [0]) for s in step.seqs]  # the ids come from ``step``, on the device
+            self._pending = _GreedyStep(step.seqs, self._submit_greedy(make_batch(self.manager, placeholders),
+                                                                       feed=step.tokens))
+        ids = step.tokens.tokens()
+        alive = [(s, i) for s, i in zip(step.seqs, ids) if s in self.running and not s.finish_reason]
+        self._advance_all([s for s, _ in alive], [i for _, i in alive], on_text, on_tokens)
+        self.stats.decode_tokens += len(alive)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        return self._retire_finished()
+
+    def _advance_all(self, ready: list[_Sequence], choices, on_text, on_tokens) -> None:
+        """Give each ready sequence its next token (``Generator._advance``) and report what it adds."""
+        g, now = self.generator, time.perf_counter() - self.start
         for s, choice in zip(ready, choices):
             num_tokens, num_pieces = len(s.output), len(s.streamed)
             g._advance(s, choice, s.sampling, None, now)
@@ -488,16 +540,30 @@ class ContinuousBatch:
             if on_text:
                 for piece in s.streamed[num_pieces:]:
                     on_text(s.index, piece)
-        elapsed = time.perf_counter() - t0
-        if prefilling:
-            self.stats.prompt_tokens += num_prompt_tokens
-            self.stats.prompt_seconds += elapsed
-        else:
-            self.stats.decode_tokens += len(ready)
-            self.stats.decode_seconds += elapsed
+
+    def _retire_finished(self) -> list[GenerationResult]:
+        """Remove the finished sequences, free their blocks; their results."""
         results = []
         for s in [s for s in self.running if s.finish_reason]:
             self.running.remove(s)
             self.manager.free(s.index)
-            results.append(g._result(s, time.perf_counter() - self.start))
+            results.append(self.generator._result(s, time.perf_counter() - self.start))
         return results
+
+
+@dataclass(eq=False)
+class _GreedyStep:
+    """A greedy decode step of ``seqs`` (its rows, in order) whose ids ``tokens.tokens()`` gives."""
+
+    seqs: list[_Sequence]
+    tokens: object
+
+
+@dataclass(eq=False)
+class _ReadyTokens:
+    """The ids of a greedy step computed at once (a model that does not pipeline)."""
+
+    ids: np.ndarray
+
+    def tokens(self) -> np.ndarray:
+        return self.ids

@@ -9,6 +9,7 @@ written and loaded are the ``test-mini`` shape (4 MB, partial 128 x 128 edge blo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -263,6 +264,14 @@ class FakeCudaModel:
 
     def greedy_tokens(self, batch, kv_cache):
         return self.model.greedy_tokens(batch, kv_cache)
+
+    def submit_greedy(self, batch, kv_cache, feed=None):
+        """Computed at once; a fed step's token ids are ``feed``'s ids, as on the device (the batch's are
+        placeholders)."""
+        if feed is not None:
+            batch = dataclasses.replace(batch, token_ids=feed.tokens())
+        ids = self.model.greedy_tokens(batch, kv_cache)
+        return types.SimpleNamespace(tokens=lambda: ids)
 
 
 def load_script(path: Path, name: str):

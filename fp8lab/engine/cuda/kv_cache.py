@@ -31,6 +31,7 @@ import numpy as np
 from fp8lab.reference.kv_cache import KVCacheFormat
 
 from ..config import Qwen3Config
+from . import pipeline
 from .memory import DeviceMemory, to_device
 
 
@@ -65,18 +66,28 @@ Index = TypeVar("Index", DecodeIndex, EagerIndex)
 
 class StagedIndex(Generic[Index]):
     """Named int32 arrays (the fields of ``layout``, of ``shapes``) laid end to end in field order in one
-    device buffer (``device``) and in a page-locked host buffer of the same layout (``host``), so that one
-    copy moves them in. ``block_tables``, the last field, is the one whose used part varies."""
+    device buffer (``device``) and in ``host_copies`` page-locked host buffers of the same layout
+    (``hosts``; ``host`` is the first), so that one copy moves them in. ``block_tables``, the last field,
+    is the one whose used part varies; ``token_ids`` is the first.
 
-    def __init__(self, memory: DeviceMemory, what: str, layout: type[Index], shapes: dict[str, tuple[int, ...]]):
+    A pipelined decode step (``fp8lab.engine.cuda.pipeline``) fills one host copy while the copy-in from
+    the other may still be pending, and leaves the device's token ids as the previous step's argmax wrote
+    them (``copy_in(..., token_ids=False)``)."""
+
+    def __init__(self, memory: DeviceMemory, what: str, layout: type[Index], shapes: dict[str, tuple[int, ...]],
+                 host_copies: int = 1):
         names = [f.name for f in fields(layout)]
-        assert names == list(shapes) and names[-1] == "block_tables", (names, list(shapes))
+        assert names == list(shapes) and names[0] == "token_ids" and names[-1] == "block_tables", (names, list(shapes))
         sizes = [math.prod(shapes[n]) for n in names]
-        self._tables_at = sum(sizes[:-1])
+        self._tables_at, self._ids = sum(sizes[:-1]), sizes[0]
         self._device = memory.empty(what, (sum(sizes),), np.int32)
-        self._host = memory.pinned((sum(sizes),), np.int32)
+        self._hosts = [memory.pinned((sum(sizes),), np.int32) for _ in range(host_copies)]
+        # the views past the token ids, made once (slicing a device array costs host time)
+        self._device_tail = self._device[self._ids:]
+        self._host_tails = [h[self._ids:] for h in self._hosts]
         self.device: Index = layout(**self._views(self._device, shapes, sizes))
-        self.host: Index = layout(**self._views(self._host, shapes, sizes))
+        self.hosts: list[Index] = [layout(**self._views(h, shapes, sizes)) for h in self._hosts]
+        self.host: Index = self.hosts[0]
 
     @staticmethod
     def _views(flat, shapes, sizes) -> dict:
@@ -86,11 +97,14 @@ class StagedIndex(Generic[Index]):
             at += size
         return views
 
-    def copy_in(self, table_entries: int, stream) -> None:
-        """Copy the host side to the device: every field whole but ``block_tables``, of which only the first
-        ``table_entries`` entries (in row-major order)."""
+    def copy_in(self, table_entries: int, stream, host: int = 0, token_ids: bool = True) -> None:
+        """Copy host copy ``host`` to the device: every field whole but ``block_tables``, of which only the first
+        ``table_entries`` entries (in row-major order); with ``token_ids=False`` every field but the token ids."""
         used = self._tables_at + int(table_entries)
-        to_device(self._device, self._host, stream, count=used)
+        if token_ids:
+            to_device(self._device, self._hosts[host], stream, count=used)
+        else:
+            to_device(self._device_tail, self._host_tails[host], stream, count=used - self._ids)
 
 
 @dataclass
@@ -139,7 +153,9 @@ class DeviceKVCache:
         self.capacity = self.width * self.block_size
         smax, tmax, width = int(max_num_seqs), int(max_num_tokens), self.width
         self.decode_index = StagedIndex(mem, "decode-step index buffer", DecodeIndex, dict(
-            token_ids=(smax,), positions=(smax,), slots=(smax,), context_lens=(smax,), block_tables=(smax, width)))
+            token_ids=(smax,), positions=(smax,), slots=(smax,), context_lens=(smax,), block_tables=(smax, width)),
+            host_copies=pipeline.STAGING_SLOTS)
+        self.decode_staging = pipeline.DecodeStaging(mem, smax)
         self.eager_index = StagedIndex(mem, "forward index buffer", EagerIndex, dict(
             token_ids=(tmax,), positions=(tmax,), slots=(tmax,), context_lens=(smax,), query_lens=(smax,),
             block_tables=(smax * width,)))

@@ -178,3 +178,22 @@ def synchronize(stream) -> None:
     """Wait until everything ordered on ``stream`` is done (nothing to wait for in the simulator)."""
     if not SIMULATOR:
         stream.synchronize()
+
+
+def new_event():
+    """A CUDA event (``record``, ``wait``): a point in a stream's order the host can wait for (None in the
+    simulator, where every copy and kernel is done when its call returns)."""
+    return None if SIMULATOR else cuda.event(timing=False)
+
+
+def record(event, stream) -> None:
+    """Mark ``event`` at this point of ``stream``'s order."""
+    if event is not None:
+        event.record(stream=stream)
+
+
+def wait(event) -> None:
+    """Wait until the work ordered on the event's stream before its last ``record`` is done (nothing to wait
+    for when it was never recorded, or in the simulator)."""
+    if event is not None:
+        event.synchronize()

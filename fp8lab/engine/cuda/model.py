@@ -38,7 +38,8 @@ from ..config import Qwen3Config
 from ..model import CausalLM, ForwardBatch, check_tensors
 from . import graphs
 from .kv_cache import DeviceKVCache
-from .memory import DeviceMemory, device_copy, new_stream, synchronize, to_host
+from .memory import DeviceMemory, device_copy, new_stream, record, synchronize, to_host
+from .pipeline import PendingGreedy
 from .plan import (
     Plan,
     Planner,
@@ -133,7 +134,7 @@ class CudaQwen3Model(CausalLM):
         start = time.perf_counter()
         self._check(batch, kv_cache)
         if _is_decode_step(batch):
-            return self._decode_step(batch, kv_cache, start)
+            return self._decode_logits(batch, kv_cache, start)
         self.stats.prefill_forwards += 1
         return self._prefill(batch, kv_cache, all_logits)
 
@@ -142,13 +143,35 @@ class CudaQwen3Model(CausalLM):
         row (``np.argmax``'s rule: the first maximum; a row holding NaN gives -1, no token, which
         ``fp8lab.engine.generate`` turns into that sequence's error). A decode step samples on the device
         (``layers.argmax_rows``, part of the captured graph) and copies 4 bytes per sequence back instead
-        of the logits; a prefill samples the host logits with the same rule (``fp8lab.reference.dense.argmax_rows``)."""
+        of the logits (``submit_greedy(...).tokens()``); a prefill samples the host logits with the same
+        rule (``fp8lab.reference.dense.argmax_rows``)."""
         start = time.perf_counter()
         self._check(batch, kv_cache)
         if _is_decode_step(batch):
-            return self._decode_step(batch, kv_cache, start, ids_only=True)
+            return self._submit_greedy(batch, kv_cache, start, fed=False).tokens()
         self.stats.prefill_forwards += 1
         return argmax_rows(self._prefill(batch, kv_cache, False))
+
+    def submit_greedy(self, batch: ForwardBatch, kv_cache: DeviceKVCache,
+                      feed: PendingGreedy | None = None) -> PendingGreedy:
+        """Enqueue a decode step with greedy sampling on the device and return without waiting for it;
+        ``tokens()`` of the result gives what ``greedy_tokens`` returns (``fp8lab.engine.cuda.pipeline``).
+
+        ``feed``: the last step submitted on ``kv_cache``, of the same sequences in the same order, whose
+        ids are this step's token ids: they stay on the device (its argmax wrote them where this step's
+        embedding reads), so this step can be enqueued before ``feed``'s ids reach the host, and
+        ``batch.token_ids`` are not used (they must still lie in the vocabulary). A feed id of -1 (a NaN
+        row) gives that row a NaN embedding, hence NaN logits and -1 again: the row's sequence, which
+        ``feed`` ended with an error, is dropped by its caller; other rows are unaffected."""
+        start = time.perf_counter()
+        self._check(batch, kv_cache)
+        if not _is_decode_step(batch):
+            raise ValueError(f"submit_greedy: expected a decode step (one new token per sequence), got "
+                             f"{len(batch.token_ids)} tokens of {batch.num_seqs} sequences")
+        if feed is not None and (feed is not kv_cache.decode_staging.last or feed.num_seqs != batch.num_seqs):
+            raise ValueError("feed: expected the last decode step submitted on this cache, of as many sequences as "
+                             "the batch (its argmax wrote the token ids this step reads)")
+        return self._submit_greedy(batch, kv_cache, start, fed=feed is not None)
 
     def _check(self, batch: ForwardBatch, cache) -> None:
         batch.check()
@@ -181,10 +204,10 @@ class CudaQwen3Model(CausalLM):
         return next(b for b in self.buckets if b >= num_seqs)
 
     @staticmethod
-    def _stage_decode_index(batch: ForwardBatch, cache: DeviceKVCache, bucket: int) -> None:
-        """Fill the host side of the cache's decode index for ``batch`` padded to ``bucket`` rows: padding rows
-        have slot -1 (no cache write) and length 0 (a zero attention row)."""
-        host, s = cache.decode_index.host, batch.num_seqs
+    def _stage_decode_index(batch: ForwardBatch, host, bucket: int) -> None:
+        """Fill ``host``, a host copy of the cache's decode index, for ``batch`` padded to ``bucket`` rows:
+        padding rows have slot -1 (no cache write) and length 0 (a zero attention row)."""
+        s = batch.num_seqs
         for array in (host.token_ids, host.positions, host.slots, host.context_lens):
             array[...] = 0
         host.token_ids[:s] = batch.token_ids
@@ -196,41 +219,64 @@ class CudaQwen3Model(CausalLM):
         tables[...] = 0
         tables[:s, : batch.block_tables.shape[1]] = batch.block_tables
 
-    def _decode_step(self, batch: ForwardBatch, cache: DeviceKVCache, start: float, ids_only: bool = False):
-        s, a, stream = batch.num_seqs, self.activations, self._stream
+    def _enqueue_decode_step(self, batch: ForwardBatch, cache: DeviceKVCache, fed: bool) -> tuple[int, bool]:
+        """Stage the decode index in a free host slot, copy it in (without the token ids when ``fed``: the
+        previous step's argmax wrote them) and enqueue the step: a graph replay of its (bucket, context
+        bound), or an eager run that is then captured. Returns the staging slot and whether it was a replay."""
+        s, stream = batch.num_seqs, self._stream
         bucket = self._bucket(s)
         bound = decode_context_bound(int(np.max(batch.context_lens)), cache.capacity)
-        self._stage_decode_index(batch, cache, bucket)
-        cache.decode_index.copy_in(bucket * cache.width, stream)
+        slot = cache.decode_staging.take()
+        self._stage_decode_index(batch, cache.decode_index.hosts[slot], bucket)
+        cache.decode_index.copy_in(bucket * cache.width, stream, host=slot, token_ids=not fed)
         graph = cache.graphs.get((bucket, bound))
-        replay = graph is not None
-        if replay:
+        if graph is not None:
             graph.launch(self._graph_stream())
             self.stats.graph_replays += 1
         else:
             plan = self.planner.decode(bucket, cache, bound)
             plan.run(stream)
             self.stats.launches_by_bucket[bucket] = plan.kernel_launches
-        if ids_only:  # greedy_tokens: 4 bytes per sequence
-            out = a.greedy_ids_host[:s]
-            to_host(a.greedy_ids_host, a.greedy_ids, stream, count=s)
-        else:  # forward: the logits
-            out = a.logits_host[:s]
-            to_host(a.logits_host, a.logits, stream, count=out.size)
-        enqueued = time.perf_counter()
-        synchronize(stream)
-        done = time.perf_counter()
+            if self.cuda_graphs:
+                synchronize(stream)  # the eager run compiled and warmed every kernel: capture it
+                self._capture((bucket, bound), cache, plan)
         self.stats.decode_steps += 1
         self.stats.last_decode_bucket = bucket
-        self.stats.decode_host_seconds += enqueued - start
-        self.stats.decode_wall_seconds += done - start
+        return slot, graph is not None
+
+    def _enqueued(self, start: float, replay: bool) -> None:
+        """Count the host time of a decode step from ``start`` until all of its work is enqueued."""
+        host = time.perf_counter() - start
+        self.stats.decode_host_seconds += host
         if replay:
-            self.stats.replay_host_seconds += enqueued - start
-            self.stats.replay_wall_seconds += done - start
-        result = np.array(out, dtype=np.int64 if ids_only else np.float32)
-        if not replay and self.cuda_graphs:
-            self._capture((bucket, bound), cache, plan)
-        return result
+            self.stats.replay_host_seconds += host
+
+    def _submit_greedy(self, batch: ForwardBatch, cache: DeviceKVCache, start: float, fed: bool) -> PendingGreedy:
+        """Enqueue the decode step and the copy of its greedy ids to the host; the step's ``PendingGreedy``."""
+        staging, s = cache.decode_staging, batch.num_seqs
+        slot, replay = self._enqueue_decode_step(batch, cache, fed)
+        to_host(staging.ids[slot], cache.decode_index.device.token_ids, self._stream, count=s)
+        record(staging.events[slot], self._stream)
+        self._enqueued(start, replay)
+        pending = PendingGreedy(staging, slot, s, start, self._decode_done)
+        staging.owners[slot] = staging.last = pending
+        return pending
+
+    def _decode_done(self, wall_seconds: float) -> None:
+        """A greedy decode step's ids are on the host, ``wall_seconds`` after it was submitted (overlapping
+        with the next step's when steps are pipelined)."""
+        self.stats.decode_wall_seconds += wall_seconds
+
+    def _decode_logits(self, batch: ForwardBatch, cache: DeviceKVCache, start: float) -> np.ndarray:
+        """A decode step whose logits come to the host (``forward``): enqueued as a greedy one, then waited for."""
+        a, stream, s = self.activations, self._stream, batch.num_seqs
+        _, replay = self._enqueue_decode_step(batch, cache, fed=False)
+        cache.decode_staging.last = None  # its argmax overwrote the token ids that a pending step's successor needs
+        to_host(a.logits_host, a.logits, stream, count=s * self.config.vocab_size)
+        self._enqueued(start, replay)
+        synchronize(stream)
+        self.stats.decode_wall_seconds += time.perf_counter() - start
+        return np.array(a.logits_host[:s], dtype=np.float32)
 
     def _graph_stream(self):
         """The model's Numba stream as a ``cuda.core`` stream (what ``Graph.launch`` takes)."""

@@ -16,8 +16,8 @@ prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the co
 tensor-core path the GEMM then ``silu_mul``), down_proj; plus one ``bf16_round`` before each FP8 GEMM
 input when ``T > f32_max_rows``. Around the layers: the embedding, the final ``add_parts_rms_norm`` and the lm_head
 (``bf16_linear``); a decode step ends with the greedy argmax (``layers.argmax_rows``, one multi-CTA
-launch, for ``greedy_tokens``). A decode step of batch 1 is 8 or 9 launches per layer plus 4, e.g.
-9 * 36 + 4 = 328 for Qwen3-8B (8 splits at the benchmark's context). Every launch has a ``label`` (what it is in the forward), which
+launch, for ``greedy_tokens``), which writes the ids where the next step's embedding reads its tokens.
+A decode step of batch 1 is 8 or 9 launches per layer plus 4, e.g. 9 * 36 + 4 = 328 for Qwen3-8B (8 splits at the benchmark's context). Every launch has a ``label`` (what it is in the forward), which
 ``bench/decode_profile.py`` uses to attribute kernel times.
 
 The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (at most 16) runs
@@ -166,8 +166,6 @@ class Activations:
     selected: object
     logits: object
     logits_host: np.ndarray
-    greedy_ids: object
-    greedy_ids_host: np.ndarray
     argmax_workspace: object
     workspace: object
 
@@ -200,8 +198,6 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
         selected=mem.empty("last-token rows", (smax, c.hidden_size), np.float32),
         logits=mem.empty(f"logits [{smax}, {c.vocab_size}]", (smax, c.vocab_size), np.float32),
         logits_host=mem.pinned((smax, c.vocab_size), np.float32),
-        greedy_ids=mem.empty("greedy token ids", (smax,), np.int32),
-        greedy_ids_host=mem.pinned((smax,), np.int32),
         argmax_workspace=layers.argmax_workspace(smax, c.vocab_size),  # small: a few KB
         workspace=mem.empty("attention split-kv workspace", (max(most, 1),), np.float32),
     )
@@ -222,7 +218,9 @@ class Planner:
     def decode(self, bucket: int, cache: DeviceKVCache, max_context: int) -> Plan:
         """A decode step of ``bucket`` rows whose contexts are at most ``max_context`` tokens (``decode_context_bound``),
         reading only the cache's decode index buffers (what a CUDA graph captures); leaves the logits in
-        ``activations.logits[:bucket]`` and their argmax in ``greedy_ids``."""
+        ``activations.logits[:bucket]`` and their argmax in the index's ``token_ids``, where the next step's
+        embedding reads them (``fp8lab.engine.cuda.pipeline``: the host copies them out, and a pipelined next
+        step leaves them in place)."""
         w, a, index = self.weights, self.activations, cache.decode_index.device
         lens, tables = index.context_lens[:bucket], index.block_tables[:bucket]
         splits = self.num_splits(bucket, max_context, cache.block_size)
@@ -238,7 +236,7 @@ class Planner:
         return Plan((Launch(layers.embedding, (w.embed_tokens, index.token_ids[:bucket], a.h[:bucket]), label="embedding"),
                      *self.decoder_layers(bucket, index.positions[:bucket], index.slots[:bucket], cache, attend),
                      self.lm_head(a.x[:bucket], bucket),
-                     Launch(layers.argmax_rows, (a.logits[:bucket], a.greedy_ids[:bucket]),
+                     Launch(layers.argmax_rows, (a.logits[:bucket], index.token_ids[:bucket]),
                             dict(workspace=a.argmax_workspace), label="argmax")))
 
     def prefill(self, num_tokens: int, num_seqs: int, width: int, max_context: int, cache: DeviceKVCache) -> Plan:

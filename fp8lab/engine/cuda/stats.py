@@ -1,7 +1,8 @@
 """What the GPU model did: forwards, decode steps, graph captures and replays, launches, host and wall time.
 
 Host time is the time until a step's work is enqueued (index copies, launches or the graph launch, the
-copy out); the rest of a step's wall time is the GPU. The launch count of a decode step is its plan's
+copy out); the rest of a step's wall time is the GPU (and, for pipelined greedy steps,
+``fp8lab.engine.cuda.pipeline``, the step enqueued before it, so wall times overlap). The launch count of a decode step is its plan's
 (``fp8lab.engine.cuda.plan.Plan.kernel_launches``), recorded when the step of a bucket first runs eagerly.
 """
 
@@ -12,9 +13,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CudaModelStats:
-    """What the model did. Host time: from ``forward``'s entry until all of the step's work is enqueued
-    (index copies, launches or the graph launch, the logits copy); wall time: until the logits are on
-    the host."""
+    """What the model did. Host time: from ``forward``'s (``greedy_tokens``', ``submit_greedy``'s) entry until
+    all of the step's work is enqueued (index copies, launches or the graph launch, the copy out); wall time:
+    until the logits (the ids) are on the host."""
 
     prefill_forwards: int = 0
     decode_steps: int = 0
@@ -24,7 +25,6 @@ class CudaModelStats:
     decode_host_seconds: float = 0.0
     decode_wall_seconds: float = 0.0
     replay_host_seconds: float = 0.0
-    replay_wall_seconds: float = 0.0
     launches_by_bucket: dict[int, int] = field(default_factory=dict)
     """Kernel launches of one decode step (eager or captured) per batch bucket."""
     last_decode_bucket: int | None = None
