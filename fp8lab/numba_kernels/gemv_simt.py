@@ -124,8 +124,6 @@ COLUMNS_PER_WARP = (1, 2, 4)
 MAX_GROUP_SLOTS = 8
 """``chunks_per_iteration * columns_per_warp`` at most: two buffers of that many 16-byte chunks per lane
 (more spills registers)."""
-MAX_TILES_PER_WARP = 64
-"""``tiles_per_warp`` at most (a warp's stream of column tiles; the result never depends on it)."""
 MAX_ACCUMULATORS = 32
 """``columns_per_warp * m_tile`` at most: one float32 accumulator each per lane (more spills)."""
 MAX_WORDS = 2**32
@@ -355,44 +353,6 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
     load_group = unrolled(load_chunk, group)
     compute_group = unrolled(compute_chunk, group)
 
-    @cuda.jit(device=True, inline=True)
-    def tile_columns(first, width, k, skipped, q_start, scale_start):
-        """Where each column of the tile whose first output column is ``first`` starts in the flat codes and
-        scales, from the K slice's first chunk on (``skipped`` chunks in). Columns past the output's end read
-        its last one's weight rows: computed like the others, never stored."""
-        for j in range(columns):
-            col = weight_row(first, j, width)
-            q_start[j] = uint32(col * (k // u_words) + skipped * u_words)
-            scale_start[j] = uint32((col // u_block_n) * ((k + u_block_k - uint32(1)) // u_block_k)
-                                    + skipped // chunks_per_scale)
-
-    @cuda.jit(device=True, inline=True)
-    def next_load(load_g, load_first, groups, tile_stride, width, k, skipped, q_start, scale_start):
-        """The group after ``load_g`` of the tile at ``load_first``: the next group of the tile, or the first
-        group of the warp's next tile (whose column starts it sets up)."""
-        load_g = uint32(load_g + uint32(1))
-        if load_g == groups:
-            load_g = uint32(0)
-            load_first = uint32(load_first + tile_stride)
-            tile_columns(load_first, width, k, skipped, q_start, scale_start)
-        return load_g, load_first
-
-    @cuda.jit(device=True, inline=True)
-    def after_compute(compute_g, compute_first, groups, tile_stride, out, acc, lane, row0, part_row0, m, width):
-        """Count the group just computed; after a tile's last group, reduce and store the tile (the
-        butterfly, lane 0 stores) and start the next tile's accumulators from 0."""
-        compute_g = uint32(compute_g + uint32(1))
-        if compute_g == groups:
-            for x in range(accumulators):
-                acc[x] = warp_sum(acc[x])
-            if lane == 0:
-                write(out, acc, row0, part_row0, compute_first, m, width)
-            for x in range(accumulators):
-                acc[x] = float32(0.0)
-            compute_g = uint32(0)
-            compute_first = uint32(compute_first + tile_stride)
-        return compute_g, compute_first
-
     @cuda.jit
     def kernel(a_words, q_words, scales_flat, out, m, n, k, slice_k):
         lane = uint32(cuda.threadIdx.x) % u_warp
@@ -401,10 +361,6 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         first = warp * uint32(outputs_per_warp)  # the warp's first output column
         if first >= width:
             return  # the whole warp leaves together: no lane is left waiting in a shuffle
-        # The warp's tiles (``outputs_per_warp`` output columns each): first, first + tile_stride, ... (one
-        # tile when the grid has a warp per tile; ``tiles_per_warp`` in the launch shape)
-        tile_stride = uint32(cuda.gridDim.x) * uint32(warps_per_cta) * uint32(outputs_per_warp)
-        tiles = uint32((width - first + tile_stride - uint32(1)) // tile_stride)
         m, k = uint32(m), uint32(k)
         row0 = uint32(cuda.blockIdx.y) * uint32(m_tile)
         # Split-K: CTA layer z computes the plain kernel's sum over K slice z (``slice_k`` wide, whole K
@@ -414,18 +370,22 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         split, row_chunks = uint32(cuda.blockIdx.z), uint32(k // uint32(BYTES_PER_LANE))
         chunks = uint32(uint32(slice_k) // uint32(BYTES_PER_LANE))  # the slice's chunks: the lane loop's range
         skipped = uint32(split * chunks)  # chunks of the row before the slice
-        groups = uint32((chunks + u_warp * uint32(group) - uint32(1)) // (u_warp * uint32(group)))  # per tile
-        items = uint32(tiles * groups)  # (tile, group) pairs, in order: the warp's whole stream of loads
+        groups = uint32((chunks + u_warp * uint32(group) - uint32(1)) // (u_warp * uint32(group)))  # every lane's
 
-        # Where each row of the slice starts in the flat activations; rows past M read row M - 1 (computed
-        # like the others, never stored).
+        # Where each row, column and scale row of the slice starts in the flat arrays. Rows past M read
+        # row M - 1 and columns past the output's read its last one's weight rows: computed like the
+        # others, never stored.
         row_start = cuda.local.array(m_tile, uint32)
         for r in range(m_tile):
             row_start[r] = uint32(min(row0 + uint32(r), m - uint32(1)) * (row_chunks * words_per_chunk)
                                   + skipped * words_per_chunk)
-        q_start = cuda.local.array(columns, uint32)  # of the tile being loaded
+        q_start = cuda.local.array(columns, uint32)
         scale_start = cuda.local.array(columns, uint32)
-        tile_columns(first, width, k, skipped, q_start, scale_start)
+        for j in range(columns):
+            col = weight_row(first, j, width)
+            q_start[j] = uint32(col * (k // u_words) + skipped * u_words)
+            scale_start[j] = uint32((col // u_block_n) * ((k + u_block_k - uint32(1)) // u_block_k)
+                                    + skipped // chunks_per_scale)
 
         acc = cuda.local.array(accumulators, float32)
         for x in range(accumulators):
@@ -434,8 +394,7 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         folded = cuda.local.array(columns, float32)  # each column's promotion scale, 2^8 folded in
         activations = cuda.local.array(BYTES_PER_LANE, float32)
         # Two register buffers of codes and scales, used in turn (the loop body is written twice, so
-        # no buffer is ever copied): item i + 1 is loaded before item i is computed, across the end of
-        # a tile too, so a warp's loads stay in flight from its first tile to its last.
+        # no buffer is ever copied): group g + 1 is loaded before group g is computed.
         codes_a = cuda.local.array(code_words, uint32)
         codes_b = cuda.local.array(code_words, uint32)
         scales_a = cuda.local.array(slots, float32)
@@ -445,33 +404,25 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         # The first group's weight loads are in flight; the activations (and ``out``, which an earlier
         # kernel may still read) are the previous kernels' business: wait for them to complete.
         pdl.prologue()  # then the next kernel may launch; it waits for this one before it reads our output
-        load_g, load_first = uint32(0), first  # the group (of the tile at load_first) loaded last
-        compute_g, compute_first = uint32(0), first  # the group (of the tile at compute_first) computed next
-        part_row0 = split * m
-        item = uint32(0)
-        while item < items:
-            if item + uint32(1) < items:
-                load_g, load_first = next_load(load_g, load_first, groups, tile_stride, width, k, skipped, q_start,
-                                               scale_start)
-                load_group((q_words, scales_flat, q_start, scale_start, lane, uint32(group) * load_g, chunks,
-                            codes_b, scales_b))
-            compute_group((a_words, row_start, lane, uint32(group) * compute_g, chunks, codes_a, scales_a, acc,
-                           weights, folded, activations))
-            compute_g, compute_first = after_compute(compute_g, compute_first, groups, tile_stride, out, acc, lane,
-                                                     row0, part_row0, m, width)
-            item = uint32(item + uint32(1))
-            if item >= items:
+        g = uint32(0)
+        while g < groups:
+            load_group((q_words, scales_flat, q_start, scale_start, lane, uint32(group) * (g + uint32(1)), chunks,
+                        codes_b, scales_b))
+            compute_group((a_words, row_start, lane, uint32(group) * g, chunks, codes_a, scales_a, acc, weights,
+                           folded, activations))
+            g = uint32(g + uint32(1))
+            if g >= groups:
                 break
-            if item + uint32(1) < items:
-                load_g, load_first = next_load(load_g, load_first, groups, tile_stride, width, k, skipped, q_start,
-                                               scale_start)
-                load_group((q_words, scales_flat, q_start, scale_start, lane, uint32(group) * load_g, chunks,
-                            codes_a, scales_a))
-            compute_group((a_words, row_start, lane, uint32(group) * compute_g, chunks, codes_b, scales_b, acc,
-                           weights, folded, activations))
-            compute_g, compute_first = after_compute(compute_g, compute_first, groups, tile_stride, out, acc, lane,
-                                                     row0, part_row0, m, width)
-            item = uint32(item + uint32(1))
+            load_group((q_words, scales_flat, q_start, scale_start, lane, uint32(group) * (g + uint32(1)), chunks,
+                        codes_a, scales_a))
+            compute_group((a_words, row_start, lane, uint32(group) * g, chunks, codes_b, scales_b, acc, weights,
+                           folded, activations))
+            g = uint32(g + uint32(1))
+
+        for x in range(accumulators):
+            acc[x] = warp_sum(acc[x])
+        if lane == 0:
+            write(out, acc, row0, split * m, first, m, width)
 
     return kernel
 
@@ -483,13 +434,12 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
 class GemvLaunch:
     """The launch shape of ``gemv_simt`` for one problem."""
 
-    grid: tuple[int, int, int]  # (CTAs of warps_per_cta warps over the column tiles, row tiles, K slices)
+    grid: tuple[int, int, int]  # (column tiles of warps_per_cta * columns_per_warp columns, row tiles, K slices)
     block: tuple[int]  # threads per CTA: 32 * warps_per_cta
     m_tile: int
     warps_per_cta: int
     chunks_per_iteration: int
     columns_per_warp: int
-    tiles_per_warp: int  # column tiles (columns_per_warp weight rows each) a warp streams through, at most
     steps: int  # warp steps of 512 codes per column and K slice: ceil(K / k_splits / 512)
     k_splits: int = 1  # K slices, one layer of CTAs each (gemv_simt_split_k)
 
@@ -507,7 +457,7 @@ def default_knobs(m: int, n: int, k: int) -> dict:
     q/k/v 18.9 -> 12.7 us; 2026-12-02, ``bench/gemv_split_k.py``).
     """
     return {"m_tile": int(m), "warps_per_cta": WARPS_PER_CTA, "chunks_per_iteration": 1,
-            "columns_per_warp": 4 if m <= 8 else 2, "tiles_per_warp": 1}
+            "columns_per_warp": 4 if m <= 8 else 2}
 
 
 def tuning_candidates(m: int, swiglu: bool = False) -> list[dict]:
@@ -531,7 +481,7 @@ def tuning_candidates(m: int, swiglu: bool = False) -> list[dict]:
 
 def gemv_simt_launch_info(m: int, n: int, k: int, m_tile: int | None = None, warps_per_cta: int | None = None,
                           chunks_per_iteration: int | None = None, columns_per_warp: int | None = None,
-                          swiglu: bool = False, k_splits: int = 1, tiles_per_warp: int | None = None) -> GemvLaunch:
+                          swiglu: bool = False, k_splits: int = 1) -> GemvLaunch:
     """Grid, CTA shape, row tile and loop shape of ``gemv_simt`` for ``a[M, K] @ q[N, K]^T`` (None:
     the ``default_knobs`` value); ``swiglu``: of ``gemv_simt_swiglu`` (``N = 2 I`` weight rows, a warp
     per ``columns_per_warp / 2`` outputs, so the grid covers ``I`` outputs); ``k_splits``: of
@@ -540,7 +490,7 @@ def gemv_simt_launch_info(m: int, n: int, k: int, m_tile: int | None = None, war
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"a: the SIMT GEMV handles 1 <= M <= {MAX_ROWS} rows, got M = {m}")
     given = {"m_tile": m_tile, "warps_per_cta": warps_per_cta, "chunks_per_iteration": chunks_per_iteration,
-             "columns_per_warp": columns_per_warp, "tiles_per_warp": tiles_per_warp}
+             "columns_per_warp": columns_per_warp}
     knobs = {name: (default if given[name] is None else given[name])
              for name, default in default_knobs(m, n, k).items()}
     if knobs["m_tile"] not in M_TILES:
@@ -552,8 +502,6 @@ def gemv_simt_launch_info(m: int, n: int, k: int, m_tile: int | None = None, war
                          f"got {chunks_per_iteration!r}")
     if knobs["columns_per_warp"] not in COLUMNS_PER_WARP:
         raise ValueError(f"columns_per_warp: expected one of {COLUMNS_PER_WARP} or None, got {columns_per_warp!r}")
-    if knobs["tiles_per_warp"] not in range(1, MAX_TILES_PER_WARP + 1):
-        raise ValueError(f"tiles_per_warp: expected 1 to {MAX_TILES_PER_WARP} or None, got {tiles_per_warp!r}")
     if knobs["chunks_per_iteration"] * knobs["columns_per_warp"] > MAX_GROUP_SLOTS:
         raise ValueError(f"chunks_per_iteration x columns_per_warp: at most {MAX_GROUP_SLOTS} (registers), got "
                          f"{knobs['chunks_per_iteration']} x {knobs['columns_per_warp']}")
@@ -566,14 +514,13 @@ def gemv_simt_launch_info(m: int, n: int, k: int, m_tile: int | None = None, war
     knobs = {name: int(value) for name, value in knobs.items()}  # (compile-time constants of the kernel)
     rows_per_output = 2 if swiglu else 1  # weight rows behind one output column
     outputs_per_cta = knobs["warps_per_cta"] * knobs["columns_per_warp"] // rows_per_output
-    ctas = -(-(n // rows_per_output) // (outputs_per_cta * knobs["tiles_per_warp"]))
-    grid = (ctas, -(-m // knobs["m_tile"]), int(k_splits))
+    grid = (-(-(n // rows_per_output) // outputs_per_cta), -(-m // knobs["m_tile"]), int(k_splits))
     return GemvLaunch(grid=grid, block=(knobs["warps_per_cta"] * WARP_SIZE,), steps=-(-(k // k_splits) // K_PER_STEP),
                       k_splits=int(k_splits), **knobs)
 
 
 def gemv_simt(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta=None, chunks_per_iteration=None,
-              columns_per_warp=None, tiles_per_warp=None, stream=0):
+              columns_per_warp=None, stream=0):
     """``out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]``, float32
     accumulation in the order of ``fp8lab.simulators.gemv_simt``; returns ``out``.
 
@@ -593,13 +540,13 @@ def gemv_simt(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta
     """
     problem = arguments.check_gemm(a, q, scale_inv, out, block, kernel="the SIMT GEMV")
     launch = gemv_simt_launch_info(problem.m, problem.n, problem.k, m_tile, warps_per_cta, chunks_per_iteration,
-                                   columns_per_warp, tiles_per_warp=tiles_per_warp)
+                                   columns_per_warp)
     _launch(problem, launch, stream)
     return out
 
 
 def gemv_simt_split_k(a, q, scale_inv, parts, block=(128, 128), m_tile=None, warps_per_cta=None,
-                      chunks_per_iteration=None, columns_per_warp=None, tiles_per_warp=None, stream=0):
+                      chunks_per_iteration=None, columns_per_warp=None, stream=0):
     """Split-K: ``parts[s] = gemv_simt`` of K slice ``s`` (``K / S`` wide, ``S = parts.shape[0]``), so
     that the product is ``fp8lab.simulators.gemv_simt.sum_parts(parts)``: ``parts[0] + parts[1] + ...``
     in float32, in that order, which the consumer computes (``layers.add_parts_rms_norm`` adds them to
@@ -625,7 +572,7 @@ def gemv_simt_split_k(a, q, scale_inv, parts, block=(128, 128), m_tile=None, war
         raise ValueError(f"parts: {splits} K slices of K = {problem.k} must each be whole K blocks of "
                          f"{problem.block[1]}, but K / {splits} is not a multiple of {problem.block[1]}")
     launch = gemv_simt_launch_info(problem.m, problem.n, problem.k, m_tile, warps_per_cta, chunks_per_iteration,
-                                   columns_per_warp, k_splits=splits, tiles_per_warp=tiles_per_warp)
+                                   columns_per_warp, k_splits=splits)
     _launch(dataclasses.replace(problem, out=parts.reshape(splits * problem.m, problem.n)), launch, stream)
     return parts
 
@@ -649,7 +596,7 @@ def _launch(problem: arguments.GemmProblem, launch: GemvLaunch, stream, swiglu: 
 
 
 def gemv_simt_swiglu(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta=None,
-                     chunks_per_iteration=None, columns_per_warp=None, tiles_per_warp=None, stream=0):
+                     chunks_per_iteration=None, columns_per_warp=None, stream=0):
     """SwiGLU fused into the GEMV: ``out[m, j] = silu(g) * u = g / (1 + exp(-g)) * u`` with ``g``, ``u``
     columns ``j`` and ``I + j`` of ``gemv_simt(a, q, scale_inv)``; returns ``out``.
 
@@ -662,7 +609,7 @@ def gemv_simt_swiglu(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_
     """
     problem = _check_swiglu(a, q, scale_inv, out, block)
     launch = gemv_simt_launch_info(problem.m, problem.n, problem.k, m_tile, warps_per_cta, chunks_per_iteration,
-                                   columns_per_warp, swiglu=True, tiles_per_warp=tiles_per_warp)
+                                   columns_per_warp, swiglu=True)
     _launch(problem, launch, stream, swiglu=True)
     return out
 

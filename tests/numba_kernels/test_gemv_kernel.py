@@ -136,8 +136,6 @@ def test_launch_info():
     assert info.grid == (513, 2, 1) and info.block == (64,) and info.columns_per_warp == 4
     info = gemv_simt_launch_info(1, 4096, 12288, k_splits=3)  # a layer of CTAs per K slice of 4096
     assert info.grid == (256, 1, 3) and info.k_splits == 3 and info.steps == 8
-    info = gemv_simt_launch_info(1, 4097, 4096, tiles_per_warp=3)  # 1,025 warp tiles of 4 columns: 86 CTAs of 4 warps
-    assert info.grid == (86, 1, 1) and info.tiles_per_warp == 3 and 86 * 4 * 3 >= 1025 > 85 * 4 * 3
     for m in range(1, 17):  # the defaults and the tuning candidates are valid knobs, one tile of all rows
         defaults = kernel_module.default_knobs(m, 4096, 4096)
         info = gemv_simt_launch_info(m, 4096, 4096)
@@ -147,8 +145,7 @@ def test_launch_info():
             assert gemv_simt_launch_info(m, 4096, 4096, **knobs).m_tile == m
     for bad in ({"m": 17}, {"m": 0}, {"m_tile": 0}, {"m_tile": 17}, {"warps_per_cta": 0}, {"warps_per_cta": 33},
                 {"chunks_per_iteration": 3}, {"columns_per_warp": 3}, {"columns_per_warp": 0},
-                {"chunks_per_iteration": 4, "columns_per_warp": 4}, {"m": 9, "columns_per_warp": 4},
-                {"tiles_per_warp": 0}, {"tiles_per_warp": 65}):
+                {"chunks_per_iteration": 4, "columns_per_warp": 4}, {"m": 9, "columns_per_warp": 4}):
         args = {"m": 2, "n": 4, "k": 128, **bad}
         with pytest.raises(ValueError):
             gemv_simt_launch_info(**args)
@@ -204,27 +201,6 @@ def test_simulated_kernel_long_rows_and_many_rows(rng, m, n, k, knobs):
 
 
 @pytest.mark.cudasim
-@pytest.mark.parametrize("n, k, knobs", [
-    # N = 11 columns in tiles of 2 per warp (6 tiles, the last half past N) on 2 CTAs of 1 warp: 3 tiles each;
-    # K = 640: 40 chunks, 2 warp steps, so a tile's loads run into the next tile's
-    (11, 640, {"columns_per_warp": 2, "warps_per_cta": 1, "tiles_per_warp": 3}),
-    # 3 groups per tile (G = 1, K = 1152: an odd count, the loop's halves swap buffers across tiles)
-    (9, 1152, {"columns_per_warp": 4, "warps_per_cta": 1, "tiles_per_warp": 2}),
-    # more tiles per warp than the warp has: warp 1 of the CTA has fewer tiles than warp 0
-    (7, 256, {"columns_per_warp": 1, "warps_per_cta": 2, "chunks_per_iteration": 2, "tiles_per_warp": 4}),
-])
-def test_simulated_kernel_streams_several_tiles_per_warp(rng, n, k, knobs):
-    """A warp that streams through several column tiles (its loads of the next tile issued before it
-    finishes the last one) computes each column exactly as a warp of its own would."""
-    m, block = 2, (3, 128)
-    a, q, scale_inv = random_problem(rng, m, n, k, block)
-    a_in, a32 = activations(a, "f32")
-    out = poisoned_output((m, n), "f32")
-    gemv_simt(a_in, q, scale_inv, out, block, **knobs)
-    check_against_simulator_and_reference(a32, q, scale_inv, block, "f32", out, str(knobs))
-
-
-@pytest.mark.cudasim
 @pytest.mark.parametrize("out_fmt", ["f16", "bf16", "bf16-int16"])
 def test_simulated_kernel_output_formats(rng, out_fmt):
     """float16 and BF16 outputs are the float32 sum rounded once (BF16 also given as int16)."""
@@ -249,8 +225,7 @@ def tiny_problems(draw):
     columns = draw(st.sampled_from((None,) + kernel_module.COLUMNS_PER_WARP))
     groups = [g for g in kernel_module.CHUNKS_PER_ITERATION if g * (columns or 2) <= kernel_module.MAX_GROUP_SLOTS]
     knobs = {"m_tile": draw(st.sampled_from((None, 1, 2, 4))), "warps_per_cta": draw(st.sampled_from((None, 1, 2, 3))),
-             "chunks_per_iteration": draw(st.sampled_from([None] + groups)), "columns_per_warp": columns,
-             "tiles_per_warp": draw(st.sampled_from((None, 1, 2, 3)))}
+             "chunks_per_iteration": draw(st.sampled_from([None] + groups)), "columns_per_warp": columns}
     act_fmt = draw(st.sampled_from(ACTIVATION_FORMATS + ("bf16-int16",)))
     out_fmt = draw(st.sampled_from(OUTPUT_FORMATS))
     seed = draw(st.integers(0, 2**32 - 1))
@@ -406,15 +381,6 @@ def test_gpu_knobs(group, columns, act_fmt, warps, m_tile):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", (2, 3, 5))
-def test_gpu_tiles_per_warp(tiles):
-    """Warps streaming through several column tiles: N = 4099 (a partial last tile), K = 4096, float32
-    activations (the engine's decode input), M = 1 and 2."""
-    for m in (1, 2):
-        run_on_gpu(m, 4099, 4096, "f32", "f32", tiles_per_warp=tiles)
-
-
-@pytest.mark.gpu
 def test_gpu_misaligned_device_array_is_refused():
     from numba import cuda
 
@@ -503,7 +469,6 @@ SWIGLU_CASES = [
     (4, 5, 256, {"columns_per_warp": 4, "chunks_per_iteration": 2, "m_tile": 3, "warps_per_cta": 1}, "f32", (3, 128),
      False),
     (2, 8, 256, {"chunks_per_iteration": 4, "columns_per_warp": 2, "warps_per_cta": 2}, "bf16", (4, 128), True),  # a group with an empty step
-    (2, 11, 256, {"columns_per_warp": 2, "warps_per_cta": 1, "tiles_per_warp": 3}, "f32", (4, 128), False),  # 3 tiles a warp
 ]
 
 
@@ -618,8 +583,7 @@ def split_k_problems(draw):
     columns = draw(st.sampled_from(kernel_module.COLUMNS_PER_WARP))
     groups = [g for g in kernel_module.CHUNKS_PER_ITERATION if g * columns <= kernel_module.MAX_GROUP_SLOTS]
     knobs = {"warps_per_cta": draw(st.sampled_from((1, 2, 3))), "chunks_per_iteration": draw(st.sampled_from(groups)),
-             "columns_per_warp": columns, "m_tile": draw(st.sampled_from((None, 1, 2))),
-             "tiles_per_warp": draw(st.sampled_from((None, 2, 3)))}
+             "columns_per_warp": columns, "m_tile": draw(st.sampled_from((None, 1, 2)))}
     block = (draw(st.integers(1, n + 2)), 128)
     return m, n, 128 * blocks, splits, block, knobs, draw(st.sampled_from(ACTIVATION_FORMATS)), draw(st.integers(0, 2**32 - 1))
 
