@@ -285,19 +285,6 @@ def swiglu_columns(columns: int, m_tile: int):
 # ---------------------------------------------------------------------------- the residual norm after split-K
 
 
-NORM_MIN_CTAS_PER_SM = 4
-"""CTAs of the one-row split-K GEMV with the residual norm that an SM must hold at once (``norm_launch_bounds``)."""
-
-
-def norm_launch_bounds(m_tile: int, warps_per_cta: int):
-    """Launch bounds of ``gemv_simt_split_k_norm``'s kernel: for one row, ``NORM_MIN_CTAS_PER_SM`` CTAs per SM,
-    so at most 128 registers for 4-warp CTAs, what the plain one-row kernel uses (120): the epilogue's
-    registers would otherwise cost the GEMV a CTA per SM, and the Qwen3-8B o_proj and down_proj grids (512
-    CTAs) would no longer fit the H200's 132 SMs in one wave. Larger row tiles need more registers for the
-    GEMV itself: no bound."""
-    return (warps_per_cta * WARP_SIZE, NORM_MIN_CTAS_PER_SM) if m_tile == 1 else None
-
-
 def residual_norm_epilogue(n: int, threads: int):
     """The device function ``epilogue(parts, m, residual, weight, eps, normed, counter)`` that a split-K GEMV's
     CTAs run after their parts are stored: ``layers.add_parts_rms_norm(parts, residual, weight, eps, normed)``
@@ -315,62 +302,8 @@ def residual_norm_epilogue(n: int, threads: int):
     virtual = rms_norm_threads_per_row(n)
     rounds = -(-virtual // threads)
     elements = -(-n // virtual)  # per virtual thread
-    held = rounds * elements  # per thread: each element's new residual and norm weight, in registers
     virtual_warps = virtual // WARP_SIZE
     warps = threads // WARP_SIZE
-
-    # One round of virtual threads at a time, each round a compile-time constant (``unrolled``: the values
-    # stay in registers). The phases are separate so that every load of a row is issued before the first
-    # store: the compiler cannot tell the arrays apart, and a load after a store to any of them would wait.
-
-    @cuda.jit(device=True, inline=True)
-    def load_round(r, args):
-        """``residual + (parts[0] + parts[1] + ...)`` of the round's elements, and their norm weights."""
-        parts, m, row, residual, weight, t, splits, values, weights = args
-        v = t + threads * r
-        for j in range(elements):
-            k = v + virtual * j
-            if v < virtual and k < n:
-                extra = parts[row, k]
-                for s in range(1, splits):  # the further parts of the split-K product, in part order
-                    extra = extra + parts[s * m + row, k]
-                values[r * elements + j] = residual[row, k] + extra
-                weights[r * elements + j] = weight[k]
-
-    @cuda.jit(device=True, inline=True)
-    def store_round(r, args):
-        """The new residual, stored back."""
-        residual, row, t, values = args
-        v = t + threads * r
-        for j in range(elements):
-            k = v + virtual * j
-            if v < virtual and k < n:
-                residual[row, k] = values[r * elements + j]
-
-    @cuda.jit(device=True, inline=True)
-    def square_round(r, args):
-        """The round's virtual threads' sums of squares (an fma chain each), their warps' butterflies."""
-        t, values, warp_totals = args
-        v = t + threads * r
-        acc = float32(0)
-        for j in range(elements):
-            if v < virtual and v + virtual * j < n:
-                acc = cuda.fma(values[r * elements + j], values[r * elements + j], acc)
-        acc = warp_sum(acc)  # virtual warp (t // 32) + warps r
-        if t % WARP_SIZE == 0 and v < virtual:
-            warp_totals[t // WARP_SIZE + warps * r] = acc
-
-    @cuda.jit(device=True, inline=True)
-    def normalize_round(r, args):
-        normed, row, t, denom, values, weights = args
-        v = t + threads * r
-        for j in range(elements):
-            k = v + virtual * j
-            if v < virtual and k < n:
-                normed[row, k] = weights[r * elements + j] * (values[r * elements + j] / denom)
-
-    load_all, store_all = unrolled(load_round, rounds), unrolled(store_round, rounds)
-    square_all, normalize_all = unrolled(square_round, rounds), unrolled(normalize_round, rounds)
 
     @cuda.jit(device=True, inline=True)
     def epilogue(parts, m, residual, weight, eps, normed, counter):
@@ -387,18 +320,34 @@ def residual_norm_epilogue(n: int, threads: int):
             return
         cuda.threadfence()  # the other CTAs' parts are read after their count
         splits = cuda.gridDim.z  # the K slices: a layer of CTAs each
-        values = cuda.local.array(held, float32)
-        weights = cuda.local.array(held, float32)
         for row in range(m):
-            load_all((parts, m, row, residual, weight, t, splits, values, weights))
-            store_all((residual, row, t, values))
-            square_all((t, values, warp_totals))
+            for r in range(rounds):  # residual += (parts[0] + parts[1] + ...), stored back; the partial sums
+                v = t + threads * r
+                acc = float32(0)
+                for j in range(elements):
+                    k = v + virtual * j
+                    if v < virtual and k < n:
+                        extra = parts[row, k]
+                        for s in range(1, splits):
+                            extra = extra + parts[s * m + row, k]
+                        h = residual[row, k] + extra
+                        residual[row, k] = h
+                        acc = cuda.fma(h, h, acc)
+                acc = warp_sum(acc)  # virtual warp (t // 32) + warps r
+                if t % WARP_SIZE == 0 and v < virtual:
+                    warp_totals[t // WARP_SIZE + warps * r] = acc
             cuda.syncthreads()
             sum_of_squares = add_warp_totals(warp_totals, virtual_warps)
             # residual.shape[1] read at run time, as the norm kernel does (a constant n could become a multiply
             # contracted with + eps into an fma)
             denom = sqrt_f32(sum_of_squares / float32(residual.shape[1]) + eps)
-            normalize_all((normed, row, t, denom, values, weights))
+            for r in range(rounds):
+                v = t + threads * r
+                for j in range(elements):
+                    k = v + virtual * j
+                    if v < virtual and k < n:
+                        # the residual the thread stored above, read back (holding 32 values would spill)
+                        normed[row, k] = weight[k] * (residual[row, k] / denom)
             cuda.syncthreads()  # the warp totals are read before the next row overwrites them
         if t == 0:
             counter[0] = 0
@@ -566,9 +515,8 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         return kernel
 
     epilogue = residual_norm_epilogue(norm_n, warps_per_cta * WARP_SIZE)
-    bounds = norm_launch_bounds(m_tile, warps_per_cta)
 
-    @cuda.jit(**({} if SIMULATOR or bounds is None else {"launch_bounds": bounds}))
+    @cuda.jit
     def kernel_with_norm(a_words, q_words, scales_flat, out, m, n, k, slice_k, residual, weight, eps, normed,
                          counter):
         gemv(a_words, q_words, scales_flat, out, m, n, k, slice_k)

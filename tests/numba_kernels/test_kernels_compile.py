@@ -81,7 +81,7 @@ def variants():
 '''
 
 GEMV_SIMT = r'''
-from fp8lab.numba_kernels.gemv_simt import WORDS_PER_CHUNK, gemv_simt_kernel, norm_launch_bounds, tuning_candidates
+from fp8lab.numba_kernels.gemv_simt import WORDS_PER_CHUNK, gemv_simt_kernel, tuning_candidates
 from helpers.ptx import Variant
 
 ARRAY = {"f32": "float32", "f16": "float16", "bf16": "uint16"}
@@ -103,7 +103,6 @@ def variants():
                     gemv_simt_kernel(m_tile, activation, output, 128, 128, warps, group, columns, swiglu, norm_n).py_func,
                     f"void(uint32[::1], uint32[::1], float32[::1], {ARRAY[output]}[:, ::1], int64, int64, int64, int64"
                     f"{norm_args if norm_n else ''})",
-                    launch_bounds=norm_launch_bounds(m_tile, warps) if norm_n else None,
                     info={"m_tile": m_tile, "group": group, "columns": columns, "swiglu": swiglu, "norm_n": norm_n,
                           "threads": 32 * warps, "words_per_chunk": WORDS_PER_CHUNK[activation]})
             for m_tile, activation, output, warps, group, columns, swiglu, norm_n in cases]
