@@ -81,11 +81,6 @@ Split-K (``gemv_simt_split_k``): the grid's third dimension is ``S`` K slices of
 layer ``z`` runs the schedule above on slice ``z`` as if it were the whole row and writes part ``z`` of
 float32 ``parts[S, M, N]``; the product is the parts' sum in slice order (``fp8lab.simulators.dense.sum_parts``,
 added by ``layers.add_parts_rms_norm``). Checked bit for bit against ``fp8lab.simulators.gemv_simt.gemv_simt_split_k``.
-``gemv_simt_split_k_norm`` is that launch with the residual norm after it (``residual_norm_epilogue``): the
-launch's last CTA (an atomic count after a fence, as in ``layers.argmax_rows``) adds the parts to the residual
-and norms it with ``layers.add_parts_rms_norm``'s arithmetic, its CTA playing that kernel's threads in rounds,
-so one launch computes bit for bit what the two did (checked in the CUDA simulator against
-``fp8lab.simulators.dense.add_parts_rms_norm`` of the simulator's parts, on a GPU against the two launches).
 
 Requirements (``ValueError`` before anything is launched): those of ``arguments.check_gemm``
 (``K`` and ``BK`` multiples of 128, shapes and dtypes) plus ``1 <= M <= 16``, the knobs in range
@@ -102,13 +97,12 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, uint32
 
 from . import arguments, pdl
-from .bits import SIMULATOR, bf16_bits_to_f32, f16_bits_to_f32, u32_as_f32
+from .bits import bf16_bits_to_f32, f16_bits_to_f32, u32_as_f32
 from .dequantize import F16_PLACEMENT_SCALE, STORE, output_bits_view, placed_codes
-from .layers import MAX_WARPS_PER_CTA as MAX_NORM_WARPS
-from .layers import add_warp_totals, rms_norm_threads_per_row, silu_times, sqrt_f32
+from .layers import silu_times
 from .warp import (
     WARP_SIZE,
     WORDS_PER_LOAD,
@@ -282,83 +276,10 @@ def swiglu_columns(columns: int, m_tile: int):
     return pairs, weight_row, write
 
 
-# ---------------------------------------------------------------------------- the residual norm after split-K
-
-
-def residual_norm_epilogue(n: int, threads: int):
-    """The device function ``epilogue(parts, m, residual, weight, eps, normed, counter)`` that a split-K GEMV's
-    CTAs run after their parts are stored: ``layers.add_parts_rms_norm(parts, residual, weight, eps, normed)``
-    for rows of ``n``, bit for bit, done by the launch's last CTA.
-
-    Each CTA counts itself done with an atomic add on ``counter[0]`` (after a ``threadfence``, so its parts
-    are visible first, as the multi-CTA argmax does); the CTA that sees every other one done reads all the
-    parts and runs the norm kernel's arithmetic on each of the ``m`` rows, then resets the counter to 0 for
-    the next launch. The norm kernel sums a row with ``V = layers.rms_norm_threads_per_row(n)`` threads,
-    thread ``v`` holding elements ``v, v + V, ...``; the CTA's ``threads`` play them in rounds (thread ``t``
-    is virtual thread ``t + threads r`` in round ``r``), each virtual warp's butterfly taken by the physical
-    warp that holds it, and the warp totals added in warp order, so the float32 operations and their order
-    are the norm kernel's (``fp8lab.simulators.dense.add_parts_rms_norm(..., threads=V)``).
-    """
-    virtual = rms_norm_threads_per_row(n)
-    rounds = -(-virtual // threads)
-    elements = -(-n // virtual)  # per virtual thread
-    virtual_warps = virtual // WARP_SIZE
-    warps = threads // WARP_SIZE
-
-    @cuda.jit(device=True, inline=True)
-    def epilogue(parts, m, residual, weight, eps, normed, counter):
-        last = cuda.shared.array(1, int32)
-        warp_totals = cuda.shared.array(MAX_NORM_WARPS, float32)
-        t = cuda.threadIdx.x
-        cuda.syncthreads()  # every warp of the CTA has stored its parts
-        if t == 0:
-            cuda.threadfence()  # the parts are visible to every CTA before the count says they are there
-            total = cuda.gridDim.x * cuda.gridDim.y * cuda.gridDim.z
-            last[0] = 1 if cuda.atomic.add(counter, 0, 1) == total - 1 else 0
-        cuda.syncthreads()
-        if last[0] == 0:
-            return
-        cuda.threadfence()  # the other CTAs' parts are read after their count
-        splits = cuda.gridDim.z  # the K slices: a layer of CTAs each
-        for row in range(m):
-            for r in range(rounds):  # residual += (parts[0] + parts[1] + ...), stored back; the partial sums
-                v = t + threads * r
-                acc = float32(0)
-                for j in range(elements):
-                    k = v + virtual * j
-                    if v < virtual and k < n:
-                        extra = parts[row, k]
-                        for s in range(1, splits):
-                            extra = extra + parts[s * m + row, k]
-                        h = residual[row, k] + extra
-                        residual[row, k] = h
-                        acc = cuda.fma(h, h, acc)
-                acc = warp_sum(acc)  # virtual warp (t // 32) + warps r
-                if t % WARP_SIZE == 0 and v < virtual:
-                    warp_totals[t // WARP_SIZE + warps * r] = acc
-            cuda.syncthreads()
-            sum_of_squares = add_warp_totals(warp_totals, virtual_warps)
-            # residual.shape[1] read at run time, as the norm kernel does (a constant n could become a multiply
-            # contracted with + eps into an fma)
-            denom = sqrt_f32(sum_of_squares / float32(residual.shape[1]) + eps)
-            for r in range(rounds):
-                v = t + threads * r
-                for j in range(elements):
-                    k = v + virtual * j
-                    if v < virtual and k < n:
-                        # the residual the thread stored above, read back (holding 32 values would spill)
-                        normed[row, k] = weight[k] * (residual[row, k] / denom)
-            cuda.syncthreads()  # the warp totals are read before the next row overwrites them
-        if t == 0:
-            counter[0] = 0
-
-    return epilogue
-
-
 @functools.lru_cache(maxsize=None)
 def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, block_k: int,
                      warps_per_cta: int = WARPS_PER_CTA, chunks_per_iteration: int = 1, columns_per_warp: int = 1,
-                     swiglu: bool = False, norm_n: int = 0):
+                     swiglu: bool = False):
     """The compiled GEMV kernel for one row tile, activation format, output format, block size,
     CTA size, group size and columns per warp; ``swiglu``: the SwiGLU variant (``output`` "f32",
     ``columns_per_warp`` 2 or 4), which differs from the plain kernel only in which weight rows a
@@ -371,9 +292,6 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
     ``out`` (its bits view for BF16; for split-K the parts as ``[S * M, N]``), ``M, N, K`` (``N``: rows
     of ``q``, ``2 I`` for SwiGLU) and the K slice's width ``K / S`` (``K`` unless split-K; the grid's
     third dimension is ``S``).
-
-    ``norm_n > 0``: the split-K variant with the residual norm of rows of ``norm_n`` (``residual_norm_epilogue``);
-    its kernel takes ``(residual, weight, eps, normed, counter)`` after those arguments.
     """
     if swiglu and (output != "f32" or columns_per_warp % 2):
         raise ValueError(f"swiglu: needs a float32 output and an even columns_per_warp, got {output}, "
@@ -435,9 +353,8 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
     load_group = unrolled(load_chunk, group)
     compute_group = unrolled(compute_chunk, group)
 
-    @cuda.jit(device=True, inline=True)
-    def gemv(a_words, q_words, scales_flat, out, m, n, k, slice_k):
-        """The CTA's warps, each its columns (returns at once for a warp past the last column)."""
+    @cuda.jit
+    def kernel(a_words, q_words, scales_flat, out, m, n, k, slice_k):
         lane = uint32(cuda.threadIdx.x) % u_warp
         warp = uint32(cuda.blockIdx.x) * uint32(warps_per_cta) + uint32(cuda.threadIdx.x) // u_warp
         width = uint32(n) // uint32(rows_per_output)  # output columns: N, or I = N / 2 for SwiGLU
@@ -507,22 +424,7 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         if lane == 0:
             write(out, acc, row0, split * m, first, m, width)
 
-    if not norm_n:
-        @cuda.jit
-        def kernel(a_words, q_words, scales_flat, out, m, n, k, slice_k):
-            gemv(a_words, q_words, scales_flat, out, m, n, k, slice_k)
-
-        return kernel
-
-    epilogue = residual_norm_epilogue(norm_n, warps_per_cta * WARP_SIZE)
-
-    @cuda.jit
-    def kernel_with_norm(a_words, q_words, scales_flat, out, m, n, k, slice_k, residual, weight, eps, normed,
-                         counter):
-        gemv(a_words, q_words, scales_flat, out, m, n, k, slice_k)
-        epilogue(out, m, residual, weight, eps, normed, counter)
-
-    return kernel_with_norm
+    return kernel
 
 
 # ---------------------------------------------------------------------------- launch shape and entry point
@@ -659,15 +561,6 @@ def gemv_simt_split_k(a, q, scale_inv, parts, block=(128, 128), m_tile=None, war
     slice whole K blocks); ``a``, ``q``, ``scale_inv``, ``block``, the knobs and ``stream`` as in ``gemv_simt``.
     """
     a, q, parts = (arguments.as_kernel_array(name, x) for name, x in (("a", a), ("q", q), ("parts", parts)))
-    problem, launch = _split_k_problem(a, q, scale_inv, parts, block, m_tile, warps_per_cta, chunks_per_iteration,
-                                       columns_per_warp)
-    _launch(problem, launch, stream)
-    return parts
-
-
-def _split_k_problem(a, q, scale_inv, parts, block, m_tile, warps_per_cta, chunks_per_iteration, columns_per_warp):
-    """The checks of ``gemv_simt_split_k``'s arguments; its problem (``out``: the parts as ``[S * M, N]``) and
-    launch shape."""
     m, n = (a.shape[0] if a.ndim == 2 else 0), (q.shape[0] if q.ndim == 2 else 0)
     arguments.require("parts", parts, f"float32 [S, {m}, {n}] (the K slices' partial products)",
                       parts.ndim == 3 and tuple(parts.shape[1:]) == (m, n) and parts.shape[0] >= 1
@@ -680,51 +573,14 @@ def _split_k_problem(a, q, scale_inv, parts, block, m_tile, warps_per_cta, chunk
                          f"{problem.block[1]}, but K / {splits} is not a multiple of {problem.block[1]}")
     launch = gemv_simt_launch_info(problem.m, problem.n, problem.k, m_tile, warps_per_cta, chunks_per_iteration,
                                    columns_per_warp, k_splits=splits)
-    return dataclasses.replace(problem, out=parts.reshape(splits * problem.m, problem.n)), launch
+    _launch(dataclasses.replace(problem, out=parts.reshape(splits * problem.m, problem.n)), launch, stream)
+    return parts
 
 
-def gemv_simt_split_k_norm(a, q, scale_inv, parts, residual, weight, eps, normed, counter, block=(128, 128),
-                           m_tile=None, warps_per_cta=None, chunks_per_iteration=None, columns_per_warp=None, stream=0):
-    """``gemv_simt_split_k`` followed, in the same launch, by the residual norm of its product:
-    ``residual += sum_parts(parts)``, then ``normed = rms_norm(residual, weight, eps)``, bit for bit
-    ``gemv_simt_split_k`` then ``layers.add_parts_rms_norm(parts, residual, weight, eps, normed)``
-    (``residual_norm_epilogue``: the launch's last CTA does it); returns ``normed``.
-
-    A Qwen3 layer's o_proj or down_proj and the norm after it in one launch. ``parts``: float32 ``[S, M, N]``
-    (still written: the last CTA reads them back); ``residual``, ``normed``: float32 ``[M, N]``, C-contiguous,
-    distinct from each other, from ``parts`` and from ``a``; ``weight``: float32 ``[N]``; ``counter``: a device
-    int32 ``[1]`` that holds 0 (``norm_counter()``; every launch leaves it at 0, so a CUDA graph can replay it);
-    the rest as ``gemv_simt_split_k``.
-    """
-    a, q, parts = (arguments.as_kernel_array(name, x) for name, x in (("a", a), ("q", q), ("parts", parts)))
-    problem, launch = _split_k_problem(a, q, scale_inv, parts, block, m_tile, warps_per_cta, chunks_per_iteration,
-                                       columns_per_warp)
-    m, n = problem.m, problem.n
-    residual, weight, normed, counter = (arguments.as_kernel_array(name, x) for name, x in
-                                         (("residual", residual), ("weight", weight), ("normed", normed),
-                                          ("counter", counter)))
-    for name, x in (("residual", residual), ("normed", normed)):
-        arguments.require(name, x, f"float32 [{m}, {n}]", tuple(x.shape) == (m, n) and np.dtype(x.dtype) == np.float32)
-        arguments.require_c_contiguous(name, x)
-    arguments.require("weight", weight, f"float32 [{n}]",
-                      tuple(weight.shape) == (n,) and np.dtype(weight.dtype) == np.float32)
-    arguments.require("counter", counter, "int32 [1] (norm_counter())",
-                      tuple(counter.shape) == (1,) and np.dtype(counter.dtype) == np.int32)
-    _launch(problem, launch, stream, norm=(residual, weight, np.float32(eps), normed, counter))
-    return normed
-
-
-def norm_counter():
-    """The ``counter`` of ``gemv_simt_split_k_norm``: one int32 on the device, 0 (what every launch leaves)."""
-    counter = np.zeros(1, np.int32)
-    return counter if SIMULATOR else cuda.to_device(counter)
-
-
-def _launch(problem: arguments.GemmProblem, launch: GemvLaunch, stream, swiglu: bool = False, norm: tuple = ()):
+def _launch(problem: arguments.GemmProblem, launch: GemvLaunch, stream, swiglu: bool = False):
     """The checks that need the knobs and the device pointers, then the launch (``gemv_simt_kernel``'s
     arguments: flat uint32 views of ``a`` and ``q``, the flat ``scale_inv``, ``out``'s bits view; with
-    K slices, ``out`` is the parts viewed as ``[S * M, N]``; ``norm``: the residual norm's arguments, for
-    ``gemv_simt_split_k_norm``)."""
+    K slices, ``out`` is the parts viewed as ``[S * M, N]``)."""
     for name in ("a", "q"):
         arguments.require_load_alignment(name, getattr(problem, name), "the SIMT GEMV")
     if problem.n * problem.k // 4 >= MAX_WORDS:
@@ -732,13 +588,11 @@ def _launch(problem: arguments.GemmProblem, launch: GemvLaunch, stream, swiglu: 
                          f"got {problem.n} x {problem.k}")
     bn, bk = problem.block
     kernel = gemv_simt_kernel(launch.m_tile, problem.activation, problem.output, bn, bk, launch.warps_per_cta,
-                              launch.chunks_per_iteration, launch.columns_per_warp, swiglu,
-                              problem.n if norm else 0)
+                              launch.chunks_per_iteration, launch.columns_per_warp, swiglu)
     pdl.launch(
         kernel, launch.grid, launch.block, stream,
         problem.a.view(np.uint32).reshape(-1), problem.q.view(np.uint32).reshape(-1), problem.scale_inv.reshape(-1),
-        output_bits_view(problem.out, problem.output), problem.m, problem.n, problem.k, problem.k // launch.k_splits,
-        *norm)
+        output_bits_view(problem.out, problem.output), problem.m, problem.n, problem.k, problem.k // launch.k_splits)
 
 
 def gemv_simt_swiglu(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta=None,

@@ -1,8 +1,8 @@
 """Bit-exact NumPy twins of the GPU model's GEMM kernels, and the micro model, for the CUDA-model tests.
 
 In Numba's CUDA simulator a simulated GEMM costs seconds; the GPU model's tests under the simulator
-swap its five GEMM kernels (the SIMT GEMV plain, split-K with the residual norm and with SwiGLU, the GEMM, the
-BF16 linear) for their simulators (``gemm_twins``), which compute the same float32 operations in the same order, so the rest
+swap its five GEMM kernels (the SIMT GEMV plain, split-K and with SwiGLU, the GEMM, the BF16 linear) for their
+simulators (``gemm_twins``), which compute the same float32 operations in the same order, so the rest
 of the forward (norms, RoPE, KV writes, attention, sampling) still runs as simulated kernels.
 """
 
@@ -13,7 +13,6 @@ import numpy as np
 from fp8lab.engine.cuda import plan
 from fp8lab.numba_kernels import arguments
 from fp8lab.numba_kernels.fp8_gemm import SIMT_MAX_M
-from fp8lab.numba_kernels.layers import rms_norm_threads_per_row
 from fp8lab.reference.dense import round_to_bf16
 from fp8lab.simulators import dense as sim_dense
 from fp8lab.simulators import gemm_mma as sim_mma
@@ -41,18 +40,6 @@ def gemv_simt_split_k_twin(a, q, scale_inv, parts, block=(128, 128), stream=0, *
     assert p.output == "f32" and 1 <= p.m <= 16 and p.activation == "f32"
     parts[...] = sim_gemv.gemv_simt_split_k(np.asarray(p.a, np.float32), p.q, p.scale_inv, parts.shape[0], p.block)
     return parts
-
-
-def gemv_simt_split_k_norm_twin(a, q, scale_inv, parts, residual, weight, eps, normed, counter, block=(128, 128),
-                                stream=0, **knobs):
-    """``fp8lab.numba_kernels.gemv_simt.gemv_simt_split_k_norm`` as the simulators compute it (bit for bit): the
-    parts (``gemv_simt_split_k_twin``), then ``residual += sum_parts(parts)`` and ``normed = rms_norm(residual)``
-    in ``layers.add_parts_rms_norm``'s order (``fp8lab.simulators.dense``, its thread count)."""
-    gemv_simt_split_k_twin(a, q, scale_inv, parts, block)
-    assert np.asarray(counter).tolist() == [0]
-    threads = rms_norm_threads_per_row(residual.shape[1])
-    normed[...], residual[...] = sim_dense.add_parts_rms_norm(parts, residual, weight, eps, threads)
-    return normed
 
 
 def gemv_simt_swiglu_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **knobs):
@@ -89,7 +76,7 @@ def install_gemm_twins(monkeypatch) -> None:
     ``fp8lab.engine.cuda.plan``, whose plans name the kernels every forward launches."""
     monkeypatch.setattr(plan, "gemv_simt", gemv_simt_twin)
     monkeypatch.setattr(plan, "gemv_simt_swiglu", gemv_simt_swiglu_twin)
-    monkeypatch.setattr(plan, "gemv_simt_split_k_norm", gemv_simt_split_k_norm_twin)
+    monkeypatch.setattr(plan, "gemv_simt_split_k", gemv_simt_split_k_twin)
     monkeypatch.setattr(plan, "fp8_gemm", fp8_gemm_twin)
     monkeypatch.setattr(plan, "bf16_linear", bf16_linear_twin)
 

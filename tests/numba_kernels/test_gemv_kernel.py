@@ -44,7 +44,6 @@ from fp8lab.numba_kernels.gemv_simt import (
 )
 from fp8lab.reference import blockwise, dense, e4m3
 from fp8lab.simulators import bit_placement
-from fp8lab.simulators import dense as sim_dense
 from fp8lab.simulators import gemv_simt as simulator
 
 OUTPUT_UNIT = {"f32": 0.0, "f16": 2.0**-11, "bf16": 2.0**-8}
@@ -655,85 +654,3 @@ def test_gpu_split_k_against_simulator_and_reference(m, n, k):
     parts = cuda.to_device(np.full((splits, m, n), np.nan, np.float32))
     kernel_module.gemv_simt_split_k(cuda.to_device(a), cuda.to_device(q), cuda.to_device(scale_inv), parts, block)
     check_split_k(a, q, scale_inv, block, parts.copy_to_host(), f"seed {seed}, M={m} N={n} K={k} S={splits}")
-
-
-# ---------------------------------------------------------------------------- split-K with the residual norm
-
-
-def norm_problem(rng, m, n):
-    """A residual and a norm weight near 1, as the engine's layers have."""
-    return rng.standard_normal((m, n)).astype(np.float32), (1 + 0.2 * rng.standard_normal(n)).astype(np.float32)
-
-
-def expected_norm(a32, q, scale_inv, block, splits, residual, weight, eps):
-    """The kernel sequence the fused launch replaces, as the simulators compute it: the parts, then
-    ``layers.add_parts_rms_norm`` (its thread count: ``layers.rms_norm_threads_per_row``)."""
-    parts = simulator.gemv_simt_split_k(a32, q, scale_inv, splits, block)
-    threads = layers.rms_norm_threads_per_row(residual.shape[1])
-    normed, new_residual = sim_dense.add_parts_rms_norm(parts, residual, weight, eps, threads)
-    return parts, new_residual, normed
-
-
-@pytest.mark.cudasim
-def test_simulated_split_k_norm_equals_the_split_k_and_norm_kernels(rng):
-    """N = 264: the norm kernel sums a row with 64 threads of 5 elements (the last partial), which the
-    fused launch's 1-warp CTAs play in 2 rounds; M = 2 rows, S = 2 parts; the counter back at 0."""
-    m, n, k, splits, block, eps = 2, 264, 256, 2, (16, 128), 1e-6
-    a, q, scale_inv = random_problem(rng, m, n, k, block)
-    residual, weight = norm_problem(rng, m, n)
-    parts, normed = np.full((splits, m, n), np.nan, np.float32), poisoned_output((m, n), "f32")
-    got_residual, counter = residual.copy(), kernel_module.norm_counter()
-    kernel_module.gemv_simt_split_k_norm(a, q, scale_inv, parts, got_residual, weight, eps, normed, counter, block,
-                                         warps_per_cta=1, columns_per_warp=4)
-    for got, want in zip((parts, got_residual, normed),
-                         expected_norm(a, q, scale_inv, block, splits, residual, weight, eps)):
-        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    assert counter.tolist() == [0]
-
-
-@pytest.mark.parametrize("change, message", [
-    ({"residual": np.zeros((2, 5), np.float32)}, r"residual: expected float32 \[2, 4\]"),
-    ({"normed": np.zeros((2, 4), np.float64)}, r"normed: expected float32 \[2, 4\]"),
-    ({"weight": np.ones(5, np.float32)}, r"weight: expected float32 \[4\]"),
-    ({"counter": np.zeros(1, np.int64)}, r"counter: expected int32 \[1\]"),
-    ({"parts": np.full((3, 2, 4), np.nan, np.float32)}, "K / 3 is not a multiple of 128"),
-])
-def test_bad_split_k_norm_arguments_raise_before_launch(rng, no_launch, change, message):
-    a, q, scale_inv, _ = good_arguments(rng)
-    arguments = {"parts": np.full((2, 2, 4), np.nan, np.float32), "residual": np.zeros((2, 4), np.float32),
-                 "weight": np.ones(4, np.float32), "eps": 1e-6, "normed": np.zeros((2, 4), np.float32),
-                 "counter": np.zeros(1, np.int32)}
-    arguments.update(change)
-    with pytest.raises(ValueError, match=message):
-        kernel_module.gemv_simt_split_k_norm(a, q, scale_inv, **arguments)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m, n, k", [(1, 4096, 4096), (1, 4096, 12288), (1, 1024, 2048), (4, 1024, 3072)])
-def test_gpu_split_k_norm_equals_the_split_k_and_norm_kernels(m, n, k):
-    """The engine's o_proj / down_proj with the norm after it, Qwen3-8B and Qwen3-0.6B sizes, float32 activations:
-    bit for bit ``gemv_simt_split_k`` then ``layers.add_parts_rms_norm`` on the GPU (parts, residual, output),
-    three launches in a row on one counter (each leaves it at 0 for the next)."""
-    from numba import cuda
-
-    seed = secrets.randbits(32)
-    rng = np.random.default_rng(seed)
-    block, eps = (128, 128), 1e-6
-    splits = simulator.choose_k_splits(n, k, 128, cuda.get_current_device().MULTIPROCESSOR_COUNT)
-    counter = kernel_module.norm_counter()
-    for launch in range(3):
-        a, q, scale_inv = random_problem(rng, m, n, k, block)
-        residual, weight = norm_problem(rng, m, n)
-        a_dev, q_dev, s_dev, w_dev = (cuda.to_device(x) for x in (a, q, scale_inv, weight))
-        parts, residual_dev = cuda.to_device(np.full((splits, m, n), np.nan, np.float32)), cuda.to_device(residual)
-        normed = cuda.to_device(poisoned_output((m, n), "f32"))
-        kernel_module.gemv_simt_split_k_norm(a_dev, q_dev, s_dev, parts, residual_dev, w_dev, eps, normed, counter, block)
-        want_parts = cuda.to_device(np.full((splits, m, n), np.nan, np.float32))
-        want_residual, want_normed = cuda.to_device(residual), cuda.to_device(poisoned_output((m, n), "f32"))
-        kernel_module.gemv_simt_split_k(a_dev, q_dev, s_dev, want_parts, block)
-        layers.add_parts_rms_norm(want_parts, want_residual, w_dev, eps, want_normed)
-        label = f"seed {seed}, launch {launch}, M={m} N={n} K={k} S={splits}"
-        for got, want in ((parts, want_parts), (residual_dev, want_residual), (normed, want_normed)):
-            got, want = got.copy_to_host(), want.copy_to_host()
-            assert np.isfinite(got).all() and np.array_equal(got.view(np.uint32), want.view(np.uint32)), label
-        assert counter.copy_to_host().tolist() == [0], label

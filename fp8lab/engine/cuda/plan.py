@@ -14,15 +14,11 @@ attention (decode: ``paged_decode``, the split kernel and, with more than one sp
 prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the combine), o_proj,
 ``add_parts_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch; on the
 tensor-core path the GEMM then ``silu_mul``), down_proj; plus one ``bf16_round`` before each FP8 GEMM
-input when ``T > f32_max_rows``. On the SIMT path the two ``add_parts_rms_norm`` launches go away: o_proj and
-down_proj are ``gemv_simt_split_k_norm``, whose last CTA adds the parts to the residual and norms it (bit for
-bit the two launches), so down_proj also makes the next layer's input norm (the final norm after the last
-layer). Around the layers: the embedding, the final ``add_parts_rms_norm`` (unless fused so) and the lm_head
+input when ``T > f32_max_rows``. Around the layers: the embedding, the final ``add_parts_rms_norm`` and the lm_head
 (``bf16_linear``); a decode step ends with the greedy argmax (``layers.argmax_rows``, one multi-CTA
 launch, for ``greedy_tokens``), which writes the ids where the next step's embedding reads its tokens.
-A decode step of batch 1 is 7 launches per layer plus 4, e.g. 7 * 36 + 4 = 256 for Qwen3-8B (8 splits at
-the benchmark's context; 9 per layer before the norms moved into the GEMVs). Every launch has a ``label``
-(what it is in the forward), which ``bench/decode_profile.py`` uses to attribute kernel times.
+A decode step of batch 1 is 8 or 9 launches per layer plus 4, e.g. 9 * 36 + 4 = 328 for Qwen3-8B (8 splits at the benchmark's context). Every launch has a ``label`` (what it is in the forward), which
+``bench/decode_profile.py`` uses to attribute kernel times.
 
 The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (at most 16) runs
 ``gemv_simt`` directly on the float32 activations, so the product is the reference's float32 linear up to the
@@ -36,12 +32,11 @@ batch 4 the tensor-core step is 35% faster, the SIMT GEMV's time growing with ev
 is much more sensitive: its flat logits let BF16 inputs change greedy tokens within a few steps, which is why
 its GPU tests ask for ``f32_max_rows=16``.)
 
-The residual stream's GEMMs (o_proj, down_proj) on the SIMT path are split-K (``gemv_simt_split_k_norm``, ``S =
+The residual stream's GEMMs (o_proj, down_proj) on the SIMT path are split-K (``gemv_simt_split_k``, ``S =
 fp8lab.simulators.gemv_simt.choose_k_splits`` K slices: 2 for Qwen3-8B, 4 for Qwen3-0.6B on an H200): their
 narrow weights (``N`` = hidden size) give too few warps to keep the memory busy otherwise. They leave
-``S`` float32 parts, and the launch's last CTA adds them in slice order to the residual and norms it
-(``layers.add_parts_rms_norm``'s arithmetic); every other path leaves one part for ``add_parts_rms_norm``, and
-one part is ``add_rms_norm`` bit for bit.
+``S`` float32 parts, and the next norm (``layers.add_parts_rms_norm``) adds them in slice order to the
+residual; every other path leaves one part, and one part is ``add_rms_norm`` bit for bit.
 
 Activations live in buffers preallocated for ``max_num_tokens`` tokens and ``max_num_seqs`` sequences
 (``Activations``): the residual ``h``, the normed ``x`` (float32 ``[T, hidden]``), a block output ``y``
@@ -68,9 +63,8 @@ from fp8lab.numba_kernels.attention_input import qk_norm_rope_cache_write
 from fp8lab.numba_kernels.fp8_gemm import fp8_gemm
 from fp8lab.numba_kernels.gemv_simt import (
     gemv_simt,
-    gemv_simt_split_k_norm,
+    gemv_simt_split_k,
     gemv_simt_swiglu,
-    norm_counter,
 )
 from fp8lab.numba_kernels.layers import bf16_linear
 from fp8lab.numba_kernels.prefill import PrefillRows, paged_prefill
@@ -173,7 +167,6 @@ class Activations:
     logits: object
     logits_host: np.ndarray
     argmax_workspace: object
-    norm_counter: object
     workspace: object
 
 
@@ -206,7 +199,6 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
         logits=mem.empty(f"logits [{smax}, {c.vocab_size}]", (smax, c.vocab_size), np.float32),
         logits_host=mem.pinned((smax, c.vocab_size), np.float32),
         argmax_workspace=layers.argmax_workspace(smax, c.vocab_size),  # small: a few KB
-        norm_counter=norm_counter(),  # the split-K GEMVs' residual norm: every launch leaves it at 0
         workspace=mem.empty("attention split-kv workspace", (max(most, 1),), np.float32),
     )
 
@@ -281,12 +273,10 @@ class Planner:
         q = a.q[:t]  # the attention's input: normed and rotated
         attn, gate_up, act = a.attn[:t], a.gate_up[:t], a.act[:t]
         rope = self.weights.rope_cos_sin
-        normed = False  # whether the last residual GEMM also normed the residual stream into x
-        norms_after_mlp = [layer.input_layernorm for layer in self.weights.layers[1:]] + [self.weights.norm]
         for i, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache)):
             if i == 0:
                 plan.append(Launch(layers.rms_norm, (h, layer.input_layernorm, eps, x), label="input norm"))
-            elif not normed:  # the previous layer's MLP residual add, fused with this layer's input norm
+            else:  # the previous layer's MLP residual add, fused with this layer's input norm
                 plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.input_layernorm, eps, x), label="input norm"))
             q_in, k_in, v_in = self.qkv_projections(layer.qkv, x, t, plan)
             plan.append(Launch(qk_norm_rope_cache_write, (q_in, k_in, v_in, q, layer.q_norm, layer.k_norm, eps, positions,
@@ -294,40 +284,31 @@ class Planner:
                                                           layer_cache.k_scale, layer_cache.v_scale),
                                dict(kv_format=layer_cache.kv_format), label="q/k norm, rope, cache write"))
             plan.append(attend(q, layer_cache, attn))
-            y, normed = self.residual_linear(layer.o_proj, attn.reshape(t, qd), "o_proj", plan,
-                                             (layer.post_attention_layernorm, "post-attention norm"))
-            if not normed:
-                plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.post_attention_layernorm, eps, x),
-                                   label="post-attention norm"))
+            y = self.residual_linear(layer.o_proj, attn.reshape(t, qd), "o_proj", plan)
+            plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.post_attention_layernorm, eps, x),
+                               label="post-attention norm"))
             self.gate_up_swiglu(layer.gate_up, x, gate_up, act, plan)
-            last = i == len(self.weights.layers) - 1
-            y, normed = self.residual_linear(layer.down_proj, act, "down_proj", plan,
-                                             (norms_after_mlp[i], "final norm" if last else "input norm"))
-        if not normed:
-            plan.append(Launch(layers.add_parts_rms_norm, (y, h, self.weights.norm, eps, x), label="final norm"))
+            y = self.residual_linear(layer.down_proj, act, "down_proj", plan)
+        plan.append(Launch(layers.add_parts_rms_norm, (y, h, self.weights.norm, eps, x), label="final norm"))
         return plan
 
-    def residual_linear(self, linear: DeviceLinear, x, label: str, plan: list[Launch], norm: tuple):
+    def residual_linear(self, linear: DeviceLinear, x, label: str, plan: list[Launch]):
         """``x [t, K] @ W^T`` for the residual stream (o_proj, down_proj), its launches appended to ``plan``;
-        returns ``(parts, normed)``: the product as the parts ``[S, t, N]`` in ``activations.y``, and whether
-        the launch also added them to the residual ``h`` and normed it into ``x`` with ``norm = (weight,
-        label)``. On the SIMT path it does: a split-K GEMV of ``S = choose_k_splits`` slices (a narrow weight
-        keeps the memory busy only with more warps than columns) whose last CTA runs the norm
-        (``gemv_simt_split_k_norm``, bit for bit the split-K GEMV then ``layers.add_parts_rms_norm``, one launch
-        fewer). Any other path writes one part and leaves the norm to the caller."""
+        returns it as the parts ``[S, t, N]`` in ``activations.y`` that the next norm adds
+        (``layers.add_parts_rms_norm``). On the SIMT path a split-K GEMV of ``S = choose_k_splits`` slices
+        (a narrow weight keeps the memory busy only with more warps than columns); any other path
+        writes one part."""
         t, n = x.shape[0], linear.n
         x_bf16 = self.gemm_input(x, linear.kind == "fp8", plan)
         if linear.kind == "fp8" and x_bf16 is None:
-            a, (weight, norm_label) = self.activations, norm
             splits = choose_k_splits(n, linear.k, linear.block[1], splitkv.device_num_sms())
-            parts = a.y[: splits * t * n].reshape(splits, t, n)
-            plan.append(Launch(gemv_simt_split_k_norm, (x, linear.weight, linear.scale_inv, parts, a.h[:t], weight,
-                                                        self.config.rms_norm_eps, a.x[:t], a.norm_counter, linear.block),
-                               label=f"{label} gemv + {norm_label}"))
-            return parts, True
+            parts = self.activations.y[: splits * t * n].reshape(splits, t, n)
+            plan.append(Launch(gemv_simt_split_k, (x, linear.weight, linear.scale_inv, parts, linear.block),
+                               label=f"{label} gemv"))
+            return parts
         parts = self.activations.y[: t * n].reshape(1, t, n)
         plan.append(self.linear(linear, x, parts.reshape(t, n), x_bf16, label))
-        return parts, False
+        return parts
 
     def qkv_projections(self, group, x, t: int, plan: list[Launch]):
         """The q, k and v projections of ``x [t, hidden]``, their launches appended to ``plan``; returns
