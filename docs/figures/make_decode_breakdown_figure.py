@@ -5,7 +5,8 @@
 run (``before`` the issue's changes, ``after`` its first kernels, ``now``), the decode step split into what its kernels do (the
 FP8 GEMVs, the norms, q/k-norm + RoPE + the cache write, attention, the lm_head, the argmax, the rest),
 the gaps between kernels and the host side (the measured step time minus the kernels' span: the
-Python work before the graph replay, while the GPU waits), in microseconds per step; the bandwidth
+Python work before the graph replay, while the GPU waits; about 0 since steps are pipelined, the ``now`` run),
+in microseconds per step; the bandwidth
 roofline of the step is a dashed line. The data are the
 per-kernel breakdowns ``bench/engine.py`` prints (CUPTI kernel times of CUDA-graph replays,
 ``bench/decode_profile.py``), copied from three runs on an H200 (``bench/RESULTS.md``). Since programmatic
@@ -71,7 +72,7 @@ def draw(data: dict, path: Path) -> None:
             ax.barh(y, profile["gap_us"], left=left, color="white", edgecolor="0.4", hatch="//",
                     label="gaps between kernels" if shape == shapes[0] and run == "before" else None)
             left += profile["gap_us"]
-            host = profile["step_us"] - left
+            host = max(profile["step_us"] - left, 0.0)  # pipelined steps: the step is the span, within noise
             ax.barh(y, host, left=left, color="0.8", edgecolor="0.4",
                     label="host side (step - kernel span)" if shape == shapes[0] and run == "before" else None)
             left += host
