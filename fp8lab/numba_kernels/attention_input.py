@@ -30,6 +30,10 @@ layout "A" (any row stride; elements of a row adjacent). When ``D`` is a multipl
 pair ``(i, i + D/2)`` lies in one lane; otherwise the normed row is staged in shared memory (D
 floats, ``syncwarp``) and each lane reads its elements' partners.
 
+The per-row device functions (``row_functions``: load, norm and rotate a head row, the cache's form of a
+row) are also what ``splitkv.paged_decode_fused_input`` runs inside the decode attention's split kernel, where
+a decode step does this work (this kernel remains a prefill's attention input).
+
 Checked (``tests/numba_kernels/test_attention_input_kernel.py``): in the CUDA simulator, bit for bit
 against ``layers.rms_norm``, ``layers.rope`` and ``kv_cache.paged_cache_write`` run in sequence (q_out,
 both caches and scales; untouched slots keep their poison; q, k, v unchanged), every cache format,

@@ -56,12 +56,25 @@ is bound by instruction issue and latency rather than memory. The next step is t
 scores and ``P V`` (``mma`` with K and V decoded by bit placement), which changes the summation order
 the simulator fixes.
 
+The decode step's variant, ``paged_decode_fused_input`` (``fused_kernel_function``): the same grid, plan and
+per-token arithmetic (the two kernels are written with the same ``shard_functions``), plus the attention input
+of ``fp8lab.numba_kernels.attention_input`` done by the split kernel itself, so that a decode step launches one
+kernel fewer per layer. A CTA norms and rotates the q rows of its ``H`` heads with the attention-input kernel's
+own device functions (a warp per row), staging them in shared memory; the CTAs whose shard holds the new token
+``L - 1`` also compute its K and V rows (k-norm, RoPE, quantized to the cache format), attend the cached tokens
+``[start, L - 1)``, then let the slot that owns ``L - 1`` (its last token) take it from registers; one CTA per
+(sequence, kv head) writes the row to the cache. Bit for bit ``qk_norm_rope_cache_write`` then
+``paged_decode``; its model is ``fp8lab.simulators.splitkv.paged_decode_fused_input`` (the composition), checked
+in ``tests/numba_kernels/test_fused_decode_kernel.py``. Precondition (checked where the index arrays are on the
+host): a row of length ``L > 0`` writes the slot of position ``L - 1`` of its block table and is at position
+``L - 1``; a row of length 0 writes nothing (slot -1). Decode only: prefill keeps the two kernels.
+
 Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` of uint8 E4M3 codes with float32 scales
 ``[num_blocks, num_kv_heads, block_size]`` (``fp8lab.reference.kv_cache``; no scales is an error, never a
 fallback), float32, or uint16 BF16 patterns, 16-byte aligned on the device. ``head_dim``: 32, 64,
-128 or 256. ``q``, ``out``: float32. Variants: one split kernel per (cache format, head_dim, heads per
-CTA), compiled on first use; ``kernel_variants()`` lists the ones ``tests/numba_kernels/test_kernels_compile.py``
-compiles to sm_90 PTX.
+128 or 256. ``q``, ``out``: float32. Variants: one split kernel (and one fused kernel) per (cache format,
+head_dim, heads per CTA), compiled on first use; ``kernel_variants()`` lists the ones
+``tests/numba_kernels/test_kernels_compile.py`` compiles to sm_90 PTX.
 """
 
 from __future__ import annotations

@@ -65,6 +65,10 @@ token per slot per step; ``shard_partials`` (what ``paged_decode`` uses) compute
 score at once, the running max as a cumulative maximum, and steps only through the ``l`` and
 ``acc`` fma chains, which are truly sequential (see its docstring).
 
+``paged_decode_fused_input`` models the decode kernel with the attention input fused in
+(``fp8lab.numba_kernels.splitkv.paged_decode_fused_input``): a composition, ``dense.rms_norm`` (a warp per
+row) and ``dense.rope`` of q and k, the cache write of K and V, then ``paged_decode``; it adds no order.
+
 Model parameters, not kernel limits: any ``head_dim`` up to 512 (lanes own 16 elements each, the
 last lane's run padded with zeros; ``lanes_per_token`` is the next power of two). The kernel
 compiles ``head_dim`` 32, 64, 128 and 256.
