@@ -30,10 +30,6 @@ layout "A" (any row stride; elements of a row adjacent). When ``D`` is a multipl
 pair ``(i, i + D/2)`` lies in one lane; otherwise the normed row is staged in shared memory (D
 floats, ``syncwarp``) and each lane reads its elements' partners.
 
-The per-row device functions (``row_functions``: load, norm and rotate a head row, the cache's form of a
-row) are also what ``splitkv.paged_decode_fused_input`` runs inside the decode attention's split kernel, where
-a decode step does this work (this kernel remains a prefill's attention input).
-
 Checked (``tests/numba_kernels/test_attention_input_kernel.py``): in the CUDA simulator, bit for bit
 against ``layers.rms_norm``, ``layers.rope`` and ``kv_cache.paged_cache_write`` run in sequence (q_out,
 both caches and scales; untouched slots keep their poison; q, k, v unchanged), every cache format,
@@ -45,17 +41,15 @@ PTX of ``kernel_variants()``.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, types, uint32
+from numba import cuda, float32, types
 from numba.np.numpy_support import from_dtype as numba_dtype
 
 from fp8lab.reference.kv_cache import KV_CACHE_FORMATS
 
 from . import mathops, pdl
 from .arguments import as_kernel_array, reject, require_c_contiguous
-from .bits import f32_as_u32
 from .kv_cache import E4M3_MAX, MIN_SCALE, check_cache, placeholder, warp_max
 from .layers import MAX_GRID_Y, WARP_PER_ROW_MAX_N, _run, sqrt_f32
 from .warp import WARP_SIZE, warp_sum
@@ -67,42 +61,13 @@ COMPILED_HEAD_DIMS = (16, 64, 128)
 """Head dims of ``kernel_variants`` (the PTX check): a staged one (16) and in-lane ones (64: tiny model, 128: Qwen3)."""
 
 
-@dataclass(frozen=True)
-class RowFunctions:
-    """The device functions of one warp's work on one head row, for one head dim and cache format
-    (``row_functions``): what this kernel runs, and what ``splitkv.paged_decode_fused_input`` runs in its own
-    CTAs (the same source, so the same bits).
+def attention_input_function(head_dim: int, cache_format: str):
+    """The Python source of the kernel for one head dim and cache format.
 
-    - ``norm_rope(x, weight, eps, n, positions, cos_sin, token, head, lane, values, stage)``: load head
-      ``head`` of row ``token`` of ``x`` (``[T, heads * D]``, any row stride), RMS-norm it with ``weight``
-      and rotate it at ``positions[token]``, into the lane's registers ``values`` (element ``lane + 32 i``
-      in ``values[i]``); ``n`` is D as a float32 read at run time; ``stage``: ``stage_size`` float32 of
-      shared memory the warp owns (RoPE partners when they are not in one lane);
-    - ``load_row(x, token, head, lane, values)``: the same elements, only loaded (v);
-    - ``store_row(x, token, head, lane, values)``: the registers into ``x[token, head, :]`` (q_out), and
-      ``store_elements(x, lane, values)`` into a 1-D ``x[0:D]`` (a shared-memory row);
-    - ``write_row(values, cache, scales, block, head, offset, lane)``: the paged cache write of the row
-      (``[num_blocks, heads, block_size, D]``);
-    - ``cache_elements(values, lane, elements)``: the row as the cache stores it, into ``elements[0:D]``
-      (uint32 each: the E4M3 code, the BF16 pattern or the float32 bits), returning its scale (1 for a
-      float cache): what ``write_row`` stores, bit for bit;
-    - ``elements_per_lane``: the length of ``values`` (``ceil(D / 32)``); ``stage_size``: the length of
-      ``stage`` (D where RoPE pairs cross lanes, else 1, unused).
+    Arguments ``(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
+    v_scale, slot_mapping)``: ``q [T, Hq D]``, ``k``, ``v [T, Hkv D]`` (any row stride), ``q_out [T, Hq,
+    D]`` (a float cache gets placeholder scale arrays, never touched). Launch ``[(T, Hq + Hkv), 32]``.
     """
-
-    norm_rope: object
-    load_row: object
-    store_row: object
-    store_elements: object
-    write_row: object
-    cache_elements: object
-    elements_per_lane: int
-    stage_size: int
-
-
-@functools.cache
-def row_functions(head_dim: int, cache_format: str) -> RowFunctions:
-    """The ``RowFunctions`` of one head dim (even, at most 256) and cache format."""
     D = head_dim
     HALF = D // 2
     E = -(-D // WARP_SIZE)  # elements per lane
@@ -196,16 +161,8 @@ def row_functions(head_dim: int, cache_format: str) -> RowFunctions:
                 x[token, head, d] = values[r]
 
     @cuda.jit(device=True, inline=True)
-    def store_elements(x, lane, values):
-        """The lane's elements into a 1-D array of D (``x[lane + 32 i] = values[i]``)."""
-        for r in range(E):
-            d = lane + WARP_SIZE * r
-            if owns(lane, r):
-                x[d] = values[r]
-
-    @cuda.jit(device=True, inline=True)
-    def fp8_scale(values, lane):
-        """``kv_cache``'s FP8 scale of the warp's row: amax (lane order, then the butterfly), ``amax / 448``."""
+    def write_fp8(values, cache, scales, block, head, offset, lane):
+        """``kv_cache``'s FP8 write: amax (lane order, then the butterfly), the scale by lane 0, the codes."""
         amax = float32(0)
         for r in range(E):
             if owns(lane, r):
@@ -214,12 +171,6 @@ def row_functions(head_dim: int, cache_format: str) -> RowFunctions:
         scale = float32(1) if amax == 0 else amax / E4M3_MAX  # a NaN amax stays NaN (NaN == 0 is false)
         if scale < MIN_SCALE:  # a NaN scale is not < anything: kept
             scale = MIN_SCALE
-        return scale
-
-    @cuda.jit(device=True, inline=True)
-    def write_fp8(values, cache, scales, block, head, offset, lane):
-        """``kv_cache``'s FP8 write: the scale (``fp8_scale``) by lane 0, the codes."""
-        scale = fp8_scale(values, lane)
         if lane == 0:
             scales[block, head, offset] = scale
         for r in range(E):
@@ -244,36 +195,6 @@ def row_functions(head_dim: int, cache_format: str) -> RowFunctions:
     write_row = {"fp8": write_fp8, "fp32": write_f32, "bf16": write_bf16}[cache_format]
 
     @cuda.jit(device=True, inline=True)
-    def fp8_elements(values, lane, elements):
-        """``write_fp8``'s codes into ``elements[d]``; returns its scale."""
-        scale = fp8_scale(values, lane)
-        for r in range(E):
-            d = lane + WARP_SIZE * r
-            if owns(lane, r):
-                elements[d] = uint32(mathops.e4m3_encode_saturating(values[r] / scale))
-        return scale
-
-    @cuda.jit(device=True, inline=True)
-    def bf16_elements(values, lane, elements):
-        """``write_bf16``'s patterns into ``elements[d]``; returns the scale 1."""
-        for r in range(E):
-            d = lane + WARP_SIZE * r
-            if owns(lane, r):
-                elements[d] = uint32(mathops.f32_to_bf16_bits_rne(values[r]))
-        return float32(1)
-
-    @cuda.jit(device=True, inline=True)
-    def f32_elements(values, lane, elements):
-        """``write_f32``'s values as their bits into ``elements[d]``; returns the scale 1."""
-        for r in range(E):
-            d = lane + WARP_SIZE * r
-            if owns(lane, r):
-                elements[d] = f32_as_u32(values[r])
-        return float32(1)
-
-    cache_elements = {"fp8": fp8_elements, "fp32": f32_elements, "bf16": bf16_elements}[cache_format]
-
-    @cuda.jit(device=True, inline=True)
     def norm_rope(x, weight, eps, n, positions, cos_sin, token, head, lane, values, stage):
         """Load, norm and rotate head ``head`` of row ``token`` of ``x`` into ``values`` (``n``: D at run time)."""
         w = cuda.local.array(E, float32)
@@ -289,22 +210,6 @@ def row_functions(head_dim: int, cache_format: str) -> RowFunctions:
         normalize(values, w, eps, lane, n)
         partners(values, stage, lane, other)
         rotate(values, other, c, s, in_table, lane)
-
-    return RowFunctions(norm_rope, load_row, store_row, store_elements, write_row, cache_elements, E,
-                        1 if IN_LANE else D)
-
-
-def attention_input_function(head_dim: int, cache_format: str):
-    """The Python source of the kernel for one head dim and cache format.
-
-    Arguments ``(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
-    v_scale, slot_mapping)``: ``q [T, Hq D]``, ``k``, ``v [T, Hkv D]`` (any row stride), ``q_out [T, Hq,
-    D]`` (a float cache gets placeholder scale arrays, never touched). Launch ``[(T, Hq + Hkv), 32]``.
-    """
-    D = head_dim
-    E = -(-D // WARP_SIZE)  # elements per lane
-    row = row_functions(head_dim, cache_format)
-    norm_rope, load_row, store_row, write_row = row.norm_rope, row.load_row, row.store_row, row.write_row
 
     def attention_input_kernel(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
                                v_scale, slot_mapping):
@@ -356,7 +261,7 @@ def _extent(x) -> tuple[int, int]:
     return start, start + sum((n - 1) * s for n, s in zip(x.shape, x.strides)) + itemsize
 
 
-def overlaps(a, b) -> bool:
+def _overlap(a, b) -> bool:
     (a0, a1), (b0, b1) = _extent(a), _extent(b)
     return a0 < b1 and b0 < a1
 
@@ -381,37 +286,17 @@ def _check_q_out_memory(q_out, q, k, v):
     if q_out.size == 0:
         return
     for name, x in (("k", k), ("v", v)):
-        if overlaps(q_out, x):
+        if _overlap(q_out, x):
             raise ValueError(f"q_out: overlaps {name} in memory (q_out may share memory with q only)")
-    if overlaps(q_out, q) and not (_is_c_contiguous(q) and _extent(q) == _extent(q_out)):
+    if _overlap(q_out, q) and not (_is_c_contiguous(q) and _extent(q) == _extent(q_out)):
         raise ValueError("q_out: partially overlaps q in memory (allowed: q_out is q's memory exactly, "
                          "q C-contiguous, in place)")
 
 
-def host_contiguous(x):
+def _host_contiguous(x):
     """A NumPy column slice as a C-contiguous copy (the simulator and ``on_device`` copy only contiguous arrays);
     device arrays, read in place with their row stride, pass through."""
     return np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x
-
-
-def check_inputs(q, k, v, q_norm, k_norm, positions, cos_sin, slot_mapping, tokens: int, q_heads: int, kv_heads: int,
-                 head_dim: int) -> None:
-    """The checks of the inputs (kernel arrays) that ``qk_norm_rope_cache_write`` and
-    ``splitkv.paged_decode_fused_input`` share: shapes, dtypes and strides, a ``ValueError`` naming the argument."""
-    _check_columns("q", q, tokens, q_heads * head_dim)
-    _check_columns("k", k, tokens, kv_heads * head_dim)
-    _check_columns("v", v, tokens, kv_heads * head_dim)
-    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if tuple(weight.shape) != (head_dim,) or np.dtype(weight.dtype) != np.float32:
-            reject(name, f"float32 [{head_dim}]", weight)
-        require_c_contiguous(name, weight)
-    if positions.ndim != 1 or positions.shape[0] != tokens or np.dtype(positions.dtype) != np.int32:
-        reject("positions", f"int32 [{tokens}]", positions)
-    if cos_sin.ndim != 2 or cos_sin.shape[1] != head_dim or np.dtype(cos_sin.dtype) != np.float32:
-        reject("cos_sin", f"float32 [max_positions, {head_dim}] (rope_table)", cos_sin)
-    require_c_contiguous("cos_sin", cos_sin)
-    if slot_mapping.ndim != 1 or slot_mapping.shape[0] != tokens or np.dtype(slot_mapping.dtype) != np.int32:
-        reject("slot_mapping", f"int32 [{tokens}] (-1: padding)", slot_mapping)
 
 
 def qk_norm_rope_cache_write(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache,
@@ -453,7 +338,20 @@ def qk_norm_rope_cache_write(q, k, v, q_out, q_norm, k_norm, eps, positions, cos
     kv_heads = k_cache.shape[1]
     if k_cache.shape[3] != head_dim:
         reject("k_cache", f"[num_blocks, num_kv_heads, block_size, {head_dim}] (q_out's head_dim)", k_cache)
-    check_inputs(q, k, v, q_norm, k_norm, positions, cos_sin, slot_mapping, tokens, q_heads, kv_heads, head_dim)
+    _check_columns("q", q, tokens, q_heads * head_dim)
+    _check_columns("k", k, tokens, kv_heads * head_dim)
+    _check_columns("v", v, tokens, kv_heads * head_dim)
+    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if tuple(weight.shape) != (head_dim,) or np.dtype(weight.dtype) != np.float32:
+            reject(name, f"float32 [{head_dim}]", weight)
+        require_c_contiguous(name, weight)
+    if positions.ndim != 1 or positions.shape[0] != tokens or np.dtype(positions.dtype) != np.int32:
+        reject("positions", f"int32 [{tokens}]", positions)
+    if cos_sin.ndim != 2 or cos_sin.shape[1] != head_dim or np.dtype(cos_sin.dtype) != np.float32:
+        reject("cos_sin", f"float32 [max_positions, {head_dim}] (rope_table)", cos_sin)
+    require_c_contiguous("cos_sin", cos_sin)
+    if slot_mapping.ndim != 1 or slot_mapping.shape[0] != tokens or np.dtype(slot_mapping.dtype) != np.int32:
+        reject("slot_mapping", f"int32 [{tokens}] (-1: padding)", slot_mapping)
     _check_q_out_memory(q_out, q, k, v)
     if q_heads + kv_heads > MAX_GRID_Y:
         raise ValueError(f"q_out: at most {MAX_GRID_Y} heads in all (q and kv), got {q_heads} + {kv_heads}")
@@ -462,7 +360,7 @@ def qk_norm_rope_cache_write(q, k, v, q_out, q_norm, k_norm, eps, positions, cos
     fp8 = cache_format == "fp8"
     # q before q_out: the simulator copies every NumPy argument back after the launch, in order, so an
     # in-place q_out (another NumPy view of q's memory) gets the result last
-    args = [host_contiguous(q), host_contiguous(k), host_contiguous(v), q_out, q_norm, k_norm, np.float32(eps),
+    args = [_host_contiguous(q), _host_contiguous(k), _host_contiguous(v), q_out, q_norm, k_norm, np.float32(eps),
             positions, cos_sin, k_cache, v_cache, k_scale if fp8 else placeholder(3),
             v_scale if fp8 else placeholder(3), slot_mapping]
     written = (3, 9, 10, 11, 12) if fp8 else (3, 9, 10)

@@ -56,25 +56,12 @@ is bound by instruction issue and latency rather than memory. The next step is t
 scores and ``P V`` (``mma`` with K and V decoded by bit placement), which changes the summation order
 the simulator fixes.
 
-The decode step's variant, ``paged_decode_fused_input`` (``fused_kernel_function``): the same grid, plan and
-per-token arithmetic (the two kernels are written with the same ``shard_functions``), plus the attention input
-of ``fp8lab.numba_kernels.attention_input`` done by the split kernel itself, so that a decode step launches one
-kernel fewer per layer. A CTA norms and rotates the q rows of its ``H`` heads with the attention-input kernel's
-own device functions (a warp per row), staging them in shared memory; the CTAs whose shard holds the new token
-``L - 1`` also compute its K and V rows (k-norm, RoPE, quantized to the cache format), attend the cached tokens
-``[start, L - 1)``, then let the slot that owns ``L - 1`` (its last token) take it from registers; one CTA per
-(sequence, kv head) writes the row to the cache. Bit for bit ``qk_norm_rope_cache_write`` then
-``paged_decode``; its model is ``fp8lab.simulators.splitkv.paged_decode_fused_input`` (the composition), checked
-in ``tests/numba_kernels/test_fused_decode_kernel.py``. Precondition (checked where the index arrays are on the
-host): a row of length ``L > 0`` writes the slot of position ``L - 1`` of its block table and is at position
-``L - 1``; a row of length 0 writes nothing (slot -1). Decode only: prefill keeps the two kernels.
-
 Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` of uint8 E4M3 codes with float32 scales
 ``[num_blocks, num_kv_heads, block_size]`` (``fp8lab.reference.kv_cache``; no scales is an error, never a
 fallback), float32, or uint16 BF16 patterns, 16-byte aligned on the device. ``head_dim``: 32, 64,
-128 or 256. ``q``, ``out``: float32. Variants: one split kernel (and one fused kernel) per (cache format,
-head_dim, heads per CTA), compiled on first use; ``kernel_variants()`` lists the ones
-``tests/numba_kernels/test_kernels_compile.py`` compiles to sm_90 PTX.
+128 or 256. ``q``, ``out``: float32. Variants: one split kernel per (cache format, head_dim, heads per
+CTA), compiled on first use; ``kernel_variants()`` lists the ones ``tests/numba_kernels/test_kernels_compile.py``
+compiles to sm_90 PTX.
 """
 
 from __future__ import annotations
@@ -107,7 +94,6 @@ from .arguments import (
     require_c_contiguous,
     require_load_alignment,
 )
-from .attention_input import check_inputs, host_contiguous, overlaps, row_functions
 from .bits import SIMULATOR, u32_as_f32
 from .dequantize import placed_codes
 from .kv_cache import check_cache, on_device, placeholder, to_host
@@ -242,43 +228,32 @@ def normalized(acc, l):
     return acc / l
 
 
-# ---------------------------------------------------------------------------- the split kernels' device functions
+# ---------------------------------------------------------------------------- the split kernel
 
 
-@dataclass(frozen=True)
-class ShardFunctions:
-    """The device functions a split kernel's CTA is made of (``shard_functions``), for one cache format, head
-    size and ``H`` heads per CTA: ``split_kernel_function`` and ``fused_kernel_function`` are both written with
-    them, so the two kernels share every operation on cached tokens and the merge.
+def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_in_flight: int | None = None):
+    """The Python source of the split kernel for one cache format, head size and ``heads`` per CTA.
 
-    - ``attend_cache(start, end, seq_len, slot, warp, r, table, kv_head, num_kv_heads, block_size, k_words,
-      v_words, k_scales, v_scales, q2, slope2, use_alibi, m, l, acc)``: the slot's tokens of ``[start, end)``
-      read from the cache, in groups of ``U`` (the module docstring), into its online-softmax state
-      ``(m, l, acc)``;
-    - ``token_scores(token0, seq_len, q2, slope2, use_alibi, k_words, k_scales, scores)`` and
-      ``token_softmax(token0, end, scores, v_words, v_scales, m, l, acc)``: the same two steps for one
-      token whose words (the lane's ``WORDS``) and scale are in registers (the fused kernel's new token);
-      every lane of the warp runs ``token_scores`` (its butterfly), only the token's slot ``token_softmax``;
-    - ``merge_slots(seq, head0, shard, tid, slot, r, m, l, acc, num_splits, workspace, out)``: the slots'
-      states merged in slot order through shared memory, written as the shard's partial (or as ``out``).
+    Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
+    use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out``. The caches come
+    flat, as 1-D arrays of uint32 words (``flat_cache``): the token at ``(block, kv_head, offset)`` is
+    *row* ``(block * num_kv_heads + kv_head) * block_size + offset``, its words are ``row *
+    ROW_WORDS ...`` and its scale is ``k_scales[row]``. A float cache gets placeholder scale arrays
+    (never read), a call without ALiBi a placeholder ``alibi_slopes`` and ``use_alibi = 0``. Launch
+    ``[(num_seqs, num_heads // heads, num_splits), 128]``.
+
+    Exact rescalings: FP8 values are decoded as ``decode(c) * 2^-8`` (two integer instructions and
+    a conversion per pair, no multiply); the query is multiplied by 256 once and each V weight
+    ``p * v_scale`` by 256, both exact (powers of two), and since an fma rounds only once,
+    ``fma(256 q2, k / 256, part)`` is bit for bit ``fma(q2, k, part)``.
     """
-
-    attend_cache: object
-    token_scores: object
-    token_softmax: object
-    merge_slots: object
-
-
-@functools.cache
-def shard_functions(cache_format: str, head_dim: int, heads: int, tokens_in_flight: int | None = None) -> ShardFunctions:
-    """The ``ShardFunctions`` of one cache format, head size and ``heads`` per CTA (see ``split_kernel_function``
-    for the cache layout and the exact rescalings they use)."""
     layout = lane_layout(cache_format, head_dim, tokens_in_flight)
     WORDS, LOADS, U, H = layout.words, layout.loads, layout.tokens_in_flight, heads
     LPT = lanes_per_token(head_dim)
     TOKENS_PER_WARP = WARP_SIZE // LPT
     SLOTS = num_slots(head_dim)
     E = ELEMENTS_PER_LANE
+    HE = H * E
     GROUP_WORDS = U * WORDS  # local array sizes must be plain constants
     UH = U * H
     ROW_WORDS = np.uint64(layout.row_words)  # unsigned, so that word indices stay unsigned
@@ -333,36 +308,33 @@ def shard_functions(cache_format: str, head_dim: int, heads: int, tokens_in_flig
 
         return load_group
 
-    def make_group_scores(tokens: int):
-        @cuda.jit(device=True, inline=True)
-        def group_scores(token0, seq_len, q2, slope2, use_alibi, k_group, k_group_scales, scores):
-            """``scores[u * H + h]``: the log2-domain score of the slot's token ``u`` (of ``tokens``) for head ``h``.
+    @cuda.jit(device=True, inline=True)
+    def group_scores(token0, seq_len, q2, slope2, use_alibi, k_group, k_group_scales, scores):
+        """``scores[u * H + h]``: the log2-domain score of the slot's token ``u`` for head ``h``.
 
-            Every lane of the warp runs this, active slot or not, so that the ``shfl_xor`` butterflies
-            see all 32 lanes (an idle slot's score is never used). No branch between the ``tokens * H``
-            dot products, so their fma chains and butterflies interleave; ALiBi (a uniform branch) after.
-            """
-            keys = cuda.local.array(E, float32)
-            for u in range(tokens):
-                values_of(k_group, u * WORDS, keys)
+        Every lane of the warp runs this, active slot or not, so that the ``shfl_xor`` butterflies
+        see all 32 lanes (an idle slot's score is never used). No branch between the ``U * H`` dot
+        products, so their fma chains and butterflies interleave; ALiBi (a uniform branch) after.
+        """
+        keys = cuda.local.array(E, float32)
+        for u in range(U):
+            values_of(k_group, u * WORDS, keys)
+            for h in range(H):
+                dot = float32(0)
+                for e in range(E):
+                    dot = cuda.fma(q2[h * E + e], keys[e], dot)
+                offset = LPT // 2
+                while offset > 0:  # the butterfly over the slot's lanes
+                    dot += cuda.shfl_xor_sync(FULL_MASK, dot, offset)
+                    offset //= 2
+                scores[u * H + h] = dot * k_group_scales[u] if IS_FP8 else dot
+        if use_alibi:
+            for u in range(U):
                 for h in range(H):
-                    dot = float32(0)
-                    for e in range(E):
-                        dot = cuda.fma(q2[h * E + e], keys[e], dot)
-                    offset = LPT // 2
-                    while offset > 0:  # the butterfly over the slot's lanes
-                        dot += cuda.shfl_xor_sync(FULL_MASK, dot, offset)
-                        offset //= 2
-                    scores[u * H + h] = dot * k_group_scales[u] if IS_FP8 else dot
-            if use_alibi:
-                for u in range(tokens):
-                    for h in range(H):
-                        scores[u * H + h] = cuda.fma(slope2[h], float32(token0 + SLOTS * u - (seq_len - 1)),
-                                                     scores[u * H + h])
+                    scores[u * H + h] = cuda.fma(slope2[h], float32(token0 + SLOTS * u - (seq_len - 1)),
+                                                 scores[u * H + h])
 
-        return group_scores
-
-    def make_group_softmax(guarded: bool, tokens: int):
+    def make_group_softmax(guarded: bool):
         @cuda.jit(device=True, inline=True)
         def group_softmax(token0, end, scores, v_group, v_group_scales, m, l, acc):
             """The online softmax of the slot's tokens, one at a time in token order, all heads at once.
@@ -375,7 +347,7 @@ def shard_functions(cache_format: str, head_dim: int, heads: int, tokens_in_flig
             values = cuda.local.array(E, float32)
             corr = cuda.local.array(H, float32)
             pv = cuda.local.array(H, float32)
-            for u in range(tokens):
+            for u in range(U):
                 if not guarded or token0 + SLOTS * u < end:
                     values_of(v_group, u * WORDS, values)
                     moved = False
@@ -401,24 +373,49 @@ def shard_functions(cache_format: str, head_dim: int, heads: int, tokens_in_flig
         return group_softmax
 
     load_full_group, load_last_group = make_load_group(False), make_load_group(True)
-    group_scores = make_group_scores(U)
-    full_group_softmax, last_group_softmax = make_group_softmax(False, U), make_group_softmax(True, U)
+    full_group_softmax, last_group_softmax = make_group_softmax(False), make_group_softmax(True)
 
-    @cuda.jit(device=True, inline=True)
-    def attend_cache(start, end, seq_len, slot, warp, r, table, kv_head, num_kv_heads, block_size, k_words, v_words,
-                     k_scales, v_scales, q2, slope2, use_alibi, m, l, acc):
-        """The slot's tokens ``start + slot, start + slot + SLOTS, ...`` below ``end``, from the cache, in groups of U.
+    def split_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
+                     use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out):
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
+        seq = cuda.blockIdx.x
+        head0 = cuda.blockIdx.y * H
+        shard = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        warp = tid // WARP_SIZE
+        lane = tid % WARP_SIZE
+        slot = warp * TOKENS_PER_WARP + lane // LPT
+        r = lane % LPT  # the lane's place in its slot: it owns elements [16 r, 16 r + 16)
+        num_heads = q.shape[1]
+        kv_head = head0 // (num_heads // num_kv_heads)
+        seq_len = seq_lens[seq]
+        start, end = shard_range(seq_len, shard, num_splits, block_size)
 
-        A group is full when the warp's last slot has all U of its tokens (then so do the warp's other
-        slots): no guards. The last group is guarded; the warp runs it while its first slot, which has
-        the most tokens, has any, so all 32 lanes reach every shuffle.
-        """
+        # The H queries in the log2 domain (times UNIT, exact), as this lane's 16 elements each.
+        q2 = cuda.local.array(HE, float32)
+        slope2 = cuda.local.array(H, float32)
+        m = cuda.local.array(H, float32)
+        l = cuda.local.array(H, float32)
+        acc = cuda.local.array(HE, float32)
+        for h in range(H):
+            for e in range(E):
+                q2[h * E + e] = (q[seq, head0 + h, r * E + e] * scale_log2) * UNIT
+                acc[h * E + e] = float32(0)
+            slope2[h] = alibi_slopes[head0 + h] * LOG2E_F32 if use_alibi else float32(0)
+            m[h] = float32(-math.inf)
+            l[h] = float32(0)
+
         k_group = cuda.local.array(GROUP_WORDS, uint32)
         v_group = cuda.local.array(GROUP_WORDS, uint32)
         k_group_scales = cuda.local.array(U, float32)
         v_group_scales = cuda.local.array(U, float32)
         scores = cuda.local.array(UH, float32)
 
+        # The slot's tokens start + slot, start + slot + SLOTS, ... in groups of U. A group is full
+        # when the warp's last slot has all U of its tokens (then so do the warp's other slots):
+        # no guards. The last group is guarded; the warp runs it while its first slot, which has the
+        # most tokens, has any, so all 32 lanes reach every shuffle.
+        table = block_tables[seq]
         rows_per_block = num_kv_heads * block_size
         head_row = kv_head * block_size
         lane_words = r * WORDS
@@ -443,11 +440,8 @@ def shard_functions(cache_format: str, head_dim: int, heads: int, tokens_in_flig
             group_scores(token0, seq_len, q2, slope2, use_alibi, k_group, k_group_scales, scores)
             last_group_softmax(token0, end, scores, v_group, v_group_scales, m, l, acc)
 
-    @cuda.jit(device=True, inline=True)
-    def merge_slots(seq, head0, shard, tid, slot, r, m, l, acc, num_splits, workspace, out):
-        """Merge the slots in slot order through shared memory (a slot without tokens is neutral): each
-        head's m* and each slot's weight exp2(m_p - m*) once, then the fma chains over the slots; write the
-        shard's partial to the workspace, or ``out = acc / l`` with one split."""
+        # Merge the slots in slot order through shared memory (a slot without tokens is neutral): each
+        # head's m* and each slot's weight exp2(m_p - m*) once, then the fma chains over the slots.
         slot_m = cuda.shared.array(MERGE_STATES, float32)
         slot_l = cuda.shared.array(MERGE_STATES, float32)
         slot_w = cuda.shared.array(MERGE_STATES, float32)
@@ -486,241 +480,7 @@ def shard_functions(cache_format: str, head_dim: int, heads: int, tokens_in_flig
                     workspace[seq, head0 + h, shard, HEAD_DIM] = head_m[h]
                     workspace[seq, head0 + h, shard, HEAD_DIM + 1] = l_sum
 
-    return ShardFunctions(attend_cache, make_group_scores(1), make_group_softmax(False, 1), merge_slots)
-
-
-# ---------------------------------------------------------------------------- the split kernel
-
-
-def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_in_flight: int | None = None):
-    """The Python source of the split kernel for one cache format, head size and ``heads`` per CTA.
-
-    Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
-    use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out``. The caches come
-    flat, as 1-D arrays of uint32 words (``flat_cache``): the token at ``(block, kv_head, offset)`` is
-    *row* ``(block * num_kv_heads + kv_head) * block_size + offset``, its words are ``row *
-    ROW_WORDS ...`` and its scale is ``k_scales[row]``. A float cache gets placeholder scale arrays
-    (never read), a call without ALiBi a placeholder ``alibi_slopes`` and ``use_alibi = 0``. Launch
-    ``[(num_seqs, num_heads // heads, num_splits), 128]``.
-
-    Exact rescalings: FP8 values are decoded as ``decode(c) * 2^-8`` (two integer instructions and
-    a conversion per pair, no multiply); the query is multiplied by 256 once and each V weight
-    ``p * v_scale`` by 256, both exact (powers of two), and since an fma rounds only once,
-    ``fma(256 q2, k / 256, part)`` is bit for bit ``fma(q2, k, part)``.
-    """
-    H = heads
-    LPT = lanes_per_token(head_dim)
-    TOKENS_PER_WARP = WARP_SIZE // LPT
-    E = ELEMENTS_PER_LANE
-    HE = H * E
-    UNIT = float32(VALUE_UNIT[cache_format])
-    shard = shard_functions(cache_format, head_dim, heads, tokens_in_flight)
-    attend_cache, merge_slots = shard.attend_cache, shard.merge_slots
-
-    def split_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
-                     use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out):
-        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
-        seq = cuda.blockIdx.x
-        head0 = cuda.blockIdx.y * H
-        shard = cuda.blockIdx.z
-        tid = cuda.threadIdx.x
-        warp = tid // WARP_SIZE
-        lane = tid % WARP_SIZE
-        slot = warp * TOKENS_PER_WARP + lane // LPT
-        r = lane % LPT  # the lane's place in its slot: it owns elements [16 r, 16 r + 16)
-        num_heads = q.shape[1]
-        kv_head = head0 // (num_heads // num_kv_heads)
-        seq_len = seq_lens[seq]
-        start, end = shard_range(seq_len, shard, num_splits, block_size)
-
-        # The H queries in the log2 domain (times UNIT, exact), as this lane's 16 elements each.
-        q2 = cuda.local.array(HE, float32)
-        slope2 = cuda.local.array(H, float32)
-        m = cuda.local.array(H, float32)
-        l = cuda.local.array(H, float32)
-        acc = cuda.local.array(HE, float32)
-        for h in range(H):
-            for e in range(E):
-                q2[h * E + e] = (q[seq, head0 + h, r * E + e] * scale_log2) * UNIT
-                acc[h * E + e] = float32(0)
-            slope2[h] = alibi_slopes[head0 + h] * LOG2E_F32 if use_alibi else float32(0)
-            m[h] = float32(-math.inf)
-            l[h] = float32(0)
-
-        attend_cache(start, end, seq_len, slot, warp, r, block_tables[seq], kv_head, num_kv_heads, block_size,
-                     k_words, v_words, k_scales, v_scales, q2, slope2, use_alibi, m, l, acc)
-        merge_slots(seq, head0, shard, tid, slot, r, m, l, acc, num_splits, workspace, out)
-
     return split_kernel
-
-
-# ---------------------------------------------------------------------------- the split kernel with the attention input fused
-
-
-def fused_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_in_flight: int | None = None):
-    """The Python source of the decode split kernel that also does the attention input (``paged_decode_fused_input``).
-
-    Arguments: ``q, k, v, q_norm, k_norm, eps, positions, cos_sin, slot_mapping, k_words, v_words,
-    k_scales, v_scales, block_tables, seq_lens, scale_log2, num_kv_heads, block_size, num_splits,
-    workspace, out``: ``q [num_seqs, Hq D]``, ``k``, ``v [num_seqs, Hkv D]`` the raw rows (any row
-    stride: column slices of the q/k/v GEMM output), the rest as ``attention_input.qk_norm_rope_cache_write``
-    and ``split_kernel_function`` take them (no ALiBi). Launch ``[(num_seqs, num_heads // heads, num_splits),
-    128]``, the split kernel's grid.
-
-    A CTA, in order (``L = seq_lens[seq]``, the new token is ``L - 1``; "has the new token": the CTA's
-    shard ``[start, end)`` holds ``L - 1``):
-
-    1. the attention input, a warp per row with ``attention_input.row_functions`` (the attention-input
-       kernel's own device functions, so its bits): warp ``w`` takes rows ``w, w + 4, ...`` of the
-       CTA's ``H`` query heads (q-norm, RoPE) and, when it has the new token, the new K row (k-norm,
-       RoPE, quantized to the cache format) and V row (quantized). The q rows go to shared memory as
-       float32, K and V as one cache element per uint32 (code, BF16 pattern or float32 bits) and their
-       two scales. A CTA with an empty shard skips this. ``syncthreads``.
-    2. each lane takes its 16 elements of each q row, ``q2 = (q * scale_log2) * UNIT``: bit for bit
-       what the split kernel reads from ``q_out``; and, with the new token, packs its words of the new
-       K and V rows as it would load them from the cache.
-    3. ``attend_cache`` over ``[start, min(end, L - 1))``: the cached tokens, the new one excluded.
-    4. with the new token, its score (every lane: the butterflies), and the online-softmax step of the
-       slot that owns it (``(L - 1 - start) % SLOTS``, whose last token it is) from the registers: a
-       slot's tokens are taken one at a time in token order whatever the grouping, so this is the
-       split kernel's result bit for bit. That slot's lanes in the CTA of the kv group's first query
-       heads write the row and its scale to the cache at ``slot_mapping[seq]`` (nothing for -1): one
-       writer per (sequence, kv head), and no CTA reads that row (it is token ``L - 1``, which every
-       CTA takes from its registers).
-    5. ``merge_slots``, as the split kernel.
-    """
-    H = heads
-    LPT = lanes_per_token(head_dim)
-    TOKENS_PER_WARP = WARP_SIZE // LPT
-    SLOTS = num_slots(head_dim)
-    E = ELEMENTS_PER_LANE
-    HE = H * E
-    HEAD_DIM = head_dim
-    layout = lane_layout(cache_format, head_dim, tokens_in_flight)
-    WORDS = layout.words
-    ROW_WORDS = np.uint64(layout.row_words)
-    ROW_WORDS_SIGNED = layout.row_words
-    PER_WORD = 4 // kv_cache_format(cache_format).kernel_storage.itemsize  # cache elements per uint32 word
-    BITS = 32 // PER_WORD
-    IS_FP8 = cache_format == "fp8"
-    UNIT = float32(VALUE_UNIT[cache_format])
-    shard = shard_functions(cache_format, head_dim, heads, tokens_in_flight)
-    attend_cache, token_scores, token_softmax, merge_slots = (
-        shard.attend_cache, shard.token_scores, shard.token_softmax, shard.merge_slots)
-    row = row_functions(head_dim, cache_format)
-    norm_rope, load_row, store_elements, cache_elements = (
-        row.norm_rope, row.load_row, row.store_elements, row.cache_elements)
-    ROW_VALUES, STAGE = row.elements_per_lane, row.stage_size
-
-    @cuda.jit(device=True, inline=True)
-    def lane_words(elements, r, words):
-        """Lane ``r``'s ``WORDS`` words of a row held as one cache element per uint32 (``elements[0:D]``), as
-        it would load them from the cache (little-endian: element ``j`` of a word in bits ``[BITS j, BITS (j + 1))``)."""
-        for w in range(WORDS):
-            word = uint32(0)
-            for j in range(PER_WORD):
-                word |= uint32(elements[r * E + w * PER_WORD + j]) << uint32(BITS * j)
-            words[w] = word
-
-    def fused_split_kernel(q, k, v, q_norm, k_norm, eps, positions, cos_sin, slot_mapping, k_words, v_words,
-                           k_scales, v_scales, block_tables, seq_lens, scale_log2, num_kv_heads, block_size,
-                           num_splits, workspace, out):
-        pdl.prologue()  # griddepcontrol: wait for the previous kernel (q, k, v), then let the next one launch
-        seq = cuda.blockIdx.x
-        head0 = cuda.blockIdx.y * H
-        shard = cuda.blockIdx.z
-        tid = cuda.threadIdx.x
-        warp = tid // WARP_SIZE
-        lane = tid % WARP_SIZE
-        slot = warp * TOKENS_PER_WARP + lane // LPT
-        r = lane % LPT  # the lane's place in its slot: it owns elements [16 r, 16 r + 16)
-        num_heads = out.shape[1]
-        group = num_heads // num_kv_heads
-        kv_head = head0 // group
-        seq_len = seq_lens[seq]
-        start, end = shard_range(seq_len, shard, num_splits, block_size)
-        new = seq_len - 1  # the new token: its K and V come from k and v, not from the cache
-        has_new = start <= new < end  # uniform over the CTA
-
-        # 1. The attention input of the CTA's rows, a warp per row.
-        q_rows = cuda.shared.array((H, HEAD_DIM), float32)
-        new_k = cuda.shared.array(HEAD_DIM, uint32)
-        new_v = cuda.shared.array(HEAD_DIM, uint32)
-        new_scales = cuda.shared.array(2, float32)
-        stage = cuda.shared.array((NUM_WARPS, STAGE), float32)
-        if start < end:
-            n = float32(out.shape[2])  # D read at run time: the norm divides by it as rms_norm does
-            values = cuda.local.array(ROW_VALUES, float32)
-            for job in range(warp, H + 2 if has_new else H, NUM_WARPS):  # uniform over the warp
-                if job < H:
-                    norm_rope(q, q_norm, eps, n, positions, cos_sin, seq, head0 + job, lane, values, stage[warp])
-                    store_elements(q_rows[job], lane, values)
-                elif job == H:
-                    norm_rope(k, k_norm, eps, n, positions, cos_sin, seq, kv_head, lane, values, stage[warp])
-                    scale = cache_elements(values, lane, new_k)
-                    if lane == 0:
-                        new_scales[0] = scale
-                else:
-                    load_row(v, seq, kv_head, lane, values)
-                    scale = cache_elements(values, lane, new_v)
-                    if lane == 0:
-                        new_scales[1] = scale
-                cuda.syncwarp()  # the warp's next row reuses its stage
-        cuda.syncthreads()
-
-        # 2. The H queries in the log2 domain (times UNIT, exact), as this lane's 16 elements each: the
-        # split kernel's q2 from q_out, bit for bit. An empty shard reads none (and attends nothing).
-        q2 = cuda.local.array(HE, float32)
-        slope2 = cuda.local.array(H, float32)
-        m = cuda.local.array(H, float32)
-        l = cuda.local.array(H, float32)
-        acc = cuda.local.array(HE, float32)
-        for h in range(H):
-            for e in range(E):
-                q2[h * E + e] = (q_rows[h, r * E + e] * scale_log2) * UNIT if start < end else float32(0)
-                acc[h * E + e] = float32(0)
-            slope2[h] = float32(0)
-            m[h] = float32(-math.inf)
-            l[h] = float32(0)
-        k_new = cuda.local.array(WORDS, uint32)
-        v_new = cuda.local.array(WORDS, uint32)
-        k_new_scale = cuda.local.array(1, float32)
-        v_new_scale = cuda.local.array(1, float32)
-        if has_new:
-            lane_words(new_k, r, k_new)
-            lane_words(new_v, r, v_new)
-            k_new_scale[0] = new_scales[0]
-            v_new_scale[0] = new_scales[1]
-
-        # 3. The cached tokens.
-        table = block_tables[seq]
-        attend_cache(start, new if has_new else end, seq_len, slot, warp, r, table, kv_head, num_kv_heads,
-                     block_size, k_words, v_words, k_scales, v_scales, q2, slope2, 0, m, l, acc)
-
-        # 4. The new token: its scores in every lane (the butterflies need the whole warp), the softmax
-        # step in its slot, the cache write by that slot of the kv group's first CTA.
-        if has_new:
-            scores = cuda.local.array(H, float32)
-            token_scores(new, seq_len, q2, slope2, 0, k_new, k_new_scale, scores)
-            if slot == (new - start) % SLOTS:
-                token_softmax(new, seq_len, scores, v_new, v_new_scale, m, l, acc)
-                target = slot_mapping[seq]
-                num_cache_slots = k_words.shape[0] // (ROW_WORDS_SIGNED * num_kv_heads)
-                if head0 % group == 0 and target >= 0 and target < num_cache_slots:  # -1: padding; never outside
-                    cache_row = uint64((target // block_size * num_kv_heads + kv_head) * block_size
-                                       + target % block_size)
-                    first = cache_row * ROW_WORDS + uint64(r * WORDS)
-                    for w in range(WORDS):
-                        k_words[first + uint64(w)] = k_new[w]
-                        v_words[first + uint64(w)] = v_new[w]
-                    if IS_FP8 and r == 0:
-                        k_scales[cache_row] = k_new_scale[0]
-                        v_scales[cache_row] = v_new_scale[0]
-
-        # 5. The merge, as the split kernel.
-        merge_slots(seq, head0, shard, tid, slot, r, m, l, acc, num_splits, workspace, out)
-
-    return fused_split_kernel
 
 
 MAX_SPLITS = 256
@@ -790,11 +550,6 @@ def _split_kernel(cache_format: str, head_dim: int, heads: int, tokens_in_flight
     return cuda.jit(split_kernel_function(cache_format, head_dim, heads, tokens_in_flight))
 
 
-@functools.cache
-def _fused_kernel(cache_format: str, head_dim: int, heads: int, tokens_in_flight: int | None = None):
-    return cuda.jit(fused_kernel_function(cache_format, head_dim, heads, tokens_in_flight))
-
-
 _combine_kernel = cuda.jit(combine_kernel)
 
 
@@ -838,25 +593,15 @@ class DecodeCall:
 def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
                  alibi_slopes=None, num_splits="auto", workspace=None, max_seq_len=None, kv_format=None) -> DecodeCall:
     """Every argument check of ``paged_decode``; nothing is launched here."""
-    q = as_kernel_array("q", q)
-    if q.ndim != 3 or np.dtype(q.dtype) != np.float32:
-        reject("q", "float32 [num_seqs, num_heads, head_dim]", q)
-    return check_attention(q, "q", k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale, v_scale,
-                           alibi_slopes, num_splits, workspace, max_seq_len, kv_format)
-
-
-def check_attention(q, shape_from: str, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None,
-                    v_scale=None, alibi_slopes=None, num_splits="auto", workspace=None, max_seq_len=None,
-                    kv_format=None) -> DecodeCall:
-    """The checks of ``check_decode`` after ``q``'s: ``(num_seqs, num_heads, head_dim)`` is the shape of the
-    float32 array ``q`` (``shape_from`` names it in messages: ``"q"``, or ``"out"`` for the fused call)."""
-    names = ("k_cache", "v_cache", "block_tables", "seq_lens", "out")
-    k_cache, v_cache, block_tables, seq_lens, out = (
-        as_kernel_array(n, x) for n, x in zip(names, (k_cache, v_cache, block_tables, seq_lens, out)))
+    names = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "out")
+    q, k_cache, v_cache, block_tables, seq_lens, out = (
+        as_kernel_array(n, x) for n, x in zip(names, (q, k_cache, v_cache, block_tables, seq_lens, out)))
     k_scale, v_scale, alibi_slopes, workspace = (
         None if x is None else as_kernel_array(n, x)
         for n, x in (("k_scale", k_scale), ("v_scale", v_scale), ("alibi_slopes", alibi_slopes), ("workspace", workspace)))
 
+    if q.ndim != 3 or np.dtype(q.dtype) != np.float32:
+        reject("q", "float32 [num_seqs, num_heads, head_dim]", q)
     num_seqs, num_heads, head_dim = q.shape
     cache_format = check_cache("k_cache", k_cache, k_scale, "k_scale", kv_format).name
     if np.dtype(v_cache.dtype) != np.dtype(k_cache.dtype) or tuple(v_cache.shape) != tuple(k_cache.shape):
@@ -864,9 +609,9 @@ def check_attention(q, shape_from: str, k_cache, v_cache, block_tables, seq_lens
     check_cache("v_cache", v_cache, v_scale, "v_scale", cache_format)
     num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
-        raise ValueError(f"k_cache: head_dim {cache_head_dim} does not match {shape_from}'s head_dim {head_dim}")
+        raise ValueError(f"k_cache: head_dim {cache_head_dim} does not match q's head_dim {head_dim}")
     if head_dim not in HEAD_DIMS:
-        raise ValueError(f"{shape_from}: head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+        raise ValueError(f"q: head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) for GQA")
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs or np.dtype(block_tables.dtype).kind not in "iu":
@@ -989,105 +734,13 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     return out
 
 
-def check_new_tokens(positions, slot_mapping, block_tables, seq_lens, block_size: int) -> None:
-    """The precondition of ``paged_decode_fused_input`` on host index arrays: in a row of length ``L > 0``
-    the new token is position ``L - 1`` (``positions``) and is written to that position's slot in the row's
-    block table (``slot_mapping``); a row of length 0 writes nothing (slot -1). A ``ValueError`` otherwise."""
-    lens = np.asarray(seq_lens, np.int64)
-    slots = np.asarray(slot_mapping, np.int64)
-    tables = np.asarray(block_tables, np.int64)
-    last = np.maximum(lens - 1, 0)
-    if tables.shape[1]:
-        column = np.minimum(last // block_size, tables.shape[1] - 1)
-        blocks = np.take_along_axis(tables, column[:, None], axis=1)[:, 0]
-    else:  # no columns: every length is 0 (check_block_tables)
-        blocks = np.zeros_like(lens)
-    expected = np.where(lens > 0, blocks * block_size + last % block_size, -1)
-    for i in np.flatnonzero(slots != expected)[:1]:
-        raise ValueError(f"slot_mapping: row {i} (length {lens[i]}) writes slot {slots[i]}, expected {expected[i]} "
-                         "(the block table's slot of position length - 1; -1 for length 0)")
-    for i in np.flatnonzero((lens > 0) & (np.asarray(positions, np.int64) != lens - 1))[:1]:
-        raise ValueError(f"positions: row {i} (length {lens[i]}) is at position {positions[i]}, expected "
-                         f"{lens[i] - 1} (the new token is the sequence's last)")
-
-
-def paged_decode_fused_input(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_mapping,
-                             block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
-                             num_splits="auto", workspace=None, *, alibi_slopes=None, kv_format=None,
-                             max_seq_len=None, stream=0, tokens_in_flight=None):
-    """A decode step's attention input and attention in one split kernel (plus the combine with more than one
-    split): bit for bit ``attention_input.qk_norm_rope_cache_write`` then ``paged_decode``; returns ``out``.
-
-    The attention input's arguments as ``qk_norm_rope_cache_write`` takes them (``q [num_seqs, Hq D]``,
-    ``k``, ``v [num_seqs, Hkv D]``, each C-contiguous or a column slice of the q/k/v GEMM output, only read;
-    ``q_norm``, ``k_norm``, ``eps``, ``positions``, ``cos_sin``, ``slot_mapping``), one token per
-    sequence; the attention's as ``paged_decode`` takes them, without ``q``: ``out`` float32
-    ``[num_seqs, Hq, head_dim]`` (C-contiguous, overlapping none of q, k, v) gives the shape. The normed,
-    rotated q is never written anywhere; K and V of the new tokens are written to the caches (and their
-    FP8 scales) as ``qk_norm_rope_cache_write`` writes them. ``alibi_slopes``: must be None (Qwen3 has
-    no ALiBi: use the two kernels).
-
-    Precondition (the fusion takes the new token's K and V from registers, not from the cache): for a
-    row of length ``L > 0``, ``slot_mapping`` holds the slot of position ``L - 1`` in the row's block
-    table and ``positions`` holds ``L - 1``; a row of length 0 (padding) has slot -1. Checked on the
-    host whenever the index values are read there (NumPy index arrays, or no ``max_seq_len``: see
-    ``paged_decode``); with device arrays and ``max_seq_len`` the caller vouches for it, as the engine does.
-    Every bad argument is a ``ValueError`` before any launch.
-    """
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes: the fused decode has no ALiBi (run qk_norm_rope_cache_write, then paged_decode)")
-    out = as_kernel_array("out", out)
-    if out.ndim != 3 or np.dtype(out.dtype) != np.float32:
-        reject("out", "float32 [num_seqs, num_heads, head_dim]", out)
-    call = check_attention(out, "out", k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale, v_scale,
-                           None, num_splits, workspace, max_seq_len, kv_format)
-    num_seqs, num_heads, head_dim = out.shape
-    names = ("q", "k", "v", "q_norm", "k_norm", "positions", "cos_sin", "slot_mapping")
-    q, k, v, q_norm, k_norm, positions, cos_sin, slot_mapping = (
-        as_kernel_array(n, x) for n, x in zip(names, (q, k, v, q_norm, k_norm, positions, cos_sin, slot_mapping)))
-    check_inputs(q, k, v, q_norm, k_norm, positions, cos_sin, slot_mapping, num_seqs, num_heads, call.num_kv_heads,
-                 head_dim)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if out.size and overlaps(out, x):
-            raise ValueError(f"out: overlaps {name} in memory (other CTAs may still read it)")
-    indices = (positions, slot_mapping, call.block_tables, call.seq_lens)
-    if max_seq_len is None or all(isinstance(x, np.ndarray) for x in indices):
-        check_new_tokens(*(to_host(x) for x in indices), call.block_size)
-    if num_seqs == 0 or num_heads == 0:
-        return out
-    fp8 = call.cache_format == "fp8"
-    workspace = call.workspace
-    if workspace is None:
-        workspace = decode_workspace(num_seqs, num_heads, head_dim, call.num_splits) if call.num_splits > 1 else placeholder(4)
-    args = [host_contiguous(q), host_contiguous(k), host_contiguous(v), q_norm, k_norm, np.float32(eps), positions,
-            cos_sin, slot_mapping, call.k_words, call.v_words, call.k_scales if fp8 else placeholder(1),
-            call.v_scales if fp8 else placeholder(1), call.block_tables, call.seq_lens]
-    device = [on_device(x, stream) for x in args]
-    out_device = on_device(call.out, stream)
-    workspace_device = on_device(workspace, stream)
-    heads = heads_per_cta(num_heads // call.num_kv_heads, num_seqs * call.max_seq_len)
-    kernel = _fused_kernel(call.cache_format, head_dim, heads, tokens_in_flight)
-    pdl.launch(kernel, (num_seqs, num_heads // heads, call.num_splits), THREADS_PER_CTA, stream, *device,
-               call.scale_log2, call.num_kv_heads, call.block_size, call.num_splits, workspace_device, out_device)
-    if call.num_splits > 1:
-        pdl.launch(_combine_kernel, (num_seqs, num_heads), head_dim, stream, workspace_device.reshape(workspace_device.size),
-                   workspace_device.shape[2], call.num_splits, out_device)
-    for i in (9, 10, 11, 12):  # NumPy caches and scales on a GPU: the written rows back into them
-        if device[i] is not args[i]:
-            device[i].copy_to_host(args[i], stream=stream)
-    if out_device is not call.out:  # a NumPy out on a GPU
-        out_device.copy_to_host(call.out, stream=stream)
-    return out
-
-
 # ---------------------------------------------------------------------------- every variant, for the PTX check
 
 
 def kernel_variants():
     """``(name, python function, numba signature)`` of the decode kernel variants the PTX check compiles:
     every (cache format, head size) with 4 heads per CTA, and every format at 128 with 1, 2 and 3 (C-contiguous,
-    int32 indices); the combine; the fused kernel for every format at 128 with 1, 2 and 4 heads per CTA and
-    for FP8 at the other head sizes with 4 (32: RoPE partners through shared memory)."""
+    int32 indices)."""
     f32 = types.float32
     words = types.Array(types.uint32, 1, "C")
     signature = types.void(
@@ -1100,16 +753,4 @@ def kernel_variants():
                  signature) for fmt, head_dim, heads in shapes]
     variants.append(("combine", combine_kernel,
                      types.void(types.Array(f32, 1, "C"), types.int64, types.int64, types.Array(f32, 3, "C"))))
-    # the fused kernel: q, k, v column slices (layout "A") of the q/k/v GEMM output
-    columns = types.Array(f32, 2, "A")
-    i32_1d = types.Array(types.int32, 1, "C")
-    fused_signature = types.void(
-        columns, columns, columns, types.Array(f32, 1, "C"), types.Array(f32, 1, "C"), f32, i32_1d,
-        types.Array(f32, 2, "C"), i32_1d, words, words, types.Array(f32, 1, "C"), types.Array(f32, 1, "C"),
-        types.Array(types.int32, 2, "C"), i32_1d, f32, types.int64, types.int64, types.int64,
-        types.Array(f32, 4, "C"), types.Array(f32, 3, "C"))
-    fused_shapes = [(fmt, 128, heads) for fmt in KV_CACHE_FORMATS for heads in (1, 2, MAX_HEADS_PER_CTA)]
-    fused_shapes += [("fp8", head_dim, MAX_HEADS_PER_CTA) for head_dim in HEAD_DIMS if head_dim != 128]
-    variants += [(f"fused_split[{fmt}, head_dim={head_dim}, heads={heads}]",
-                  fused_kernel_function(fmt, head_dim, heads), fused_signature) for fmt, head_dim, heads in fused_shapes]
     return variants

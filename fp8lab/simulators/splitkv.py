@@ -65,10 +65,6 @@ token per slot per step; ``shard_partials`` (what ``paged_decode`` uses) compute
 score at once, the running max as a cumulative maximum, and steps only through the ``l`` and
 ``acc`` fma chains, which are truly sequential (see its docstring).
 
-``paged_decode_fused_input`` models the decode kernel with the attention input fused in
-(``fp8lab.numba_kernels.splitkv.paged_decode_fused_input``): a composition, ``dense.rms_norm`` (a warp per
-row) and ``dense.rope`` of q and k, the cache write of K and V, then ``paged_decode``; it adds no order.
-
 Model parameters, not kernel limits: any ``head_dim`` up to 512 (lanes own 16 elements each, the
 last lane's run padded with zeros; ``lanes_per_token`` is the next power of two). The kernel
 compiles ``head_dim`` 32, 64, 128 and 256.
@@ -76,7 +72,6 @@ compiles ``head_dim`` 32, 64, 128 and 256.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -90,9 +85,7 @@ from fp8lab.reference.checks import (
     require_ndim,
     require_shape,
 )
-from fp8lab.reference.dense import round_to_bf16
 
-from . import dense
 from .common import WARP_SIZE
 from .fma import (
     FmaScratch,
@@ -435,44 +428,6 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale: flo
     partials = shard_partials(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale,
                               alibi_slopes, num_splits)
     return combine_partials(partials.m, partials.l, partials.acc)
-
-
-def paged_decode_fused_input(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_mapping,
-                             block_tables, seq_lens, softmax_scale: float, k_scale=None, v_scale=None,
-                             num_splits="auto", kv_format=None) -> np.ndarray:
-    """The model of ``fp8lab.numba_kernels.splitkv.paged_decode_fused_input`` (the attention input fused into
-    the split kernel): float32 ``[num_seqs, num_heads, head_dim]``; writes the new tokens' K and V into the
-    caches in place.
-
-    A fused kernel is a composition (``ARCHITECTURE.md``), so this is one: the attention input's float32
-    order (``fp8lab.simulators.dense.rms_norm`` with 32 threads, a warp per head row, on q and on k, then
-    ``fp8lab.simulators.dense.rope``), the cache write of K and V (``fp8lab.reference.kv_cache.write``; rows
-    whose slot is -1 write nothing), then ``paged_decode`` over the caches it wrote.
-
-    ``q [num_seqs, Hq D]``, ``k``, ``v [num_seqs, Hkv D]``: float32 raw rows, one new token per sequence;
-    ``q_norm``, ``k_norm [D]``; ``positions``, ``slot_mapping [num_seqs]``; ``cos_sin [max_positions, D]``
-    (``fp8lab.reference.dense.rope_cos_sin``'s table as the kernels take it). The caches as
-    ``paged_decode`` takes them: FP8 codes with their scales, or float32 (``kv_format="bf16"``: float32
-    holding BF16 values, K and V rounded to BF16 before the write, as the kernel's BF16 cache stores them).
-    """
-    q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
-    num_seqs = q.shape[0]
-    head_dim = k_cache.shape[-1]
-    norm = functools.partial(dense.rms_norm, eps=eps, threads=WARP_SIZE)
-
-    def input_rows(x, weight, heads):
-        return dense.rope(norm(x.reshape(num_seqs, heads, head_dim), weight), positions, cos_sin)
-
-    q_rows = input_rows(q, q_norm, q.shape[1] // head_dim)
-    k_rows = input_rows(k, k_norm, k.shape[1] // head_dim)
-    v_rows = v.reshape(k_rows.shape)
-    if kv_format is not None and kv_cache.kv_cache_format(kv_format).name == "bf16":
-        k_rows, v_rows = round_to_bf16(k_rows), round_to_bf16(v_rows)
-    writes = np.flatnonzero(np.asarray(slot_mapping) >= 0)
-    kv_cache.write(k_cache, k_scale, k_rows[writes], np.asarray(slot_mapping)[writes])
-    kv_cache.write(v_cache, v_scale, v_rows[writes], np.asarray(slot_mapping)[writes])
-    return paged_decode(q_rows, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale,
-                        num_splits=num_splits)
 
 
 # ---------------------------------------------------------------------------- the vectorized model

@@ -360,33 +360,6 @@ def test_attention_input_with_a_staged_head_dim(rng):
     assert seen.total > 0
 
 
-def test_fused_decode_attention_input(rng):
-    """The split kernel with the attention input fused: per-warp RoPE stages (head dim 32), 4 query heads per CTA
-    (warps 0 and 1 take a second row: the new K and V), the q rows and the new token's K and V staged for the
-    CTA, then the merge; its result is its simulator's."""
-    from fp8lab.numba_kernels import splitkv
-    from fp8lab.numba_kernels.layers import rope_table
-    from fp8lab.simulators import splitkv as sk
-
-    lens, d, heads, block_size = np.array([6, 0], np.int32), 32, 4, 4
-    tables = np.array([[2, 0], [-1, -1]], np.int32)
-    shape = (3, 1, block_size, d)
-    k_cache, v_cache = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
-    slots = np.array([0 * block_size + 1, -1], np.int32)  # position 5: block 0 (table column 1), offset 1
-    q = rng.standard_normal((2, heads * d)).astype(np.float32)
-    k, v = (rng.standard_normal((2, d)).astype(np.float32) for _ in range(2))
-    weights = [rng.standard_normal(d).astype(np.float32) for _ in range(2)]
-    positions, cos_sin = np.array([5, 0], np.int32), rope_table(8, d, 1e4)
-    out = np.full((2, heads, d), np.nan, np.float32)
-    expected = sk.paged_decode_fused_input(q, k, v, *weights, 1e-6, positions, cos_sin, k_cache.copy(), v_cache.copy(),
-                                           slots, tables, lens, d**-0.5, num_splits=2)
-    with racecheck.checking() as seen:
-        splitkv.paged_decode_fused_input(q, k, v, *weights, 1e-6, positions, cos_sin, k_cache, v_cache, slots, tables,
-                                         lens, d**-0.5, out, num_splits=2, max_seq_len=9000)  # 4 heads per CTA
-    assert seen.total > 0 and all("splitkv.py" in name or "attention_input.py" in name for name in seen.accesses)
-    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
-
-
 def test_tensor_core_gemm_pipeline(rng):
     from fp8lab.numba_kernels import gemm_mma
     from fp8lab.reference import blockwise

@@ -7,21 +7,17 @@ is fixed by its bucket and its cache, so its launch count is a property of the p
 (``Plan.kernel_launches``), not something counted while it runs.
 
 Launches per layer: ``add_parts_rms_norm`` (the previous residual add fused with this norm; ``rms_norm`` in
-layer 0), the q/k/v GEMM (one launch on the fused weight, whose output row ``t`` is ``[q | k | v]``), then
-q-norm, k-norm, RoPE, the paged cache write and attention: in a decode step one
-``splitkv.paged_decode_fused_input`` (the split kernel does the attention input itself: it reads q, k and v
-as column slices of that output, and the CTAs that hold a sequence's new token write its K and V to the
-cache; with more than one split the combine kernel follows); in a prefill
+layer 0), the q/k/v GEMM (one launch on the fused weight, whose output row ``t`` is ``[q | k | v]``),
 ``attention_input.qk_norm_rope_cache_write`` (q-norm, k-norm, RoPE and the paged cache write in one
-launch; it writes q, contiguous, for attention), then ``paged_prefill`` (the row expansion, the split
-kernel and maybe the combine); then o_proj, ``add_parts_rms_norm``, the gate/up GEMM with SwiGLU (on the
-SIMT path one ``gemv_simt_swiglu`` launch; on the tensor-core path the GEMM then ``silu_mul``), down_proj;
-plus one ``bf16_round`` before each FP8 GEMM input when ``T > f32_max_rows``. Around the layers: the
-embedding, the final ``add_parts_rms_norm`` and the lm_head (``bf16_linear``); a decode step ends with the
-greedy argmax (``layers.argmax_rows``, one multi-CTA launch, for ``greedy_tokens``), which writes the ids
-where the next step's embedding reads its tokens. A decode step of batch 1 is 7 or 8 launches per layer
-plus 4, e.g. 8 * 36 + 4 = 292 for Qwen3-8B (8 splits at the benchmark's context). Every launch has a
-``label`` (what it is in the forward; the fused decode attention's is ``"attention"``), which
+launch; it reads q, k and v as column slices of that output and writes q, contiguous, for attention),
+attention (decode: ``paged_decode``, the split kernel and, with more than one split, the combine kernel;
+prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the combine), o_proj,
+``add_parts_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch; on the
+tensor-core path the GEMM then ``silu_mul``), down_proj; plus one ``bf16_round`` before each FP8 GEMM
+input when ``T > f32_max_rows``. Around the layers: the embedding, the final ``add_parts_rms_norm`` and the lm_head
+(``bf16_linear``); a decode step ends with the greedy argmax (``layers.argmax_rows``, one multi-CTA
+launch, for ``greedy_tokens``), which writes the ids where the next step's embedding reads its tokens.
+A decode step of batch 1 is 8 or 9 launches per layer plus 4, e.g. 9 * 36 + 4 = 328 for Qwen3-8B (8 splits at the benchmark's context). Every launch has a ``label`` (what it is in the forward), which
 ``bench/decode_profile.py`` uses to attribute kernel times.
 
 The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (at most 16) runs
@@ -45,8 +41,7 @@ residual; every other path leaves one part, and one part is ``add_rms_norm`` bit
 Activations live in buffers preallocated for ``max_num_tokens`` tokens and ``max_num_seqs`` sequences
 (``Activations``): the residual ``h``, the normed ``x`` (float32 ``[T, hidden]``), a block output ``y``
 (float32 split-K parts ``[S, T, hidden]``, flat), the q/k/v GEMM output (one flat float32 buffer: ``[T, (Hq + 2 Hkv) D]``, or three
-blocks when the weights do not fuse), the normed and rotated ``q [T, Hq, D]`` (prefill: a decode step's
-attention keeps it in shared memory), the attention output,
+blocks when the weights do not fuse), the normed and rotated ``q [T, Hq, D]``, the attention output,
 ``gate_up [T, 2 I]``, the SwiGLU output ``[T, I]``, the BF16 GEMM input, the split-kv workspace, the
 greedy argmax's workspace and the logits of ``max_num_seqs`` rows. Nothing in a plan allocates or reads
 back: the cache write never reads its slots back, a decode step passes attention ``max_seq_len`` = its
@@ -79,7 +74,7 @@ from ..config import Qwen3Config
 from ..layout import expected_tensors
 from .kv_cache import DeviceKVCache, DeviceLayerKVCache
 from .memory import DeviceMemory, column_slice
-from .weights import DeviceLayer, DeviceLinear, DeviceWeights
+from .weights import DeviceLinear, DeviceWeights
 
 SMALL_LAYERS_F32_MAX_ROWS = 4
 """The default ``f32_max_rows`` of a model with small decoder layers (see ``default_f32_max_rows``)."""
@@ -208,10 +203,8 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
     )
 
 
-Attend = Callable[[tuple, DeviceLayer, DeviceLayerKVCache, object], list[Launch]]
-"""``attend(qkv, layer, layer_cache, out)``: the launches of one layer from its raw ``(q, k, v)`` (the q/k/v
-GEMM's output, as ``Planner.qkv_projections`` returns it) to the attention output ``out``: q/k-norm, RoPE,
-the cache write of K and V, and attention."""
+Attend = Callable[[object, DeviceLayerKVCache, object], Launch]
+"""``attend(q, layer_cache, out)``: the attention launch of one layer."""
 
 
 class Planner:
@@ -233,20 +226,15 @@ class Planner:
         splits = self.num_splits(bucket, max_context, cache.block_size)
         workspace = self.workspace(bucket, splits)
 
-        positions, slots = index.positions[:bucket], index.slots[:bucket]
-        eps, rope = self.config.rms_norm_eps, self.weights.rope_cos_sin
-
-        def attend(qkv, layer, layer_cache, out):
-            # the attention input fused into the split kernel: the new token's K and V go to the cache from there
-            return [Launch(splitkv.paged_decode_fused_input,
-                           (*qkv, layer.q_norm, layer.k_norm, eps, positions, rope, layer_cache.k, layer_cache.v, slots,
-                            tables, lens, self.softmax_scale, out, layer_cache.k_scale, layer_cache.v_scale),
-                           dict(num_splits=splits, workspace=workspace, max_seq_len=max_context,
-                                kv_format=layer_cache.kv_format),
-                           kernels=1 + (splits > 1), label="attention")]
+        def attend(q, layer_cache, out):
+            return Launch(splitkv.paged_decode, (q, layer_cache.k, layer_cache.v, tables, lens, self.softmax_scale,
+                                                 out, layer_cache.k_scale, layer_cache.v_scale),
+                          dict(num_splits=splits, workspace=workspace, max_seq_len=max_context,
+                               kv_format=layer_cache.kv_format),
+                          kernels=1 + (splits > 1), label="attention")
 
         return Plan((Launch(layers.embedding, (w.embed_tokens, index.token_ids[:bucket], a.h[:bucket]), label="embedding"),
-                     *self.decoder_layers(bucket, cache, attend),
+                     *self.decoder_layers(bucket, index.positions[:bucket], index.slots[:bucket], cache, attend),
                      self.lm_head(a.x[:bucket], bucket),
                      Launch(layers.argmax_rows, (a.logits[:bucket], index.token_ids[:bucket]),
                             dict(workspace=a.argmax_workspace), label="argmax")))
@@ -262,47 +250,40 @@ class Planner:
         rows = PrefillRows(cache.prefill_row_tables[: t * width].reshape(t, width), cache.prefill_row_lens[:t])
         workspace = self.workspace(t, self.num_splits(t, max_context, cache.block_size))
 
-        positions, slots = index.positions[:t], index.slots[:t]
-        q = self.activations.q[:t]  # the attention's input: normed and rotated
-
-        def attend(qkv, layer, layer_cache, out):
-            return [self.attention_input(qkv, layer, layer_cache, positions, slots, q),
-                    Launch(paged_prefill, (q, layer_cache.k, layer_cache.v, tables, context_lens, query_lens,
-                                           self.softmax_scale, out, layer_cache.k_scale, layer_cache.v_scale),
-                           dict(max_context_len=max_context, rows=rows, workspace=workspace,
-                                kv_format=layer_cache.kv_format),
-                           kernels=2 + (workspace is not None), label="attention")]
+        def attend(q, layer_cache, out):
+            return Launch(paged_prefill, (q, layer_cache.k, layer_cache.v, tables, context_lens, query_lens,
+                                          self.softmax_scale, out, layer_cache.k_scale, layer_cache.v_scale),
+                          dict(max_context_len=max_context, rows=rows, workspace=workspace, kv_format=layer_cache.kv_format),
+                          kernels=2 + (workspace is not None), label="attention")
 
         return Plan((Launch(layers.embedding, (self.weights.embed_tokens, index.token_ids[:t], self.activations.h[:t])),
-                     *self.decoder_layers(t, cache, attend)))
-
-    def attention_input(self, qkv, layer: DeviceLayer, layer_cache: DeviceLayerKVCache, positions, slots, q) -> Launch:
-        """q-norm, k-norm and RoPE of ``qkv`` (the raw ``(q, k, v)``), q into ``q``, K and V into the cache at
-        ``slots``: ``qk_norm_rope_cache_write``, one launch (a prefill's; a decode step fuses it into attention)."""
-        return Launch(qk_norm_rope_cache_write, (*qkv, q, layer.q_norm, layer.k_norm, self.config.rms_norm_eps,
-                                                 positions, self.weights.rope_cos_sin, layer_cache.k, layer_cache.v,
-                                                 slots, layer_cache.k_scale, layer_cache.v_scale),
-                      dict(kv_format=layer_cache.kv_format), label="q/k norm, rope, cache write")
+                     *self.decoder_layers(t, index.positions[:t], index.slots[:t], cache, attend)))
 
     def lm_head(self, x, rows: int) -> Launch:
         """``logits[:rows] = x @ lm_head^T`` (``x``: ``rows`` final-norm rows on the device)."""
         return Launch(bf16_linear, (x, self.weights.lm_head, self.activations.logits[:rows]), label="lm_head")
 
-    def decoder_layers(self, t: int, cache: DeviceKVCache, attend: Attend) -> list[Launch]:
+    def decoder_layers(self, t: int, positions, slots, cache: DeviceKVCache, attend: Attend) -> list[Launch]:
         """The decoder layers over ``t`` tokens whose embeddings are in ``h[:t]``, then the final norm of
         the residual stream into ``x[:t]``."""
         c, a, plan = self.config, self.activations, []
         eps = c.rms_norm_eps
         h, x, y = a.h[:t], a.x[:t], None  # y: the parts of the last residual block's output
         qd = c.num_attention_heads * c.head_dim
+        q = a.q[:t]  # the attention's input: normed and rotated
         attn, gate_up, act = a.attn[:t], a.gate_up[:t], a.act[:t]
+        rope = self.weights.rope_cos_sin
         for i, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache)):
             if i == 0:
                 plan.append(Launch(layers.rms_norm, (h, layer.input_layernorm, eps, x), label="input norm"))
             else:  # the previous layer's MLP residual add, fused with this layer's input norm
                 plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.input_layernorm, eps, x), label="input norm"))
-            qkv = self.qkv_projections(layer.qkv, x, t, plan)
-            plan.extend(attend(qkv, layer, layer_cache, attn))
+            q_in, k_in, v_in = self.qkv_projections(layer.qkv, x, t, plan)
+            plan.append(Launch(qk_norm_rope_cache_write, (q_in, k_in, v_in, q, layer.q_norm, layer.k_norm, eps, positions,
+                                                          rope, layer_cache.k, layer_cache.v, slots,
+                                                          layer_cache.k_scale, layer_cache.v_scale),
+                               dict(kv_format=layer_cache.kv_format), label="q/k norm, rope, cache write"))
+            plan.append(attend(q, layer_cache, attn))
             y = self.residual_linear(layer.o_proj, attn.reshape(t, qd), "o_proj", plan)
             plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.post_attention_layernorm, eps, x),
                                label="post-attention norm"))
