@@ -512,7 +512,7 @@ class ContinuousBatch:
         order, unless one samples a stop token: nothing joined, left or switched to host sampling, and no
         sequence reaches its length limit with ``step``'s token."""
         g = self.generator
-        return (hasattr(g.model, "submit_greedy") and self.running == step.seqs and not self._prefill_group()
+        return (hasattr(g.model, "submit_greedy") and self.running == step.seqs  # (so none has prompt left)
                 and all(g._greedy_on_device(s.sampling) and len(s.output) + 1 < s.max_new_tokens for s in step.seqs))
 
     def _finish_greedy_step(self, step: _GreedyStep, on_text, on_tokens, t0: float) -> list[GenerationResult]:
@@ -521,8 +521,8 @@ class ContinuousBatch:
         if self._can_chain(step):
             placeholders = [(s.index, [0]) for s in step.seqs]  # the ids come from ``step``, on the device
             self._pending = _GreedyStep(step.seqs, self._submit_greedy(make_batch(self.manager, placeholders),
-                                                                       feed=step.tokens))
-        ids = step.tokens.tokens()
+                                                                       feed=step.pending))
+        ids = step.pending.tokens()
         alive = [(s, i) for s, i in zip(step.seqs, ids) if s in self.running and not s.finish_reason]
         self._advance_all([s for s, _ in alive], [i for _, i in alive], on_text, on_tokens)
         self.stats.decode_tokens += len(alive)
@@ -553,10 +553,10 @@ class ContinuousBatch:
 
 @dataclass(eq=False)
 class _GreedyStep:
-    """A greedy decode step of ``seqs`` (its rows, in order) whose ids ``tokens.tokens()`` gives."""
+    """A greedy decode step of ``seqs`` (its rows, in order) whose ids ``pending.tokens()`` gives."""
 
     seqs: list[_Sequence]
-    tokens: object
+    pending: object
 
 
 @dataclass(eq=False)

@@ -8,7 +8,8 @@ per-model state, and CUDA graphs captured with a cache read exactly these addres
 
 - ``decode_index`` (``DecodeIndex``): a decode step's token ids, positions, slots and context lengths
   (``max_num_seqs`` each) and its block tables ``[max_num_seqs, width]``; a step of bucket ``b`` uses the
-  first ``b`` rows;
+  first ``b`` rows; the step's argmax writes its ids over the token ids, for the next step
+  (``fp8lab.engine.cuda.pipeline``);
 - ``eager_index`` (``EagerIndex``): any other forward's token ids, positions, slots (``max_num_tokens``
   each), context and query lengths (``max_num_seqs`` each) and block tables (``[S, the batch's width]``,
   packed);

@@ -42,11 +42,6 @@ class PendingGreedy:
         self._staging, self._slot, self._start, self._on_done = staging, slot, start, on_done
         self._ids: np.ndarray | None = None
 
-    @property
-    def done(self) -> bool:
-        """Whether the ids are on the host (``tokens()`` returns at once)."""
-        return self._ids is not None
-
     def tokens(self) -> np.ndarray:
         """The step's greedy ids (waits for the step the first time)."""
         if self._ids is None:
