@@ -80,6 +80,18 @@ def variants():
             for t, a, o in cases]
 '''
 
+GEMV_MMA = r'''
+from fp8lab.numba_kernels import gemv_mma as G
+from helpers.ptx import Variant
+
+def variants():
+    cases = [(ks, "bf16", False) for ks in G.K_SLICES_CHOICES] + [(4, "f32", False), (4, "f32", True), (1, "bf16", True)]
+    return [Variant(f"gemv_mma{'_swiglu' if swiglu else ''} k_slices={ks} {activation}",
+                    G.gemv_mma_kernel(ks, activation, swiglu).py_func, G.kernel_signature(activation), lto=True,
+                    info={"k_slices": ks})
+            for ks, activation, swiglu in cases]
+'''
+
 GEMV_SIMT = r'''
 from fp8lab.numba_kernels.gemv_simt import WORDS_PER_CHUNK, gemv_simt_kernel, tuning_candidates
 from helpers.ptx import Variant
@@ -160,7 +172,7 @@ def variants():
             (follows_the_rules, writes_before_the_wait, reads_before_the_wait, triggers_before_the_wait)]
 '''
 
-PTX_VARIANT_SETS = {"gemv_simt": GEMV_SIMT, "kv_cache and splitkv": KV_CACHE_AND_SPLITKV, "gemm_mma": GEMM_MMA,
+PTX_VARIANT_SETS = {"gemv_simt": GEMV_SIMT, "gemv_mma": GEMV_MMA, "kv_cache and splitkv": KV_CACHE_AND_SPLITKV, "gemm_mma": GEMM_MMA,
                     "attention_input": ATTENTION_INPUT, "dequantize": DEQUANTIZE, "mma helper": MMA_HELPER,
                     "toolkit": TOOLKIT, "pdl rules": PDL_RULES}
 """Everything this module compiles; the slowest sets first, so that the queue ends with short compiles."""
@@ -241,6 +253,24 @@ def test_gemm_mma_kernels_compile_to_sm90_ptx(compiled):
         print(f"{c.name}: {used} registers, {info['shared_bytes']} bytes shared")
 
     each_variant(compiled["gemm_mma"], check)
+
+
+def test_gemv_mma_kernels_compile_to_sm90_ptx(compiled):
+    """Variants of fp8lab.numba_kernels.gemv_mma (every k slicing, float32 and BF16 activations, SwiGLU): the mma
+    helper inlined after link-time optimization, 128-bit read-only loads of codes and activations, a barrier only
+    with several warps, no local memory, no float64, the PDL rule, no spills (registers printed)."""
+    def check(c):
+        if c.ptx is None:
+            return
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in c.ptx
+        assert "mma_m16n8k16" not in c.ptx and ".local" not in c.ptx and ".f64" not in c.ptx
+        assert "ld.global.nc.v4.u32" in c.ptx and "fma.rn.f32" in c.ptx
+        assert ("bar.sync" in c.ptx) == (c.info["k_slices"] > 1)
+        check_pdl_rules(c.ptx, weights_before_wait=True)  # the first chunk's codes load before the wait
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in c.resources, c.resources
+        print(c.name, registers(c.resources))
+
+    each_variant(compiled["gemv_mma"], check)
 
 
 SHARED_OPT_IN = r'''

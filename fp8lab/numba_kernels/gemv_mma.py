@@ -1,0 +1,296 @@
+"""Tensor-core decode GEMV for FP8 (E4M3) blockwise weights: ``mma.m16n8k16`` with the weights as the m16 operand.
+
+Computes ``fp8lab.reference.blockwise.gemm`` for ``1 <= M <= 8`` rows (a decode batch)::
+
+    out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]
+
+Launch: grid ``(N / 16,)`` (``gemv_mma``) or ``(I / 8,)`` (``gemv_mma_swiglu``) x ``32 k_slices`` threads.
+Checked (``tests/numba_kernels/test_gemv_mma_kernel.py``): bit for bit against ``fp8lab.simulators.gemv_mma`` in
+the CUDA simulator, against the oracle within the tensor-core error budget of ``fp8lab.simulators.gemm_mma`` on a
+GPU. Read the simulator's docstring first: it fixes which k each mma step sums and the order of everything.
+
+Why a second tensor-core GEMM: ``gemm_mma`` puts the activations in the mma's 16 rows, so a decode batch of 4
+uses a quarter of each mma and a CTA covers only 32 columns through shared memory; the SIMT GEMV
+(``gemv_simt``) does one FFMA per code and row, so its time grows with every row (at the Qwen3-8B gate/up
+shape, 30 us at M = 1 and 51 us at M = 4 on an H200). Here the **weights are the A operand** (a warp's 16
+output columns) and the **activations the B operand** (up to 8 rows, one per lane group), so one mma does the
+work of 16 x 8 x 16 FFMAs whatever M is, and the weights go from global memory straight into registers.
+
+How, per warp (lane ``(g, t)`` = ``(lane >> 2, lane & 3)``):
+
+- **Columns**: the CTA's 16 weight rows are ``16 x .. 16 x + 15`` (SwiGLU: gate rows ``8 x + g`` and the
+  matching up rows ``I + 8 x + g``, so a lane's two accumulator rows are the gate and up of one output).
+  Lane ``(g, t)`` loads rows ``g`` and ``g + 8`` of the tile.
+- **K slices**: the CTA's ``k_slices`` warps each take a contiguous slice of the 128-wide chunks
+  (``fp8lab.simulators.gemv_mma.slice_chunks``); more warps per column where the grid is narrow.
+- **Spans of 64 k**: per span a lane loads 16 codes of each of its two rows (one 128-bit load each) and
+  16 activations of batch row ``g`` at the same k (two 128-bit loads of BF16, four of float32); rows
+  ``g >= M`` are zeros, never loaded. The 4 k16 steps of a span take word ``j`` of each code load
+  (codes ``4 j .. 4 j + 3``: A registers ``a0a1 = place(codes 0, 1)`` of row ``g``, ``a2a3`` the same of row
+  ``g + 8``, ``a4a5``, ``a6a7`` codes 2, 3) and activations ``4 j .. 4 j + 3`` (B registers
+  ``b0b1``, ``b2b3``): the mma sums the 16 k ``16 t' + 4 j + r`` of the span, the simulator's ``k_order``.
+  A code becomes a BF16 pattern by bit placement (``gemm_mma.place_code_pair``, worth ``decode(c) * 2^-120``).
+- **Per chunk**: ``c_part = 0``; 8 mma; ``c_fin = fma(s, c_part * 2^120, c_fin)`` with each row's block scale.
+  The next chunk's codes and activations are loaded before this chunk's mma (a register double buffer).
+- **The CTA's sum**: each warp puts its ``c_fin`` in shared memory; warp 0 adds them in warp order and stores
+  ``out[2 t, n]``, ``out[2 t + 1, n]`` (the accumulator columns are the batch rows), or SwiGLU's
+  ``silu(gate) * up`` with ``layers.silu_times``.
+- **Float32 activations** are rounded to BF16 on load (``mathops.f32_to_bf16_bits_rne``, what
+  ``layers.bf16_round`` does), so a float32 call is ``bf16_round`` + a BF16 call, bit for bit, one launch less.
+- **PDL**: the first chunk's codes and scales are loaded before ``griddepcontrol.wait`` (nothing in the stream
+  writes them), the activations after it.
+
+Requirements (``ValueError`` before launching): ``arguments.check_gemm``'s (K and BK multiples of 128), BN a
+multiple of 8, ``1 <= M <= 8``, activations BF16 bits (uint16/int16) or float32, ``out`` float32, ``N`` a
+multiple of 16 (SwiGLU: ``I`` a multiple of 8), 16-byte aligned device data.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from fp8lab.simulators.gemv_mma import (  # noqa: F401
+    K_SLICES_CHOICES,
+    MAX_ROWS,
+    ROWS_PER_WARP,
+    slice_chunks,
+)
+
+from . import arguments, pdl
+from .bits import u32_as_f32
+from .gemm_mma import PLACEMENT_EXPONENT, PLACEMENT_SHIFT, inlined_device_function, place_code_pair
+from .layers import silu_times
+from .mathops import f32_to_bf16_bits_rne
+from .mma import mma_bf16
+from .warp import WARP_SIZE, load_u32x4
+
+K_CHUNK = 128
+SPANS_PER_CHUNK = 2
+"""Two 64-wide spans per 128-wide chunk."""
+CODE_WORDS = 2 * SPANS_PER_CHUNK * 4
+"""uint32 words of codes a lane holds per chunk: 2 rows x 2 spans x one 128-bit load."""
+SHIFT = PLACEMENT_SHIFT["bf16"]
+UNPLACE = np.float32(2.0 ** PLACEMENT_EXPONENT["bf16"])
+ACTIVATION_WORDS = {"bf16": SPANS_PER_CHUNK * 8, "f32": SPANS_PER_CHUNK * 16}
+"""uint32 words of activations a lane holds per chunk: 16 per span as BF16 pairs (8) or float32 (16)."""
+
+
+def default_k_slices(n_tiles: int, num_chunks: int) -> int:
+    """Warps per CTA: enough that the grid has about 1,500 warps (a wave of an H200's 132 SMs at 12 each,
+    where the SIMT GEMVs measured best), at most the chunk count."""
+    for s in K_SLICES_CHOICES:
+        if n_tiles * s >= 1536 or s >= num_chunks:
+            return s
+    return K_SLICES_CHOICES[-1]
+
+
+@functools.cache
+def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool):
+    """One kernel variant: ``k_slices`` warps per CTA, ``activation`` ``'bf16'`` (uint16 pairs as uint32 words)
+    or ``'f32'`` (float32 bits as uint32 words), plain or SwiGLU. Arguments: ``(a_words uint32 [M * K / 2 or M *
+    K], q_words uint32 [N * K / 4], scale_inv float32 [ceil(N/BN), ceil(K/BK)], out float32 [M, N or I], m, k,
+    block_n, block_k)``, all flat words row-major."""
+    activation_words = ACTIVATION_WORDS[activation]
+    words_per_k = 2 if activation == "bf16" else 1  # k per activation word
+
+    @inlined_device_function
+    def load_codes(q_words, row0, row1, k_words, chunk, t, codes):
+        """This lane's 16 codes of rows ``row0`` and ``row1`` in both spans of ``chunk``: ``codes[8 s + 4 r + i]``
+        is word ``i`` of span ``s``, row ``r``."""
+        for s in range(SPANS_PER_CHUNK):
+            column = chunk * uint32(K_CHUNK // 4) + uint32(s * 16) + uint32(4) * t  # uint32 words: 4 codes each
+            w = load_u32x4(q_words, row0 * k_words + column)
+            codes[8 * s], codes[8 * s + 1], codes[8 * s + 2], codes[8 * s + 3] = w
+            w = load_u32x4(q_words, row1 * k_words + column)
+            codes[8 * s + 4], codes[8 * s + 5], codes[8 * s + 6], codes[8 * s + 7] = w
+
+    @inlined_device_function
+    def load_activations(a_words, row, present, k, chunk, t, values):
+        """Batch row ``row``'s 16 activations per span at this lane's k (``present`` False: zeros)."""
+        if present:
+            row_words = k // uint32(words_per_k)
+            for s in range(SPANS_PER_CHUNK):
+                first = row * row_words + (chunk * uint32(K_CHUNK) + uint32(s * 64) + uint32(16) * t) // uint32(words_per_k)
+                for piece in range(activation_words // (4 * SPANS_PER_CHUNK)):
+                    w = load_u32x4(a_words, first + uint32(4 * piece))
+                    base = s * (activation_words // SPANS_PER_CHUNK) + 4 * piece
+                    values[base], values[base + 1], values[base + 2], values[base + 3] = w
+        else:
+            for i in range(activation_words):
+                values[i] = uint32(0)
+
+    if activation == "bf16":
+        @inlined_device_function
+        def b_register(values, s, pair):
+            """B register ``pair`` (0..7) of span ``s``: activations ``2 pair``, ``2 pair + 1`` (a BF16 pair)."""
+            return values[8 * s + pair]
+    else:
+        @inlined_device_function
+        def b_register(values, s, pair):
+            """The same from float32 words: each rounded to BF16 (nearest even, ``layers.bf16_round``)."""
+            low = f32_to_bf16_bits_rne(u32_as_f32(values[16 * s + 2 * pair]))
+            high = f32_to_bf16_bits_rne(u32_as_f32(values[16 * s + 2 * pair + 1]))
+            return uint32(low) | (uint32(high) << uint32(16))
+
+    @inlined_device_function
+    def multiply_chunk(codes, values, c_part):
+        """``c_part = 0``, then the chunk's 8 mma: span ``s``, step ``j`` take word ``j`` of the span's codes."""
+        for i in range(4):
+            c_part[i] = float32(0)
+        for s in range(SPANS_PER_CHUNK):
+            for j in range(4):
+                top, bottom = codes[8 * s + j], codes[8 * s + 4 + j]
+                a0 = place_code_pair(top & uint32(0xFFFF), SHIFT)
+                a1 = place_code_pair(bottom & uint32(0xFFFF), SHIFT)
+                a2 = place_code_pair(top >> uint32(16), SHIFT)
+                a3 = place_code_pair(bottom >> uint32(16), SHIFT)
+                d = mma_bf16(a0, a1, a2, a3, b_register(values, s, 2 * j), b_register(values, s, 2 * j + 1),
+                             c_part[0], c_part[1], c_part[2], c_part[3])
+                c_part[0], c_part[1], c_part[2], c_part[3] = d[0], d[1], d[2], d[3]
+
+    def kernel(a_words, q_words, scale_inv, out, m, k, block_n, block_k):
+        thread = uint32(cuda.threadIdx.x)
+        warp, lane = thread // uint32(WARP_SIZE), thread % uint32(WARP_SIZE)
+        g, t = lane >> uint32(2), lane & uint32(3)
+        tile = uint32(cuda.blockIdx.x)
+        if swiglu:
+            row0 = tile * uint32(8) + g
+            row1 = uint32(out.shape[1]) + row0  # the up row of the same output
+        else:
+            row0 = tile * uint32(ROWS_PER_WARP) + g
+            row1 = row0 + uint32(8)
+        k_words = k // uint32(4)
+        num_chunks = k // uint32(K_CHUNK)
+        per_slice = (num_chunks + uint32(k_slices - 1)) // uint32(k_slices)
+        first = uint32(min(warp * per_slice, num_chunks))
+        last = uint32(min(first + per_slice, num_chunks))
+        scale_row0, scale_row1 = row0 // block_n, row1 // block_n
+
+        codes = cuda.local.array(CODE_WORDS, uint32)
+        next_codes = cuda.local.array(CODE_WORDS, uint32)
+        values = cuda.local.array(activation_words, uint32)
+        next_values = cuda.local.array(activation_words, uint32)
+        c_part = cuda.local.array(4, float32)
+        c_fin = cuda.local.array(4, float32)
+        for i in range(4):
+            c_fin[i] = float32(0)
+
+        if first < last:
+            load_codes(q_words, row0, row1, k_words, first, t, codes)  # weights: before the wait (PDL)
+        pdl.prologue()
+        present = g < uint32(m)
+        if first < last:
+            load_activations(a_words, g, present, k, first, t, values)
+        chunk = uint32(first)
+        while chunk < last:  # uint32 throughout: a signed/unsigned comparison would be done in float64
+            following = uint32(chunk + uint32(1))
+            if following < last:  # the next chunk's loads are in flight during this chunk's mma
+                load_codes(q_words, row0, row1, k_words, following, t, next_codes)
+                load_activations(a_words, g, present, k, following, t, next_values)
+            scale_column = (chunk * uint32(K_CHUNK)) // block_k
+            s0 = scale_inv[scale_row0, scale_column]
+            s1 = scale_inv[scale_row1, scale_column]
+            multiply_chunk(codes, values, c_part)
+            c_fin[0] = cuda.fma(s0, c_part[0] * UNPLACE, c_fin[0])  # * 2^120: exact
+            c_fin[1] = cuda.fma(s0, c_part[1] * UNPLACE, c_fin[1])
+            c_fin[2] = cuda.fma(s1, c_part[2] * UNPLACE, c_fin[2])
+            c_fin[3] = cuda.fma(s1, c_part[3] * UNPLACE, c_fin[3])
+            for i in range(CODE_WORDS):
+                codes[i] = next_codes[i]
+            for i in range(activation_words):
+                values[i] = next_values[i]
+            chunk = following
+
+        if k_slices > 1:  # the warps' results, added in warp order by warp 0
+            partial = cuda.shared.array((k_slices, WARP_SIZE, 4), float32)
+            for i in range(4):
+                partial[warp, lane, i] = c_fin[i]
+            cuda.syncthreads()
+            if warp == uint32(0):
+                for w in range(1, k_slices):
+                    for i in range(4):
+                        c_fin[i] = c_fin[i] + partial[w, lane, i]
+        if warp == uint32(0):
+            batch0, batch1 = uint32(2) * t, uint32(2) * t + uint32(1)
+            if swiglu:
+                if batch0 < m:
+                    out[batch0, row0] = silu_times(c_fin[0], c_fin[2])
+                if batch1 < m:
+                    out[batch1, row0] = silu_times(c_fin[1], c_fin[3])
+            else:
+                if batch0 < m:
+                    out[batch0, row0] = c_fin[0]
+                    out[batch0, row1] = c_fin[2]
+                if batch1 < m:
+                    out[batch1, row0] = c_fin[1]
+                    out[batch1, row1] = c_fin[3]
+
+    return cuda.jit(kernel)
+
+
+# ---------------------------------------------------------------------------- the host side
+
+
+def kernel_signature(activation: str) -> str:
+    """The Numba signature the host wrapper launches with (for ``cuda.compile_ptx``)."""
+    return "void(uint32[::1], uint32[::1], float32[:, ::1], float32[:, ::1], uint32, uint32, uint32, uint32)"
+
+
+def _check(a, q, scale_inv, out, block, swiglu: bool) -> arguments.GemmProblem:
+    kernel = "gemv_mma_swiglu" if swiglu else "gemv_mma"
+    q = arguments.as_kernel_array("q", q)
+    arguments.require("q", q, "uint8 E4M3 codes [N, K]", q.ndim == 2 and q.dtype == np.uint8)
+    n = q.shape[0]
+    tile = 16
+    if n == 0 or n % tile:
+        raise ValueError(f"q: {kernel} needs N to be a positive multiple of {tile}"
+                         f"{' (I a multiple of 8)' if swiglu else ''}, got N = {n}")
+    problem = arguments.check_gemm(a, q, scale_inv, out, block, kernel=kernel, activations=("bf16", "f32"),
+                                   block_n_multiple=8, out_columns=n // 2 if swiglu else None)
+    if not 1 <= problem.m <= MAX_ROWS:
+        raise ValueError(f"a: {kernel} takes 1 to {MAX_ROWS} rows (the mma's n8 operand), got M = {problem.m}")
+    if problem.output != "f32":
+        raise ValueError(f"out: {kernel} writes float32, got dtype {np.dtype(problem.out.dtype)}")
+    for name in ("a", "q"):
+        arguments.require_load_alignment(name, getattr(problem, name), kernel)
+    return problem
+
+
+def _launch(problem: arguments.GemmProblem, k_slices, stream, swiglu: bool) -> None:
+    n_tiles = problem.n // ROWS_PER_WARP
+    num_chunks = problem.k // K_CHUNK
+    k_slices = default_k_slices(n_tiles, num_chunks) if k_slices is None else k_slices
+    if k_slices not in K_SLICES_CHOICES:
+        raise ValueError(f"k_slices: expected one of {K_SLICES_CHOICES}, got {k_slices!r}")
+    kernel = gemv_mma_kernel(k_slices, problem.activation, swiglu)
+    bn, bk = problem.block
+    pdl.launch(kernel, (n_tiles,), (WARP_SIZE * k_slices,), stream,
+               problem.a.view(np.uint32).reshape(-1), problem.q.view(np.uint32).reshape(-1), problem.scale_inv,
+               problem.out, np.uint32(problem.m), np.uint32(problem.k), np.uint32(bn), np.uint32(bk))
+
+
+def gemv_mma(a, q, scale_inv, out, block=(128, 128), k_slices=None, stream=0):
+    """``out[M, N] = a[M, K] @ (decode(q) * scale_inv)^T`` on tensor cores for ``1 <= M <= 8``; returns ``out``.
+
+    ``a``: BF16 bits (uint16/int16) or float32 (rounded to BF16 on load) ``[M, K]``; ``q``: uint8 ``[N, K]``,
+    ``N`` a multiple of 16; ``scale_inv``: float32 ``[ceil(N/BN), ceil(K/BK)]``; ``out``: float32 ``[M, N]``;
+    all C-contiguous NumPy or device arrays (device data 16-byte aligned). ``block = (BN, BK)``: BN a multiple
+    of 8, BK of 128; K a multiple of 128. ``k_slices`` (1, 2, 4, 8; None: ``default_k_slices``): warps per CTA,
+    each a slice of K (it changes the order of the slices' sum: ``fp8lab.simulators.gemv_mma``). ``stream``: a
+    Numba stream or a ``cuda.core`` GraphBuilder. Bad calls raise ``ValueError`` before any launch.
+    """
+    problem = _check(a, q, scale_inv, out, block, swiglu=False)
+    _launch(problem, k_slices, stream, swiglu=False)
+    return out
+
+
+def gemv_mma_swiglu(a, q, scale_inv, out, block=(128, 128), k_slices=None, stream=0):
+    """``out[M, I] = silu(a @ gate^T) * (a @ up^T)`` from the fused gate/up weight ``q[2 I, K]`` (gate rows, then
+    up rows), on tensor cores for ``1 <= M <= 8``: bit for bit ``gemv_mma`` into ``[M, 2 I]`` then
+    ``layers.silu_mul``, in one launch. ``I`` a multiple of 8; the rest as ``gemv_mma``."""
+    problem = _check(a, q, scale_inv, out, block, swiglu=True)
+    _launch(problem, k_slices, stream, swiglu=True)
+    return out

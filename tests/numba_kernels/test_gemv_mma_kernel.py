@@ -1,0 +1,124 @@
+"""fp8lab.numba_kernels.gemv_mma, the tensor-core decode GEMV (weights as the mma's m16 operand).
+
+- In the CUDA simulator: bit for bit ``fp8lab.simulators.gemv_mma`` (every k slicing, uneven and empty slices,
+  1 to 8 rows, BF16 and float32 activations, per-8-row scale blocks, SwiGLU), outputs NaN-poisoned first; a
+  float32 call is ``bf16_round`` + a BF16 call bit for bit; a NaN activation gives NaN in its row only; bad calls
+  raise ``ValueError`` before any launch.
+- On a GPU (``gpu``): Qwen3-8B sizes against ``fp8lab.reference.blockwise.gemm`` within the GPU error budget of
+  ``fp8lab.simulators.gemm_mma``, and bit for bit the simulator where every sum is exact (integer values,
+  power-of-two scales), so the HMMA's own rounding cannot differ.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from fp8lab.numba_kernels.gemv_mma import gemv_mma, gemv_mma_swiglu
+from fp8lab.reference import blockwise, e4m3
+from fp8lab.reference import strategies as fst
+from fp8lab.simulators import bit_placement
+from fp8lab.simulators import gemv_mma as model
+
+CODES = np.array(fst.NON_NAN_CODES, dtype=np.uint8)
+INTEGER_CODES = np.array([c for c in fst.NON_NAN_CODES if float(e4m3.VALUES[c]).is_integer() and abs(e4m3.VALUES[c]) <= 8],
+                         dtype=np.uint8)
+
+
+def bits(x):
+    return np.asarray(x).view(np.uint32)
+
+
+def problem(rng, m, n, k, block):
+    q = rng.choice(CODES, (n, k))
+    a = (rng.standard_normal((m, k)) * np.exp2(rng.integers(-3, 4, (m, 1)))).astype(np.float32)
+    scales = rng.uniform(2.0**-9, 2.0**-6, (-(-n // block[0]), k // block[1])).astype(np.float32)
+    return a, q, scales
+
+
+@pytest.mark.parametrize("m, n, k, block, k_slices, activation", [
+    (1, 16, 128, (128, 128), 1, "f32"),
+    (3, 32, 640, (16, 128), 4, "f32"),   # 5 chunks over 4 warps: slices of 2, 2, 1, 0
+    (8, 32, 384, (8, 128), 2, "bf16"),   # a scale block per 8 rows: a lane's two rows differ
+    (5, 48, 512, (16, 256), 8, "bf16"),  # more warps than chunks
+])
+def test_matches_the_simulator_bit_for_bit(rng, m, n, k, block, k_slices, activation):
+    a, q, scales = problem(rng, m, n, k, block)
+    x = a if activation == "f32" else bit_placement.float32_to_bf16_bits(a)
+    out = np.full((m, n), np.nan, np.float32)
+    gemv_mma(x, q, scales, out, block, k_slices=k_slices)
+    np.testing.assert_array_equal(bits(out), bits(model.gemv_mma(a, q, scales, block, k_slices=k_slices)))
+
+
+def test_float32_activations_are_bf16_rounded_on_load(rng):
+    a, q, scales = problem(rng, 2, 16, 256, (16, 128))
+    a[0, :5] = [3.0e38, -3.4e38, 1e-40, -0.0, 1.0 + 2.0**-8]  # overflow to inf, subnormal, -0, a tie
+    from_f32 = np.full((2, 16), np.nan, np.float32)
+    from_bf16 = np.full((2, 16), np.nan, np.float32)
+    gemv_mma(a, q, scales, from_f32, (16, 128), k_slices=2)
+    gemv_mma(bit_placement.float32_to_bf16_bits(a), q, scales, from_bf16, (16, 128), k_slices=2)
+    np.testing.assert_array_equal(bits(from_f32), bits(from_bf16))
+
+
+def test_swiglu_matches_the_simulator_and_a_nan_stays_in_its_row(rng):
+    a, q, scales = problem(rng, 3, 32, 256, (16, 128))
+    a[1, 100] = np.nan
+    out = np.full((3, 16), np.nan, np.float32)
+    gemv_mma_swiglu(a, q, scales, out, (16, 128), k_slices=2)
+    np.testing.assert_array_equal(bits(out), bits(model.gemv_mma_swiglu(a, q, scales, (16, 128), k_slices=2)))
+    assert np.all(np.isnan(out[1])) and np.all(np.isfinite(out[[0, 2]]))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(a=np.ones((9, 128), np.float32), out=np.zeros((9, 16), np.float32)), "^a: gemv_mma takes 1 to 8 rows"),
+    (dict(q=np.zeros((24, 128), np.uint8), out=np.zeros((2, 24), np.float32), scale_inv=np.ones((1, 1), np.float32)),
+     "^q: gemv_mma needs N to be a positive multiple of 16"),
+    (dict(out=np.zeros((2, 16), np.float16)), "^out: gemv_mma writes float32"),
+    (dict(k_slices=3), "^k_slices: expected one of"),
+    (dict(a=np.ones((2, 128), np.float16)), "^a: expected activations"),
+])
+def test_bad_calls_raise_before_launching(change, message):
+    args = dict(a=np.ones((2, 128), np.float32), q=np.zeros((16, 128), np.uint8), scale_inv=np.ones((1, 1), np.float32),
+                out=np.zeros((2, 16), np.float32), block=(128, 128)) | change
+    with pytest.raises(ValueError, match=message):
+        gemv_mma(**args)
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, swiglu", [(1, 6144, 4096, False), (4, 4096, 12288, False), (8, 2048, 4096, True)])
+def test_gpu_within_the_tensor_core_budget(rng, m, n, k, swiglu):
+    from numba import cuda
+
+    a, q, scales = problem(rng, m, n, k, (128, 128))
+    width = n // 2 if swiglu else n
+    out = cuda.to_device(np.full((m, width), np.nan, np.float32))
+    (gemv_mma_swiglu if swiglu else gemv_mma)(cuda.to_device(a), cuda.to_device(q), cuda.to_device(scales), out)
+    got = out.copy_to_host().astype(np.float64)
+    a16 = bit_placement.bf16_bits_to_float32(bit_placement.float32_to_bf16_bits(a)).astype(np.float64)
+    w = blockwise.dequantize(q, scales, (128, 128)).astype(np.float64)
+    exact, magnitude = a16 @ w.T, np.abs(a16) @ np.abs(w).T
+    chunks = k // 128
+    bound = (48 + chunks + 9) * 2.0**-24 * magnitude + 15 * chunks * 2.0**-30 * scales.max()
+    if swiglu:
+        g, u = exact[:, :width], exact[:, width:]
+        exact = g / (1 + np.exp(-g)) * u
+        bound = 1.1 * np.abs(u) * bound[:, :width] + np.abs(g) * bound[:, width:] + 2.0**-20 * np.abs(exact)
+    assert np.all(np.isfinite(got)) and np.all(np.abs(got - exact) <= bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k_slices", [1, 4, 8])
+def test_gpu_bit_for_bit_the_simulator_where_sums_are_exact(rng, k_slices):
+    from numba import cuda
+
+    m, n, k = 6, 256, 2048
+    q = rng.choice(INTEGER_CODES, (n, k))
+    a = rng.integers(-4, 5, (m, k)).astype(np.float32)
+    scales = np.exp2(rng.integers(-2, 3, (n // 128, k // 128))).astype(np.float32)
+    out = cuda.to_device(np.full((m, n), np.nan, np.float32))
+    gemv_mma(cuda.to_device(a), cuda.to_device(q), cuda.to_device(scales), out, k_slices=k_slices)
+    np.testing.assert_array_equal(bits(out.copy_to_host()), bits(model.gemv_mma(a, q, scales, k_slices=k_slices)))
