@@ -2,8 +2,9 @@
 
 For each engine GEMV of Qwen3-8B and Qwen3-0.6B (q/k/v, o, gate/up with SwiGLU, down) and M = 1, 2, 4, 8: the
 SIMT kernel the engine runs today at that M (float32 activations: split-K for o/down, SwiGLU fused; BF16 at M > 1
-for the 8B shape, as ``plan.default_f32_max_rows`` says) and ``gemv_mma`` (float32 activations rounded on load,
-every ``k_slices``). Each result is validated first against ``fp8lab.reference.blockwise.gemm`` (float64) within
+for the 8B shape, as ``plan.default_f32_max_rows`` says) and ``gemv_mma`` at its default knobs (BF16 inputs for the
+8B shape, float32 rounded on load for the 0.6B one); at M = 4, ``gemv_mma`` at every (k_slices, depth) of ``KNOBS``
+in a second table. Each result is validated first against ``fp8lab.reference.blockwise.gemm`` (float64) within
 the tensor-core error budget of ``fp8lab.simulators.gemm_mma`` (outputs NaN-poisoned before the launch), and the
 float32 and BF16 input forms of ``gemv_mma`` must agree bit for bit. Times: CUDA-graph replays of 40 launches
 (PDL edges, as the engine's graph), rotating among weight copies of at least 256 MB in all so the weights come
@@ -40,6 +41,9 @@ SHAPES = {  # name: [(gemv, N, K)]
     "qwen3-0.6b": [("q/k/v", 4096, 1024), ("o", 1024, 2048), ("gate/up", 6144, 1024), ("down", 1024, 3072)],
 }
 ROWS = (1, 2, 4, 8)
+SWEEP_ROWS = 4
+"""The M at which every (k_slices, depth) is timed."""
+KNOBS = [(ks, d) for ks in (2, 4, 8, 16) for d in (2, 3, 4)]
 BLOCK = (128, 128)
 U = 2.0 ** -24
 
@@ -97,9 +101,11 @@ def main():
     parser.add_argument("--shapes", default="qwen3-8b,qwen3-0.6b")
     args = parser.parse_args()
     rng = np.random.default_rng(2026_12_04)
-    header = ("| shape | GEMV | M | SIMT kernel (engine today) | SIMT us | gemv_mma us, k_slices 1 / 2 / 4 / 8 "
-              "| gemv_mma us, default k_slices | gemv_mma / SIMT | weight TB/s (best gemv_mma) |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    header = ("| shape | GEMV | M | SIMT kernel (engine today) | SIMT us | gemv_mma us, defaults (k_slices, depth) "
+              "| gemv_mma / SIMT | weight TB/s, gemv_mma |")
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    sweep = ["| shape | GEMV | M | " + " | ".join(f"k_slices {ks}, depth {d}" for ks, d in KNOBS) + " |",
+             "|---|---|---|" + "---|" * len(KNOBS)]
     for shape in args.shapes.split(","):
         big = shape == "qwen3-8b"
         for gemv, n, k in SHAPES[shape]:
@@ -109,12 +115,12 @@ def main():
             scales_d = cuda.to_device(scales)
             w = blockwise.dequantize(codes, scales, BLOCK).astype(np.float64)
             swiglu = gemv == "gate/up"
+            mma_fn = gemv_mma_swiglu if swiglu else gemv_mma
+            width = n // 2 if swiglu else n
             for m in ROWS:
                 a = rng.standard_normal((m, k)).astype(np.float32)
                 a16 = bit_placement.float32_to_bf16_bits(a)
                 x32, x16 = cuda.to_device(a), cuda.to_device(a16)
-                width = n // 2 if swiglu else n
-                mma_fn = gemv_mma_swiglu if swiglu else gemv_mma
                 results = {}
                 for x, form in ((x32, "f32"), (x16, "bf16")):
                     out = cuda.to_device(np.full((m, width), np.nan, np.float32))
@@ -124,18 +130,20 @@ def main():
                     raise SystemExit(f"{shape} {gemv} M={m}: float32 and BF16 inputs differ")
                 check(f"{shape} {gemv} M={m}", results["f32"], a16, w, scales, swiglu)
                 out = cuda.device_array((m, width), np.float32)
-                times = {ks: time_rotating(mma_fn, x32, copies, scales_d, out, k_slices=ks) for ks in (1, 2, 4, 8)}
-                t_default = time_rotating(mma_fn, x32, copies, scales_d, out)
+                if m == SWEEP_ROWS:
+                    times = [time_rotating(mma_fn, x16, copies, scales_d, out, k_slices=ks, depth=d) for ks, d in KNOBS]
+                    sweep.append(f"| {shape} | {gemv} | {m} (BF16 in) | " + " | ".join(f"{t:.2f}" for t in times) + " |")
+                    print(sweep[-1], flush=True)
+                t_default = time_rotating(mma_fn, x32 if not big else x16, copies, scales_d, out)
                 splits = choose_k_splits(n, k, BLOCK[1], 132)
                 parts = cuda.device_array((splits, m, n), np.float32)
                 simt, label = simt_launch(gemv, m, n, k, x32, x16, copies, scales_d,
                                           cuda.device_array((m, width), np.float32), parts, big)
                 t_simt = graph_time_us(simt)
-                best = min(times.values())
-                lines.append(f"| {shape} | {gemv} | {m} | {label} | {t_simt:.2f} | "
-                             + " / ".join(f"{times[ks]:.2f}" for ks in (1, 2, 4, 8))
-                             + f" | {t_default:.2f} | {t_default / t_simt:.2f} | {n * k / best / 1e6:.2f} |")
+                lines.append(f"| {shape} | {gemv} | {m} | {label} | {t_simt:.2f} | {t_default:.2f} "
+                             f"({'bf16' if big else 'f32'} in) | {t_default / t_simt:.2f} | {n * k / t_default / 1e6:.2f} |")
                 print(lines[-1], flush=True)
+    lines += [""] + sweep
     text = "\n".join(lines)
     print(text)
     if args.out:

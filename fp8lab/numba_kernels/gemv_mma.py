@@ -61,10 +61,16 @@ from fp8lab.simulators.gemv_mma import (  # noqa: F401
 
 from . import arguments, pdl
 from .bits import u32_as_f32
-from .gemm_mma import PLACEMENT_EXPONENT, PLACEMENT_SHIFT, inlined_device_function, place_code_pair
+from .gemm_mma import (
+    PLACEMENT_EXPONENT,
+    PLACEMENT_SHIFT,
+    inlined_device_function,
+    place_code_pair,
+)
+from .gemv_simt import unrolled
 from .layers import silu_times
 from .mathops import f32_to_bf16_bits_rne
-from .mma import mma_bf16
+from .mma import mma_bf16_inline as mma_bf16
 from .warp import WARP_SIZE, load_u32x4
 
 K_CHUNK = 128
@@ -78,54 +84,74 @@ ACTIVATION_WORDS = {"bf16": SPANS_PER_CHUNK * 8, "f32": SPANS_PER_CHUNK * 16}
 """uint32 words of activations a lane holds per chunk: 16 per span as BF16 pairs (8) or float32 (16)."""
 
 
+DEPTH_CHOICES = (1, 2, 3, 4)
+"""Chunks a warp keeps in flight (its register ring)."""
+
+
 def default_k_slices(n_tiles: int, num_chunks: int) -> int:
-    """Warps per CTA: enough that the grid has about 1,500 warps (a wave of an H200's 132 SMs at 12 each,
-    where the SIMT GEMVs measured best), at most the chunk count."""
+    """Warps per CTA: the fewest that give the grid at least 2,048 warps (the warps an H200's 132 SMs hold at
+    about 16 each, this kernel's register budget), at most one per chunk."""
     for s in K_SLICES_CHOICES:
-        if n_tiles * s >= 1536 or s >= num_chunks:
+        if n_tiles * s >= 2048 or s >= num_chunks:
             return s
     return K_SLICES_CHOICES[-1]
 
 
+def default_depth(activation: str) -> int:
+    """Chunks in flight per warp: 3 with BF16 activations, 2 with float32 ones (twice the registers per chunk)."""
+    return 3 if activation == "bf16" else 2
+
+
 @functools.cache
-def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool):
-    """One kernel variant: ``k_slices`` warps per CTA, ``activation`` ``'bf16'`` (uint16 pairs as uint32 words)
+def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3):
+    """One kernel variant: ``depth`` chunks in flight per warp (a register ring), ``k_slices`` warps per CTA, ``activation`` ``'bf16'`` (uint16 pairs as uint32 words)
     or ``'f32'`` (float32 bits as uint32 words), plain or SwiGLU. Arguments: ``(a_words uint32 [M * K / 2 or M *
     K], q_words uint32 [N * K / 4], scale_inv float32 [ceil(N/BN), ceil(K/BK)], out float32 [M, N or I], m, k,
     block_n, block_k)``, all flat words row-major."""
     activation_words = ACTIVATION_WORDS[activation]
+    code_ring, activation_ring, scale_ring = depth * CODE_WORDS, depth * activation_words, 2 * depth  # constants
     words_per_k = 2 if activation == "bf16" else 1  # k per activation word
 
     @inlined_device_function
-    def load_codes(q_words, row0, row1, k_words, chunk, t, codes):
-        """This lane's 16 codes of rows ``row0`` and ``row1`` in both spans of ``chunk``: ``codes[8 s + 4 r + i]``
-        is word ``i`` of span ``s``, row ``r``."""
+    def load_codes(q_words, row0, row1, k_words, chunk, t, codes, slot):
+        """This lane's 16 codes of rows ``row0`` and ``row1`` in both spans of ``chunk``, into ring slot ``slot``:
+        ``codes[CODE_WORDS slot + 8 s + 4 r + i]`` is word ``i`` of span ``s``, row ``r``."""
         for s in range(SPANS_PER_CHUNK):
             column = chunk * uint32(K_CHUNK // 4) + uint32(s * 16) + uint32(4) * t  # uint32 words: 4 codes each
+            base = CODE_WORDS * slot + 8 * s
             w = load_u32x4(q_words, row0 * k_words + column)
-            codes[8 * s], codes[8 * s + 1], codes[8 * s + 2], codes[8 * s + 3] = w
+            codes[base], codes[base + 1], codes[base + 2], codes[base + 3] = w
             w = load_u32x4(q_words, row1 * k_words + column)
-            codes[8 * s + 4], codes[8 * s + 5], codes[8 * s + 6], codes[8 * s + 7] = w
+            codes[base + 4], codes[base + 5], codes[base + 6], codes[base + 7] = w
 
     @inlined_device_function
-    def load_activations(a_words, row, present, k, chunk, t, values):
-        """Batch row ``row``'s 16 activations per span at this lane's k (``present`` False: zeros)."""
+    def load_activations(a_words, row, present, k, chunk, t, values, slot):
+        """Batch row ``row``'s 16 activations per span at this lane's k, into ring slot ``slot`` (``present``
+        False: zeros, nothing loaded)."""
         if present:
             row_words = k // uint32(words_per_k)
             for s in range(SPANS_PER_CHUNK):
                 first = row * row_words + (chunk * uint32(K_CHUNK) + uint32(s * 64) + uint32(16) * t) // uint32(words_per_k)
                 for piece in range(activation_words // (4 * SPANS_PER_CHUNK)):
                     w = load_u32x4(a_words, first + uint32(4 * piece))
-                    base = s * (activation_words // SPANS_PER_CHUNK) + 4 * piece
+                    base = activation_words * slot + s * (activation_words // SPANS_PER_CHUNK) + 4 * piece
                     values[base], values[base + 1], values[base + 2], values[base + 3] = w
         else:
             for i in range(activation_words):
-                values[i] = uint32(0)
+                values[activation_words * slot + i] = uint32(0)
+
+    @inlined_device_function
+    def load_scales(scale_inv, scale_row0, scale_row1, chunk, block_k, scales, slot):
+        """The block scales of the lane's two rows for ``chunk``, into ring slot ``slot``."""
+        column = (chunk * uint32(K_CHUNK)) // block_k
+        scales[2 * slot] = scale_inv[scale_row0, column]
+        scales[2 * slot + 1] = scale_inv[scale_row1, column]
 
     if activation == "bf16":
         @inlined_device_function
         def b_register(values, s, pair):
-            """B register ``pair`` (0..7) of span ``s``: activations ``2 pair``, ``2 pair + 1`` (a BF16 pair)."""
+            """B register ``pair`` (0..7) of span ``s`` (counted from the ring slot's first span): activations
+            ``2 pair``, ``2 pair + 1`` (a BF16 pair)."""
             return values[8 * s + pair]
     else:
         @inlined_device_function
@@ -136,11 +162,12 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool):
             return uint32(low) | (uint32(high) << uint32(16))
 
     @inlined_device_function
-    def multiply_chunk(codes, values, c_part):
-        """``c_part = 0``, then the chunk's 8 mma: span ``s``, step ``j`` take word ``j`` of the span's codes."""
+    def multiply_chunk(codes, values, slot, c_part):
+        """``c_part = 0``, then the 8 mma of the chunk in ring slot ``slot``: span ``s``, step ``j`` take word ``j``
+        of the span's codes."""
         for i in range(4):
             c_part[i] = float32(0)
-        for s in range(SPANS_PER_CHUNK):
+        for s in range(slot * SPANS_PER_CHUNK, (slot + 1) * SPANS_PER_CHUNK):
             for j in range(4):
                 top, bottom = codes[8 * s + j], codes[8 * s + 4 + j]
                 a0 = place_code_pair(top & uint32(0xFFFF), SHIFT)
@@ -150,6 +177,46 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool):
                 d = mma_bf16(a0, a1, a2, a3, b_register(values, s, 2 * j), b_register(values, s, 2 * j + 1),
                              c_part[0], c_part[1], c_part[2], c_part[3])
                 c_part[0], c_part[1], c_part[2], c_part[3] = d[0], d[1], d[2], d[3]
+
+    @inlined_device_function
+    def prefetch_weights(slot, args):
+        """Ring slot ``slot`` <- chunk ``first + slot``'s codes and scales (if the slice has it)."""
+        q_words, scale_inv, row0, row1, scale_row0, scale_row1, k_words, block_k, first, last, t, codes, scales = args
+        chunk = first + uint32(slot)
+        if chunk < last:
+            load_codes(q_words, row0, row1, k_words, chunk, t, codes, slot)
+            load_scales(scale_inv, scale_row0, scale_row1, chunk, block_k, scales, slot)
+
+    @inlined_device_function
+    def prefetch_activations(slot, args):
+        a_words, g, present, k, first, last, t, values = args
+        chunk = first + uint32(slot)
+        if chunk < last:
+            load_activations(a_words, g, present, k, chunk, t, values, slot)
+
+    @inlined_device_function
+    def ring_step(slot, args):
+        """Chunk ``round_start + slot`` from ring slot ``slot``: its 8 mma and promotion, then the slot refilled
+        with the chunk ``depth`` ahead."""
+        (q_words, a_words, scale_inv, row0, row1, scale_row0, scale_row1, k_words, k, block_k, g, present, t,
+         round_start, last, codes, values, scales, c_part, c_fin) = args
+        chunk = round_start + uint32(slot)
+        if chunk < last:
+            multiply_chunk(codes, values, slot, c_part)
+            s0, s1 = scales[2 * slot], scales[2 * slot + 1]
+            c_fin[0] = cuda.fma(s0, c_part[0] * UNPLACE, c_fin[0])  # * 2^120: exact
+            c_fin[1] = cuda.fma(s0, c_part[1] * UNPLACE, c_fin[1])
+            c_fin[2] = cuda.fma(s1, c_part[2] * UNPLACE, c_fin[2])
+            c_fin[3] = cuda.fma(s1, c_part[3] * UNPLACE, c_fin[3])
+            ahead = uint32(chunk + uint32(depth))
+            if ahead < last:
+                load_codes(q_words, row0, row1, k_words, ahead, t, codes, slot)
+                load_scales(scale_inv, scale_row0, scale_row1, ahead, block_k, scales, slot)
+                load_activations(a_words, g, present, k, ahead, t, values, slot)
+
+    prefetch_all_weights = unrolled(prefetch_weights, depth)
+    prefetch_all_activations = unrolled(prefetch_activations, depth)
+    ring_round = unrolled(ring_step, depth)
 
     def kernel(a_words, q_words, scale_inv, out, m, k, block_n, block_k):
         thread = uint32(cuda.threadIdx.x)
@@ -169,40 +236,29 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool):
         last = uint32(min(first + per_slice, num_chunks))
         scale_row0, scale_row1 = row0 // block_n, row1 // block_n
 
-        codes = cuda.local.array(CODE_WORDS, uint32)
-        next_codes = cuda.local.array(CODE_WORDS, uint32)
-        values = cuda.local.array(activation_words, uint32)
-        next_values = cuda.local.array(activation_words, uint32)
+        # A ring of `depth` chunks in registers: chunk c lives in slot (c - first) % depth. A round of the loop
+        # is `depth` steps written out (``unrolled``), so that every slot index is a constant (registers, not
+        # local memory) and no register is copied: a slot is refilled with chunk c + depth right after chunk
+        # c's mma used it.
+        codes = cuda.local.array(code_ring, uint32)
+        values = cuda.local.array(activation_ring, uint32)
+        scales = cuda.local.array(scale_ring, float32)
         c_part = cuda.local.array(4, float32)
         c_fin = cuda.local.array(4, float32)
         for i in range(4):
             c_fin[i] = float32(0)
 
-        if first < last:
-            load_codes(q_words, row0, row1, k_words, first, t, codes)  # weights: before the wait (PDL)
+        # weights and scales: before the wait (PDL; nothing in the stream writes them)
+        prefetch_all_weights((q_words, scale_inv, row0, row1, scale_row0, scale_row1, k_words, block_k, first, last, t,
+                              codes, scales))
         pdl.prologue()
         present = g < uint32(m)
-        if first < last:
-            load_activations(a_words, g, present, k, first, t, values)
-        chunk = uint32(first)
-        while chunk < last:  # uint32 throughout: a signed/unsigned comparison would be done in float64
-            following = uint32(chunk + uint32(1))
-            if following < last:  # the next chunk's loads are in flight during this chunk's mma
-                load_codes(q_words, row0, row1, k_words, following, t, next_codes)
-                load_activations(a_words, g, present, k, following, t, next_values)
-            scale_column = (chunk * uint32(K_CHUNK)) // block_k
-            s0 = scale_inv[scale_row0, scale_column]
-            s1 = scale_inv[scale_row1, scale_column]
-            multiply_chunk(codes, values, c_part)
-            c_fin[0] = cuda.fma(s0, c_part[0] * UNPLACE, c_fin[0])  # * 2^120: exact
-            c_fin[1] = cuda.fma(s0, c_part[1] * UNPLACE, c_fin[1])
-            c_fin[2] = cuda.fma(s1, c_part[2] * UNPLACE, c_fin[2])
-            c_fin[3] = cuda.fma(s1, c_part[3] * UNPLACE, c_fin[3])
-            for i in range(CODE_WORDS):
-                codes[i] = next_codes[i]
-            for i in range(activation_words):
-                values[i] = next_values[i]
-            chunk = following
+        prefetch_all_activations((a_words, g, present, k, first, last, t, values))
+        round_start = uint32(first)
+        while round_start < last:  # uint32 throughout: a signed/unsigned comparison would be done in float64
+            ring_round((q_words, a_words, scale_inv, row0, row1, scale_row0, scale_row1, k_words, k, block_k, g,
+                        present, t, round_start, last, codes, values, scales, c_part, c_fin))
+            round_start = uint32(round_start + uint32(depth))
 
         if k_slices > 1:  # the warps' results, added in warp order by warp 0
             partial = cuda.shared.array((k_slices, WARP_SIZE, 4), float32)
@@ -259,38 +315,42 @@ def _check(a, q, scale_inv, out, block, swiglu: bool) -> arguments.GemmProblem:
     return problem
 
 
-def _launch(problem: arguments.GemmProblem, k_slices, stream, swiglu: bool) -> None:
+def _launch(problem: arguments.GemmProblem, k_slices, depth, stream, swiglu: bool) -> None:
     n_tiles = problem.n // ROWS_PER_WARP
     num_chunks = problem.k // K_CHUNK
     k_slices = default_k_slices(n_tiles, num_chunks) if k_slices is None else k_slices
     if k_slices not in K_SLICES_CHOICES:
         raise ValueError(f"k_slices: expected one of {K_SLICES_CHOICES}, got {k_slices!r}")
-    kernel = gemv_mma_kernel(k_slices, problem.activation, swiglu)
+    depth = default_depth(problem.activation) if depth is None else depth
+    if depth not in DEPTH_CHOICES:
+        raise ValueError(f"depth: expected one of {DEPTH_CHOICES}, got {depth!r}")
+    kernel = gemv_mma_kernel(k_slices, problem.activation, swiglu, depth)
     bn, bk = problem.block
     pdl.launch(kernel, (n_tiles,), (WARP_SIZE * k_slices,), stream,
                problem.a.view(np.uint32).reshape(-1), problem.q.view(np.uint32).reshape(-1), problem.scale_inv,
                problem.out, np.uint32(problem.m), np.uint32(problem.k), np.uint32(bn), np.uint32(bk))
 
 
-def gemv_mma(a, q, scale_inv, out, block=(128, 128), k_slices=None, stream=0):
+def gemv_mma(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth=None, stream=0):
     """``out[M, N] = a[M, K] @ (decode(q) * scale_inv)^T`` on tensor cores for ``1 <= M <= 8``; returns ``out``.
 
     ``a``: BF16 bits (uint16/int16) or float32 (rounded to BF16 on load) ``[M, K]``; ``q``: uint8 ``[N, K]``,
     ``N`` a multiple of 16; ``scale_inv``: float32 ``[ceil(N/BN), ceil(K/BK)]``; ``out``: float32 ``[M, N]``;
     all C-contiguous NumPy or device arrays (device data 16-byte aligned). ``block = (BN, BK)``: BN a multiple
     of 8, BK of 128; K a multiple of 128. ``k_slices`` (1, 2, 4, 8; None: ``default_k_slices``): warps per CTA,
-    each a slice of K (it changes the order of the slices' sum: ``fp8lab.simulators.gemv_mma``). ``stream``: a
+    each a slice of K (it changes the order of the slices' sum: ``fp8lab.simulators.gemv_mma``); ``depth`` (1 to 4;
+    None: ``default_depth``): chunks in flight per warp, which changes no bit. ``stream``: a
     Numba stream or a ``cuda.core`` GraphBuilder. Bad calls raise ``ValueError`` before any launch.
     """
     problem = _check(a, q, scale_inv, out, block, swiglu=False)
-    _launch(problem, k_slices, stream, swiglu=False)
+    _launch(problem, k_slices, depth, stream, swiglu=False)
     return out
 
 
-def gemv_mma_swiglu(a, q, scale_inv, out, block=(128, 128), k_slices=None, stream=0):
+def gemv_mma_swiglu(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth=None, stream=0):
     """``out[M, I] = silu(a @ gate^T) * (a @ up^T)`` from the fused gate/up weight ``q[2 I, K]`` (gate rows, then
     up rows), on tensor cores for ``1 <= M <= 8``: bit for bit ``gemv_mma`` into ``[M, 2 I]`` then
     ``layers.silu_mul``, in one launch. ``I`` a multiple of 8; the rest as ``gemv_mma``."""
     problem = _check(a, q, scale_inv, out, block, swiglu=True)
-    _launch(problem, k_slices, stream, swiglu=True)
+    _launch(problem, k_slices, depth, stream, swiglu=True)
     return out

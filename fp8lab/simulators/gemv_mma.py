@@ -50,7 +50,7 @@ SPAN = 64
 K_CHUNK = gemm_mma.K_CHUNK
 ROWS_PER_WARP = 16
 """Weight rows (output columns) per warp: the mma's m16."""
-K_SLICES_CHOICES = (1, 2, 4, 8)
+K_SLICES_CHOICES = (1, 2, 4, 8, 16)
 
 
 def k_order(k: int) -> np.ndarray:

@@ -42,6 +42,7 @@ def problem(rng, m, n, k, block):
     (3, 32, 640, (16, 128), 4, "f32"),   # 5 chunks over 4 warps: slices of 2, 2, 1, 0
     (8, 32, 384, (8, 128), 2, "bf16"),   # a scale block per 8 rows: a lane's two rows differ
     (5, 48, 512, (16, 256), 8, "bf16"),  # more warps than chunks
+    (2, 16, 1152, (16, 128), 2, "f32"),  # 9 chunks: 5 and 4 per warp, rings of 1 to 4 (below)
 ])
 def test_matches_the_simulator_bit_for_bit(rng, m, n, k, block, k_slices, activation):
     a, q, scales = problem(rng, m, n, k, block)
@@ -49,6 +50,14 @@ def test_matches_the_simulator_bit_for_bit(rng, m, n, k, block, k_slices, activa
     out = np.full((m, n), np.nan, np.float32)
     gemv_mma(x, q, scales, out, block, k_slices=k_slices)
     np.testing.assert_array_equal(bits(out), bits(model.gemv_mma(a, q, scales, block, k_slices=k_slices)))
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_every_ring_depth_gives_the_simulators_bits(rng, depth):
+    a, q, scales = problem(rng, 3, 16, 1152, (16, 128))  # 9 chunks: 5 and 4 per warp, partial rounds of the ring
+    out = np.full((3, 16), np.nan, np.float32)
+    gemv_mma(a, q, scales, out, (16, 128), k_slices=2, depth=depth)
+    np.testing.assert_array_equal(bits(out), bits(model.gemv_mma(a, q, scales, (16, 128), k_slices=2)))
 
 
 def test_float32_activations_are_bf16_rounded_on_load(rng):
@@ -76,6 +85,7 @@ def test_swiglu_matches_the_simulator_and_a_nan_stays_in_its_row(rng):
      "^q: gemv_mma needs N to be a positive multiple of 16"),
     (dict(out=np.zeros((2, 16), np.float16)), "^out: gemv_mma writes float32"),
     (dict(k_slices=3), "^k_slices: expected one of"),
+    (dict(depth=5), "^depth: expected one of"),
     (dict(a=np.ones((2, 128), np.float16)), "^a: expected activations"),
 ])
 def test_bad_calls_raise_before_launching(change, message):

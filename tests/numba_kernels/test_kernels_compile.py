@@ -85,11 +85,12 @@ from fp8lab.numba_kernels import gemv_mma as G
 from helpers.ptx import Variant
 
 def variants():
-    cases = [(ks, "bf16", False) for ks in G.K_SLICES_CHOICES] + [(4, "f32", False), (4, "f32", True), (1, "bf16", True)]
-    return [Variant(f"gemv_mma{'_swiglu' if swiglu else ''} k_slices={ks} {activation}",
-                    G.gemv_mma_kernel(ks, activation, swiglu).py_func, G.kernel_signature(activation), lto=True,
-                    info={"k_slices": ks})
-            for ks, activation, swiglu in cases]
+    cases = [(ks, "bf16", False, 3) for ks in G.K_SLICES_CHOICES] + [(4, "bf16", False, d) for d in (1, 2, 4)]
+    cases += [(4, "f32", False, d) for d in (1, 2, 3)] + [(4, "f32", True, 2), (1, "bf16", True, 3)]
+    return [Variant(f"gemv_mma{'_swiglu' if swiglu else ''} k_slices={ks} {activation} depth={depth}",
+                    G.gemv_mma_kernel(ks, activation, swiglu, depth).py_func, G.kernel_signature(activation),
+                    lto=True, info={"k_slices": ks})
+            for ks, activation, swiglu, depth in cases]
 '''
 
 GEMV_SIMT = r'''
