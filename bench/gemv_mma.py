@@ -43,7 +43,7 @@ SHAPES = {  # name: [(gemv, N, K)]
 ROWS = (1, 2, 4, 8)
 SWEEP_ROWS = 4
 """The M at which every (k_slices, depth) is timed."""
-KNOBS = [(ks, d) for ks in (2, 4, 8, 16) for d in (2, 3, 4)]
+KNOBS = [(ks, d) for ks in (2, 4, 8) for d in (2, 3, 4)]
 BLOCK = (128, 128)
 U = 2.0 ** -24
 

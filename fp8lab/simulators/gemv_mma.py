@@ -50,7 +50,8 @@ SPAN = 64
 K_CHUNK = gemm_mma.K_CHUNK
 ROWS_PER_WARP = 16
 """Weight rows (output columns) per warp: the mma's m16."""
-K_SLICES_CHOICES = (1, 2, 4, 8, 16)
+K_SLICES_CHOICES = (1, 2, 4, 8)
+"""Warps per CTA: at most 8, so that a CTA fits the SM's 65,536 registers at any register count (255 x 256)."""
 
 
 def k_order(k: int) -> np.ndarray:
