@@ -9,11 +9,14 @@ Computes ``fp8lab.reference.blockwise.gemm``; launches no kernel of its own, onl
 Paths (``path=``):
 
 - ``"simt"``: ``fp8lab.numba_kernels.gemv_simt`` (warp per output column, 1 <= M <= 16), the decode path;
+- ``"gemv_mma"``: ``fp8lab.numba_kernels.gemv_mma`` (tensor cores with the weights as the m16 operand, 1 <= M
+  <= 8, BF16 in, float32 out, N a multiple of 16), the decode-batch path: its time hardly grows with M;
 - ``"mma"``: ``fp8lab.numba_kernels.gemm_mma`` (tensor cores, any M: tiles of 16 or 32 rows), which is
   also the large-M path: its grid simply grows in M;
-- ``"auto"``: ``simt`` for ``M <= SIMT_MAX_M``, else ``mma``. The threshold comes from
-  ``bench/gemm.py`` on an H200 (``bench/RESULTS.md``): the M at which the tensor-core kernel
-  overtakes the SIMT one at the Qwen3-8B shapes.
+- ``"auto"``: ``gemv_mma`` for 2 to 8 rows where it applies, else ``simt`` for ``M <= SIMT_MAX_M`` and ``mma``
+  beyond. The thresholds come from ``bench/gemm.py`` and ``bench/gemv_mma.py`` on an H200 (``bench/RESULTS.md``):
+  at M = 2 to 8 ``gemv_mma`` takes 0.5 to 0.8 times the SIMT GEMV's time at the Qwen3 shapes (at M = 1 the SIMT
+  GEMV is faster), and past 4 rows the SIMT GEMV loses to the tensor cores.
 
 Both kernels check their arguments before launching (``arguments.check_gemm``); the stricter of
 the two rules applies to ``auto`` too, so a call that works for one M works for every M: K and
@@ -26,15 +29,19 @@ from __future__ import annotations
 
 from . import arguments
 from .gemm_mma import gemm_mma
+from .gemv_mma import MAX_ROWS as GEMV_MMA_MAX_ROWS
+from .gemv_mma import ROWS_PER_WARP, gemv_mma
 from .gemv_simt import gemv_simt
 
 SIMT_MAX_M = 4
 """Largest M routed to the SIMT GEMV by ``path="auto"`` (measured; see the module docstring)."""
-PATHS = ("auto", "simt", "mma")
+PATHS = ("auto", "simt", "gemv_mma", "mma")
 
 
-def choose_path(m: int) -> str:
-    """The kernel ``path="auto"`` uses for ``m`` rows."""
+def choose_path(m: int, n: int = ROWS_PER_WARP, activation: str = "bf16", output: str = "f32") -> str:
+    """The kernel ``path="auto"`` uses for ``m`` rows of ``activation`` into ``n`` columns of ``output``."""
+    if 2 <= m <= GEMV_MMA_MAX_ROWS and n % ROWS_PER_WARP == 0 and activation == "bf16" and output == "f32":
+        return "gemv_mma"
     return "simt" if m <= SIMT_MAX_M else "mma"
 
 
@@ -50,6 +57,6 @@ def fp8_gemm(a, q, scale_inv, out, block=(128, 128), path: str = "auto", stream=
     problem = arguments.check_gemm(a, q, scale_inv, out, block, kernel="fp8_gemm", activations=("bf16", "f16"),
                                    block_n_multiple=8)
     if path == "auto":
-        path = choose_path(problem.m)
-    kernel = gemv_simt if path == "simt" else gemm_mma
+        path = choose_path(problem.m, problem.n, problem.activation, problem.output)
+    kernel = {"simt": gemv_simt, "gemv_mma": gemv_mma, "mma": gemm_mma}[path]
     return kernel(problem.a, problem.q, problem.scale_inv, problem.out, problem.block, stream=stream)

@@ -89,23 +89,26 @@ DEPTH_CHOICES = (1, 2, 3, 4)
 
 
 def default_k_slices(n_tiles: int, num_chunks: int) -> int:
-    """Warps per CTA: the fewest that give the grid at least 2,048 warps (the warps an H200's 132 SMs hold at
-    about 16 each, this kernel's register budget), at most one per chunk."""
-    for s in K_SLICES_CHOICES:
-        if n_tiles * s >= 2048 or s >= num_chunks:
+    """Warps per CTA: the fewest of 2, 4 and 8 that give the grid at least 1,536 warps, at most one per chunk
+    (``bench/gemv_mma.py`` on an H200: within 10% of the best (k_slices, depth) at the Qwen3 shapes but for
+    Qwen3-0.6B's down_proj, 26%)."""
+    for s in K_SLICES_CHOICES[1:]:
+        if n_tiles * s >= 1536 or s >= num_chunks:
             return s
     return K_SLICES_CHOICES[-1]
 
 
-def default_depth(activation: str) -> int:
-    """Chunks in flight per warp: 3 with BF16 activations, 2 with float32 ones (twice the registers per chunk)."""
-    return 3 if activation == "bf16" else 2
+def default_depth(activation: str, k_slices: int) -> int:
+    """Chunks in flight per warp: 3 for BF16 activations in CTAs of up to 4 warps (146 registers: 3 CTAs per SM),
+    else 2 (110 registers with BF16, 168 with float32, which hold twice the words per chunk)."""
+    return 3 if activation == "bf16" and k_slices <= 4 else 2
 
 
 @functools.cache
 def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3):
-    """One kernel variant: ``depth`` chunks in flight per warp (a register ring), ``k_slices`` warps per CTA, ``activation`` ``'bf16'`` (uint16 pairs as uint32 words)
-    or ``'f32'`` (float32 bits as uint32 words), plain or SwiGLU. Arguments: ``(a_words uint32 [M * K / 2 or M *
+    """One kernel variant: ``depth`` chunks in flight per warp (a register ring), ``k_slices`` warps per CTA,
+    ``activation`` ``'bf16'`` (uint16 pairs as uint32 words) or ``'f32'`` (float32 bits as uint32 words), plain or
+    SwiGLU. Arguments: ``(a_words uint32 [M * K / 2 or M *
     K], q_words uint32 [N * K / 4], scale_inv float32 [ceil(N/BN), ceil(K/BK)], out float32 [M, N or I], m, k,
     block_n, block_k)``, all flat words row-major."""
     activation_words = ACTIVATION_WORDS[activation]
@@ -321,7 +324,7 @@ def _launch(problem: arguments.GemmProblem, k_slices, depth, stream, swiglu: boo
     k_slices = default_k_slices(n_tiles, num_chunks) if k_slices is None else k_slices
     if k_slices not in K_SLICES_CHOICES:
         raise ValueError(f"k_slices: expected one of {K_SLICES_CHOICES}, got {k_slices!r}")
-    depth = default_depth(problem.activation) if depth is None else depth
+    depth = default_depth(problem.activation, k_slices) if depth is None else depth
     if depth not in DEPTH_CHOICES:
         raise ValueError(f"depth: expected one of {DEPTH_CHOICES}, got {depth!r}")
     kernel = gemv_mma_kernel(k_slices, problem.activation, swiglu, depth)

@@ -460,7 +460,7 @@ def test_gpu_graph_replay_at_the_qwen3_06b_shape_is_bit_identical_to_eager_steps
     starts before its predecessor ends and waits for it); eager steps are ordinary launches. At the tiny
     model's sizes most kernels are one wave; at the Qwen3-0.6B shape (4 of its layers, a random FP8
     checkpoint) the GEMVs, norms and split-kv kernels have their real grids. Every step's logits, batch 8
-    (more than the default ``f32_max_rows``: ``bf16_round``, the tensor-core ``fp8_gemm`` and ``silu_mul``),
+    (more than the default ``f32_max_rows``: ``bf16_round``, the tensor-core GEMV ``gemv_mma`` and its SwiGLU variant),
     4 (the SIMT GEMVs) and 1: bit for bit the eager model's, so no kernel read a buffer before its producer
     finished."""
     from fp8lab.engine import shapes

@@ -1,7 +1,8 @@
 """Bit-exact NumPy twins of the GPU model's GEMM kernels, and the micro model, for the CUDA-model tests.
 
 In Numba's CUDA simulator a simulated GEMM costs seconds; the GPU model's tests under the simulator
-swap its five GEMM kernels (the SIMT GEMV plain, split-K and with SwiGLU, the GEMM, the BF16 linear) for their
+swap its GEMM kernels (the SIMT GEMV plain, split-K and with SwiGLU, ``fp8_gemm``, ``gemv_mma_swiglu``, the BF16
+linear) for their
 simulators (``gemm_twins``), which compute the same float32 operations in the same order, so the rest
 of the forward (norms, RoPE, KV writes, attention, sampling) still runs as simulated kernels.
 """
@@ -12,10 +13,12 @@ import numpy as np
 
 from fp8lab.engine.cuda import plan
 from fp8lab.numba_kernels import arguments
-from fp8lab.numba_kernels.fp8_gemm import SIMT_MAX_M
+from fp8lab.numba_kernels.fp8_gemm import SIMT_MAX_M, choose_path
+from fp8lab.numba_kernels.gemv_mma import default_k_slices
 from fp8lab.reference.dense import round_to_bf16
 from fp8lab.simulators import dense as sim_dense
 from fp8lab.simulators import gemm_mma as sim_mma
+from fp8lab.simulators import gemv_mma as sim_gemv_mma
 from fp8lab.simulators import gemv_simt as sim_gemv
 from helpers.engine import quantize_tensors, random_float_tensors, tiny_config
 
@@ -52,12 +55,25 @@ def gemv_simt_swiglu_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **kn
     return out
 
 
+def gemv_mma_swiglu_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **knobs):
+    """``fp8lab.numba_kernels.gemv_mma_swiglu`` as ``fp8lab.simulators.gemv_mma.gemv_mma_swiglu`` computes it (bit for
+    bit, default k slices)."""
+    p = arguments.check_gemm(a, q, scale_inv, out, block, kernel="gemv_mma_swiglu", activations=("bf16",),
+                             out_columns=np.asarray(q).shape[0] // 2)
+    out[...] = sim_gemv_mma.gemv_mma_swiglu(np.asarray(p.a, np.uint16), p.q, p.scale_inv, p.block,
+                                            k_slices=default_k_slices(p.n // 16, p.k // 128))
+    return out
+
+
 def fp8_gemm_twin(a, q, scale_inv, out, block=(128, 128), path="auto", stream=0):
-    """``fp8lab.numba_kernels.fp8_gemm`` (``auto``: SIMT up to ``SIMT_MAX_M`` rows, else mma) by its simulators."""
+    """``fp8lab.numba_kernels.fp8_gemm`` (``auto``: ``choose_path``) by its kernels' simulators."""
     p = arguments.check_gemm(a, q, scale_inv, out, block, kernel="fp8_gemm", activations=("bf16", "f16"),
                              block_n_multiple=8)
     assert p.activation == "bf16" and p.output == "f32"
-    if p.m <= SIMT_MAX_M:
+    if choose_path(p.m, p.n, p.activation, p.output) == "gemv_mma":
+        out[...] = sim_gemv_mma.gemv_mma(np.asarray(p.a, np.uint16), p.q, p.scale_inv, p.block,
+                                         k_slices=default_k_slices(p.n // 16, p.k // 128))
+    elif p.m <= SIMT_MAX_M:
         out[...] = sim_gemv.gemv_simt(bf16_values(p.a), p.q, p.scale_inv, p.block)
     else:
         out[...] = sim_mma.gemm_mma(np.asarray(p.a, np.uint16), p.q, p.scale_inv, p.block, activation="bf16")
@@ -78,6 +94,7 @@ def install_gemm_twins(monkeypatch) -> None:
     monkeypatch.setattr(plan, "gemv_simt_swiglu", gemv_simt_swiglu_twin)
     monkeypatch.setattr(plan, "gemv_simt_split_k", gemv_simt_split_k_twin)
     monkeypatch.setattr(plan, "fp8_gemm", fp8_gemm_twin)
+    monkeypatch.setattr(plan, "gemv_mma_swiglu", gemv_mma_swiglu_twin)
     monkeypatch.setattr(plan, "bf16_linear", bf16_linear_twin)
 
 

@@ -1,4 +1,4 @@
-"""fp8_gemm routes by M to the SIMT GEMV or the tensor-core GEMM, and checks arguments first."""
+"""fp8_gemm routes by M to the SIMT GEMV, the tensor-core GEMV or the tensor-core GEMM, and checks arguments first."""
 
 import os
 
@@ -7,8 +7,10 @@ import pytest
 from numba import cuda
 
 from fp8lab.numba_kernels import fp8_gemm as router
+from fp8lab.numba_kernels.gemv_mma import default_k_slices
 from fp8lab.reference import blockwise
 from fp8lab.simulators import gemm_mma as sim_mma
+from fp8lab.simulators import gemv_mma as sim_gemv_mma
 from fp8lab.simulators import gemv_simt as sim_gemv
 
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
@@ -22,25 +24,34 @@ def problem(rng, m, n, k, block=(128, 128)):
     return a_bits, q, s
 
 
-def test_auto_picks_simt_up_to_the_threshold_then_mma():
-    assert [router.choose_path(m) for m in (1, router.SIMT_MAX_M)] == ["simt", "simt"]
-    assert router.choose_path(router.SIMT_MAX_M + 1) == "mma" and router.choose_path(300) == "mma"
+def test_auto_picks_simt_for_one_row_gemv_mma_for_2_to_8_then_mma():
+    assert router.choose_path(1) == "simt"
+    assert [router.choose_path(m, 4096) for m in (2, 4, 8)] == ["gemv_mma"] * 3
+    assert router.choose_path(9) == "mma" and router.choose_path(300) == "mma"
+    # where gemv_mma does not apply (N not a multiple of 16, F16 in, 16-bit out): the SIMT GEMV up to SIMT_MAX_M
+    assert router.choose_path(2, 24) == router.choose_path(2, 16, "f16") == router.choose_path(2, 16, "bf16", "bf16")
+    assert router.choose_path(2, 24) == "simt" and router.choose_path(router.SIMT_MAX_M + 1, 24) == "mma"
 
 
 @pytest.mark.cudasim
-@pytest.mark.parametrize("m", [1, router.SIMT_MAX_M + 1])
-def test_auto_equals_the_chosen_kernels_simulator(rng, m):
-    a_bits, q, s = problem(rng, m, 12, 128)
-    out = np.full((m, 12), np.nan, np.float32)
+@pytest.mark.parametrize("m, n", [(1, 16), (3, 16), (3, 12), (router.SIMT_MAX_M + 1, 12), (9, 16)])
+def test_auto_equals_the_chosen_kernels_simulator(rng, m, n):
+    a_bits, q, s = problem(rng, m, n, 128)
+    out = np.full((m, n), np.nan, np.float32)
     router.fp8_gemm(a_bits, q, s, out)
     a = (a_bits.astype(np.uint32) << 16).view(np.float32)
-    expected = sim_gemv.gemv_simt(a, q, s) if m <= router.SIMT_MAX_M else sim_mma.gemm_mma(a_bits, q, s)
+    path = router.choose_path(m, n)
+    if path == "gemv_mma":
+        expected = sim_gemv_mma.gemv_mma(a_bits, q, s, k_slices=default_k_slices(n // 16, 1))
+    else:
+        expected = sim_gemv.gemv_simt(a, q, s) if path == "simt" else sim_mma.gemm_mma(a_bits, q, s)
     np.testing.assert_array_equal(out, expected)
 
 
 def test_bad_calls_raise_before_any_launch(rng, monkeypatch):
     monkeypatch.setattr(router, "gemv_simt", None)  # a launch would fail with TypeError, not ValueError
     monkeypatch.setattr(router, "gemm_mma", None)
+    monkeypatch.setattr(router, "gemv_mma", None)
     a_bits, q, s = problem(rng, 2, 16, 256)
     out = np.zeros((2, 16), np.float32)
     with pytest.raises(ValueError, match="path: expected one of"):

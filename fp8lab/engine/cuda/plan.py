@@ -23,7 +23,8 @@ A decode step of batch 1 is 8 or 9 launches per layer plus 4, e.g. 9 * 36 + 4 = 
 The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (at most 16) runs
 ``gemv_simt`` directly on the float32 activations, so the product is the reference's float32 linear up to the
 summation order; a larger one (long prompts, decode batches) rounds the activations to BF16 (a small kernel,
-``layers.bf16_round``) and runs ``fp8_gemm`` (tensor cores), W8A16 as the kernels are designed. The accuracy
+``layers.bf16_round``) and runs ``fp8_gemm`` on tensor cores (``gemv_mma`` for 2 to 8 rows, with SwiGLU fused
+into the gate/up launch; ``gemm_mma`` beyond), W8A16 as the kernels are designed. The accuracy
 table of the trained demo model (``docs/08_accuracy.md``, ``bench/RESULTS.md``) says BF16 inputs into FP8 weights
 cost far less than the FP8 weights themselves, so the default (``default_f32_max_rows``) is whatever is faster:
 float32 up to 4 rows for a model with small layers (Qwen3-0.6B, 16 M weights per layer: the SIMT GEMV is 10%
@@ -60,7 +61,8 @@ import numpy as np
 
 from fp8lab.numba_kernels import layers, splitkv
 from fp8lab.numba_kernels.attention_input import qk_norm_rope_cache_write
-from fp8lab.numba_kernels.fp8_gemm import fp8_gemm
+from fp8lab.numba_kernels.fp8_gemm import choose_path, fp8_gemm
+from fp8lab.numba_kernels.gemv_mma import gemv_mma_swiglu
 from fp8lab.numba_kernels.gemv_simt import (
     gemv_simt,
     gemv_simt_split_k,
@@ -331,11 +333,16 @@ class Planner:
     def gate_up_swiglu(self, gate_up: DeviceLinear, x, gate_up_out, act, plan: list[Launch]) -> None:
         """``act = silu(x @ gate^T) * (x @ up^T)`` from the fused gate/up weight, its launches appended to
         ``plan``: one ``gemv_simt_swiglu`` on the SIMT path (the epilogue applies SwiGLU, no ``[T, 2 I]``
-        round trip), else the GEMM into ``gate_up_out`` and ``layers.silu_mul`` (bit for bit the same)."""
+        round trip), ``gemv_mma_swiglu`` on BF16 inputs of 2 to 8 rows (the same, on tensor cores), else the GEMM
+        into ``gate_up_out`` and ``layers.silu_mul`` (bit for bit the same as that GEMM's kernel then SwiGLU)."""
         x_bf16 = self.gemm_input(x, gate_up.kind == "fp8", plan)
         if gate_up.kind == "fp8" and x_bf16 is None:
             plan.append(Launch(gemv_simt_swiglu, (x, gate_up.weight, gate_up.scale_inv, act, gate_up.block),
                                label="gate/up gemv + swiglu"))
+            return
+        if gate_up.kind == "fp8" and choose_path(x.shape[0], gate_up.n) == "gemv_mma":
+            plan.append(Launch(gemv_mma_swiglu, (x_bf16, gate_up.weight, gate_up.scale_inv, act, gate_up.block),
+                               label="gate/up gemv_mma + swiglu"))
             return
         plan.append(self.linear(gate_up, x, gate_up_out, x_bf16, "gate/up"))
         plan.append(Launch(layers.silu_mul, (gate_up_out, act), label="swiglu"))
