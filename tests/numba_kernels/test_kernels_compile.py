@@ -85,8 +85,9 @@ from fp8lab.numba_kernels import gemv_mma as G
 from helpers.ptx import Variant
 
 def variants():
-    cases = [(ks, "bf16", False, 3) for ks in G.K_SLICES_CHOICES] + [(4, "bf16", False, d) for d in (1, 2, 4)]
-    cases += [(4, "f32", False, d) for d in (1, 2, 3)] + [(4, "f32", True, 2), (1, "bf16", True, 3)]
+    # every k slicing at the engine's depths, the other depths once, float32 in, SwiGLU
+    cases = [(1, "bf16", False, 3), (2, "bf16", False, 3), (4, "bf16", False, 3), (8, "bf16", False, 2),
+             (4, "bf16", False, 1), (4, "bf16", False, 4), (4, "f32", False, 2), (2, "bf16", True, 3)]
     return [Variant(f"gemv_mma{'_swiglu' if swiglu else ''} k_slices={ks} {activation} depth={depth}",
                     G.gemv_mma_kernel(ks, activation, swiglu, depth).py_func, G.kernel_signature(activation),
                     lto=True, info={"k_slices": ks})
