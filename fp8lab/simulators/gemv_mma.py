@@ -39,9 +39,8 @@ from __future__ import annotations
 import numpy as np
 
 from fp8lab.reference import blockwise
-from fp8lab.reference.checks import as_block
 
-from . import bit_placement, dense, gemm_mma
+from . import dense, gemm_mma
 
 MAX_ROWS = 8
 """The n8 operand holds at most 8 activation rows."""
@@ -87,18 +86,12 @@ def gemv_mma(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, *, k_slices: int = 
     """
     if k_slices not in K_SLICES_CHOICES:
         raise ValueError(f"k_slices: expected one of {K_SLICES_CHOICES}, got {k_slices!r}")
-    codes = np.asarray(q)
-    if codes.dtype != np.uint8 or codes.ndim != 2:
-        raise ValueError(f"q: expected E4M3 codes uint8 [N, K], got dtype {codes.dtype}, shape {codes.shape}")
-    n, k = codes.shape
-    a_bits = bit_placement.activation_bits(a, "bf16")
-    if a_bits.ndim != 2 or a_bits.shape[1] != k:
-        raise ValueError(f"a: expected [M, K] with K = {k} (the weight's K), got shape {a_bits.shape}")
+    # gemm_mma's checks (codes, K and block multiples, scales, activations [..., K]), then at most 8 rows
+    a_bits, lead, codes, scales, (bn, bk) = gemm_mma._check_arguments(a, q, scale_inv, block, 1, "bf16")
+    if len(lead) != 1:
+        raise ValueError(f"a: expected [M, K], got shape {(*lead, codes.shape[1])}")
     check_rows("a", a_bits.shape[0])
-    if k == 0 or k % K_CHUNK:
-        raise ValueError(f"K: expected a positive multiple of {K_CHUNK}, got {k}")
-    bn, bk = as_block("block", block)
-    scales = blockwise.checked_scales(scale_inv, (n, k), (bn, bk))
+    n, k = codes.shape
     # The chunk's block scale, one column per chunk: the slices below then take block (BN, 128).
     chunk_scales = np.ascontiguousarray(scales[:, (np.arange(k // K_CHUNK) * K_CHUNK) // bk])
 

@@ -80,7 +80,8 @@ def test_swiglu_is_silu_mul_of_the_product(rng):
 @pytest.mark.parametrize("change, message", [
     (dict(a=np.zeros((9, 128), np.float32)), "^a: expected 1 to 8 rows"),
     (dict(k_slices=3), "^k_slices: expected one of"),
-    (dict(a=np.zeros((2, 256), np.float32)), "^a: expected \\[M, K\\] with K = 128"),
+    (dict(a=np.zeros((2, 256), np.float32)), "^a: expected shape \\[..., K\\] with K = 128"),
+    (dict(a=np.zeros((2, 2, 128), np.float32)), "^a: expected \\[M, K\\], got shape \\(2, 2, 128\\)"),
 ])
 def test_bad_arguments(change, message):
     args = dict(a=np.ones((2, 128), np.float32), q=np.zeros((16, 128), np.uint8),
