@@ -38,7 +38,7 @@ SIMT_MAX_M = 4
 PATHS = ("auto", "simt", "gemv_mma", "mma")
 
 
-def choose_path(m: int, n: int = ROWS_PER_WARP, activation: str = "bf16", output: str = "f32") -> str:
+def choose_path(m: int, n: int, activation: str = "bf16", output: str = "f32") -> str:
     """The kernel ``path="auto"`` uses for ``m`` rows of ``activation`` into ``n`` columns of ``output``."""
     if 2 <= m <= GEMV_MMA_MAX_ROWS and n % ROWS_PER_WARP == 0 and activation == "bf16" and output == "f32":
         return "gemv_mma"
