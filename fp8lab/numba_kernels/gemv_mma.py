@@ -30,15 +30,22 @@ How, per warp (lane ``(g, t)`` = ``(lane >> 2, lane & 3)``):
   ``g + 8``, ``a4a5``, ``a6a7`` codes 2, 3) and activations ``4 j .. 4 j + 3`` (B registers
   ``b0b1``, ``b2b3``): the mma sums the 16 k ``16 t' + 4 j + r`` of the span, the simulator's ``k_order``.
   A code becomes a BF16 pattern by bit placement (``gemm_mma.place_code_pair``, worth ``decode(c) * 2^-120``).
-- **Per chunk**: ``c_part = 0``; 8 mma; ``c_fin = fma(s, c_part * 2^120, c_fin)`` with each row's block scale.
-  The next chunk's codes and activations are loaded before this chunk's mma (a register double buffer).
+- **Per chunk**: ``c_part = 0``; 8 mma (``mma.mma_bf16_inline``: the instruction as inline assembly in this
+  kernel); ``c_fin = fma(s, c_part * 2^120, c_fin)`` with each row's block scale.
+- **A ring of ``depth`` chunks** (1 to 4; ``default_depth``): each warp keeps the codes, activations and block
+  scales of its next ``depth`` chunks in registers and refills a slot right after that chunk's mma. A round of
+  the loop is written out ``depth`` times (``gemv_simt.unrolled``) so every slot index is a constant. The ring
+  is what keeps bytes in flight; registers bound it (110 at depth 2, 146 at depth 3: 3 CTAs of 4 warps per SM).
 - **The CTA's sum**: each warp puts its ``c_fin`` in shared memory; warp 0 adds them in warp order and stores
   ``out[2 t, n]``, ``out[2 t + 1, n]`` (the accumulator columns are the batch rows), or SwiGLU's
   ``silu(gate) * up`` with ``layers.silu_times``.
 - **Float32 activations** are rounded to BF16 on load (``mathops.f32_to_bf16_bits_rne``, what
   ``layers.bf16_round`` does), so a float32 call is ``bf16_round`` + a BF16 call, bit for bit, one launch less.
-- **PDL**: the first chunk's codes and scales are loaded before ``griddepcontrol.wait`` (nothing in the stream
+- **PDL**: the ring's first codes and scales are loaded before ``griddepcontrol.wait`` (nothing in the stream
   writes them), the activations after it.
+
+Measured (``bench/gemv_mma.py``; numbers in ``bench/RESULTS.md``): at 2 to 8 rows with BF16 inputs faster than the
+SIMT GEMV, at one row slower (the SIMT GEMV streams more bytes per register), so ``fp8_gemm`` sends it 2 to 8 rows.
 
 Requirements (``ValueError`` before launching): ``arguments.check_gemm``'s (K and BK multiples of 128), BN a
 multiple of 8, ``1 <= M <= 8``, activations BF16 bits (uint16/int16) or float32, ``out`` float32, ``N`` a
