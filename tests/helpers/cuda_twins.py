@@ -13,7 +13,7 @@ import numpy as np
 
 from fp8lab.engine.cuda import plan
 from fp8lab.numba_kernels import arguments
-from fp8lab.numba_kernels.fp8_gemm import SIMT_MAX_M, choose_path
+from fp8lab.numba_kernels.fp8_gemm import choose_path
 from fp8lab.numba_kernels.gemv_mma import default_k_slices
 from fp8lab.reference.dense import round_to_bf16
 from fp8lab.simulators import dense as sim_dense
@@ -70,10 +70,11 @@ def fp8_gemm_twin(a, q, scale_inv, out, block=(128, 128), path="auto", stream=0)
     p = arguments.check_gemm(a, q, scale_inv, out, block, kernel="fp8_gemm", activations=("bf16", "f16"),
                              block_n_multiple=8)
     assert p.activation == "bf16" and p.output == "f32"
-    if choose_path(p.m, p.n, p.activation, p.output) == "gemv_mma":
+    path = choose_path(p.m, p.n, p.activation, p.output)
+    if path == "gemv_mma":
         out[...] = sim_gemv_mma.gemv_mma(np.asarray(p.a, np.uint16), p.q, p.scale_inv, p.block,
                                          k_slices=default_k_slices(p.n // 16, p.k // 128))
-    elif p.m <= SIMT_MAX_M:
+    elif path == "simt":
         out[...] = sim_gemv.gemv_simt(bf16_values(p.a), p.q, p.scale_inv, p.block)
     else:
         out[...] = sim_mma.gemm_mma(np.asarray(p.a, np.uint16), p.q, p.scale_inv, p.block, activation="bf16")
