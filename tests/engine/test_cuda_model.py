@@ -48,6 +48,7 @@ from helpers.engine import (
 )
 
 import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from fp8lab.engine.cuda import plan
 from fp8lab.engine.cuda.model import CudaQwen3Model, decode_buckets
 from fp8lab.engine.cuda.plan import decode_context_bound
 from fp8lab.engine.cuda.weights import fuse_fp8_for_gemm, unsupported_reason
@@ -161,23 +162,30 @@ def test_one_sequence_through_two_layers_matches_the_reference(gemm_twins):
 
 
 @pytest.mark.cudasim
-def test_bf16_gemm_inputs_and_all_logits(gemm_twins):
-    """A prefill longer than ``f32_max_rows``: activations rounded to BF16 (the cast kernel), the mma
-    twin; every token's logits, computed in chunks of ``max_num_seqs`` rows."""
+@pytest.mark.parametrize("prompts, gemm", [(PROMPTS, "gemv_mma"), (PROMPTS + [[9, 10, 11, 12, 13]], "gemm_mma")])
+def test_bf16_gemm_inputs_and_all_logits(gemm_twins, monkeypatch, prompts, gemm):
+    """A prefill longer than ``f32_max_rows``: activations rounded to BF16 (the cast kernel), then the twins of
+    the tensor-core GEMV (7 rows: ``fp8_gemm`` picks ``gemv_mma``, the gate/up launch is ``gemv_mma_swiglu``) or of
+    the tensor-core GEMM (12 rows: ``gemm_mma``, then ``silu_mul``); every token's logits, computed in chunks of
+    ``max_num_seqs`` rows."""
     config = micro_config()
     tensors = micro_tensors(config, seed=5)
     reference = Qwen3Model(config, tensors)
-    model = CudaQwen3Model(config, tensors, max_num_tokens=8, max_num_seqs=4, f32_max_rows=4)
+    model = CudaQwen3Model(config, tensors, max_num_tokens=16, max_num_seqs=4, f32_max_rows=4)
+    swiglu_twin, calls = plan.gemv_mma_swiglu, []
+    monkeypatch.setattr(plan, "gemv_mma_swiglu", lambda *args, **kwargs: calls.append(1) or swiglu_twin(*args, **kwargs))
     logits = []
     for m in (reference, model):
         manager = KVCacheManager(8, 4)
         cache = m.allocate_kv_cache(8, 4, "bf16")
-        for i in range(len(PROMPTS)):
+        for i in range(len(prompts)):
             manager.add_sequence(i)
-        logits.append(m.forward(make_batch(manager, list(enumerate(PROMPTS))), cache, all_logits=True))
+        logits.append(m.forward(make_batch(manager, list(enumerate(prompts))), cache, all_logits=True))
     want, got = logits
-    assert got.shape == (7, config.vocab_size)
+    rows = sum(map(len, prompts))
+    assert got.shape == (rows, config.vocab_size)
     assert 1e-5 < rel_err(got, want) <= MICRO_BF16_INPUT_BOUND, rel_err(got, want)  # it did round to BF16
+    assert len(calls) == (config.num_hidden_layers if gemm == "gemv_mma" else 0)  # which tensor-core kernel ran
 
 
 # ---------------------------------------------------------------------------- errors
