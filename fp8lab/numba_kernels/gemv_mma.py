@@ -59,11 +59,11 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint32
 
-from fp8lab.simulators.gemv_mma import (  # noqa: F401
+from fp8lab.simulators.gemv_mma import (
+    K_CHUNK,
     K_SLICES_CHOICES,
     MAX_ROWS,
     ROWS_PER_WARP,
-    slice_chunks,
 )
 
 from . import arguments, pdl
@@ -80,7 +80,6 @@ from .mathops import f32_to_bf16_bits_rne
 from .mma import mma_bf16_inline as mma_bf16
 from .warp import WARP_SIZE, load_u32x4
 
-K_CHUNK = 128
 SPANS_PER_CHUNK = 2
 """Two 64-wide spans per 128-wide chunk."""
 CODE_WORDS = 2 * SPANS_PER_CHUNK * 4
