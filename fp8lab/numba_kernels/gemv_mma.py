@@ -1,6 +1,6 @@
 """Tensor-core decode GEMV for FP8 (E4M3) blockwise weights: ``mma.m16n8k16`` with the weights as the m16 operand.
 
-Computes ``fp8lab.reference.blockwise.gemm`` for ``1 <= M <= 8`` rows (a decode batch)::
+Computes ``fp8lab.reference.blockwise.gemm`` for ``1 <= M <= 16`` rows (a decode batch)::
 
     out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]
 
@@ -13,8 +13,9 @@ Why a second tensor-core GEMM: ``gemm_mma`` puts the activations in the mma's 16
 uses a quarter of each mma and a CTA covers only 32 columns through shared memory; the SIMT GEMV
 (``gemv_simt``) does one FFMA per code and row, so its time grows with every row (at the Qwen3-8B gate/up
 shape, 30 us at M = 1 and 51 us at M = 4 on an H200). Here the **weights are the A operand** (a warp's 16
-output columns) and the **activations the B operand** (up to 8 rows, one per lane group), so one mma does the
-work of 16 x 8 x 16 FFMAs whatever M is, and the weights go from global memory straight into registers.
+output columns) and the **activations the B operand** (8 rows per mma, one per lane group; 9 to 16 rows take
+a second mma on the same A registers), so one mma does the work of 16 x 8 x 16 FFMAs whatever M is, and the
+weights go from global memory straight into registers, once for all the rows.
 
 How, per warp (lane ``(g, t)`` = ``(lane >> 2, lane & 3)``):
 
@@ -24,21 +25,23 @@ How, per warp (lane ``(g, t)`` = ``(lane >> 2, lane & 3)``):
 - **K slices**: the CTA's ``k_slices`` warps each take a contiguous slice of the 128-wide chunks
   (``fp8lab.simulators.gemv_mma.slice_chunks``); more warps per column where the grid is narrow.
 - **Spans of 64 k**: per span a lane loads 16 codes of each of its two rows (one 128-bit load each) and
-  16 activations of batch row ``g`` at the same k (two 128-bit loads of BF16, four of float32); rows
-  ``g >= M`` are zeros, never loaded. The 4 k16 steps of a span take word ``j`` of each code load
+  16 activations of batch row ``g`` (and ``g + 8`` for a second batch tile) at the same k (two 128-bit loads
+  of BF16, four of float32, per row); rows ``>= M`` are zeros, never loaded. The 4 k16 steps of a span take word ``j`` of each code load
   (codes ``4 j .. 4 j + 3``: A registers ``a0a1 = place(codes 0, 1)`` of row ``g``, ``a2a3`` the same of row
   ``g + 8``, ``a4a5``, ``a6a7`` codes 2, 3) and activations ``4 j .. 4 j + 3`` (B registers
   ``b0b1``, ``b2b3``): the mma sums the 16 k ``16 t' + 4 j + r`` of the span, the simulator's ``k_order``.
   A code becomes a BF16 pattern by bit placement (``gemm_mma.place_code_pair``, worth ``decode(c) * 2^-120``).
-- **Per chunk**: ``c_part = 0``; 8 mma (``mma.mma_bf16_inline``: the instruction as inline assembly in this
-  kernel); ``c_fin = fma(s, c_part * 2^120, c_fin)`` with each row's block scale.
+- **Per chunk**: ``c_part = 0``; 8 mma steps, one mma per batch tile each (``mma.mma_bf16_inline``: the
+  instruction as inline assembly in this kernel); ``c_fin = fma(s, c_part * 2^120, c_fin)`` with each row's
+  block scale.
 - **A ring of ``depth`` chunks** (1 to 4; ``default_depth``): each warp keeps the codes, activations and block
   scales of its next ``depth`` chunks in registers and refills a slot right after that chunk's mma. A round of
   the loop is written out ``depth`` times (``gemv_simt.unrolled``) so every slot index is a constant. The ring
   is what keeps bytes in flight; registers bound it (110 at depth 2, 146 at depth 3: 3 CTAs of 4 warps per SM).
 - **The CTA's sum**: each warp puts its ``c_fin`` in shared memory; warp 0 adds them in warp order and stores
-  ``out[2 t, n]``, ``out[2 t + 1, n]`` (the accumulator columns are the batch rows), or SwiGLU's
-  ``silu(gate) * up`` with ``layers.silu_times``.
+  ``out[8 b + 2 t, n]``, ``out[8 b + 2 t + 1, n]`` of batch tile ``b`` (the accumulator columns are the batch
+  rows), or SwiGLU's ``silu(gate) * up`` with ``layers.silu_times``; a uint16 ``out`` gets them rounded to BF16
+  bits (``mathops.f32_to_bf16_bits_rne``, as ``layers.bf16_round``), the input format of the next GEMM.
 - **Float32 activations** are rounded to BF16 on load (``mathops.f32_to_bf16_bits_rne``, what
   ``layers.bf16_round`` does), so a float32 call is ``bf16_round`` + a BF16 call, bit for bit, one launch less.
 - **PDL**: the ring's first codes and scales are loaded before ``griddepcontrol.wait`` (nothing in the stream
@@ -48,7 +51,7 @@ Measured (``bench/gemv_mma.py``; numbers in ``bench/RESULTS.md``): at 2 to 8 row
 SIMT GEMV, at one row slower (the SIMT GEMV streams more bytes per register), so ``fp8_gemm`` sends it 2 to 8 rows.
 
 Requirements (``ValueError`` before launching): ``arguments.check_gemm``'s (K and BK multiples of 128), BN a
-multiple of 8, ``1 <= M <= 8``, activations BF16 bits (uint16/int16) or float32, ``out`` float32, ``N`` a
+multiple of 8, ``1 <= M <= 16``, activations BF16 bits (uint16/int16) or float32, ``out`` float32 or uint16 (BF16 bits), ``N`` a
 multiple of 16 (SwiGLU: ``I`` a multiple of 8), 16-byte aligned device data.
 """
 
@@ -60,6 +63,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from fp8lab.simulators.gemv_mma import (
+    BATCH_TILE,
     K_CHUNK,
     K_SLICES_CHOICES,
     MAX_ROWS,
@@ -104,21 +108,31 @@ def default_k_slices(n_tiles: int, num_chunks: int) -> int:
     return K_SLICES_CHOICES[-1]
 
 
-def default_depth(activation: str, k_slices: int) -> int:
-    """Chunks in flight per warp: 3 for BF16 activations in CTAs of up to 4 warps (146 registers: 3 CTAs per SM),
-    else 2 (110 registers with BF16, 168 with float32, which hold twice the words per chunk)."""
-    return 3 if activation == "bf16" and k_slices <= 4 else 2
+def default_depth(activation: str, k_slices: int, batch_tiles: int = 1) -> int:
+    """Chunks in flight per warp: 3 for BF16 activations of one batch tile in CTAs of up to 4 warps (146 registers:
+    3 CTAs per SM), else 2 (110 registers with BF16, 168 with float32, which hold twice the words per chunk; two
+    batch tiles hold twice the activation words too)."""
+    return 3 if activation == "bf16" and k_slices <= 4 and batch_tiles == 1 else 2
+
+
+def batch_tiles_for(m: int) -> int:
+    """n8 tiles of activations a warp multiplies: 1 for up to 8 rows, 2 for 9 to 16."""
+    return 1 if m <= BATCH_TILE else 2
 
 
 @functools.cache
-def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3):
+def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3, batch_tiles: int = 1,
+                    output: str = "f32"):
     """One kernel variant: ``depth`` chunks in flight per warp (a register ring), ``k_slices`` warps per CTA,
     ``activation`` ``'bf16'`` (uint16 pairs as uint32 words) or ``'f32'`` (float32 bits as uint32 words), plain or
-    SwiGLU. Arguments: ``(a_words uint32 [M * K / 2 or M *
-    K], q_words uint32 [N * K / 4], scale_inv float32 [ceil(N/BN), ceil(K/BK)], out float32 [M, N or I], m, k,
-    block_n, block_k)``, all flat words row-major."""
+    SwiGLU, ``batch_tiles`` n8 tiles of batch rows (1: rows 0..7; 2: rows 0..15, two mma per k16 step on the same
+    A registers), ``output`` ``'f32'`` or ``'bf16'`` (uint16 bits, rounded as ``layers.bf16_round``). Arguments:
+    ``(a_words uint32 [M * K / 2 or M * K], q_words uint32 [N * K / 4], scale_inv float32 [ceil(N/BN),
+    ceil(K/BK)], out float32 or uint16 [M, N or I], m, k, block_n, block_k)``, all flat words row-major."""
     activation_words = ACTIVATION_WORDS[activation]
-    code_ring, activation_ring, scale_ring = depth * CODE_WORDS, depth * activation_words, 2 * depth  # constants
+    slot_words = batch_tiles * activation_words  # a ring slot holds every batch tile's activations
+    code_ring, activation_ring, scale_ring = depth * CODE_WORDS, depth * slot_words, 2 * depth  # constants
+    accumulators = 4 * batch_tiles  # C registers: 4 per n8 tile
     words_per_k = 2 if activation == "bf16" else 1  # k per activation word
 
     @inlined_device_function
@@ -134,8 +148,8 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
             codes[base + 4], codes[base + 5], codes[base + 6], codes[base + 7] = w
 
     @inlined_device_function
-    def load_activations(a_words, row, present, k, chunk, t, values, slot):
-        """Batch row ``row``'s 16 activations per span at this lane's k, into ring slot ``slot`` (``present``
+    def load_batch_tile(a_words, row, present, k, chunk, t, values, base0):
+        """Batch row ``row``'s 16 activations per span at this lane's k, into ``values[base0:]`` (``present``
         False: zeros, nothing loaded)."""
         if present:
             row_words = k // uint32(words_per_k)
@@ -143,11 +157,19 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
                 first = row * row_words + (chunk * uint32(K_CHUNK) + uint32(s * 64) + uint32(16) * t) // uint32(words_per_k)
                 for piece in range(activation_words // (4 * SPANS_PER_CHUNK)):
                     w = load_u32x4(a_words, first + uint32(4 * piece))
-                    base = activation_words * slot + s * (activation_words // SPANS_PER_CHUNK) + 4 * piece
+                    base = base0 + s * (activation_words // SPANS_PER_CHUNK) + 4 * piece
                     values[base], values[base + 1], values[base + 2], values[base + 3] = w
         else:
             for i in range(activation_words):
-                values[activation_words * slot + i] = uint32(0)
+                values[base0 + i] = uint32(0)
+
+    @inlined_device_function
+    def load_activations(a_words, g, m, k, chunk, t, values, slot):
+        """Ring slot ``slot`` <- the activations of batch rows ``g`` (and ``g + 8``) for ``chunk``; rows ``>= m``
+        are zeros."""
+        for tile in range(batch_tiles):
+            row = g + uint32(BATCH_TILE * tile)
+            load_batch_tile(a_words, row, row < m, k, chunk, t, values, slot_words * slot + activation_words * tile)
 
     @inlined_device_function
     def load_scales(scale_inv, scale_row0, scale_row1, chunk, block_k, scales, slot):
@@ -158,34 +180,49 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
 
     if activation == "bf16":
         @inlined_device_function
-        def b_register(values, s, pair):
-            """B register ``pair`` (0..7) of span ``s`` (counted from the ring slot's first span): activations
-            ``2 pair``, ``2 pair + 1`` (a BF16 pair)."""
-            return values[8 * s + pair]
+        def b_register(values, v, span, pair):
+            """B register ``pair`` (0..7) of span ``span`` of the batch tile whose words start at ``v``:
+            activations ``2 pair``, ``2 pair + 1`` (a BF16 pair)."""
+            return values[v + 8 * span + pair]
     else:
         @inlined_device_function
-        def b_register(values, s, pair):
+        def b_register(values, v, span, pair):
             """The same from float32 words: each rounded to BF16 (nearest even, ``layers.bf16_round``)."""
-            low = f32_to_bf16_bits_rne(u32_as_f32(values[16 * s + 2 * pair]))
-            high = f32_to_bf16_bits_rne(u32_as_f32(values[16 * s + 2 * pair + 1]))
+            low = f32_to_bf16_bits_rne(u32_as_f32(values[v + 16 * span + 2 * pair]))
+            high = f32_to_bf16_bits_rne(u32_as_f32(values[v + 16 * span + 2 * pair + 1]))
             return uint32(low) | (uint32(high) << uint32(16))
+
+    if output == "bf16":
+        @inlined_device_function
+        def store(out, row, column, value):
+            """``out[row, column]`` <- ``value`` as BF16 bits (nearest even, as ``layers.bf16_round``)."""
+            out[row, column] = f32_to_bf16_bits_rne(value)
+    else:
+        @inlined_device_function
+        def store(out, row, column, value):
+            out[row, column] = value
 
     @inlined_device_function
     def multiply_chunk(codes, values, slot, c_part):
-        """``c_part = 0``, then the 8 mma of the chunk in ring slot ``slot``: span ``s``, step ``j`` take word ``j``
-        of the span's codes."""
-        for i in range(4):
+        """``c_part = 0``, then the 8 mma steps of the chunk in ring slot ``slot`` (one mma per batch tile, on the
+        same A registers): span ``s``, step ``j`` take word ``j`` of the span's codes."""
+        for i in range(accumulators):
             c_part[i] = float32(0)
-        for s in range(slot * SPANS_PER_CHUNK, (slot + 1) * SPANS_PER_CHUNK):
+        for span in range(SPANS_PER_CHUNK):
+            s = slot * SPANS_PER_CHUNK + span  # the span, counted in code words
             for j in range(4):
                 top, bottom = codes[8 * s + j], codes[8 * s + 4 + j]
                 a0 = place_code_pair(top & uint32(0xFFFF), SHIFT)
                 a1 = place_code_pair(bottom & uint32(0xFFFF), SHIFT)
                 a2 = place_code_pair(top >> uint32(16), SHIFT)
                 a3 = place_code_pair(bottom >> uint32(16), SHIFT)
-                d = mma_bf16(a0, a1, a2, a3, b_register(values, s, 2 * j), b_register(values, s, 2 * j + 1),
-                             c_part[0], c_part[1], c_part[2], c_part[3])
-                c_part[0], c_part[1], c_part[2], c_part[3] = d[0], d[1], d[2], d[3]
+                for tile in range(batch_tiles):
+                    v = slot_words * slot + activation_words * tile  # the tile's words, from span 0
+                    c = 4 * tile
+                    d = mma_bf16(a0, a1, a2, a3, b_register(values, v, span, 2 * j),
+                                 b_register(values, v, span, 2 * j + 1), c_part[c], c_part[c + 1], c_part[c + 2],
+                                 c_part[c + 3])
+                    c_part[c], c_part[c + 1], c_part[c + 2], c_part[c + 3] = d[0], d[1], d[2], d[3]
 
     @inlined_device_function
     def prefetch_weights(slot, args):
@@ -198,30 +235,31 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
 
     @inlined_device_function
     def prefetch_activations(slot, args):
-        a_words, g, present, k, first, last, t, values = args
+        a_words, g, m, k, first, last, t, values = args
         chunk = first + uint32(slot)
         if chunk < last:
-            load_activations(a_words, g, present, k, chunk, t, values, slot)
+            load_activations(a_words, g, m, k, chunk, t, values, slot)
 
     @inlined_device_function
     def ring_step(slot, args):
         """Chunk ``round_start + slot`` from ring slot ``slot``: its 8 mma and promotion, then the slot refilled
         with the chunk ``depth`` ahead."""
-        (q_words, a_words, scale_inv, row0, row1, scale_row0, scale_row1, k_words, k, block_k, g, present, t,
+        (q_words, a_words, scale_inv, row0, row1, scale_row0, scale_row1, k_words, k, block_k, g, m, t,
          round_start, last, codes, values, scales, c_part, c_fin) = args
         chunk = round_start + uint32(slot)
         if chunk < last:
             multiply_chunk(codes, values, slot, c_part)
             s0, s1 = scales[2 * slot], scales[2 * slot + 1]
-            c_fin[0] = cuda.fma(s0, c_part[0] * UNPLACE, c_fin[0])  # * 2^120: exact
-            c_fin[1] = cuda.fma(s0, c_part[1] * UNPLACE, c_fin[1])
-            c_fin[2] = cuda.fma(s1, c_part[2] * UNPLACE, c_fin[2])
-            c_fin[3] = cuda.fma(s1, c_part[3] * UNPLACE, c_fin[3])
+            for c in range(0, accumulators, 4):  # C registers c, c + 1: weight row g; c + 2, c + 3: row g + 8
+                c_fin[c] = cuda.fma(s0, c_part[c] * UNPLACE, c_fin[c])  # * 2^120: exact
+                c_fin[c + 1] = cuda.fma(s0, c_part[c + 1] * UNPLACE, c_fin[c + 1])
+                c_fin[c + 2] = cuda.fma(s1, c_part[c + 2] * UNPLACE, c_fin[c + 2])
+                c_fin[c + 3] = cuda.fma(s1, c_part[c + 3] * UNPLACE, c_fin[c + 3])
             ahead = uint32(chunk + uint32(depth))
             if ahead < last:
                 load_codes(q_words, row0, row1, k_words, ahead, t, codes, slot)
                 load_scales(scale_inv, scale_row0, scale_row1, ahead, block_k, scales, slot)
-                load_activations(a_words, g, present, k, ahead, t, values, slot)
+                load_activations(a_words, g, m, k, ahead, t, values, slot)
 
     prefetch_all_weights = unrolled(prefetch_weights, depth)
     prefetch_all_activations = unrolled(prefetch_activations, depth)
@@ -252,46 +290,48 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
         codes = cuda.local.array(code_ring, uint32)
         values = cuda.local.array(activation_ring, uint32)
         scales = cuda.local.array(scale_ring, float32)
-        c_part = cuda.local.array(4, float32)
-        c_fin = cuda.local.array(4, float32)
-        for i in range(4):
+        c_part = cuda.local.array(accumulators, float32)
+        c_fin = cuda.local.array(accumulators, float32)
+        for i in range(accumulators):
             c_fin[i] = float32(0)
 
         # weights and scales: before the wait (PDL; nothing in the stream writes them)
         prefetch_all_weights((q_words, scale_inv, row0, row1, scale_row0, scale_row1, k_words, block_k, first, last, t,
                               codes, scales))
         pdl.prologue()
-        present = g < uint32(m)
-        prefetch_all_activations((a_words, g, present, k, first, last, t, values))
+        prefetch_all_activations((a_words, g, m, k, first, last, t, values))
         round_start = uint32(first)
         while round_start < last:  # uint32 throughout: a signed/unsigned comparison would be done in float64
             ring_round((q_words, a_words, scale_inv, row0, row1, scale_row0, scale_row1, k_words, k, block_k, g,
-                        present, t, round_start, last, codes, values, scales, c_part, c_fin))
+                        m, t, round_start, last, codes, values, scales, c_part, c_fin))
             round_start = uint32(round_start + uint32(depth))
 
         if k_slices > 1:  # the warps' results, added in warp order by warp 0
-            partial = cuda.shared.array((k_slices, WARP_SIZE, 4), float32)
-            for i in range(4):
+            partial = cuda.shared.array((k_slices, WARP_SIZE, accumulators), float32)
+            for i in range(accumulators):
                 partial[warp, lane, i] = c_fin[i]
             cuda.syncthreads()
             if warp == uint32(0):
                 for w in range(1, k_slices):
-                    for i in range(4):
+                    for i in range(accumulators):
                         c_fin[i] = c_fin[i] + partial[w, lane, i]
         if warp == uint32(0):
-            batch0, batch1 = uint32(2) * t, uint32(2) * t + uint32(1)
-            if swiglu:
-                if batch0 < m:
-                    out[batch0, row0] = silu_times(c_fin[0], c_fin[2])
-                if batch1 < m:
-                    out[batch1, row0] = silu_times(c_fin[1], c_fin[3])
-            else:
-                if batch0 < m:
-                    out[batch0, row0] = c_fin[0]
-                    out[batch0, row1] = c_fin[2]
-                if batch1 < m:
-                    out[batch1, row0] = c_fin[1]
-                    out[batch1, row1] = c_fin[3]
+            for tile in range(batch_tiles):  # the accumulator columns are the batch rows 8 tile + 2 t, + 1
+                c = 4 * tile
+                batch0 = uint32(BATCH_TILE * tile) + uint32(2) * t
+                batch1 = batch0 + uint32(1)
+                if swiglu:
+                    if batch0 < m:
+                        store(out, batch0, row0, silu_times(c_fin[c], c_fin[c + 2]))
+                    if batch1 < m:
+                        store(out, batch1, row0, silu_times(c_fin[c + 1], c_fin[c + 3]))
+                else:
+                    if batch0 < m:
+                        store(out, batch0, row0, c_fin[c])
+                        store(out, batch0, row1, c_fin[c + 2])
+                    if batch1 < m:
+                        store(out, batch1, row0, c_fin[c + 1])
+                        store(out, batch1, row1, c_fin[c + 3])
 
     return cuda.jit(kernel)
 
@@ -299,9 +339,11 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
 # ---------------------------------------------------------------------------- the host side
 
 
-def kernel_signature(activation: str) -> str:
-    """The Numba signature the host wrapper launches with (for ``cuda.compile_ptx``)."""
-    return "void(uint32[::1], uint32[::1], float32[:, ::1], float32[:, ::1], uint32, uint32, uint32, uint32)"
+def kernel_signature(output: str = "f32") -> str:
+    """The Numba signature the host wrapper launches with (for ``cuda.compile_ptx``): activations of either format
+    travel as uint32 words; ``out`` is float32 or, for ``output='bf16'``, uint16."""
+    out = "uint16[:, ::1]" if output == "bf16" else "float32[:, ::1]"
+    return f"void(uint32[::1], uint32[::1], float32[:, ::1], {out}, uint32, uint32, uint32, uint32)"
 
 
 def _check(a, q, scale_inv, out, block, swiglu: bool) -> arguments.GemmProblem:
@@ -316,9 +358,9 @@ def _check(a, q, scale_inv, out, block, swiglu: bool) -> arguments.GemmProblem:
     problem = arguments.check_gemm(a, q, scale_inv, out, block, kernel=kernel, activations=("bf16", "f32"),
                                    block_n_multiple=8, out_columns=n // 2 if swiglu else None)
     if not 1 <= problem.m <= MAX_ROWS:
-        raise ValueError(f"a: {kernel} takes 1 to {MAX_ROWS} rows (the mma's n8 operand), got M = {problem.m}")
-    if problem.output != "f32":
-        raise ValueError(f"out: {kernel} writes float32, got dtype {np.dtype(problem.out.dtype)}")
+        raise ValueError(f"a: {kernel} takes 1 to {MAX_ROWS} rows (two n8 tiles of the mma), got M = {problem.m}")
+    if problem.output not in ("f32", "bf16"):
+        raise ValueError(f"out: {kernel} writes float32 or uint16 (BF16 bits), got dtype {np.dtype(problem.out.dtype)}")
     for name in ("a", "q"):
         arguments.require_load_alignment(name, getattr(problem, name), kernel)
     return problem
@@ -330,10 +372,11 @@ def _launch(problem: arguments.GemmProblem, k_slices, depth, stream, swiglu: boo
     k_slices = default_k_slices(n_tiles, num_chunks) if k_slices is None else k_slices
     if k_slices not in K_SLICES_CHOICES:
         raise ValueError(f"k_slices: expected one of {K_SLICES_CHOICES}, got {k_slices!r}")
-    depth = default_depth(problem.activation, k_slices) if depth is None else depth
+    batch_tiles = batch_tiles_for(problem.m)
+    depth = default_depth(problem.activation, k_slices, batch_tiles) if depth is None else depth
     if depth not in DEPTH_CHOICES:
         raise ValueError(f"depth: expected one of {DEPTH_CHOICES}, got {depth!r}")
-    kernel = gemv_mma_kernel(k_slices, problem.activation, swiglu, depth)
+    kernel = gemv_mma_kernel(k_slices, problem.activation, swiglu, depth, batch_tiles, problem.output)
     bn, bk = problem.block
     pdl.launch(kernel, (n_tiles,), (WARP_SIZE * k_slices,), stream,
                problem.a.view(np.uint32).reshape(-1), problem.q.view(np.uint32).reshape(-1), problem.scale_inv,
@@ -341,10 +384,11 @@ def _launch(problem: arguments.GemmProblem, k_slices, depth, stream, swiglu: boo
 
 
 def gemv_mma(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth=None, stream=0):
-    """``out[M, N] = a[M, K] @ (decode(q) * scale_inv)^T`` on tensor cores for ``1 <= M <= 8``; returns ``out``.
+    """``out[M, N] = a[M, K] @ (decode(q) * scale_inv)^T`` on tensor cores for ``1 <= M <= 16``; returns ``out``.
 
     ``a``: BF16 bits (uint16/int16) or float32 (rounded to BF16 on load) ``[M, K]``; ``q``: uint8 ``[N, K]``,
-    ``N`` a multiple of 16; ``scale_inv``: float32 ``[ceil(N/BN), ceil(K/BK)]``; ``out``: float32 ``[M, N]``;
+    ``N`` a multiple of 16; ``scale_inv``: float32 ``[ceil(N/BN), ceil(K/BK)]``; ``out``: float32 ``[M, N]``, or
+    uint16 (the float32 result rounded to BF16 bits as ``layers.bf16_round``: the next GEMM's input format);
     all C-contiguous NumPy or device arrays (device data 16-byte aligned). ``block = (BN, BK)``: BN a multiple
     of 8, BK of 128; K a multiple of 128. ``k_slices`` (1, 2, 4, 8; None: ``default_k_slices``): warps per CTA,
     each a slice of K (it changes the order of the slices' sum: ``fp8lab.simulators.gemv_mma``); ``depth`` (1 to 4;
@@ -358,8 +402,9 @@ def gemv_mma(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth=None, 
 
 def gemv_mma_swiglu(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth=None, stream=0):
     """``out[M, I] = silu(a @ gate^T) * (a @ up^T)`` from the fused gate/up weight ``q[2 I, K]`` (gate rows, then
-    up rows), on tensor cores for ``1 <= M <= 8``: bit for bit ``gemv_mma`` into ``[M, 2 I]`` then
-    ``layers.silu_mul``, in one launch. ``I`` a multiple of 8; the rest as ``gemv_mma``."""
+    up rows), on tensor cores for ``1 <= M <= 16``: bit for bit ``gemv_mma`` into ``[M, 2 I]`` then
+    ``layers.silu_mul`` (with a uint16 ``out``: then ``layers.bf16_round``), in one launch. ``I`` a multiple of 8;
+    the rest as ``gemv_mma``."""
     problem = _check(a, q, scale_inv, out, block, swiglu=True)
     _launch(problem, k_slices, depth, stream, swiglu=True)
     return out

@@ -1,9 +1,10 @@
 """fp8lab.numba_kernels.gemv_mma, the tensor-core decode GEMV (weights as the mma's m16 operand).
 
 - In the CUDA simulator: bit for bit ``fp8lab.simulators.gemv_mma`` (every k slicing, uneven and empty slices,
-  1 to 8 rows, BF16 and float32 activations, per-8-row scale blocks, SwiGLU), outputs NaN-poisoned first; a
-  float32 call is ``bf16_round`` + a BF16 call bit for bit; a NaN activation gives NaN in its row only; bad calls
-  raise ``ValueError`` before any launch.
+  1 to 16 rows, so one or two batch tiles, BF16 and float32 activations, per-8-row scale blocks, SwiGLU),
+  outputs NaN-poisoned first; a float32 call is ``bf16_round`` + a BF16 call bit for bit; a BF16 output is the
+  float32 output then ``bf16_round``; a NaN activation gives NaN in its row only; bad calls raise ``ValueError``
+  before any launch.
 - On a GPU (``gpu``): Qwen3-8B sizes against ``fp8lab.reference.blockwise.gemm`` within the GPU error budget of
   ``fp8lab.simulators.gemm_mma``, and bit for bit the simulator where every sum is exact (integer values,
   power-of-two scales), so the HMMA's own rounding cannot differ.
@@ -43,6 +44,8 @@ def problem(rng, m, n, k, block):
     (8, 32, 384, (8, 128), 2, "bf16"),   # a scale block per 8 rows: a lane's two rows differ
     (5, 48, 512, (16, 256), 8, "bf16"),  # more warps than chunks
     (2, 16, 1152, (16, 128), 2, "f32"),  # 9 chunks: 5 and 4 per warp, rings of 1 to 4 (below)
+    (16, 32, 384, (8, 128), 2, "bf16"),  # two batch tiles, both full
+    (11, 16, 640, (16, 128), 4, "f32"),  # a second batch tile of 3 rows
 ])
 def test_matches_the_simulator_bit_for_bit(rng, m, n, k, block, k_slices, activation):
     a, q, scales = problem(rng, m, n, k, block)
@@ -52,12 +55,27 @@ def test_matches_the_simulator_bit_for_bit(rng, m, n, k, block, k_slices, activa
     np.testing.assert_array_equal(bits(out), bits(model.gemv_mma(a, q, scales, block, k_slices=k_slices)))
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3, 4])
-def test_every_ring_depth_gives_the_simulators_bits(rng, depth):
-    a, q, scales = problem(rng, 3, 16, 1152, (16, 128))  # 9 chunks: 5 and 4 per warp, partial rounds of the ring
-    out = np.full((3, 16), np.nan, np.float32)
+@pytest.mark.parametrize("depth, m", [(1, 3), (2, 3), (3, 3), (4, 3), (3, 13)])
+def test_every_ring_depth_gives_the_simulators_bits(rng, depth, m):
+    a, q, scales = problem(rng, m, 16, 1152, (16, 128))  # 9 chunks: 5 and 4 per warp, partial rounds of the ring
+    out = np.full((m, 16), np.nan, np.float32)
     gemv_mma(a, q, scales, out, (16, 128), k_slices=2, depth=depth)
     np.testing.assert_array_equal(bits(out), bits(model.gemv_mma(a, q, scales, (16, 128), k_slices=2)))
+
+
+@pytest.mark.parametrize("swiglu, m", [(False, 4), (True, 10)])
+def test_a_bf16_output_is_the_float32_output_rounded(rng, swiglu, m):
+    """A uint16 ``out`` holds ``bf16_round`` of what a float32 ``out`` holds (the input format of the next GEMM,
+    without a launch of its own); NaN stays NaN."""
+    a, q, scales = problem(rng, m, 32, 256, (16, 128))
+    a[1, 7] = np.nan
+    kernel, width = (gemv_mma_swiglu, 16) if swiglu else (gemv_mma, 32)
+    as_f32 = np.full((m, width), np.nan, np.float32)
+    as_bf16 = np.full((m, width), 0x1234, np.uint16)  # poison: a finite pattern, so a missed store shows
+    kernel(a, q, scales, as_f32, (16, 128), k_slices=2)
+    kernel(a, q, scales, as_bf16, (16, 128), k_slices=2)
+    np.testing.assert_array_equal(as_bf16, bit_placement.float32_to_bf16_bits(as_f32))
+    assert np.all(np.isnan(bit_placement.bf16_bits_to_float32(as_bf16[1])))
 
 
 def test_float32_activations_are_bf16_rounded_on_load(rng):
@@ -80,10 +98,10 @@ def test_swiglu_matches_the_simulator_and_a_nan_stays_in_its_row(rng):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(a=np.ones((9, 128), np.float32), out=np.zeros((9, 16), np.float32)), "^a: gemv_mma takes 1 to 8 rows"),
+    (dict(a=np.ones((17, 128), np.float32), out=np.zeros((17, 16), np.float32)), "^a: gemv_mma takes 1 to 16 rows"),
     (dict(q=np.zeros((24, 128), np.uint8), out=np.zeros((2, 24), np.float32), scale_inv=np.ones((1, 1), np.float32)),
      "^q: gemv_mma needs N to be a positive multiple of 16"),
-    (dict(out=np.zeros((2, 16), np.float16)), "^out: gemv_mma writes float32"),
+    (dict(out=np.zeros((2, 16), np.float16)), "^out: gemv_mma writes float32 or uint16"),
     (dict(k_slices=3), "^k_slices: expected one of"),
     (dict(depth=5), "^depth: expected one of"),
     (dict(a=np.ones((2, 128), np.float16)), "^a: expected activations"),
@@ -99,7 +117,8 @@ def test_bad_calls_raise_before_launching(change, message):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, n, k, swiglu", [(1, 6144, 4096, False), (4, 4096, 12288, False), (8, 2048, 4096, True)])
+@pytest.mark.parametrize("m, n, k, swiglu", [(1, 6144, 4096, False), (4, 4096, 12288, False), (8, 2048, 4096, True),
+                                            (16, 4096, 4096, False), (12, 2048, 4096, True)])
 def test_gpu_within_the_tensor_core_budget(rng, m, n, k, swiglu):
     from numba import cuda
 
@@ -125,7 +144,7 @@ def test_gpu_within_the_tensor_core_budget(rng, m, n, k, swiglu):
 def test_gpu_bit_for_bit_the_simulator_where_sums_are_exact(rng, k_slices):
     from numba import cuda
 
-    m, n, k = 6, 256, 2048
+    m, n, k = 6 + 4 * (k_slices == 4), 256, 2048  # one batch tile, and two for k_slices = 4
     q = rng.choice(INTEGER_CODES, (n, k))
     a = rng.integers(-4, 5, (m, k)).astype(np.float32)
     scales = np.exp2(rng.integers(-2, 3, (n // 128, k // 128))).astype(np.float32)

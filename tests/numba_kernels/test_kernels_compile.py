@@ -85,13 +85,17 @@ from fp8lab.numba_kernels import gemv_mma as G
 from helpers.ptx import Variant
 
 def variants():
-    # every k slicing at the engine's depths, the other depths once, float32 in, SwiGLU
-    cases = [(1, "bf16", False, 3), (2, "bf16", False, 3), (4, "bf16", False, 3), (8, "bf16", False, 2),
-             (4, "bf16", False, 1), (4, "bf16", False, 4), (4, "f32", False, 2), (2, "bf16", True, 3)]
-    return [Variant(f"gemv_mma{'_swiglu' if swiglu else ''} k_slices={ks} {activation} depth={depth}",
-                    G.gemv_mma_kernel(ks, activation, swiglu, depth).py_func, G.kernel_signature(activation),
-                    lto=True, info={"k_slices": ks})
-            for ks, activation, swiglu, depth in cases]
+    # every k slicing at the engine's depths, the other depths once, float32 in, SwiGLU; two batch tiles (9 to 16
+    # rows) and a BF16 output, as the engine runs them
+    cases = [(1, "bf16", False, 3, 1, "f32"), (2, "bf16", False, 3, 1, "f32"), (4, "bf16", False, 3, 1, "f32"),
+             (8, "bf16", False, 2, 1, "f32"), (4, "bf16", False, 1, 1, "f32"), (4, "bf16", False, 4, 1, "f32"),
+             (4, "f32", False, 2, 1, "f32"), (2, "bf16", True, 3, 1, "f32"), (2, "bf16", True, 3, 1, "bf16"),
+             (4, "bf16", False, 2, 2, "f32"), (8, "bf16", False, 2, 2, "f32"), (2, "bf16", True, 2, 2, "bf16")]
+    return [Variant(f"gemv_mma{'_swiglu' if swiglu else ''} k_slices={ks} {activation} depth={depth}"
+                    f" batch_tiles={tiles} out={output}",
+                    G.gemv_mma_kernel(ks, activation, swiglu, depth, tiles, output).py_func,
+                    G.kernel_signature(output), lto=True, info={"k_slices": ks})
+            for ks, activation, swiglu, depth, tiles, output in cases]
 '''
 
 GEMV_SIMT = r'''

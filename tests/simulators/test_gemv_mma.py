@@ -35,7 +35,7 @@ def test_k_order_permutes_each_span_and_gives_each_lane_16_contiguous_k():
 
 
 @pytest.mark.parametrize("k_slices", model.K_SLICES_CHOICES)
-@pytest.mark.parametrize("m", [1, 5, 8])
+@pytest.mark.parametrize("m", [1, 5, 8, 16])
 def test_exact_where_every_rounding_is_exact(rng, m, k_slices):
     n, k = 32, 640  # 5 chunks: uneven and empty slices
     q = rng.choice(INTEGER_CODES, (n, k))
@@ -68,6 +68,16 @@ def test_a_nan_activation_poisons_its_row_only(rng):
     assert np.all(np.isnan(got[1])) and np.all(np.isfinite(got[[0, 2]]))
 
 
+def test_each_row_is_computed_alone(rng):
+    """A row's bits do not depend on the other rows: a second batch tile changes nothing in the first."""
+    q = rng.choice(CODES, (16, 512))
+    a = rng.standard_normal((14, 512)).astype(np.float32)
+    s = rng.uniform(0.5, 2, (1, 4)).astype(np.float32)
+    together = model.gemv_mma(a, q, s, (16, 128), k_slices=2)
+    alone = np.concatenate([model.gemv_mma(a[i : i + 1], q, s, (16, 128), k_slices=2) for i in range(14)])
+    np.testing.assert_array_equal(together.view(np.uint32), alone.view(np.uint32))
+
+
 def test_swiglu_is_silu_mul_of_the_product(rng):
     q = rng.choice(CODES, (32, 256))
     a = rng.standard_normal((2, 256)).astype(np.float32)
@@ -78,7 +88,7 @@ def test_swiglu_is_silu_mul_of_the_product(rng):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(a=np.zeros((9, 128), np.float32)), "^a: expected 1 to 8 rows"),
+    (dict(a=np.zeros((17, 128), np.float32)), "^a: expected 1 to 16 rows"),
     (dict(k_slices=3), "^k_slices: expected one of"),
     (dict(a=np.zeros((2, 256), np.float32)), "^a: expected shape \\[..., K\\] with K = 128"),
     (dict(a=np.zeros((2, 2, 128), np.float32)), "^a: expected \\[M, K\\], got shape \\(2, 2, 128\\)"),
