@@ -16,6 +16,7 @@ from fp8lab.numba_kernels import arguments
 from fp8lab.numba_kernels.fp8_gemm import choose_path
 from fp8lab.numba_kernels.gemv_mma import default_k_slices
 from fp8lab.reference.dense import round_to_bf16
+from fp8lab.simulators import bit_placement
 from fp8lab.simulators import dense as sim_dense
 from fp8lab.simulators import gemm_mma as sim_mma
 from fp8lab.simulators import gemv_mma as sim_gemv_mma
@@ -57,11 +58,13 @@ def gemv_simt_swiglu_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **kn
 
 def gemv_mma_swiglu_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **knobs):
     """``fp8lab.numba_kernels.gemv_mma_swiglu`` as ``fp8lab.simulators.gemv_mma.gemv_mma_swiglu`` computes it (bit for
-    bit, default k slices)."""
+    bit, default k slices; a uint16 ``out`` gets the BF16 rounding)."""
     p = arguments.check_gemm(a, q, scale_inv, out, block, kernel="gemv_mma_swiglu", activations=("bf16",),
                              out_columns=np.asarray(q).shape[0] // 2)
-    out[...] = sim_gemv_mma.gemv_mma_swiglu(np.asarray(p.a, np.uint16), p.q, p.scale_inv, p.block,
-                                            k_slices=default_k_slices(p.n // 16, p.k // 128))
+    assert p.output in ("f32", "bf16")
+    product = sim_gemv_mma.gemv_mma_swiglu(np.asarray(p.a, np.uint16), p.q, p.scale_inv, p.block,
+                                           k_slices=default_k_slices(p.n // 16, p.k // 128))
+    out[...] = product if p.output == "f32" else bit_placement.float32_to_bf16_bits(product)
     return out
 
 
