@@ -210,7 +210,7 @@ def bad_calls(b: Batch):
         ("table too short", dict(block_tables=b.block_tables[:, :1]),
          "block_tables: sequence 0 has 7 tokens, which need 2"),
         ("block id out of range", dict(block_tables=b.block_tables + 100), "block_tables: block ids must lie in"),
-        ("out wrong shape", dict(out=np.zeros((7, 2, 16), np.float32)), "out: expected float32 \\[7, 2, 32\\] like q"),
+        ("out wrong shape", dict(out=np.zeros((7, 2, 16), np.float32)), "out: expected float32 or uint16 \\(BF16 bits\\) \\[7, 2, 32\\] like q"),
         ("out float64", dict(out=np.zeros(q.shape, np.float64)), "out: expected float32"),
         ("out strided", dict(out=np.zeros((7, 2, 64), np.float32)[:, :, ::2]), "out: expected a C-contiguous"),
         ("head_dim mismatch", dict(q=np.ones((7, 2, 64), np.float32), out=np.zeros((7, 2, 64), np.float32)),

@@ -286,7 +286,7 @@ def bad_calls(data):
          "head_dim must be one of"),
         ("head_dim mismatch", dict(q=np.zeros((2, 2, 64), np.float32)), "head_dim 32 does not match"),
         ("q float64", dict(q=q.astype(np.float64)), "q: expected float32"),
-        ("out wrong shape", dict(out=np.zeros((2, 2, 16), np.float32)), "out: expected float32 \\[2, 2, 32\\]"),
+        ("out wrong shape", dict(out=np.zeros((2, 2, 16), np.float32)), "out: expected float32 or uint16 \\(BF16 bits\\) \\[2, 2, 32\\]"),
         ("out wrong dtype", dict(out=np.zeros(q.shape, np.float64)), "out: expected float32"),
         ("table too short", dict(block_tables=data.block_tables[:, :1]), "block_tables: sequence 0 has 9 tokens"),
         ("block id out of range", dict(block_tables=data.block_tables + 100), "block_tables: block ids must lie in"),
