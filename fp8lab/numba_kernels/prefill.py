@@ -11,7 +11,9 @@ What it computes: ``q`` float32
 sequence ``s`` has ``context_lens[s]`` tokens in the cache (already written; its new tokens are the
 last ``query_lens[s]`` of them), so its query ``i`` sits at position
 ``context_lens[s] - query_lens[s] + i`` and attends keys ``0 .. that position``, reading kv head
-``h // (num_heads // num_kv_heads)`` (GQA). ``out``: float32 like ``q``. ``context_lens[s] >
+``h // (num_heads // num_kv_heads)`` (GQA). ``out``: ``q``'s shape, float32, or uint16 BF16 bit
+patterns (the float32 result rounded to nearest even as the decode kernels store it, bit for bit
+float32 then ``layers.bf16_round``: ``fp8lab.numba_kernels.splitkv``). ``context_lens[s] >
 query_lens[s]`` is a chunked prefill over a cached prefix; ``query_lens[s] = 0`` adds no rows.
 
 How: causal attention of query ``i`` is exactly decode attention over its causal prefix. So the
@@ -58,7 +60,7 @@ from . import pdl
 from .arguments import as_kernel_array, reject, require_c_contiguous
 from .bits import SIMULATOR
 from .kv_cache import check_cache, on_device, to_host
-from .splitkv import paged_decode
+from .splitkv import OUT_DTYPES, paged_decode
 from .warp import WARP_SIZE
 
 MAX_HEAD_DIM = 256
@@ -175,8 +177,8 @@ def _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_lens, o
     for name, lens in (("context_lens", context_lens), ("query_lens", query_lens)):
         if tuple(lens.shape) != (num_seqs,) or np.dtype(lens.dtype).kind not in "iu":
             reject(name, f"an integer array [{num_seqs}] (one length per row of block_tables)", lens)
-    if tuple(out.shape) != tuple(q.shape) or np.dtype(out.dtype) != np.float32:
-        reject("out", f"float32 [{num_tokens}, {num_heads}, {head_dim}] like q", out)
+    if tuple(out.shape) != tuple(q.shape) or np.dtype(out.dtype) not in OUT_DTYPES:
+        reject("out", f"float32 or uint16 (BF16 bits) [{num_tokens}, {num_heads}, {head_dim}] like q", out)
     require_c_contiguous("out", out)
 
 
@@ -285,8 +287,9 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
     codes (then float32 ``k_scale``, ``v_scale`` ``[num_blocks, num_kv_heads, block_size]`` are
     required), float32, or uint16 BF16 patterns, with every sequence's tokens already written;
     ``block_tables``: integer ``[num_seqs, max_blocks_per_seq]``; ``context_lens``, ``query_lens``:
-    integer ``[num_seqs]``, ``0 <= query_lens <= context_lens``; ``out``: float32 like ``q``, written
-    entirely.
+    integer ``[num_seqs]``, ``0 <= query_lens <= context_lens``; ``out``: ``q``'s shape, written entirely,
+    float32 or uint16: with uint16 each element is the BF16 bit pattern of the float32 result (round to
+    nearest even, as ``splitkv.paged_decode`` stores it; no extra launch).
 
     ``kv_format`` (keyword): the format the caches hold (as ``splitkv.paged_decode``).
 

@@ -10,8 +10,11 @@ imported from it: the contract fixes it. The arithmetic a CTA does per token is 
 What it computes (the contract of ``fp8lab.reference.attention.paged_decode``): for each sequence and query
 head ``h``, softmax attention of the new token's query ``q[seq, h]`` over the sequence's
 ``seq_lens[seq]`` cached tokens, reading kv head ``h // (num_heads // num_kv_heads)`` (GQA), with an
-optional ALiBi bias ``slope_h * (j - (L - 1))``; float32 ``out[num_seqs, num_heads, head_dim]``, and a
-zero row for a sequence of length 0.
+optional ALiBi bias ``slope_h * (j - (L - 1))``; ``out[num_seqs, num_heads, head_dim]``, and a zero
+row for a sequence of length 0. ``out`` is float32, or uint16: BF16 bit patterns, each element the
+float32 result rounded to nearest even by ``mathops.f32_to_bf16_bits_rne`` as it is stored (bit for bit
+the float32 call followed by ``layers.bf16_round``, without that launch: the o_proj FP8 tensor-core
+GEMM reads BF16 input). A zero row is BF16 zeros, a NaN stays a NaN.
 
 How: exactly the schedule of ``fp8lab.simulators.splitkv`` (read its docstring first), in the same float32
 operations in the same order, so that in the CUDA simulator the kernels match
@@ -36,6 +39,8 @@ Kernels and launch shapes:
    shared memory in slot order. The CTA writes its shard's partial ``(m, l, acc)`` per head to the
    workspace; with ``num_splits == 1`` it writes ``out = acc / l`` directly (bit-identical to a
    combine of one shard) and no combine kernel runs.
+   Whichever kernel writes ``out`` writes it in ``out``'s format (float32, or BF16 bits rounded once
+   from the float32 value: ``store_float32``, ``store_bf16``).
 2. ``combine_kernel``, grid ``(num_seqs, num_heads)``, ``head_dim`` threads (thread ``d`` owns
    element ``d``): merge the ``num_splits`` partials in shard order and write ``acc / l``; ``l = 0``
    (nothing attended) gives a zero row, never NaN.
@@ -59,9 +64,10 @@ the simulator fixes.
 Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` of uint8 E4M3 codes with float32 scales
 ``[num_blocks, num_kv_heads, block_size]`` (``fp8lab.reference.kv_cache``; no scales is an error, never a
 fallback), float32, or uint16 BF16 patterns, 16-byte aligned on the device. ``head_dim``: 32, 64,
-128 or 256. ``q``, ``out``: float32. Variants: one split kernel per (cache format, head_dim, heads per
-CTA), compiled on first use; ``kernel_variants()`` lists the ones ``tests/numba_kernels/test_kernels_compile.py``
-compiles to sm_90 PTX.
+128 or 256. ``q``: float32; ``out``: float32 or uint16 (BF16 bits), its dtype choosing the output
+format. Variants: one split kernel per (cache format, head_dim, heads per CTA, output format) and one
+combine kernel per output format, compiled on first use; ``kernel_variants()`` lists the ones
+``tests/numba_kernels/test_kernels_compile.py`` compiles to sm_90 PTX.
 """
 
 from __future__ import annotations
@@ -228,11 +234,35 @@ def normalized(acc, l):
     return acc / l
 
 
+# How a kernel writes one element of ``out``: a factory-time choice (``bf16_out``), so each output format
+# is its own compiled kernel and the float32 one is unchanged. The value stored is the float32 result in
+# both; the BF16 store rounds it once, exactly as ``layers.bf16_round`` would have in a launch of its own.
+
+
+@cuda.jit(device=True, inline=True)
+def store_float32(out, seq, head, d, value):
+    """``out[seq, head, d] = value``: float32 ``out``."""
+    out[seq, head, d] = value
+
+
+@cuda.jit(device=True, inline=True)
+def store_bf16(out, seq, head, d, value):
+    """``out[seq, head, d]`` = the BF16 bits of ``value`` (uint16 ``out``): round to nearest even, a zero to
+    a zero, NaN to a NaN (``mathops.f32_to_bf16_bits_rne``, the rounding of ``layers.bf16_round``)."""
+    out[seq, head, d] = mathops.f32_to_bf16_bits_rne(value)
+
+
+def output_store(bf16_out: bool):
+    """The store device function of an output format: ``store_bf16`` for uint16 ``out``, else ``store_float32``."""
+    return store_bf16 if bf16_out else store_float32
+
+
 # ---------------------------------------------------------------------------- the split kernel
 
 
-def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_in_flight: int | None = None):
-    """The Python source of the split kernel for one cache format, head size and ``heads`` per CTA.
+def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_in_flight: int | None = None,
+                          bf16_out: bool = False):
+    """The Python source of the split kernel for one cache format, head size, ``heads`` per CTA and output format.
 
     Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, alibi_slopes,
     use_alibi, scale_log2, num_kv_heads, block_size, num_splits, workspace, out``. The caches come
@@ -240,7 +270,8 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
     *row* ``(block * num_kv_heads + kv_head) * block_size + offset``, its words are ``row *
     ROW_WORDS ...`` and its scale is ``k_scales[row]``. A float cache gets placeholder scale arrays
     (never read), a call without ALiBi a placeholder ``alibi_slopes`` and ``use_alibi = 0``. Launch
-    ``[(num_seqs, num_heads // heads, num_splits), 128]``.
+    ``[(num_seqs, num_heads // heads, num_splits), 128]``. ``out`` (written only when ``num_splits ==
+    1``) is float32, or with ``bf16_out`` uint16 BF16 bits (``store_bf16``).
 
     Exact rescalings: FP8 values are decoded as ``decode(c) * 2^-8`` (two integer instructions and
     a conversion per pair, no multiply); the query is multiplied by 256 once and each V weight
@@ -263,6 +294,7 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
     IS_FP8 = cache_format == "fp8"
     UNIT = float32(VALUE_UNIT[cache_format])
     values_of = VALUE_DECODERS[cache_format]
+    store = output_store(bf16_out)
 
     def make_load_group(guarded: bool):
         @cuda.jit(device=True, inline=True)
@@ -473,7 +505,7 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
                 l_sum = cuda.fma(weight, slot_l[h * SLOTS + p], l_sum)
                 acc_sum = cuda.fma(weight, slot_acc[(h * SLOTS + p) * HEAD_DIM + d], acc_sum)
             if num_splits == 1:
-                out[seq, head0 + h, d] = normalized(acc_sum, l_sum)
+                store(out, seq, head0 + h, d, normalized(acc_sum, l_sum))
             else:
                 workspace[seq, head0 + h, shard, d] = acc_sum
                 if d == 0:
@@ -501,56 +533,71 @@ def load_partials(parts, first_row, row_words, d, head_dim, first, num_splits, m
             l[i] = parts[at + head_dim + 1]
 
 
-def combine_kernel(parts, max_splits, num_splits, out):
-    """Merge the shards' partials in shard order and normalize; thread ``d`` owns element ``d``.
+def combine_kernel_function(bf16_out: bool = False):
+    """The Python source of the combine kernel for one output format (``bf16_out``: uint16 BF16 bits)."""
+    store = output_store(bf16_out)
 
-    Launch ``[(num_seqs, num_heads), head_dim]``. ``parts``: the workspace ``[num_seqs, num_heads,
-    max_splits, head_dim + 2]``, flat; its row ``[seq, head, shard, :]`` holds ``acc[0:head_dim], m, l``.
+    def combine_kernel(parts, max_splits, num_splits, out):
+        """Merge the shards' partials in shard order and normalize; thread ``d`` owns element ``d``.
 
-    The work is a few hundred instructions per thread, so the time is latency: every thread loads
-    the ``m``, ``l`` and its ``acc`` element of 16 shards at once (one round trip to the L2 for the
-    usual split counts), takes ``m* = max m`` over all shards in registers, computes every weight
-    ``exp2(m_s - m*)`` itself (no shared memory and no barrier: the same few exponentials in each
-    thread cost less than a barrier's wait), then runs the ``l`` and ``acc`` fma chains in shard
-    order. More than 16 shards take further passes of 16 (their ``m`` first, for ``m*``).
-    """
-    pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
-    seq = cuda.blockIdx.x
-    head = cuda.blockIdx.y
-    d = cuda.threadIdx.x
-    num_heads = out.shape[1]
-    head_dim = out.shape[2]
-    row_words = head_dim + 2
-    first_row = (seq * num_heads + head) * max_splits
-    m = cuda.local.array(COMBINE_SHARDS_PER_PASS, float32)
-    l = cuda.local.array(COMBINE_SHARDS_PER_PASS, float32)
-    acc = cuda.local.array(COMBINE_SHARDS_PER_PASS, float32)
-    load_partials(parts, first_row, row_words, d, head_dim, 0, num_splits, m, l, acc)
-    m_star = m[0]
-    for i in range(1, COMBINE_SHARDS_PER_PASS):
-        if i < num_splits:
-            m_star = mathops.nan_max(m_star, m[i])
-    for s in range(COMBINE_SHARDS_PER_PASS, num_splits):  # more than 16 shards: the rest of the max
-        m_star = mathops.nan_max(m_star, parts[(first_row + s) * row_words + head_dim])
-    l_sum = float32(0)
-    acc_sum = float32(0)
-    for first in range(0, num_splits, COMBINE_SHARDS_PER_PASS):
-        if first > 0:
-            load_partials(parts, first_row, row_words, d, head_dim, first, num_splits, m, l, acc)
-        for i in range(COMBINE_SHARDS_PER_PASS):
-            if first + i < num_splits:
-                weight = merge_weight(m[i], m_star)
-                l_sum = cuda.fma(weight, l[i], l_sum)
-                acc_sum = cuda.fma(weight, acc[i], acc_sum)
-    out[seq, head, d] = normalized(acc_sum, l_sum)
+        Launch ``[(num_seqs, num_heads), head_dim]``. ``parts``: the workspace ``[num_seqs, num_heads,
+        max_splits, head_dim + 2]``, flat; its row ``[seq, head, shard, :]`` holds ``acc[0:head_dim], m, l``.
+        ``out``: float32, or with ``bf16_out`` uint16 BF16 bits (``store_bf16``).
+
+        The work is a few hundred instructions per thread, so the time is latency: every thread loads
+        the ``m``, ``l`` and its ``acc`` element of 16 shards at once (one round trip to the L2 for the
+        usual split counts), takes ``m* = max m`` over all shards in registers, computes every weight
+        ``exp2(m_s - m*)`` itself (no shared memory and no barrier: the same few exponentials in each
+        thread cost less than a barrier's wait), then runs the ``l`` and ``acc`` fma chains in shard
+        order. More than 16 shards take further passes of 16 (their ``m`` first, for ``m*``).
+        """
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
+        seq = cuda.blockIdx.x
+        head = cuda.blockIdx.y
+        d = cuda.threadIdx.x
+        num_heads = out.shape[1]
+        head_dim = out.shape[2]
+        row_words = head_dim + 2
+        first_row = (seq * num_heads + head) * max_splits
+        m = cuda.local.array(COMBINE_SHARDS_PER_PASS, float32)
+        l = cuda.local.array(COMBINE_SHARDS_PER_PASS, float32)
+        acc = cuda.local.array(COMBINE_SHARDS_PER_PASS, float32)
+        load_partials(parts, first_row, row_words, d, head_dim, 0, num_splits, m, l, acc)
+        m_star = m[0]
+        for i in range(1, COMBINE_SHARDS_PER_PASS):
+            if i < num_splits:
+                m_star = mathops.nan_max(m_star, m[i])
+        for s in range(COMBINE_SHARDS_PER_PASS, num_splits):  # more than 16 shards: the rest of the max
+            m_star = mathops.nan_max(m_star, parts[(first_row + s) * row_words + head_dim])
+        l_sum = float32(0)
+        acc_sum = float32(0)
+        for first in range(0, num_splits, COMBINE_SHARDS_PER_PASS):
+            if first > 0:
+                load_partials(parts, first_row, row_words, d, head_dim, first, num_splits, m, l, acc)
+            for i in range(COMBINE_SHARDS_PER_PASS):
+                if first + i < num_splits:
+                    weight = merge_weight(m[i], m_star)
+                    l_sum = cuda.fma(weight, l[i], l_sum)
+                    acc_sum = cuda.fma(weight, acc[i], acc_sum)
+        store(out, seq, head, d, normalized(acc_sum, l_sum))
+
+    return combine_kernel
 
 
 @functools.lru_cache(maxsize=None)
-def _split_kernel(cache_format: str, head_dim: int, heads: int, tokens_in_flight: int | None = None):
-    return cuda.jit(split_kernel_function(cache_format, head_dim, heads, tokens_in_flight))
+def _split_kernel(cache_format: str, head_dim: int, heads: int, tokens_in_flight: int | None = None,
+                  bf16_out: bool = False):
+    """The compiled split kernel of one variant (``split_kernel_function``), compiled once per process."""
+    return cuda.jit(split_kernel_function(cache_format, head_dim, heads, tokens_in_flight, bf16_out))
 
 
-_combine_kernel = cuda.jit(combine_kernel)
+@functools.lru_cache(maxsize=None)
+def _combine(bf16_out: bool = False):
+    """The compiled combine kernel of one output format (``combine_kernel_function``), compiled once per process."""
+    return cuda.jit(combine_kernel_function(bf16_out))
+
+
+_combine_kernel = _combine(False)  # the float32-output combine, by the name the benches and tests launch it
 
 
 # ---------------------------------------------------------------------------- host side
@@ -565,6 +612,10 @@ def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, max_splits: i
     """
     shape = (int(num_seqs), int(num_heads), int(max_splits), int(head_dim) + 2)
     return np.empty(shape, np.float32) if SIMULATOR else cuda.device_array(shape, np.float32)
+
+
+OUT_DTYPES = (np.dtype(np.float32), np.dtype(np.uint16))
+"""``out``'s dtypes: float32, or uint16 holding BF16 bit patterns (rounded once, to nearest even, in the kernel)."""
 
 
 @dataclass(frozen=True)
@@ -588,6 +639,7 @@ class DecodeCall:
     num_kv_heads: int
     block_size: int
     max_seq_len: int
+    bf16_out: bool  # out is uint16: the kernels store BF16 bits
 
 
 def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
@@ -620,8 +672,8 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
         reject("seq_lens", f"an integer array [{num_seqs}]", seq_lens)
     if alibi_slopes is not None and (tuple(alibi_slopes.shape) != (num_heads,) or np.dtype(alibi_slopes.dtype) != np.float32):
         reject("alibi_slopes", f"float32 [{num_heads}] or None", alibi_slopes)
-    if tuple(out.shape) != (num_seqs, num_heads, head_dim) or np.dtype(out.dtype) != np.float32:
-        reject("out", f"float32 [{num_seqs}, {num_heads}, {head_dim}]", out)
+    if tuple(out.shape) != (num_seqs, num_heads, head_dim) or np.dtype(out.dtype) not in OUT_DTYPES:
+        reject("out", f"float32 or uint16 (BF16 bits) [{num_seqs}, {num_heads}, {head_dim}]", out)
     require_c_contiguous("out", out)
 
     # The index arrays' values: read on the host unless the caller vouches for them with max_seq_len.
@@ -657,7 +709,7 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     v_words, v_scales = flat_cache(v_cache, v_scale)
     return DecodeCall(q, k_words, v_words, k_scales, v_scales, _as_int32(block_tables), _as_int32(seq_lens),
                       alibi_slopes, scale_log2, splits, workspace, out, cache_format, head_dim, num_kv_heads,
-                      block_size, max_seq_len)
+                      block_size, max_seq_len, np.dtype(out.dtype) == np.uint16)
 
 
 def flat_cache(cache, scales):
@@ -686,8 +738,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     ``[num_blocks, num_kv_heads, block_size]`` are required), float32, or uint16 BF16 patterns;
     ``block_tables``: integer ``[num_seqs, max_blocks_per_seq]`` (entries past a sequence's blocks are
     never read); ``seq_lens``: integer ``[num_seqs]``, 0 allowed; ``softmax_scale``: a float;
-    ``out``: float32 ``[num_seqs, num_heads, head_dim]``, written entirely; ``alibi_slopes``: float32
-    ``[num_heads]`` or None.
+    ``out``: ``[num_seqs, num_heads, head_dim]``, written entirely, float32 or uint16: with uint16 every
+    element is the BF16 bit pattern of the float32 result (round to nearest even,
+    ``mathops.f32_to_bf16_bits_rne``), bit for bit what ``layers.bf16_round`` makes of a float32 call's
+    ``out``, in the same launches; ``alibi_slopes``: float32 ``[num_heads]`` or None.
 
     ``num_splits``: a positive int (any; the workspace must have room), or ``"auto"``
     (``choose_num_splits`` with this GPU's SM count; at most 8 per query head). ``workspace``: see
@@ -721,14 +775,15 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     out_device = on_device(call.out, stream)
     workspace_device = on_device(workspace, stream)
     heads = heads_per_cta(num_heads // call.num_kv_heads, num_seqs * call.max_seq_len)
-    kernel = _split_kernel(call.cache_format, head_dim, heads, tokens_in_flight)
+    kernel = _split_kernel(call.cache_format, head_dim, heads, tokens_in_flight, call.bf16_out)
     pdl.launch(
         kernel, (num_seqs, num_heads // heads, call.num_splits), THREADS_PER_CTA, stream,
         *device, int(call.alibi_slopes is not None), call.scale_log2, call.num_kv_heads, call.block_size,
         call.num_splits, workspace_device, out_device)
     if call.num_splits > 1:
-        pdl.launch(_combine_kernel, (num_seqs, num_heads), head_dim, stream, workspace_device.reshape(workspace_device.size),
-                   workspace_device.shape[2], call.num_splits, out_device)
+        pdl.launch(_combine(call.bf16_out), (num_seqs, num_heads), head_dim, stream,
+                   workspace_device.reshape(workspace_device.size), workspace_device.shape[2], call.num_splits,
+                   out_device)
     if out_device is not call.out:  # a NumPy out on a GPU
         out_device.copy_to_host(call.out, stream=stream)
     return out
@@ -739,18 +794,26 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
 
 def kernel_variants():
     """``(name, python function, numba signature)`` of the decode kernel variants the PTX check compiles:
-    every (cache format, head size) with 4 heads per CTA, and every format at 128 with 1, 2 and 3 (C-contiguous,
-    int32 indices)."""
+    every (cache format, head size) with 4 heads per CTA, and every format at 128 with 1, 2 and 3, all with
+    float32 ``out``; the BF16-output split kernel (FP8 cache, head_dim 128, 4 heads per CTA); the combine
+    for each output format (C-contiguous, int32 indices)."""
     f32 = types.float32
     words = types.Array(types.uint32, 1, "C")
-    signature = types.void(
-        types.Array(f32, 3, "C"), words, words, types.Array(f32, 1, "C"), types.Array(f32, 1, "C"),
-        types.Array(types.int32, 2, "C"), types.Array(types.int32, 1, "C"), types.Array(f32, 1, "C"), types.int64,
-        f32, types.int64, types.int64, types.int64, types.Array(f32, 4, "C"), types.Array(f32, 3, "C"))
-    shapes = [(fmt, head_dim, MAX_HEADS_PER_CTA) for fmt in KV_CACHE_FORMATS for head_dim in HEAD_DIMS]
-    shapes += [(fmt, 128, heads) for fmt in KV_CACHE_FORMATS for heads in range(1, MAX_HEADS_PER_CTA)]
-    variants = [(f"split[{fmt}, head_dim={head_dim}, heads={heads}]", split_kernel_function(fmt, head_dim, heads),
-                 signature) for fmt, head_dim, heads in shapes]
-    variants.append(("combine", combine_kernel,
-                     types.void(types.Array(f32, 1, "C"), types.int64, types.int64, types.Array(f32, 3, "C"))))
+    out_arrays = {False: types.Array(f32, 3, "C"), True: types.Array(types.uint16, 3, "C")}
+
+    def split_signature(bf16_out: bool):
+        return types.void(
+            types.Array(f32, 3, "C"), words, words, types.Array(f32, 1, "C"), types.Array(f32, 1, "C"),
+            types.Array(types.int32, 2, "C"), types.Array(types.int32, 1, "C"), types.Array(f32, 1, "C"), types.int64,
+            f32, types.int64, types.int64, types.int64, types.Array(f32, 4, "C"), out_arrays[bf16_out])
+
+    shapes = [(fmt, head_dim, MAX_HEADS_PER_CTA, False) for fmt in KV_CACHE_FORMATS for head_dim in HEAD_DIMS]
+    shapes += [(fmt, 128, heads, False) for fmt in KV_CACHE_FORMATS for heads in range(1, MAX_HEADS_PER_CTA)]
+    shapes += [("fp8", 128, MAX_HEADS_PER_CTA, True)]
+    variants = [(f"split[{fmt}, head_dim={head_dim}, heads={heads}{', out=bf16' if bf16_out else ''}]",
+                 split_kernel_function(fmt, head_dim, heads, bf16_out=bf16_out), split_signature(bf16_out))
+                for fmt, head_dim, heads, bf16_out in shapes]
+    for bf16_out in (False, True):
+        variants.append(("combine[out=bf16]" if bf16_out else "combine", combine_kernel_function(bf16_out),
+                         types.void(types.Array(f32, 1, "C"), types.int64, types.int64, out_arrays[bf16_out])))
     return variants

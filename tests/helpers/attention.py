@@ -1,5 +1,5 @@
 """Shared by the split-kv and prefill tests: the simulator's error bound, ALiBi slopes, filled paged caches,
-prefill as decode rows and its reference.
+BF16 rounding of an output, prefill as decode rows and its reference.
 
 ``tolerance`` is the bound stated (and derived) in ``tests/simulators/test_splitkv.py``'s docstring.
 """
@@ -85,6 +85,15 @@ def filled_cache(rng, lens, block_size, num_kv_heads, head_dim, cache):
             kv_cache.write(codes, scales, x, kv_cache.slots_for_positions(table, np.arange(n), block_size))
         caches.append((codes if cache == "fp8" else bf16_cache(codes), scales))
     return caches, tables
+
+
+def bf16_rounded(out) -> np.ndarray:
+    """``layers.bf16_round`` of a float32 attention output (its own launch): the two-step path that a
+    uint16 ``out`` must equal bit for bit. The result array starts poisoned with 0x1234."""
+    # A kernel module, imported here: only the kernel tests that call this need numba.
+    from fp8lab.numba_kernels import layers
+
+    return layers.bf16_round(out, np.full(out.shape, 0x1234, np.uint16))
 
 
 def prefill_rows(tables, context_lens, query_lens):

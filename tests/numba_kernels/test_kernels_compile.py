@@ -373,9 +373,10 @@ def test_fp8_weight_kernels_compile_to_sm90_ptx(compiled):
 
 
 def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
-    """Every variant: 9 cache writes (input x cache format), 15 split kernels (3 cache formats x 4 head sizes
-    with 4 heads per CTA, FP8 at 128 with 1 to 3 heads), the combine: no local memory, no float64, the
-    expected load widths; no spills where nvJitLink can run ptxas."""
+    """Every variant: 9 cache writes (input x cache format), 22 split kernels (3 cache formats x 4 head sizes
+    with 4 heads per CTA, every format at 128 with 1 to 3 heads, FP8 at 128 with 4 heads and BF16 output),
+    the combine for float32 and BF16 output: no local memory, no float64, the expected load widths, 16-bit
+    stores for BF16 output; no spills where nvJitLink can run ptxas."""
     def check(c):
         name, ptx = c.name, c.ptx
         assert ".target sm_90" in ptx
@@ -385,8 +386,10 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
         if name.startswith("split"):
             assert "shfl.sync.bfly.b32" in ptx and "ex2.approx.f32" in ptx and "fma.rn.f32" in ptx
             assert re.search(r"ld\.global\.nc\.v4\.[uf]32\b", ptx)  # a lane reads its 16 elements in 128-bit loads
-        if name == "combine":
+        if name.startswith("combine"):
             assert "ex2.approx.f32" in ptx and "div.rn.f32" in ptx
+        if "out=bf16" in name:
+            assert re.search(r"st\.global\.[ub]16\b", ptx)  # out is stored as 16-bit BF16 patterns
         check_pdl_rules(ptx)
         check_no_spills(c)  # every per-lane array lives in registers
 

@@ -7,9 +7,9 @@ of different lengths including one with no new tokens, ``out`` poisoned with NaN
 to ``fp8lab.simulators.splitkv.paged_decode`` on the expanded rows (built here by a plain loop), and within
 the split-kv float32 bound (``helpers.attention.tolerance``) of ``fp8lab.reference.attention.prefill`` per
 sequence; the device path (device index arrays, ``max_context_len``, a rows workspace) reads
-nothing back; the expansion kernel equals the host expansion; every bad argument is a
-``ValueError`` before anything is launched. Without the simulator: the expansion kernel compiles to
-sm_90 PTX. On a GPU (``gpu``): Qwen3-8B heads, prompts of 300 and 700 tokens (one after a cached
+nothing back; the expansion kernel equals the host expansion; a uint16 ``out`` is bit for bit
+``layers.bf16_round`` of the float32 one; every bad argument is a ``ValueError`` before anything is
+launched. Without the simulator: the expansion kernel compiles to sm_90 PTX. On a GPU (``gpu``): Qwen3-8B heads, prompts of 300 and 700 tokens (one after a cached
 prefix), FP8 and BF16, host and device paths, against ``fp8lab.reference.attention.prefill``.
 """
 
@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from helpers.attention import as_float32, filled_cache, prefill_rows, tolerance
+from helpers.attention import (
+    as_float32,
+    bf16_rounded,
+    filled_cache,
+    prefill_rows,
+    tolerance,
+)
 from helpers.attention import reference_prefill as helpers_reference_prefill
 from helpers.ptx import check_pdl_rules, compile_sets, each_variant, progress_printer
 from hypothesis import given
@@ -178,6 +184,21 @@ def test_f32_cache_and_host_rows_workspace(rng):
 
 
 @pytest.mark.cudasim
+def test_bf16_out_is_the_float32_out_rounded(rng, monkeypatch):
+    """uint16 ``out`` (BF16 bits) is bit for bit ``layers.bf16_round`` of the float32 call's ``out``: FP8, a chunk
+    of 2 after a prefix of 1 in blocks of 2 ("auto" splits the rows in 2: the combine's store), 2 query heads on 1
+    kv head served by one CTA (``heads_per_cta`` forced to 2, which changes no bit; fewer simulated CTAs); ``out``
+    poisoned with 0x1234."""
+    monkeypatch.setattr(splitkv, "heads_per_cta", lambda group, tokens: group)
+    b = make_batch(rng, context_lens=[3], query_lens=[2], num_heads=2, num_kv_heads=1, head_dim=32, block_size=2,
+                   cache="fp8")
+    expected = bf16_rounded(run_prefill(b))
+    got = run_prefill(b, out=np.full(b.q.shape, 0x1234, np.uint16))
+    np.testing.assert_array_equal(got, expected)
+    assert np.all(got != 0x1234) and np.all(got != 0)
+
+
+@pytest.mark.cudasim
 def test_no_query_tokens_is_a_no_op(rng):
     b = make_batch(rng, context_lens=[5, 0], query_lens=[0, 0])
     assert b.q.shape[0] == 0
@@ -210,8 +231,10 @@ def bad_calls(b: Batch):
         ("table too short", dict(block_tables=b.block_tables[:, :1]),
          "block_tables: sequence 0 has 7 tokens, which need 2"),
         ("block id out of range", dict(block_tables=b.block_tables + 100), "block_tables: block ids must lie in"),
-        ("out wrong shape", dict(out=np.zeros((7, 2, 16), np.float32)), "out: expected float32 \\[7, 2, 32\\] like q"),
+        ("out wrong shape", dict(out=np.zeros((7, 2, 16), np.float32)), "out: expected float32 or uint16 \\(BF16 bits\\) \\[7, 2, 32\\] like q"),
         ("out float64", dict(out=np.zeros(q.shape, np.float64)), "out: expected float32"),
+        ("out float16", dict(out=np.zeros(q.shape, np.float16)),
+         "out: expected float32 or uint16 \\(BF16 bits\\) \\[7, 2, 32\\] like q, got shape \\(7, 2, 32\\) dtype float16"),
         ("out strided", dict(out=np.zeros((7, 2, 64), np.float32)[:, :, ::2]), "out: expected a C-contiguous"),
         ("head_dim mismatch", dict(q=np.ones((7, 2, 64), np.float32), out=np.zeros((7, 2, 64), np.float32)),
          "k_cache: head_dim 32 does not match q's head_dim 64"),

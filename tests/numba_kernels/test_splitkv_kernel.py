@@ -5,13 +5,16 @@ token a few ms): outputs and per-shard partials bit for bit equal to ``fp8lab.si
 split count 1 to 8 (empty shards included), GQA, ALiBi, FP8, BF16 and float32 caches, lengths 0 and
 1, random layouts; within the simulator's float32 bound of ``fp8lab.reference.attention``; the regression
 tests (a length-0 row after a call with data comes back zero, not stale; an FP8 cache without scales
-fails loudly); every bad argument a ``ValueError`` before anything is launched.
+fails loudly); every bad argument a ``ValueError`` before anything is launched. BF16 output (uint16 ``out``):
+bit for bit ``layers.bf16_round`` of the float32 output, through the split kernel's store and the combine's,
+with a zero row and a NaN row.
 
 On a GPU (``gpu``, run by hand on an H200): Qwen3-8B heads (32 query, 8 kv, head_dim 128), batch 1 and
 8, contexts up to 16k, FP8 and BF16 caches, split on and off, against ``fp8lab.reference.attention`` on fresh
 random data with ``out`` poisoned before every launch: elementwise within the bound of
 ``tests/simulators/test_splitkv.py`` (it assumes an ``exp2`` within 4 ulp; the GPU's ``ex2.approx.f32`` is within
-2) and ``||out - ref|| / ||ref|| <= 1e-5``. A NaN anywhere fails both checks.
+2) and ``||out - ref|| / ||ref|| <= 1e-5``. A NaN anywhere fails both checks. BF16 output at the same heads,
+batch 2, 1, 2 and 4 heads per CTA: bit for bit ``layers.bf16_round`` of the float32 output.
 """
 
 import os
@@ -21,6 +24,7 @@ import pytest
 from helpers.attention import (
     as_float32,
     bf16_cache,
+    bf16_rounded,
     filled_cache,
     random_slopes,
     tolerance,
@@ -262,6 +266,34 @@ def test_fp8_cache_without_scales_fails_loudly(rng):
     assert np.all(np.isnan(out))  # nothing was launched
 
 
+# ---------------------------------------------------------------------------- BF16 output (uint16 out)
+
+
+def bf16_nan(bits: np.ndarray) -> np.ndarray:
+    """Where BF16 patterns are NaN (exponent all ones, mantissa not zero)."""
+    return ((bits & 0x7F80) == 0x7F80) & ((bits & 0x007F) != 0)
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("num_splits, block_size", [(1, 4), (2, 2)])
+def test_bf16_out_is_the_float32_out_rounded(rng, monkeypatch, num_splits, block_size):
+    """uint16 ``out`` is bit for bit ``layers.bf16_round`` of the float32 call's ``out``, through the split kernel's
+    store (1 split) and the combine's (2). FP8 cache, 4 query heads on 2 kv heads, each CTA serving both heads of
+    its group (``heads_per_cta`` forced to 2: it changes no bit, exercises the store's head index and halves the
+    simulated CTAs); a length-0 sequence (BF16 zeros, every shard empty) and a NaN in query head 2 of the other
+    (NaN patterns in that row only, not in head 3 of the same CTA). ``out`` poisoned with 0x1234."""
+    monkeypatch.setattr(kernels, "heads_per_cta", lambda group, tokens: group)
+    data = make_data(rng, [0, 5], num_heads=4, num_kv_heads=2, head_dim=32, block_size=block_size)
+    data.q[1, 2, 5] = np.nan
+    expected = bf16_rounded(run_kernel(data, num_splits))
+    got = run_kernel(data, num_splits, out=np.full(data.q.shape, 0x1234, np.uint16))
+    assert got.dtype == np.uint16
+    np.testing.assert_array_equal(got, expected)
+    assert np.all(got[0] == 0)  # the length-0 sequence: +0.0 in BF16
+    nan = bf16_nan(got)
+    assert np.all(nan[1, 2]) and np.sum(nan) == got.shape[2]  # the NaN query's row, and nothing else
+
+
 # ---------------------------------------------------------------------------- bad calls
 
 
@@ -286,8 +318,10 @@ def bad_calls(data):
          "head_dim must be one of"),
         ("head_dim mismatch", dict(q=np.zeros((2, 2, 64), np.float32)), "head_dim 32 does not match"),
         ("q float64", dict(q=q.astype(np.float64)), "q: expected float32"),
-        ("out wrong shape", dict(out=np.zeros((2, 2, 16), np.float32)), "out: expected float32 \\[2, 2, 32\\]"),
+        ("out wrong shape", dict(out=np.zeros((2, 2, 16), np.float32)), "out: expected float32 or uint16 \\(BF16 bits\\) \\[2, 2, 32\\]"),
         ("out wrong dtype", dict(out=np.zeros(q.shape, np.float64)), "out: expected float32"),
+        ("out BF16 as int16", dict(out=np.zeros(q.shape, np.int16)),
+         "out: expected float32 or uint16 \\(BF16 bits\\) \\[2, 2, 32\\], got shape \\(2, 2, 32\\) dtype int16"),
         ("table too short", dict(block_tables=data.block_tables[:, :1]), "block_tables: sequence 0 has 9 tokens"),
         ("block id out of range", dict(block_tables=data.block_tables + 100), "block_tables: block ids must lie in"),
         ("negative length", dict(seq_lens=np.array([-1, 2], np.int32)), "seq_lens: expected lengths >= 0"),
@@ -401,3 +435,27 @@ def test_gpu_write_then_decode_and_reuse_with_length_zero():
         got = out.copy_to_host()
         assert relative_error(got, expected) <= RELATIVE_ERROR_BOUND, seed
         assert np.all(got[lengths == 0] == 0), seed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[300, 257], [1500, 800], [6000, 4500]], ids=["1 head per CTA", "2", "4"])
+def test_gpu_bf16_out_is_the_float32_out_rounded(lens):
+    """Qwen3-8B heads (32 query, 8 kv of 128), FP8 cache in blocks of 16, batch 2, fresh random data: uint16 ``out``
+    bit for bit ``layers.bf16_round`` of the float32 ``out``, all on the GPU, for 1 split (the split kernel's store)
+    and 4 and "auto" (the combine's); the contexts make ``heads_per_cta`` choose 1, 2 and 4 heads per CTA. Both
+    outs poisoned before every launch (NaN, 0x1234)."""
+    seed, rng = fresh_rng()
+    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
+    caches, tables = filled_cache(rng, lens, block_size, num_kv_heads, head_dim, "fp8")
+    (k, k_scale), (v, v_scale) = caches
+    q = rng.standard_normal((len(lens), num_heads, head_dim)).astype(np.float32)
+    device = [cuda.to_device(x) for x in (q, k, v, tables, np.asarray(lens, np.int32))]
+    scales = [cuda.to_device(s) for s in (k_scale, v_scale)]
+    for num_splits in (1, 4, "auto"):
+        out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+        kernels.paged_decode(*device, head_dim**-0.5, out, *scales, num_splits=num_splits)
+        bits = cuda.to_device(np.full(q.shape, 0x1234, np.uint16))
+        kernels.paged_decode(*device, head_dim**-0.5, bits, *scales, num_splits=num_splits)
+        got = bits.copy_to_host()
+        np.testing.assert_array_equal(got, bf16_rounded(out), err_msg=f"seed {seed}, num_splits {num_splits}")
+        assert not np.any(bf16_nan(got)), (seed, num_splits)
