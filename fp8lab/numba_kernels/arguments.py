@@ -1,7 +1,7 @@
 """Argument checks of every kernel host wrapper, done on the host before anything is launched.
 
 One copy of each check the kernels share: ``reject``/``require`` (the error of a bad array), ``require_c_contiguous``,
-``require_load_alignment`` (device data for 128-bit loads) and ``check_gemm`` (the FP8 weight GEMMs' whole
+``require_load_alignment`` (device data for 128-bit loads), ``overlaps`` (two arrays' memory) and ``check_gemm`` (the FP8 weight GEMMs' whole
 call); the values of a paged cache's block tables are checked by the oracle's own rule
 (``fp8lab.reference.checks.check_block_tables``). No kernel here; each
 kernel's test file checks its bad calls (``tests/numba_kernels/test_*_kernel.py``, ``test_fp8_gemm.py``).
@@ -81,6 +81,22 @@ def require_load_alignment(name: str, x, kernel: str):
         raise ValueError(f"{name}: {kernel} reads {LOAD_ALIGNMENT} bytes at a time, so its device data must be "
                          f"{LOAD_ALIGNMENT}-byte aligned (start on a {LOAD_ALIGNMENT}-byte boundary); "
                          f"got address 0x{address:x}")
+
+
+def memory_extent(x) -> tuple[int, int]:
+    """``[first byte, last byte + 1)`` of an array's data (host or device address; strides >= 0)."""
+    interface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
+    start = interface["data"][0]
+    if x.size == 0:
+        return start, start
+    itemsize = np.dtype(x.dtype).itemsize
+    return start, start + sum((n - 1) * s for n, s in zip(x.shape, x.strides)) + itemsize
+
+
+def overlaps(a, b) -> bool:
+    """Whether the data of ``a`` and ``b`` share a byte (NumPy arrays or device arrays, strides >= 0)."""
+    (a0, a1), (b0, b1) = memory_extent(a), memory_extent(b)
+    return a0 < b1 and b0 < a1
 
 
 @dataclass(frozen=True)

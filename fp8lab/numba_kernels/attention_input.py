@@ -49,7 +49,13 @@ from numba.np.numpy_support import from_dtype as numba_dtype
 from fp8lab.reference.kv_cache import KV_CACHE_FORMATS
 
 from . import mathops, pdl
-from .arguments import as_kernel_array, reject, require_c_contiguous
+from .arguments import (
+    as_kernel_array,
+    memory_extent,
+    overlaps,
+    reject,
+    require_c_contiguous,
+)
 from .kv_cache import E4M3_MAX, MIN_SCALE, check_cache, placeholder, warp_max
 from .layers import MAX_GRID_Y, WARP_PER_ROW_MAX_N, _run, sqrt_f32
 from .warp import WARP_SIZE, warp_sum
@@ -251,21 +257,6 @@ def _attention_input_kernel(head_dim: int, cache_format: str):
 # ---------------------------------------------------------------------------- host side
 
 
-def _extent(x) -> tuple[int, int]:
-    """``[first byte, last byte + 1)`` of an array's data (host or device address; strides >= 0)."""
-    interface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
-    start = interface["data"][0]
-    if x.size == 0:
-        return start, start
-    itemsize = np.dtype(x.dtype).itemsize
-    return start, start + sum((n - 1) * s for n, s in zip(x.shape, x.strides)) + itemsize
-
-
-def _overlap(a, b) -> bool:
-    (a0, a1), (b0, b1) = _extent(a), _extent(b)
-    return a0 < b1 and b0 < a1
-
-
 def _is_c_contiguous(x) -> bool:
     return x.flags["C_CONTIGUOUS"] if isinstance(x, np.ndarray) else x.is_c_contiguous()
 
@@ -286,9 +277,9 @@ def _check_q_out_memory(q_out, q, k, v):
     if q_out.size == 0:
         return
     for name, x in (("k", k), ("v", v)):
-        if _overlap(q_out, x):
+        if overlaps(q_out, x):
             raise ValueError(f"q_out: overlaps {name} in memory (q_out may share memory with q only)")
-    if _overlap(q_out, q) and not (_is_c_contiguous(q) and _extent(q) == _extent(q_out)):
+    if overlaps(q_out, q) and not (_is_c_contiguous(q) and memory_extent(q) == memory_extent(q_out)):
         raise ValueError("q_out: partially overlaps q in memory (allowed: q_out is q's memory exactly, "
                          "q C-contiguous, in place)")
 

@@ -16,12 +16,15 @@ Kernels and launch shapes (CTAs x threads):
    ``rms_norm``); ``add_parts_rms_norm(parts, ...)`` adds a split-K GEMV's parts ``[S, ...]``, summed in
    part order (``gemv_simt.gemv_simt_split_k``), the same way. The order depends on ``n`` only: batch-invariant. A kernel per ``n``: each thread
    loads its (at most 8) elements and weights at once, keeps them in registers and reads the row once;
-   ``n > 8192`` takes the generic loop kernel (two passes over the row), in the same order.
+   ``n > 8192`` takes the generic loop kernel (two passes over the row), in the same order. BF16 output:
+   a uint16 ``out`` gets each float32 result as BF16 bits (``bf16_round``'s rounding, in the same
+   launch: the input of the FP8 tensor-core GEMM without a rounding launch of its own); the kernels
+   are built per output (the factories' ``bf16_out``), the float32 work and the residual unchanged.
 2. ``rope(x, positions, cos_sin, out)``: NeoX rotation of ``x[T, heads, head_dim]`` (in place allowed)
    by the float32 table of ``rope_table`` (``reference.dense.rope_cos_sin``, once at load). Launch
    ``(T, heads)``, a thread per pair ``(i, i + head_dim / 2)``.
 3. ``silu_mul(gate_up, out)``: ``silu(gate) * up`` of a fused ``gate_up[T, 2I]``. Launch
-   ``(T, ceil(I / 256))`` x 256, a thread per element.
+   ``(T, ceil(I / 256))`` x 256, a thread per element. A uint16 ``out`` gets BF16 bits, as the norms'.
 4. ``embedding(table, ids, out)``: BF16 table rows as float32 (exact). Launch ``(T, ceil(hidden / 256))`` x 256.
 5. ``bf16_linear(x, w_bits, out)``: ``out[M, N] = x[M, K] @ W^T``, ``W`` BF16 bit patterns. Launch
    ``(ceil(N / (4 rows_per_warp)), ceil(M / 8))`` x 128: a warp per ``rows_per_warp`` weight rows and
@@ -33,7 +36,8 @@ Kernels and launch shapes (CTAs x threads):
    row, reset by that CTA).
 7. ``add_into(x, y)``: ``x += y``. Launch 1-D, a thread per element.
 8. ``bf16_round(x, out)``: float32 to BF16 bit patterns, round to nearest even, NaN kept NaN (the input
-   cast of the FP8 tensor-core GEMM). Launch 1-D, a thread per element.
+   cast of the FP8 tensor-core GEMM; the norms and ``silu_mul`` do it themselves for a uint16 ``out``).
+   Launch 1-D, a thread per element.
 
 Calling convention (every public function): arrays are Numba device arrays, ``__cuda_array_interface__``
 objects (torch, CuPy) or NumPy arrays (on a GPU copied to the device and the results copied back,
@@ -60,6 +64,7 @@ from fp8lab.reference.dense import NAN_ROW, rope_cos_sin
 from . import mathops, pdl
 from .arguments import (
     as_kernel_array,
+    overlaps,
     reject,
     require_c_contiguous,
     require_load_alignment,
@@ -134,6 +139,26 @@ def sqrt_f32(x):
     return float32(math.sqrt(x))
 
 
+@cuda.jit(device=True, inline=True)
+def store_f32(out, row, k, value):
+    """``out[row, k] = value``: a float32 output, as computed."""
+    out[row, k] = value
+
+
+@cuda.jit(device=True, inline=True)
+def store_bf16(out, row, k, value):
+    """``out[row, k]`` = the BF16 bit pattern of the float32 ``value``, round to nearest even, NaN kept NaN:
+    exactly what ``bf16_round`` makes of the float32 output, without its launch (the FP8 tensor-core GEMM
+    that reads the output takes BF16). The rounding works on the bits of the rounded float32 value, so
+    the compiler cannot fuse it into the arithmetic before it: the float32 value is the float32 kernel's."""
+    out[row, k] = mathops.f32_to_bf16_bits_rne(value)
+
+
+STORE = {False: store_f32, True: store_bf16}
+"""The output store of the norm and ``silu_mul`` kernels by their factory's ``bf16_out``: float32 ``out``
+(False) or uint16 BF16 bits (True). The factory picks one; the kernel has no branch on it."""
+
+
 # ---------------------------------------------------------------------------- 1. RMSNorm (and the fused residual add)
 
 
@@ -178,7 +203,7 @@ FIRST_PASS = {False: plain_value, True: residual_sum}
 residual) in the first pass."""
 SECOND_PASS = {False: plain_input, True: residual_input}
 """Where the generic kernel's second pass rereads that value. Each element is read and written by one
-thread only, so ``out`` may be ``x`` (the thread has read ``x[k]`` before it writes ``out[k]``)."""
+thread only, so a float32 ``out`` may be ``x`` (the thread has read ``x[k]`` before it writes ``out[k]``)."""
 
 
 def rms_norm_threads_per_row(n: int) -> int:
@@ -207,10 +232,11 @@ def add_warp_totals(warp_totals, warps):
     return total
 
 
-def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int):
+def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int, bf16_out: bool = False):
     """The Python source of the norm kernel ``(x, residual, weight, eps, out)`` for rows of length ``n``
     (non-fused: ``residual`` is ``x``; fused: ``x`` is the parts ``[S, rows, n]`` of what is added, one
-    part for a plain add), the row held in registers.
+    part for a plain add), the row held in registers. ``bf16_out``: ``out`` is uint16 and gets the BF16
+    bits of each float32 result (``store_bf16``); otherwise float32 (``store_f32``).
 
     ``warp_per_row``: launch ``[ceil(rows / 4), 128]``, warp ``w`` of CTA ``b`` takes row ``4 b + w``.
     Otherwise: launch ``[rows, rms_norm_threads_per_row(n)]``, CTA ``b`` takes row ``b``. Thread ``t``
@@ -226,6 +252,7 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int):
         raise ValueError(f"n: no register norm kernel {'warp' if warp_per_row else 'cta'} per row for n = {n}")
     warps = threads // WARP_SIZE
     whole = n % threads == 0  # every thread owns exactly `elements` elements: no bound check
+    store = STORE[bf16_out]
 
     @cuda.jit(device=True, inline=True)
     def load_row(x, residual, weight, row, t, values, weights):
@@ -266,7 +293,7 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int):
         for j in range(elements):
             k = t + threads * j
             if whole or k < n:
-                out[row, k] = weights[j] * (values[j] / denom)
+                store(out, row, k, weights[j] * (values[j] / denom))
 
     def rms_norm_warp_kernel(x, residual, weight, eps, out):
         pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
@@ -297,21 +324,22 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int):
     return rms_norm_warp_kernel if warp_per_row else rms_norm_cta_kernel
 
 
-def rms_norm_loop_function(fused: bool):
+def rms_norm_loop_function(fused: bool, bf16_out: bool = False):
     """The generic CTA-per-row norm kernel ``(x, residual, weight, eps, out)``, any ``n``: the fallback for
     rows too long for registers (``norm_elements_per_thread(n)`` None: ``n > 8192``). Launch ``[rows,
     rms_norm_threads_per_row(n)]``; thread ``t`` loops over ``k = t, t + B, ...`` twice (the sum of
     squares, then the normalization, rereading the row). The same order as the register kernels.
     Fused: ``x`` is the parts ``[S, rows, n]`` of what is added to the residual (one part: a plain add).
+    ``bf16_out``: ``out`` is uint16 BF16 bits, as in ``rms_norm_register_function``.
     Checked bit for bit against ``fp8lab.simulators.dense.rms_norm`` / ``add_rms_norm``.
     """
-    first_pass, second_pass = FIRST_PASS[fused], SECOND_PASS[fused]
+    first_pass, second_pass, store = FIRST_PASS[fused], SECOND_PASS[fused], STORE[bf16_out]
 
     @cuda.jit(device=True, inline=True)
     def normalize(x, residual, weight, eps, out, row, first, stride, sum_of_squares):
         denom = sqrt_f32(sum_of_squares / float32(residual.shape[1]) + eps)
         for k in range(first, residual.shape[1], stride):
-            out[row, k] = weight[k] * (second_pass(x, residual, row, k) / denom)
+            store(out, row, k, weight[k] * (second_pass(x, residual, row, k) / denom))
 
     @cuda.jit(device=True, inline=True)
     def partial_sum_of_squares(x, residual, row, first, stride):
@@ -337,19 +365,21 @@ def rms_norm_loop_function(fused: bool):
 
 
 @functools.cache
-def _rms_norm_kernel(fused: bool, n: int):
-    """The norm kernel for rows of length ``n`` (compiled once per ``(fused, n)``). On a GPU it is
-    compiled for its CTA size (``launch_bounds``): ptxas keeps within the registers a launch can have."""
+def _rms_norm_kernel(fused: bool, n: int, bf16_out: bool):
+    """The norm kernel for rows of length ``n`` writing float32 or (``bf16_out``) BF16 bits (compiled once
+    per ``(fused, n, bf16_out)``). On a GPU it is compiled for its CTA size (``launch_bounds``): ptxas
+    keeps within the registers a launch can have."""
     threads = rms_norm_threads_per_row(n)
     warp_per_row = threads == WARP_SIZE
     options = {} if SIMULATOR else {"launch_bounds": WARP_SIZE * NORM_ROWS_PER_CTA if warp_per_row else threads}
     if norm_elements_per_thread(n) is None:
-        return cuda.jit(rms_norm_loop_function(fused), **options)
-    return cuda.jit(rms_norm_register_function(fused, warp_per_row, n), **options)
+        return cuda.jit(rms_norm_loop_function(fused, bf16_out), **options)
+    return cuda.jit(rms_norm_register_function(fused, warp_per_row, n, bf16_out), **options)
 
 
 def _check_norm(x, weight, out, residual=None):
-    """Check the norm arguments; return them as kernel arrays viewed as ``[rows, n]``."""
+    """Check the norm arguments; return them as kernel arrays viewed as ``[rows, n]``. ``out``: float32 or
+    uint16 (BF16 bits); ``x`` and ``residual``: float32."""
     x, weight, out = (as_kernel_array(n, a) for n, a in (("x", x), ("weight", weight), ("out", out)))
     if x.ndim < 1 or np.dtype(x.dtype) != np.float32 or x.shape[-1] == 0:
         reject("x", "float32 [..., n] with n >= 1", x)
@@ -358,17 +388,28 @@ def _check_norm(x, weight, out, residual=None):
     if tuple(weight.shape) != (n,) or np.dtype(weight.dtype) != np.float32:
         reject("weight", f"float32 [{n}]", weight)
     require_c_contiguous("weight", weight)
-    arrays = [("out", out)] if residual is None else [("residual", as_kernel_array("residual", residual)), ("out", out)]
+    arrays = [] if residual is None else [("residual", as_kernel_array("residual", residual))]
     for name, a in arrays:
         if tuple(a.shape) != tuple(x.shape) or np.dtype(a.dtype) != np.float32:
             reject(name, f"float32 of x's shape {tuple(x.shape)}", a)
         require_c_contiguous(name, a)
+    if tuple(out.shape) != tuple(x.shape) or np.dtype(out.dtype) not in (np.float32, np.uint16):
+        reject("out", f"float32 or uint16 (BF16 bits) of x's shape {tuple(x.shape)}", out)
+    require_c_contiguous("out", out)
+    arrays.append(("out", out))
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     flat = [a.reshape(rows, n) for a in (x, *(a for _, a in arrays))]
     return flat, weight, rows, n
 
 
 def _launch_norm(fused, x, residual, weight, eps, out, rows, n, stream):
+    """Launch the norm kernel for ``out``'s dtype (float32, or uint16 BF16 bits). Only a float32 ``out`` may
+    be ``x``: a thread writes ``out[k]`` over the ``x[k]`` it has read. A uint16 ``out`` in ``x``'s (or the
+    residual's) memory would put an element's bits where another thread may still read, so it must not
+    share memory with ``x`` (the parts) or ``residual`` at all."""
+    bf16_out = np.dtype(out.dtype) == np.uint16
+    if bf16_out and (overlaps(out, x) or overlaps(out, residual)):
+        raise ValueError("out: a uint16 (BF16 bits) out must not share memory with x (parts) or residual")
     if rows == 0:
         return
     threads = rms_norm_threads_per_row(n)
@@ -377,16 +418,19 @@ def _launch_norm(fused, x, residual, weight, eps, out, rows, n, stream):
     block = WARP_SIZE * NORM_ROWS_PER_CTA if warp_per_row else threads
     args = [x, residual, weight, np.float32(eps), out]
     written = (1, 4) if fused else (4,)
-    _run(_rms_norm_kernel(fused, n), grid, block, stream, args, written)
+    _run(_rms_norm_kernel(fused, n, bf16_out), grid, block, stream, args, written)
 
 
 def rms_norm(x, weight, eps, out, stream=0):
     """``out = weight * (x / sqrt(mean(x^2) + eps))`` over the last axis (Qwen3RMSNorm); returns ``out``.
 
-    ``x``, ``out``: float32 ``[..., n]`` of one shape, C-contiguous (``out`` may be ``x``);
-    ``weight``: float32 ``[n]``; ``eps``: a float (used as float32). The summation order is
-    ``fp8lab.simulators.dense.rms_norm``'s; a warp per row for ``n <= 256`` (q/k-norm over ``[T * heads, head_dim]``),
-    a CTA per row otherwise (the hidden size).
+    ``x``: float32 ``[..., n]``, C-contiguous; ``weight``: float32 ``[n]``; ``eps``: a float (used as
+    float32); ``out``: ``x``'s shape, C-contiguous, float32 (may be ``x``) or uint16. A uint16 ``out``
+    gets BF16 bit patterns: each float32 result rounded to nearest even, NaN kept NaN, bit for bit
+    the float32 call then ``bf16_round``, in one launch (the input of an FP8 tensor-core GEMM); it
+    shares no memory with ``x``. The summation order is ``fp8lab.simulators.dense.rms_norm``'s; a warp
+    per row for ``n <= 256`` (q/k-norm over ``[T * heads, head_dim]``), a CTA per row otherwise (the
+    hidden size).
     """
     (x2, out2), weight, rows, n = _check_norm(x, weight, out)
     _launch_norm(False, x2, x2, weight, eps, out2, rows, n, stream)
@@ -399,8 +443,10 @@ def add_rms_norm(x, residual, weight, eps, out, stream=0):
 
     The Qwen3 layer's ``h = residual + attn(...)``; ``residual = h``; ``post_norm(h)`` (and the same
     after the MLP, the next layer's input norm, or the final norm) in one launch. ``x``,
-    ``residual``, ``out``: float32 ``[..., n]`` of one shape, C-contiguous; ``out`` may be ``x``,
-    never ``residual``. Bit for bit equal to ``add_into(residual, x)`` then ``rms_norm(residual)``.
+    ``residual``: float32 ``[..., n]`` of one shape, C-contiguous; ``out``: that shape, C-contiguous,
+    float32 (may be ``x``, never ``residual``) or uint16 (BF16 bits, as ``rms_norm``'s; sharing no
+    memory with ``x`` or ``residual``); the residual is float32 and updated the same way for both.
+    Bit for bit equal to ``add_into(residual, x)`` then ``rms_norm(residual)``.
     """
     (x2, residual2, out2), weight, rows, n = _check_norm(x, weight, out, residual)
     _launch_norm(True, x2.reshape(1, rows, n), residual2, weight, eps, out2, rows, n, stream)
@@ -414,7 +460,8 @@ def add_parts_rms_norm(parts, residual, weight, eps, out, stream=0):
     rms_norm(residual)``; returns ``out``.
 
     ``parts``: float32 ``[S, ...]`` with ``S >= 1`` parts of ``residual``'s shape, C-contiguous; the rest
-    as ``add_rms_norm`` (``out`` may be ``parts[0]``). One part is ``add_rms_norm`` bit for bit.
+    as ``add_rms_norm`` (a float32 ``out`` may be ``parts[0]``; a uint16 ``out`` gets BF16 bits and
+    shares no memory with ``parts`` or ``residual``). One part is ``add_rms_norm`` bit for bit.
     """
     parts, residual = as_kernel_array("parts", parts), as_kernel_array("residual", residual)
     if parts.ndim < 2 or parts.shape[0] < 1 or tuple(parts.shape[1:]) != tuple(residual.shape) \
@@ -507,26 +554,36 @@ def silu_times(gate, up):
     return gate / (float32(1) + exp_f32(-gate)) * up
 
 
-def silu_mul_kernel(gate_up, out):
-    """Launch ``[(T, ceil(I / 256)), 256]``: thread ``j`` of CTA ``(t, b)`` computes ``out[t, 256 b + j]``."""
-    pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
-    token = cuda.blockIdx.x
-    j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
-    intermediate = out.shape[1]
-    if j < intermediate:
-        gate = gate_up[token, j]
-        up = gate_up[token, intermediate + j]
-        out[token, j] = silu_times(gate, up)
+def silu_mul_function(bf16_out: bool):
+    """The ``silu_mul`` kernel ``(gate_up, out)`` writing float32 or (``bf16_out``) the BF16 bits of each
+    float32 result (``STORE``). Launch ``[(T, ceil(I / 256)), 256]``: thread ``j`` of CTA ``(t, b)``
+    computes ``out[t, 256 b + j]``."""
+    store = STORE[bf16_out]
+
+    def silu_mul_kernel(gate_up, out):
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
+        token = cuda.blockIdx.x
+        j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+        intermediate = out.shape[1]
+        if j < intermediate:
+            gate = gate_up[token, j]
+            up = gate_up[token, intermediate + j]
+            store(out, token, j, silu_times(gate, up))
+
+    return silu_mul_kernel
 
 
-_silu_mul_kernel = cuda.jit(silu_mul_kernel)
+_silu_mul_kernels = {bf16_out: cuda.jit(silu_mul_function(bf16_out)) for bf16_out in (False, True)}
+"""By ``bf16_out`` (compiled at the first call of each)."""
 
 
 def silu_mul(gate_up, out, stream=0):
     """SwiGLU: ``out[t, j] = silu(gate) * up = gate / (1 + exp(-gate)) * up`` with ``gate = gate_up[t, j]``,
     ``up = gate_up[t, I + j]``; returns ``out``.
 
-    ``gate_up``: float32 ``[T, 2 I]``, ``out``: float32 ``[T, I]``, C-contiguous. Why one fused
+    ``gate_up``: float32 ``[T, 2 I]``, ``out``: ``[T, I]``, both C-contiguous; ``out`` float32, or uint16
+    for BF16 bit patterns: each float32 result rounded to nearest even, NaN kept NaN, bit for bit the
+    float32 call then ``bf16_round``, in one launch (the input of an FP8 tensor-core GEMM). Why one fused
     array instead of two: gate_proj and up_proj read the same input, so the engine concatenates their
     weights into one ``[2 I, hidden]`` weight and runs one GEMM (one launch, the activations read
     once; vLLM's MergedColumnParallelLinear), whose output is this array. (For FP8 weights the
@@ -539,13 +596,16 @@ def silu_mul(gate_up, out, stream=0):
         reject("gate_up", "float32 [T, 2 * I] (gate in columns [0, I), up in [I, 2 I))", gate_up)
     require_c_contiguous("gate_up", gate_up)
     tokens, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
-    if tuple(out.shape) != (tokens, intermediate) or np.dtype(out.dtype) != np.float32:
-        reject("out", f"float32 [{tokens}, {intermediate}]", out)
+    if tuple(out.shape) != (tokens, intermediate) or np.dtype(out.dtype) not in (np.float32, np.uint16):
+        reject("out", f"float32 or uint16 (BF16 bits) [{tokens}, {intermediate}]", out)
     require_c_contiguous("out", out)
+    bf16_out = np.dtype(out.dtype) == np.uint16
+    if bf16_out and overlaps(out, gate_up):
+        raise ValueError("out: a uint16 (BF16 bits) out must not share memory with gate_up")
     if tokens == 0:
         return out
     grid = (tokens, -(-intermediate // ELEMENTWISE_THREADS))
-    _run(_silu_mul_kernel, grid, ELEMENTWISE_THREADS, stream, [gate_up, out], (1,))
+    _run(_silu_mul_kernels[bf16_out], grid, ELEMENTWISE_THREADS, stream, [gate_up, out], (1,))
     return out
 
 
@@ -1073,8 +1133,15 @@ def kernel_variants():
             variants.append((f"{norm}[{'warp' if warp_per_row else 'cta'} per row, n={n}]",
                              rms_norm_register_function(fused, warp_per_row, n), norm_signature))
         variants.append((f"{norm}[cta per row, loop]", rms_norm_loop_function(fused), norm_signature))
+        # BF16 output (uint16 out), which the FP8 tensor-core GEMM reads: the hidden size's kernel and the loop kernel
+        bf16_signature = types.void(f32_3d if fused else f32_2d, f32_2d, f32_1d, types.float32, u16_2d)
+        variants.append((f"{norm}[cta per row, n={NORM_PTX_SIZES[-1]}, bf16 out]",
+                         rms_norm_register_function(fused, False, NORM_PTX_SIZES[-1], bf16_out=True), bf16_signature))
+        variants.append((f"{norm}[cta per row, loop, bf16 out]", rms_norm_loop_function(fused, bf16_out=True),
+                         bf16_signature))
     variants.append(("rope", rope_kernel, types.void(f32_3d, i32_1d, f32_2d, f32_3d)))
-    variants.append(("silu_mul", silu_mul_kernel, types.void(f32_2d, f32_2d)))
+    variants.append(("silu_mul", silu_mul_function(False), types.void(f32_2d, f32_2d)))
+    variants.append(("silu_mul[bf16 out]", silu_mul_function(True), types.void(f32_2d, u16_2d)))
     variants.append(("embedding", embedding_kernel, types.void(u16_2d, i32_1d, f32_2d)))
     for m_tile in range(1, LINEAR_MAX_M_TILE + 1):
         rows = default_rows_per_warp(m_tile)

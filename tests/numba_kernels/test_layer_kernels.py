@@ -537,7 +537,7 @@ BAD_CALLS = [
     ("rms_norm", dict(weight=np.ones(63, np.float32)), "weight: expected float32 \\[64\\]"),
     ("rms_norm", dict(x=np.ones((2, 64))), "x: expected float32 \\[..., n\\]"),
     ("rms_norm", dict(x=np.ones((2, 0), np.float32)), "x: expected float32 \\[..., n\\] with n >= 1"),
-    ("rms_norm", dict(out=poisoned((2, 65))), "out: expected float32 of x's shape \\(2, 64\\)"),
+    ("rms_norm", dict(out=poisoned((2, 65))), "out: expected float32 or uint16 \\(BF16 bits\\) of x's shape \\(2, 64\\)"),
     ("rms_norm", dict(x=np.ones((2, 128), np.float32)[:, ::2]), "x: expected a C-contiguous"),
     ("rms_norm", dict(x=[[1.0] * 64] * 2), "x: expected a NumPy array, a Numba device array"),
     ("add_rms_norm", dict(residual=poisoned((1, 64))), "residual: expected float32 of x's shape"),
@@ -547,7 +547,7 @@ BAD_CALLS = [
     ("rope", dict(positions=np.array([0], np.int32)), "positions: expected int32 \\[2\\]"),
     ("rope", dict(cos_sin=layers.rope_table(8, 64, 1e4)), "cos_sin: expected float32 \\[max_positions, 32\\]"),
     ("silu_mul", dict(gate_up=np.ones((2, 63), np.float32)), "gate_up: expected float32 \\[T, 2 \\* I\\]"),
-    ("silu_mul", dict(out=poisoned((2, 64))), "out: expected float32 \\[2, 32\\]"),
+    ("silu_mul", dict(out=poisoned((2, 64))), "out: expected float32 or uint16 \\(BF16 bits\\) \\[2, 32\\]"),
     ("embedding", dict(table=np.ones((10, 16), np.float32)), "table: expected BF16 bit patterns"),
     ("embedding", dict(ids=np.array([1, 2], np.int64)), "ids: expected int32 \\[T\\]"),
     ("embedding", dict(out=poisoned((2, 17))), "out: expected float32 \\[2, 16\\]"),
@@ -626,8 +626,10 @@ def check_layer_kernel_ptx(c) -> None:
         assert ("bar.sync" in ptx or "barrier.sync" in ptx) == ("cta" in name)
     if name == "rope":
         assert ptx.count("fma.rn.f32") >= 2
-    if name == "silu_mul":
+    if name.startswith("silu_mul"):
         assert "div.rn.f32" in ptx and "ex2.approx" in ptx
+    if "rms_norm" in name or name.startswith("silu_mul"):  # out's stores: BF16 bits for a bf16_out kernel only
+        assert ("st.global.u16" in ptx) == ("bf16 out" in name)
     if name.startswith("bf16_linear"):
         m_tile, rows = (int(v) for v in re.findall(r"=(\d+)", name))
         group = layers.LINEAR_CHUNKS_PER_ITERATION
