@@ -6,8 +6,11 @@
   butterfly; the generic long-row norm kernel launched directly); ``embedding``, ``argmax_rows`` (one
   to 40 CTAs per row, merged by the last; its workspace's counters back at 0 after every call),
   ``add_into`` and ``bf16_round`` exactly against ``fp8lab.reference.dense`` / NumPy / ``ml_dtypes``.
+  The norms' and ``silu_mul``'s BF16 output (a uint16 ``out``): bit for bit their float32 output
+  then ``bf16_round`` (and ``ml_dtypes``' rounding), exact ties and NaN rows included.
   Every float kernel is also checked against ``fp8lab.reference.dense`` (float32 and float64) within
-  the bounds derived next to each test. Outputs are poisoned with NaN before every call; bad
+  the bounds derived next to each test. Outputs are poisoned with NaN before every call (a uint16
+  ``out`` with a finite pattern, ``BF16_POISON``); bad
   arguments raise ``ValueError`` and launch nothing.
 - ``rope_table`` against ``fp8lab.reference.dense.rope_cos_sin`` bit for bit.
 - The sm_90 PTX of every kernel, compiled in a subprocess with the simulator off: no local memory,
@@ -17,7 +20,8 @@
   random inputs each run (the seed is in any failure message), device arrays, poisoned outputs;
   bit for bit against the same simulators where the GPU's operations are correctly rounded (all but
   ``silu_mul``'s ``expf``), and against ``fp8lab.reference.dense`` in float64 within the bound; and
-  every kernel captured in a CUDA graph and replayed.
+  every kernel captured in a CUDA graph and replayed; the BF16 outputs bit for bit ``bf16_round`` of the
+  float32 outputs, both computed on the GPU.
 
 ``u = 2^-24`` is float32's unit roundoff, ``gamma(n) = n u / (1 - n u)``.
 """
@@ -299,6 +303,143 @@ def test_silu_mul_matches_the_simulator_and_its_bound(rng):
     assert np.all(np.abs(out - reference) <= 2 * bound)
 
 
+# ---------------------------------------------------------------------------- BF16 output (uint16 out)
+
+BF16_POISON = 0x1234
+"""A uint16 ``out`` before a call: a finite BF16 number, never NaN, so that an element the kernel leaves
+unwritten shows, and a NaN row's patterns are the kernel's own."""
+
+
+def bf16_poisoned(shape) -> np.ndarray:
+    return np.full(shape, BF16_POISON, np.uint16)
+
+
+def is_bf16_nan(bits) -> np.ndarray:
+    return (bits & np.uint16(0x7FFF)) > np.uint16(0x7F80)
+
+
+def bf16_ties(rng, shape) -> np.ndarray:
+    """float32 values exactly halfway between two neighbouring BF16 numbers (low 16 bits 0x8000), in
+    +-[2^-8, 4): about half round down to an even mantissa, half up."""
+    return (random_bf16_bits(rng, shape).astype(np.uint32) << 16 | 0x8000).view(np.float32)
+
+
+def norm_inputs(rng, parts, rows, n):
+    """``(x, residual)``: for ``parts`` 0 ``x`` is ``rms_norm``'s ``[rows, n]``, else the parts ``[parts, rows, n]``
+    (1 or 2) of a fused norm's add. Random rows, two made: row 1 is +-2^20 throughout (after the add), so its
+    sum of squares, mean and square root are exact (eps is below the mean's ulp) and it normalizes to exactly
+    +-1: times the ``bf16_ties`` weights its outputs are BF16 ties. The last row holds a NaN."""
+    signs = rng.choice(np.float32([-1, 1]), n)
+    residual = spread_activations(rng, (rows, n))
+    residual[1] = signs * 2**19
+    if parts == 0:
+        x = spread_activations(rng, (rows, n))
+        x[1] = signs * 2**20
+    else:
+        x = spread_activations(rng, (parts, rows, n))
+        x[:, 1] = signs * (2**19 / parts)
+    x[..., rows - 1, n // 3] = np.nan
+    return x, residual
+
+
+def tie_weights(rng, n) -> np.ndarray:
+    """Norm weights, every other one a BF16 tie (``bf16_ties``)."""
+    weight = spread_activations(rng, (n,), spread=1)
+    weight[::2] = bf16_ties(rng, weight[::2].shape)
+    return weight
+
+
+def call_norm(function, x, residual, weight, out):
+    """The norm named ``function`` on ``norm_inputs``' arrays (``add_rms_norm`` adds ``x[0]``), eps 1e-6."""
+    if function == "rms_norm":
+        layers.rms_norm(x, weight, 1e-6, out)
+    elif function == "add_rms_norm":
+        layers.add_rms_norm(x[0], residual, weight, 1e-6, out)
+    else:
+        layers.add_parts_rms_norm(x, residual, weight, 1e-6, out)
+
+
+def check_bf16_out(got, float_out, rounded):
+    """A uint16 ``got`` is ``rounded`` (``bf16_round`` of the float32 call's ``float_out``) bit for bit, and,
+    independently of fp8lab, ml_dtypes' rounding of each finite result; the last row (it holds a NaN) is
+    NaN patterns only, and no other row has one."""
+    np.testing.assert_array_equal(got, rounded)
+    finite = np.isfinite(float_out)
+    np.testing.assert_array_equal(got[finite], float_out[finite].astype(ml_dtypes.bfloat16).view(np.uint16))
+    assert np.all(is_bf16_nan(got[-1])) and not np.any(is_bf16_nan(got[:-1]))
+
+
+BF16_NORM_CASES = [("rms_norm", 0, 128), ("rms_norm", 0, 300), ("add_rms_norm", 1, 300), ("add_parts_rms_norm", 1, 128),
+                   ("add_parts_rms_norm", 2, 128), ("add_parts_rms_norm", 2, 300)]
+"""``(function, parts, n)``: each norm and both kernels (n 128: a warp per row; 300: a CTA of 2 warps), few
+cases (the simulator is slow)."""
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("function, parts, n", BF16_NORM_CASES,
+                         ids=[f"{f}-S{p}-{'warp' if n <= 256 else 'cta'} per row" for f, p, n in BF16_NORM_CASES])
+def test_norms_write_the_bf16_bits_of_their_float32_result(rng, function, parts, n):
+    """A uint16 ``out``: bit for bit the float32 call then ``bf16_round``, ties (row 1) to even, the NaN row
+    NaN; the fused norms leave the residual exactly as the float32 call does."""
+    rows = 3
+    x, original = norm_inputs(rng, parts, rows, n)
+    weight = tie_weights(rng, n)
+    float_out, float_residual = poisoned((rows, n)), original.copy()
+    call_norm(function, x, float_residual, weight, float_out)
+    bf16_out, bf16_residual = bf16_poisoned((rows, n)), original.copy()
+    call_norm(function, x, bf16_residual, weight, bf16_out)
+    assert np.all(float_out[1, ::2].view(np.uint32) & 0xFFFF == 0x8000)  # row 1 holds ties, as built
+    check_bf16_out(bf16_out, float_out, layers.bf16_round(float_out, bf16_poisoned((rows, n))))
+    np.testing.assert_array_equal(bf16_residual.view(np.uint32), float_residual.view(np.uint32))
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("fused", [False, True], ids=["rms_norm", "add_parts_rms_norm"])
+def test_the_generic_loop_norm_kernel_writes_bf16_bits(rng, fused):
+    """The long-row fallback built with ``bf16_out`` (launched directly at a small n, as above): the
+    float32 kernel's results, rounded as ``bf16_round`` rounds them; the residual the same."""
+    from numba import cuda
+
+    rows, n = 3, 300
+    threads = layers.rms_norm_threads_per_row(n)
+    x, original = norm_inputs(rng, 2 if fused else 0, rows, n)
+    weight = tie_weights(rng, n)
+    results = {}
+    for bf16_out, out in ((False, poisoned((rows, n))), (True, bf16_poisoned((rows, n)))):
+        residual = original.copy() if fused else x
+        cuda.jit(layers.rms_norm_loop_function(fused, bf16_out))[rows, threads](x, residual, weight, np.float32(1e-6), out)
+        results[bf16_out] = out, residual
+    (float_out, float_residual), (bf16_out, bf16_residual) = results[False], results[True]
+    check_bf16_out(bf16_out, float_out, layers.bf16_round(float_out, bf16_poisoned((rows, n))))
+    np.testing.assert_array_equal(bf16_residual.view(np.uint32), float_residual.view(np.uint32))
+
+
+def silu_mul_inputs(rng, tokens, intermediate):
+    """``gate_up_values`` (row 0: the extremes) with BF16 ties in row 1 (gate 128 makes ``silu(gate)``
+    exactly 128, ``exp(-128)`` being 0 in float32, so ``out = 128 up``: a tie for a tie ``up``) and a NaN
+    gate in the last row."""
+    gate_up = gate_up_values(rng, tokens, intermediate)
+    gate_up[1, :intermediate] = 128.0
+    gate_up[1, intermediate:] = bf16_ties(rng, intermediate)
+    gate_up[-1, intermediate // 2] = np.nan
+    return gate_up
+
+
+@pytest.mark.cudasim
+def test_silu_mul_writes_the_bf16_bits_of_its_float32_result(rng):
+    gate_up = silu_mul_inputs(rng, 3, 70)
+    float_out, bf16_out = poisoned((3, 70)), bf16_poisoned((3, 70))
+    layers.silu_mul(gate_up, float_out)
+    assert layers.silu_mul(gate_up, bf16_out) is bf16_out
+    assert np.all(float_out[1].view(np.uint32) & 0xFFFF == 0x8000)  # row 1 holds ties, as built
+    # one NaN gate makes one NaN element: the last row is not all NaN here
+    np.testing.assert_array_equal(bf16_out, layers.bf16_round(float_out, bf16_poisoned((3, 70))))
+    finite = np.isfinite(float_out)
+    np.testing.assert_array_equal(bf16_out[finite], float_out[finite].astype(ml_dtypes.bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(is_bf16_nan(bf16_out), np.isnan(float_out))
+    assert is_bf16_nan(bf16_out[-1, 35])
+
+
 # ---------------------------------------------------------------------------- embedding
 
 
@@ -527,6 +668,14 @@ def good_calls(rng):
     }
 
 
+def bf16_out_in_memory_of(a, columns):
+    """A uint16 ``[1, columns]`` view of the last bytes of the one-row float32 array ``a``."""
+    return a.view(np.uint16)[:, -columns:]
+
+
+ONE_ROW = np.random.default_rng(7).standard_normal((1, 64)).astype(np.float32)
+
+
 def host_argmax_workspace(rows, ctas, counters=None):
     """An ``ArgmaxWorkspace`` of NumPy arrays (no device needed where the list below is built)."""
     counters = np.zeros(rows, np.int32) if counters is None else counters
@@ -541,6 +690,12 @@ BAD_CALLS = [
     ("rms_norm", dict(x=np.ones((2, 128), np.float32)[:, ::2]), "x: expected a C-contiguous"),
     ("rms_norm", dict(x=[[1.0] * 64] * 2), "x: expected a NumPy array, a Numba device array"),
     ("add_rms_norm", dict(residual=poisoned((1, 64))), "residual: expected float32 of x's shape"),
+    ("rms_norm", dict(out=np.zeros((2, 64), np.float16)), "^out: expected float32 or uint16 \\(BF16 bits\\) of x's shape"),
+    ("add_rms_norm", dict(out=np.zeros((2, 64), np.int32)), "^out: expected float32 or uint16 \\(BF16 bits\\) of x's shape"),
+    ("rms_norm", (lambda x: dict(x=x, out=bf16_out_in_memory_of(x, 64)))(ONE_ROW.copy()),
+     "^out: a uint16 \\(BF16 bits\\) out must not share memory with x"),
+    ("add_rms_norm", (lambda r: dict(x=ONE_ROW.copy(), residual=r, out=bf16_out_in_memory_of(r, 64)))(ONE_ROW.copy()),
+     "^out: a uint16 \\(BF16 bits\\) out must not share memory with x \\(parts\\) or residual"),
     ("rope", dict(x=np.ones((2, 1, 33), np.float32), out=poisoned((2, 1, 33))), "x: expected .* head_dim even"),
     ("rope", dict(x=np.ones((2, 32), np.float32)), "x: expected float32 \\[T, heads, head_dim\\]"),
     ("rope", dict(positions=np.array([0, 1], np.int64)), "positions: expected int32 \\[2\\]"),
@@ -548,6 +703,9 @@ BAD_CALLS = [
     ("rope", dict(cos_sin=layers.rope_table(8, 64, 1e4)), "cos_sin: expected float32 \\[max_positions, 32\\]"),
     ("silu_mul", dict(gate_up=np.ones((2, 63), np.float32)), "gate_up: expected float32 \\[T, 2 \\* I\\]"),
     ("silu_mul", dict(out=poisoned((2, 64))), "out: expected float32 or uint16 \\(BF16 bits\\) \\[2, 32\\]"),
+    ("silu_mul", dict(out=np.zeros((2, 32), np.float16)), "^out: expected float32 or uint16 \\(BF16 bits\\) \\[2, 32\\]"),
+    ("silu_mul", (lambda g: dict(gate_up=g, out=bf16_out_in_memory_of(g, 32)))(ONE_ROW.copy()),
+     "^out: a uint16 \\(BF16 bits\\) out must not share memory with gate_up"),
     ("embedding", dict(table=np.ones((10, 16), np.float32)), "table: expected BF16 bit patterns"),
     ("embedding", dict(ids=np.array([1, 2], np.int64)), "ids: expected int32 \\[T\\]"),
     ("embedding", dict(out=poisoned((2, 17))), "out: expected float32 \\[2, 16\\]"),
@@ -746,6 +904,48 @@ def test_gpu_silu_mul_within_its_bound():
     layers.silu_mul(cuda.to_device(gate_up), out)
     exact, bound = silu_mul_bound(gate_up)
     assert np.all(np.abs(out.copy_to_host() - exact) <= bound), f"seed {seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [HIDDEN, 8200], ids=["hidden 4096", "loop kernel"])
+def test_gpu_norms_bf16_out_is_bf16_round_of_the_float32_out(n):
+    """Qwen3-8B's hidden size, 4 rows (and the generic loop kernel): each norm's uint16 ``out`` bit for bit
+    ``bf16_round`` of its float32 ``out``, everything on the GPU; the residual as the float32 call leaves it."""
+    from numba import cuda
+
+    seed, rng = fresh_rng()
+    rows = 4
+    for function, parts in (("rms_norm", 0), ("add_rms_norm", 1), ("add_parts_rms_norm", 2)):
+        x, original = norm_inputs(rng, parts, rows, n)
+        x_device, weight = cuda.to_device(x), cuda.to_device(tie_weights(rng, n))
+        float_out, float_residual = cuda.to_device(poisoned((rows, n))), cuda.to_device(original)
+        call_norm(function, x_device, float_residual, weight, float_out)
+        bf16_out, bf16_residual = cuda.to_device(bf16_poisoned((rows, n))), cuda.to_device(original)
+        call_norm(function, x_device, bf16_residual, weight, bf16_out)
+        rounded = cuda.to_device(bf16_poisoned((rows, n)))
+        layers.bf16_round(float_out, rounded)
+        try:
+            check_bf16_out(bf16_out.copy_to_host(), float_out.copy_to_host(), rounded.copy_to_host())
+            np.testing.assert_array_equal(bf16_residual.copy_to_host().view(np.uint32),
+                                          float_residual.copy_to_host().view(np.uint32))
+        except AssertionError as error:
+            raise AssertionError(f"{function}, seed {seed}") from error
+
+
+@pytest.mark.gpu
+def test_gpu_silu_mul_bf16_out_is_bf16_round_of_the_float32_out():
+    from numba import cuda
+
+    seed, rng = fresh_rng()
+    gate_up = cuda.to_device(silu_mul_inputs(rng, 4, INTERMEDIATE))
+    float_out, bf16_out = cuda.to_device(poisoned((4, INTERMEDIATE))), cuda.to_device(bf16_poisoned((4, INTERMEDIATE)))
+    layers.silu_mul(gate_up, float_out)
+    layers.silu_mul(gate_up, bf16_out)
+    rounded = cuda.to_device(bf16_poisoned((4, INTERMEDIATE)))
+    layers.bf16_round(float_out, rounded)
+    got = bf16_out.copy_to_host()
+    np.testing.assert_array_equal(got, rounded.copy_to_host(), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(is_bf16_nan(got), np.isnan(float_out.copy_to_host()), err_msg=f"seed {seed}")
 
 
 @pytest.mark.gpu
