@@ -162,23 +162,24 @@ def test_one_sequence_through_two_layers_matches_the_reference(gemm_twins):
 
 
 @pytest.mark.cudasim
-@pytest.mark.parametrize("prompts, gemm", [(PROMPTS, "gemv_mma"), (PROMPTS + [[9, 10, 11, 12, 13]], "gemm_mma")])
+@pytest.mark.parametrize("prompts, gemm", [(PROMPTS, "gemv_mma"), (PROMPTS + [list(range(9, 17)), list(range(17, 22))], "gemm_mma")])
 def test_bf16_gemm_inputs_and_all_logits(gemm_twins, monkeypatch, prompts, gemm):
-    """A prefill longer than ``f32_max_rows``: activations rounded to BF16 (the cast kernel), then the twins of
-    the tensor-core GEMV (7 rows: ``fp8_gemm`` picks ``gemv_mma``, the gate/up launch is ``gemv_mma_swiglu``) or of
-    the tensor-core GEMM (12 rows: ``gemm_mma``, then ``silu_mul``); every token's logits, computed in chunks of
-    ``max_num_seqs`` rows."""
+    """A prefill longer than ``f32_max_rows``: the norms, attention and SwiGLU write their GEMM's input as BF16 bits
+    (no ``bf16_round`` launch), read by the twins of the tensor-core GEMV (7 rows: ``fp8_gemm`` picks
+    ``gemv_mma``, the gate/up launch is ``gemv_mma_swiglu``) or of the tensor-core GEMM (20 rows: ``gemm_mma``,
+    then ``silu_mul``); every token's logits, computed in chunks of ``max_num_seqs`` rows."""
     config = micro_config()
     tensors = micro_tensors(config, seed=5)
     reference = Qwen3Model(config, tensors)
-    model = CudaQwen3Model(config, tensors, max_num_tokens=16, max_num_seqs=4, f32_max_rows=4)
+    model = CudaQwen3Model(config, tensors, max_num_tokens=24, max_num_seqs=5, f32_max_rows=4)
     swiglu_twin, calls = plan.gemv_mma_swiglu, []
     monkeypatch.setattr(plan, "gemv_mma_swiglu", lambda *args, **kwargs: calls.append(1) or swiglu_twin(*args, **kwargs))
+    monkeypatch.setattr(plan.layers, "bf16_round", None)  # a rounding launch would fail: the producers round
     logits = []
     for m in (reference, model):
         manager = KVCacheManager(8, 4)
         cache = m.allocate_kv_cache(8, 4, "bf16")
-        for i in range(len(prompts)):
+        for i in range(len(prompts)):  # at most 8 blocks of 4 tokens
             manager.add_sequence(i)
         logits.append(m.forward(make_batch(manager, list(enumerate(prompts))), cache, all_logits=True))
     want, got = logits
@@ -468,7 +469,8 @@ def test_gpu_graph_replay_at_the_qwen3_06b_shape_is_bit_identical_to_eager_steps
     starts before its predecessor ends and waits for it); eager steps are ordinary launches. At the tiny
     model's sizes most kernels are one wave; at the Qwen3-0.6B shape (4 of its layers, a random FP8
     checkpoint) the GEMVs, norms and split-kv kernels have their real grids. Every step's logits, batch 8
-    (more than the default ``f32_max_rows``: ``bf16_round``, the tensor-core GEMV ``gemv_mma`` and its SwiGLU variant),
+    (more than the default ``f32_max_rows``: BF16 inputs written by the norms, attention and SwiGLU, the tensor-core
+    GEMV ``gemv_mma`` and its SwiGLU variant),
     4 (the SIMT GEMVs) and 1: bit for bit the eager model's, so no kernel read a buffer before its producer
     finished."""
     from fp8lab.engine import shapes

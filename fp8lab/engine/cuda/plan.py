@@ -12,9 +12,11 @@ layer 0), the q/k/v GEMM (one launch on the fused weight, whose output row ``t``
 launch; it reads q, k and v as column slices of that output and writes q, contiguous, for attention),
 attention (decode: ``paged_decode``, the split kernel and, with more than one split, the combine kernel;
 prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the combine), o_proj,
-``add_parts_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch; on the
-tensor-core path the GEMM then ``silu_mul``), down_proj; plus one ``bf16_round`` before each FP8 GEMM
-input when ``T > f32_max_rows``. Around the layers: the embedding, the final ``add_parts_rms_norm`` and the lm_head
+``add_parts_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch, on
+``gemv_mma``'s one ``gemv_mma_swiglu``; beyond, the GEMM then ``silu_mul``), down_proj. An FP8 GEMM of more than
+``f32_max_rows`` rows reads BF16 activations, which the kernel before it (the norm, attention, SwiGLU) writes
+as BF16 bits itself (``Planner.gemm_input``): no rounding launch between them.
+Around the layers: the embedding, the final ``add_parts_rms_norm`` and the lm_head
 (``bf16_linear``); a decode step ends with the greedy argmax (``layers.argmax_rows``, one multi-CTA
 launch, for ``greedy_tokens``), which writes the ids where the next step's embedding reads its tokens.
 A decode step of batch 1 is 8 or 9 launches per layer plus 4, e.g. 9 * 36 + 4 = 328 for Qwen3-8B (8 splits at the benchmark's context). Every launch has a ``label`` (what it is in the forward), which
@@ -22,10 +24,10 @@ A decode step of batch 1 is 8 or 9 launches per layer plus 4, e.g. 9 * 36 + 4 = 
 
 The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (at most 16) runs
 ``gemv_simt`` directly on the float32 activations, so the product is the reference's float32 linear up to the
-summation order; a larger one (long prompts, decode batches) rounds the activations to BF16 (a small kernel,
-``layers.bf16_round``) and runs ``fp8_gemm`` on tensor cores (``gemv_mma`` for 2 to 8 rows, with SwiGLU fused
-into the gate/up launch; ``gemm_mma`` beyond), W8A16 as the kernels are designed. The accuracy
-table of the trained demo model (``docs/08_accuracy.md``, ``bench/RESULTS.md``) says BF16 inputs into FP8 weights
+summation order; a larger one (long prompts, decode batches) reads the activations rounded to BF16 (written so by
+the kernel that produces them, rounded as ``layers.bf16_round`` rounds) and runs ``fp8_gemm`` on tensor cores
+(``gemv_mma`` for 2 to 16 rows, with SwiGLU fused into the gate/up launch; ``gemm_mma`` beyond), W8A16 as the
+kernels are designed. The accuracy table of the trained demo model (``docs/08_accuracy.md``, ``bench/RESULTS.md``) says BF16 inputs into FP8 weights
 cost far less than the FP8 weights themselves, so the default (``default_f32_max_rows``) is whatever is faster:
 float32 up to 4 rows for a model with small layers (Qwen3-0.6B, 16 M weights per layer: the SIMT GEMV is 10%
 faster at batch 2 and 4), float32 for one row only for a model with large ones (Qwen3-8B, 193 M per layer: at
@@ -205,6 +207,11 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
     )
 
 
+def is_bf16(x) -> bool:
+    """Whether activations ``x`` are BF16 bit patterns (uint16) rather than float32."""
+    return np.dtype(x.dtype) == np.uint16
+
+
 Attend = Callable[[object, DeviceLayerKVCache, object], Launch]
 """``attend(q, layer_cache, out)``: the attention launch of one layer."""
 
@@ -276,92 +283,114 @@ class Planner:
         attn, gate_up, act = a.attn[:t], a.gate_up[:t], a.act[:t]
         rope = self.weights.rope_cos_sin
         for i, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache)):
+            x_in = self.gemm_input(x, layer.qkv.parts)  # the input norm writes what the q/k/v GEMM reads
             if i == 0:
-                plan.append(Launch(layers.rms_norm, (h, layer.input_layernorm, eps, x), label="input norm"))
+                plan.append(Launch(layers.rms_norm, (h, layer.input_layernorm, eps, x_in), label="input norm"))
             else:  # the previous layer's MLP residual add, fused with this layer's input norm
-                plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.input_layernorm, eps, x), label="input norm"))
-            q_in, k_in, v_in = self.qkv_projections(layer.qkv, x, t, plan)
+                plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.input_layernorm, eps, x_in),
+                                   label="input norm"))
+            q_in, k_in, v_in = self.qkv_projections(layer.qkv, x_in, t, plan)
             plan.append(Launch(qk_norm_rope_cache_write, (q_in, k_in, v_in, q, layer.q_norm, layer.k_norm, eps, positions,
                                                           rope, layer_cache.k, layer_cache.v, slots,
                                                           layer_cache.k_scale, layer_cache.v_scale),
                                dict(kv_format=layer_cache.kv_format), label="q/k norm, rope, cache write"))
-            plan.append(attend(q, layer_cache, attn))
-            y = self.residual_linear(layer.o_proj, attn.reshape(t, qd), "o_proj", plan)
-            plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.post_attention_layernorm, eps, x),
+            attn_in = self.gemm_input(attn.reshape(t, qd), [layer.o_proj])  # attention writes o_proj's input
+            plan.append(attend(q, layer_cache, attn_in.reshape(attn.shape)))
+            y = self.residual_linear(layer.o_proj, attn_in, "o_proj", plan)
+            x_in = self.gemm_input(x, [layer.gate_up])
+            plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.post_attention_layernorm, eps, x_in),
                                label="post-attention norm"))
-            self.gate_up_swiglu(layer.gate_up, x, gate_up, act, plan)
-            y = self.residual_linear(layer.down_proj, act, "down_proj", plan)
+            act_in = self.gemm_input(act, [layer.down_proj])  # SwiGLU writes down_proj's input
+            self.gate_up_swiglu(layer.gate_up, x_in, gate_up, act_in, plan)
+            y = self.residual_linear(layer.down_proj, act_in, "down_proj", plan)
         plan.append(Launch(layers.add_parts_rms_norm, (y, h, self.weights.norm, eps, x), label="final norm"))
         return plan
+
+    def gemm_input(self, x, consumers: list[DeviceLinear]):
+        """Where the producer of a GEMM input ``x [M, K]`` (float32) writes it: ``x`` itself, or a BF16 view of the
+        same shape in ``activations.bf16`` when every GEMM reading it is an FP8 GEMM of more than ``f32_max_rows``
+        rows. The producer (a norm, attention, SwiGLU) then writes BF16 bits, rounded as ``layers.bf16_round``
+        rounds, so no rounding launch runs between it and the GEMM. (The buffer is shared: each BF16 input is read
+        by its GEMMs before the next producer, which waits for them, writes the next.)"""
+        m, k = x.shape
+        if m <= self.f32_max_rows or any(c.kind != "fp8" for c in consumers):
+            return x
+        return self.activations.bf16[: m * k].reshape(m, k)
 
     def residual_linear(self, linear: DeviceLinear, x, label: str, plan: list[Launch]):
         """``x [t, K] @ W^T`` for the residual stream (o_proj, down_proj), its launches appended to ``plan``;
         returns it as the parts ``[S, t, N]`` in ``activations.y`` that the next norm adds
-        (``layers.add_parts_rms_norm``). On the SIMT path a split-K GEMV of ``S = choose_k_splits`` slices
-        (a narrow weight keeps the memory busy only with more warps than columns); any other path
-        writes one part."""
+        (``layers.add_parts_rms_norm``). On the SIMT path (float32 ``x`` into FP8 weights) a split-K GEMV of ``S =
+        choose_k_splits`` slices (a narrow weight keeps the memory busy only with more warps than columns); any
+        other path writes one part."""
         t, n = x.shape[0], linear.n
-        x_bf16 = self.gemm_input(x, linear.kind == "fp8", plan)
-        if linear.kind == "fp8" and x_bf16 is None:
+        if linear.kind == "fp8" and self.simt_path(x):
             splits = choose_k_splits(n, linear.k, linear.block[1], splitkv.device_num_sms())
             parts = self.activations.y[: splits * t * n].reshape(splits, t, n)
             plan.append(Launch(gemv_simt_split_k, (x, linear.weight, linear.scale_inv, parts, linear.block),
                                label=f"{label} gemv"))
             return parts
         parts = self.activations.y[: t * n].reshape(1, t, n)
-        plan.append(self.linear(linear, x, parts.reshape(t, n), x_bf16, label))
+        self.linear(linear, x, parts.reshape(t, n), label, plan)
         return parts
 
     def qkv_projections(self, group, x, t: int, plan: list[Launch]):
-        """The q, k and v projections of ``x [t, hidden]``, their launches appended to ``plan``; returns
-        ``(q, k, v)``, 2-D ``[t, heads * head_dim]`` views. With a fused weight one GEMM writes row ``t``
-        as ``[q | k | v]`` and the views are its column slices (``qk_norm_rope_cache_write`` reads them
-        so); otherwise one GEMM each, into three contiguous blocks of the buffer."""
+        """The q, k and v projections of ``x [t, hidden]`` (float32, or BF16 bits from ``gemm_input``), their
+        launches appended to ``plan``; returns ``(q, k, v)``, 2-D ``[t, heads * head_dim]`` views. With a fused
+        weight one GEMM writes row ``t`` as ``[q | k | v]`` and the views are its column slices
+        (``qk_norm_rope_cache_write`` reads them so); otherwise one GEMM each, into three contiguous blocks of the
+        buffer."""
         c, a = self.config, self.activations
         qd, kd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        x_bf16 = self.gemm_input(x, any(p.kind == "fp8" for p in group.parts), plan)
         if group.fused is not None:
             fused = a.qkv[: t * (qd + 2 * kd)].reshape(t, qd + 2 * kd)
-            plan.append(self.linear(group.fused, x, fused, x_bf16, "q/k/v"))
+            self.linear(group.fused, x, fused, "q/k/v", plan)
             return column_slice(fused, 0, qd), column_slice(fused, qd, qd + kd), column_slice(fused, qd + kd, qd + 2 * kd)
         outs = (a.qkv[: t * qd].reshape(t, qd), a.qkv[t * qd : t * (qd + kd)].reshape(t, kd),
                 a.qkv[t * (qd + kd) : t * (qd + 2 * kd)].reshape(t, kd))
         for part, out in zip(group.parts, outs):
-            plan.append(self.linear(part, x, out, x_bf16 if part.kind == "fp8" else None, "q/k/v"))
+            self.linear(part, x, out, "q/k/v", plan)
         return outs
 
     def gate_up_swiglu(self, gate_up: DeviceLinear, x, gate_up_out, act, plan: list[Launch]) -> None:
-        """``act = silu(x @ gate^T) * (x @ up^T)`` from the fused gate/up weight, its launches appended to
-        ``plan``: one ``gemv_simt_swiglu`` on the SIMT path (the epilogue applies SwiGLU, no ``[T, 2 I]``
-        round trip), ``gemv_mma_swiglu`` on BF16 inputs of 2 to 8 rows (the same, on tensor cores), else the GEMM
-        into ``gate_up_out`` and ``layers.silu_mul`` (bit for bit the same as that GEMM's kernel then SwiGLU)."""
-        x_bf16 = self.gemm_input(x, gate_up.kind == "fp8", plan)
-        if gate_up.kind == "fp8" and x_bf16 is None:
+        """``act = silu(x @ gate^T) * (x @ up^T)`` from the fused gate/up weight (``act`` float32, or BF16 bits for
+        a down_proj that reads them), its launches appended to ``plan``: one ``gemv_simt_swiglu`` on the SIMT path
+        (the epilogue applies SwiGLU, no ``[T, 2 I]`` round trip), ``gemv_mma_swiglu`` on BF16 inputs of 2 to 16
+        rows (the same, on tensor cores), else the GEMM into ``gate_up_out`` and ``layers.silu_mul`` (bit for bit
+        the same as that GEMM's kernel then SwiGLU)."""
+        if gate_up.kind == "fp8" and self.simt_path(x):
             plan.append(Launch(gemv_simt_swiglu, (x, gate_up.weight, gate_up.scale_inv, act, gate_up.block),
                                label="gate/up gemv + swiglu"))
             return
-        if gate_up.kind == "fp8" and choose_path(x.shape[0], gate_up.n) == "gemv_mma":
-            plan.append(Launch(gemv_mma_swiglu, (x_bf16, gate_up.weight, gate_up.scale_inv, act, gate_up.block),
+        if gate_up.kind == "fp8" and is_bf16(x) and choose_path(x.shape[0], gate_up.n) == "gemv_mma":
+            plan.append(Launch(gemv_mma_swiglu, (x, gate_up.weight, gate_up.scale_inv, act, gate_up.block),
                                label="gate/up gemv_mma + swiglu"))
             return
-        plan.append(self.linear(gate_up, x, gate_up_out, x_bf16, "gate/up"))
+        self.linear(gate_up, x, gate_up_out, "gate/up", plan)
         plan.append(Launch(layers.silu_mul, (gate_up_out, act), label="swiglu"))
 
-    def linear(self, linear: DeviceLinear, x, out, x_bf16, label: str) -> Launch:
-        """``out [M, N] = x [M, K] @ W^T``: float32 ``x`` for a SIMT GEMV (``x_bf16`` None) or ``x_bf16``, its
-        BF16 rounding, for ``fp8_gemm``; BF16 weights take the float32 ``x`` in ``bf16_linear``."""
-        if linear.kind == "bf16":
-            return Launch(bf16_linear, (x, linear.weight, out), label=f"{label} bf16_linear")
-        if x_bf16 is None:
-            return Launch(gemv_simt, (x, linear.weight, linear.scale_inv, out, linear.block), label=f"{label} gemv")
-        return Launch(fp8_gemm, (x_bf16, linear.weight, linear.scale_inv, out, linear.block), label=f"{label} fp8_gemm")
+    def simt_path(self, x) -> bool:
+        """Whether an FP8 GEMM on ``x`` runs the SIMT GEMV on float32 activations (at most ``f32_max_rows``)."""
+        return not is_bf16(x) and x.shape[0] <= self.f32_max_rows
 
-    def gemm_input(self, x, uses_fp8: bool, plan: list[Launch]):
-        """The BF16 rounding of float32 ``x [M, K]`` when ``M > f32_max_rows`` and an FP8 GEMM reads it (its
-        ``bf16_round`` launch appended to ``plan``), else None."""
+    def linear(self, linear: DeviceLinear, x, out, label: str, plan: list[Launch]) -> None:
+        """``out [M, N] = x [M, K] @ W^T``, its launch appended to ``plan``: BF16 weights take float32 ``x`` in
+        ``bf16_linear``; FP8 weights the SIMT GEMV on float32 ``x`` of at most ``f32_max_rows`` rows, else
+        ``fp8_gemm`` on BF16 bits (``x`` itself, or its ``bf16_round`` where ``x`` is also read as float32: a
+        q/k/v group of FP8 and BF16 weights)."""
+        if linear.kind == "bf16":
+            plan.append(Launch(bf16_linear, (x, linear.weight, out), label=f"{label} bf16_linear"))
+        elif self.simt_path(x):
+            plan.append(Launch(gemv_simt, (x, linear.weight, linear.scale_inv, out, linear.block), label=f"{label} gemv"))
+        else:
+            x_bf16 = x if is_bf16(x) else self.bf16_round(x, plan)
+            plan.append(Launch(fp8_gemm, (x_bf16, linear.weight, linear.scale_inv, out, linear.block),
+                               label=f"{label} fp8_gemm"))
+
+    def bf16_round(self, x, plan: list[Launch]):
+        """The BF16 rounding of float32 ``x [M, K]`` into ``activations.bf16`` (a ``bf16_round`` launch appended to
+        ``plan``): only where a float32 input also feeds an FP8 GEMM of more than ``f32_max_rows`` rows."""
         m, k = x.shape
-        if not uses_fp8 or m <= self.f32_max_rows:
-            return None
         out = self.activations.bf16[: m * k].reshape(m, k)
         plan.append(Launch(layers.bf16_round, (x.reshape(m * k), out.reshape(m * k)), label="bf16 round"))
         return out
