@@ -468,25 +468,25 @@ def test_gpu_graph_replay_at_the_qwen3_06b_shape_is_bit_identical_to_eager_steps
     """The decode graph launches its kernels as programmatic dependent launches (``numba_kernels.pdl``: each
     starts before its predecessor ends and waits for it); eager steps are ordinary launches. At the tiny
     model's sizes most kernels are one wave; at the Qwen3-0.6B shape (4 of its layers, a random FP8
-    checkpoint) the GEMVs, norms and split-kv kernels have their real grids. Every step's logits, batch 8
+    checkpoint) the GEMVs, norms and split-kv kernels have their real grids. Every step's logits, batch 16 and 8
     (more than the default ``f32_max_rows``: BF16 inputs written by the norms, attention and SwiGLU, the tensor-core
-    GEMV ``gemv_mma`` and its SwiGLU variant),
-    4 (the SIMT GEMVs) and 1: bit for bit the eager model's, so no kernel read a buffer before its producer
-    finished."""
+    GEMV ``gemv_mma`` and its SwiGLU variant, on two batch tiles and on one), 4 and 1: bit for bit the eager
+    model's, so no kernel read a buffer before its producer finished."""
     from fp8lab.engine import shapes
 
     checkpoint = shapes.random_checkpoint("qwen3-0.6b", seed=11, num_hidden_layers=4)
     rng = np.random.default_rng(11)
-    prompts = [rng.integers(0, checkpoint.config.vocab_size, n).tolist() for n in (9, 17, 5, 3, 8, 6, 4, 7)]
-    schedule = [list(range(8))] * 3 + [[0, 1, 2, 3]] * 3 + [[1]] * 3
-    options = dict(max_num_tokens=64, max_num_seqs=8)
+    prompts = [rng.integers(0, checkpoint.config.vocab_size, n).tolist()
+               for n in (9, 17, 5, 3, 8, 6, 4, 7, 2, 11, 5, 6, 3, 9, 4, 8)]
+    schedule = [list(range(16))] * 2 + [list(range(8))] * 3 + [[0, 1, 2, 3]] * 3 + [[1]] * 3
+    options = dict(max_num_tokens=128, max_num_seqs=16)
     graphs = CudaQwen3Model.from_checkpoint(checkpoint, **options)
     eager = CudaQwen3Model.from_checkpoint(checkpoint, **options, cuda_graphs=False)
     for kv in ("bf16", "fp8"):
         for got, want in zip(stepped_logits(graphs, prompts, schedule, kv), stepped_logits(eager, prompts, schedule, kv)):
             assert np.isfinite(want).all()
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-    assert graphs.f32_max_rows < 8  # the default: batch 8 takes the tensor-core path
+    assert graphs.f32_max_rows < 8  # the default: batches 8 and 16 take the tensor-core path
     assert graphs.stats.graph_replays >= 2 * 6 and eager.stats.graph_replays == 0
 
 
