@@ -148,4 +148,6 @@ def check_gemm(a, q, scale_inv, out, block, *, kernel: str, activations=("bf16",
     width = n if out_columns is None else int(out_columns)
     require("out", out, f"[{m}, {width}] of float32, float16 or uint16 (BF16)", tuple(out.shape) == (m, width) and output is not None)
     require_c_contiguous("out", out)
+    # no GEMM runs in place: some CTAs would still read activations that others have overwritten
+    require("out", out, "memory apart from a's", not overlaps(a, out))
     return GemmProblem(a, q, scale_inv, out, m, n, k, (bn, bk), activation, output)

@@ -78,3 +78,14 @@ def test_gpu_every_m_against_the_reference(m):
     ref = blockwise.gemm((a_bits.astype(np.uint32) << 16).view(np.float32), q, s)
     assert np.all(np.isfinite(got)), f"seed {seed}"
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5, f"seed {seed}"
+
+
+def test_a_gemm_never_runs_in_place(monkeypatch):
+    """``out`` sharing memory with ``a`` is refused before any launch: some CTAs would read activations that others
+    have already overwritten (what the engine's SwiGLU output once did to its own input)."""
+    for kernel in ("gemv_simt", "gemm_mma", "gemv_mma"):
+        monkeypatch.setattr(router, kernel, None)
+    memory = np.ones(2 * 128, np.uint16)
+    a, out = memory.reshape(2, 128), memory.view(np.float32)[:32].reshape(2, 16)
+    with pytest.raises(ValueError, match="^out: expected memory apart from a's"):
+        router.fp8_gemm(a, np.zeros((16, 128), np.uint8), np.ones((1, 1), np.float32), out)

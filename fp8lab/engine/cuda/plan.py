@@ -45,7 +45,7 @@ Activations live in buffers preallocated for ``max_num_tokens`` tokens and ``max
 (``Activations``): the residual ``h``, the normed ``x`` (float32 ``[T, hidden]``), a block output ``y``
 (float32 split-K parts ``[S, T, hidden]``, flat), the q/k/v GEMM output (one flat float32 buffer: ``[T, (Hq + 2 Hkv) D]``, or three
 blocks when the weights do not fuse), the normed and rotated ``q [T, Hq, D]``, the attention output,
-``gate_up [T, 2 I]``, the SwiGLU output ``[T, I]``, the BF16 GEMM input, the split-kv workspace, the
+``gate_up [T, 2 I]``, the SwiGLU output ``[T, I]``, the BF16 GEMM inputs (a norm's or attention's; SwiGLU's), the split-kv workspace, the
 greedy argmax's workspace and the logits of ``max_num_seqs`` rows. Nothing in a plan allocates or reads
 back: the cache write never reads its slots back, a decode step passes attention ``max_seq_len`` = its
 context bound (``decode_context_bound``: a power of two that holds the batch's longest context, at most the
@@ -167,6 +167,7 @@ class Activations:
     gate_up: object
     act: object
     bf16: object
+    act_bf16: object
     selected: object
     logits: object
     logits_host: np.ndarray
@@ -179,7 +180,6 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
     """The buffers of every forward of at most ``max_num_tokens`` tokens and ``max_num_seqs`` sequences."""
     c, mem, tmax, smax = config, memory, max_num_tokens, max_num_seqs
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    widest = max(c.hidden_size, hq * d, c.intermediate_size)
     needs_bf16 = f32_max_rows < tmax
     # the split-kv workspace: enough for the split count "auto" picks for any number of rows (the longest
     # contexts split the most: 4 heads per CTA allow 8 x 4 shards)
@@ -198,7 +198,10 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
         attn=mem.empty("activations attention output", (tmax, hq, d), np.float32),
         gate_up=mem.empty("activations gate_up", (tmax, 2 * c.intermediate_size), np.float32),
         act=mem.empty("activations SwiGLU", (tmax, c.intermediate_size), np.float32),
-        bf16=mem.empty("activations BF16 GEMM input", (tmax * widest if needs_bf16 else 1,), np.uint16),
+        bf16=mem.empty("activations BF16 GEMM input (normed or attention output)",
+                       (tmax * max(c.hidden_size, hq * d) if needs_bf16 else 1,), np.uint16),
+        act_bf16=mem.empty("activations BF16 SwiGLU output", (tmax * c.intermediate_size if needs_bf16 else 1,),
+                           np.uint16),
         selected=mem.empty("last-token rows", (smax, c.hidden_size), np.float32),
         logits=mem.empty(f"logits [{smax}, {c.vocab_size}]", (smax, c.vocab_size), np.float32),
         logits_host=mem.pinned((smax, c.vocab_size), np.float32),
@@ -300,22 +303,25 @@ class Planner:
             x_in = self.gemm_input(x, [layer.gate_up])
             plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.post_attention_layernorm, eps, x_in),
                                label="post-attention norm"))
-            act_in = self.gemm_input(act, [layer.down_proj])  # SwiGLU writes down_proj's input
+            act_in = self.gemm_input(act, [layer.down_proj], a.act_bf16)  # SwiGLU writes down_proj's input
             self.gate_up_swiglu(layer.gate_up, x_in, gate_up, act_in, plan)
             y = self.residual_linear(layer.down_proj, act_in, "down_proj", plan)
         plan.append(Launch(layers.add_parts_rms_norm, (y, h, self.weights.norm, eps, x), label="final norm"))
         return plan
 
-    def gemm_input(self, x, consumers: list[DeviceLinear]):
+    def gemm_input(self, x, consumers: list[DeviceLinear], bf16_buffer=None):
         """Where the producer of a GEMM input ``x [M, K]`` (float32) writes it: ``x`` itself, or a BF16 view of the
-        same shape in ``activations.bf16`` when every GEMM reading it is an FP8 GEMM of more than ``f32_max_rows``
-        rows. The producer (a norm, attention, SwiGLU) then writes BF16 bits, rounded as ``layers.bf16_round``
-        rounds, so no rounding launch runs between it and the GEMM. (The buffer is shared: each BF16 input is read
-        by its GEMMs before the next producer, which waits for them, writes the next.)"""
+        same shape in ``bf16_buffer`` (default ``activations.bf16``) when every GEMM reading it is an FP8 GEMM of
+        more than ``f32_max_rows`` rows. The producer (a norm, attention, SwiGLU) then writes BF16 bits, rounded as
+        ``layers.bf16_round`` rounds, so no rounding launch runs between it and the GEMM. The norms and attention
+        share ``activations.bf16``: each BF16 input is read by its GEMMs before the next producer, which waits for
+        them, writes the next. SwiGLU writes ``activations.act_bf16``: its fused launch reads the gate/up GEMM's
+        BF16 input while it writes (a GEMM never runs in place: ``arguments.check_gemm``)."""
         m, k = x.shape
         if m <= self.f32_max_rows or any(c.kind != "fp8" for c in consumers):
             return x
-        return self.activations.bf16[: m * k].reshape(m, k)
+        buffer = self.activations.bf16 if bf16_buffer is None else bf16_buffer
+        return buffer[: m * k].reshape(m, k)
 
     def residual_linear(self, linear: DeviceLinear, x, label: str, plan: list[Launch]):
         """``x [t, K] @ W^T`` for the residual stream (o_proj, down_proj), its launches appended to ``plan``;
