@@ -149,8 +149,7 @@ def load_model(checkpoint, backend: str = "auto", gemm_input: str = "float32", *
     the simulator. ``cuda`` without a GPU is a ``RuntimeError``.
 
     On the GPU model ``gemm_input="bf16"`` means ``f32_max_rows=0``: every FP8 GEMM rounds its input
-    to BF16. ``"float32"`` keeps ``f32_max_rows`` (default ``plan.default_f32_max_rows``: 4, or 1 for
-    large layers): GEMMs of at most that many rows take float32 inputs, larger ones BF16, so a caller
+    to BF16. ``"float32"`` keeps ``f32_max_rows`` (default ``plan.DEFAULT_F32_MAX_ROWS``, 1): GEMMs of at most that many rows take float32 inputs, larger ones BF16, so a caller
     that wants float32 throughout feeds at most ``f32_max_rows`` tokens per forward (as
     ``fp8lab.engine.evaluate`` does)."""
     if gemm_input not in GEMM_INPUTS:

@@ -63,18 +63,6 @@ def test_parameter_counts_match_the_model_cards():
     assert big["embedding"] == big["lm_head"] == 151936 * 4096
 
 
-@pytest.mark.parametrize("name, f32_max_rows", [("qwen3-0.6b", 4), ("qwen3-8b", 1), ("tiny", 4)])
-def test_default_gemm_input_rule_follows_the_layer_size(name, f32_max_rows):
-    """``plan.default_f32_max_rows``: float32 GEMM inputs up to 4 rows for small layers, 1 row for large ones;
-    its weights per layer agree with the parameter count less the norms (an independent count)."""
-    from fp8lab.engine.cuda.plan import default_f32_max_rows, layer_weights
-
-    config = shapes.shape_config(name)
-    norms = config.num_hidden_layers * (2 * config.hidden_size + 2 * config.head_dim) + config.hidden_size
-    assert layer_weights(config) * config.num_hidden_layers + norms == shapes.parameter_counts(config)["layers"]
-    assert default_f32_max_rows(config) == f32_max_rows
-
-
 def test_tiny_shape_is_the_tiny_model_and_names_are_checked():
     assert shapes.shape_config("tiny") == tiny_config(fp8=True)
     assert shapes.shape_names() == ["tiny", "qwen3-0.6b", "qwen3-8b"]

@@ -41,11 +41,11 @@ from .kv_cache import DeviceKVCache
 from .memory import DeviceMemory, device_copy, new_stream, record, synchronize, to_host
 from .pipeline import PendingGreedy
 from .plan import (
+    DEFAULT_F32_MAX_ROWS,
     Plan,
     Planner,
     allocate_activations,
     decode_context_bound,
-    default_f32_max_rows,
 )
 from .stats import CudaModelStats
 from .weights import unsupported_reason, upload_weights
@@ -77,8 +77,7 @@ class CudaQwen3Model(CausalLM):
     ``tensors``: checkpoint tensors as ``fp8lab.engine.checkpoint`` loads them (``Qwen3Model``'s input).
     ``max_num_tokens``: most tokens in one forward (a prefill's prompt tokens); ``max_num_seqs``: most
     sequences in one forward (the decode batch); ``f32_max_rows``: GEMMs of at most this many rows take
-    float32 activations (SIMT GEMV), larger ones BF16 (tensor cores); None: ``plan.default_f32_max_rows``
-    of the config (4, or 1 for large layers); ``cuda_graphs``: capture and replay decode steps (GPU only).
+    float32 activations (SIMT GEMV), larger ones BF16 (tensor cores); None: ``plan.DEFAULT_F32_MAX_ROWS`` (1); ``cuda_graphs``: capture and replay decode steps (GPU only).
     """
 
     def __init__(self, config: Qwen3Config, tensors: dict[str, np.ndarray], *, max_num_tokens: int = 2048,
@@ -91,7 +90,7 @@ class CudaQwen3Model(CausalLM):
             raise ValueError(f"max_num_seqs ({max_num_seqs}) must be >= 1 and max_num_tokens ({max_num_tokens}) "
                              f">= max_num_seqs")
         if f32_max_rows is None:
-            f32_max_rows = default_f32_max_rows(config)
+            f32_max_rows = DEFAULT_F32_MAX_ROWS
         if not 0 <= int(f32_max_rows) <= SIMT_MAX_ROWS:
             raise ValueError(f"f32_max_rows: expected 0 to {SIMT_MAX_ROWS} (the SIMT GEMV's row limit), got {f32_max_rows}")
         self.config = config

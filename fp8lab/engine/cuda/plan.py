@@ -28,11 +28,11 @@ summation order; a larger one (long prompts, decode batches) reads the activatio
 the kernel that produces them, rounded as ``layers.bf16_round`` rounds) and runs ``fp8_gemm`` on tensor cores
 (``gemv_mma`` for 2 to 16 rows, with SwiGLU fused into the gate/up launch; ``gemm_mma`` beyond), W8A16 as the
 kernels are designed. The accuracy table of the trained demo model (``docs/08_accuracy.md``, ``bench/RESULTS.md``) says BF16 inputs into FP8 weights
-cost far less than the FP8 weights themselves, so the default (``default_f32_max_rows``) is whatever is faster:
-float32 up to 4 rows for a model with small layers (Qwen3-0.6B, 16 M weights per layer: the SIMT GEMV is 10%
-faster at batch 2 and 4), float32 for one row only for a model with large ones (Qwen3-8B, 193 M per layer: at
-batch 4 the tensor-core step is 35% faster, the SIMT GEMV's time growing with every row). (The random tiny model
-is much more sensitive: its flat logits let BF16 inputs change greedy tokens within a few steps, which is why
+cost far less than the FP8 weights themselves, so the default (``DEFAULT_F32_MAX_ROWS``) is whatever is faster:
+float32 for one row only (the SIMT GEMV beats the tensor cores at one row; from 2 rows on ``gemv_mma`` on BF16
+inputs wins at both measured shapes, Qwen3-8B and Qwen3-0.6B, once the producers write BF16 themselves: at
+Qwen3-0.6B batch 4, 3,564 against 2,856 tok/s with float32 up to 4 rows; ``bench/RESULTS.md``). (The random tiny
+model is much more sensitive: its flat logits let BF16 inputs change greedy tokens within a few steps, which is why
 its GPU tests ask for ``f32_max_rows=16``.)
 
 The residual stream's GEMMs (o_proj, down_proj) on the SIMT path are split-K (``gemv_simt_split_k``, ``S =
@@ -55,7 +55,6 @@ graph replays of its (bucket, bound) run the same kernels on the same arguments 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -75,17 +74,13 @@ from fp8lab.numba_kernels.prefill import PrefillRows, paged_prefill
 from fp8lab.simulators.gemv_simt import K_SPLITS, choose_k_splits
 
 from ..config import Qwen3Config
-from ..layout import expected_tensors
 from .kv_cache import DeviceKVCache, DeviceLayerKVCache
 from .memory import DeviceMemory, column_slice
 from .weights import DeviceLinear, DeviceWeights
 
-SMALL_LAYERS_F32_MAX_ROWS = 4
-"""The default ``f32_max_rows`` of a model with small decoder layers (see ``default_f32_max_rows``)."""
-LARGE_LAYER_WEIGHTS = 64 * 2**20
-"""Projection weights per decoder layer from which a model counts as large: the tensor-core GEMM then beats the
-SIMT GEMV from 2 rows on. Measured at the two ends only (H200, ``bench/RESULTS.md``): Qwen3-0.6B (16 M per layer)
-and Qwen3-8B (193 M); the threshold between them is a round number, not a measured crossover."""
+DEFAULT_F32_MAX_ROWS = 1
+"""GEMMs of at most this many rows take float32 activations by default (see the module docstring): a decode step of
+one sequence runs the SIMT GEMV on float32, every larger GEMM the tensor cores on BF16 inputs."""
 
 
 MIN_DECODE_CONTEXT = 512
@@ -106,18 +101,6 @@ def decode_context_bound(longest: int, capacity: int) -> int:
     while bound < int(longest):
         bound *= 2
     return max(1, min(bound, int(capacity)))
-
-
-def layer_weights(config: Qwen3Config) -> int:
-    """The projection weights of one decoder layer (q/k/v, o, gate/up and down), counted from the checkpoint layout."""
-    return sum(math.prod(spec.shape) for name, spec in expected_tensors(config).items()
-               if name.startswith("model.layers.0.") and name.endswith("_proj.weight"))
-
-
-def default_f32_max_rows(config: Qwen3Config) -> int:
-    """GEMMs of at most this many rows take float32 activations by default: 4 (decode batches of up to 4 on the SIMT
-    GEMV), or 1 for a model of at least ``LARGE_LAYER_WEIGHTS`` weights per layer (see the module docstring)."""
-    return 1 if layer_weights(config) >= LARGE_LAYER_WEIGHTS else SMALL_LAYERS_F32_MAX_ROWS
 
 
 @dataclass(frozen=True)
