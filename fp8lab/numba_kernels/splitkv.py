@@ -96,6 +96,7 @@ from fp8lab.simulators.splitkv import (
 from . import mathops, pdl
 from .arguments import (
     as_kernel_array,
+    overlaps,
     reject,
     require_c_contiguous,
     require_load_alignment,
@@ -675,6 +676,8 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
     if tuple(out.shape) != (num_seqs, num_heads, head_dim) or np.dtype(out.dtype) not in OUT_DTYPES:
         reject("out", f"float32 or uint16 (BF16 bits) [{num_seqs}, {num_heads}, {head_dim}]", out)
     require_c_contiguous("out", out)
+    if np.dtype(out.dtype) == np.uint16 and overlaps(out, q):  # a CTA's BF16 rows would land in other CTAs' queries
+        reject("out", "memory apart from q's (a uint16 out cannot share q's memory)", out)
 
     # The index arrays' values: read on the host unless the caller vouches for them with max_seq_len.
     host_indices = isinstance(seq_lens, np.ndarray) and isinstance(block_tables, np.ndarray)

@@ -322,6 +322,8 @@ def bad_calls(data):
         ("out wrong dtype", dict(out=np.zeros(q.shape, np.float64)), "out: expected float32"),
         ("out BF16 as int16", dict(out=np.zeros(q.shape, np.int16)),
          "out: expected float32 or uint16 \\(BF16 bits\\) \\[2, 2, 32\\], got shape \\(2, 2, 32\\) dtype int16"),
+        ("BF16 out over q", dict(out=q.reshape(-1).view(np.uint16)[: q.size].reshape(q.shape)),
+         "out: expected memory apart from q's"),
         ("table too short", dict(block_tables=data.block_tables[:, :1]), "block_tables: sequence 0 has 9 tokens"),
         ("block id out of range", dict(block_tables=data.block_tables + 100), "block_tables: block ids must lie in"),
         ("negative length", dict(seq_lens=np.array([-1, 2], np.int32)), "seq_lens: expected lengths >= 0"),
