@@ -46,7 +46,8 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from . import arguments, pdl
-from .bits import e4m3x2_to_f16x2, f16_bits_to_f32, f32_to_bf16_bits
+from .bits import e4m3x2_to_f16x2, f16_bits_to_f32
+from .mathops import f32_to_bf16_bits_rne
 
 CODES_PER_WORD = 4
 THREADS_PER_CTA = 256
@@ -127,11 +128,13 @@ def store_f16(out, i, j, value):
 
 @cuda.jit(device=True, inline=True)
 def store_bf16(out, i, j, value):
-    out[i, j] = f32_to_bf16_bits(value)  # out: uint16 view of the BF16 bits
+    # out: uint16 view of the BF16 bits; ``layers.bf16_round``'s rounding, so a NaN stays a NaN
+    out[i, j] = f32_to_bf16_bits_rne(value)
 
 
 STORE = {"f32": store_f32, "f16": store_f16, "bf16": store_bf16}
-"""How a float32 result is written to each output format (rounded once, to nearest even)."""
+"""How a float32 result is written to each output format (rounded once, to nearest even): the store of every
+kernel with a choice of output format (the GEMVs, ``dequantize``, the norms and ``silu_mul``)."""
 
 
 def output_bits_view(out, output: str):

@@ -74,6 +74,7 @@ from fp8lab.simulators.gemv_mma import (
 
 from . import arguments, pdl
 from .bits import u32_as_f32
+from .dequantize import STORE
 from .gemm_mma import (
     PLACEMENT_EXPONENT,
     PLACEMENT_SHIFT,
@@ -194,15 +195,7 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
             high = f32_to_bf16_bits_rne(u32_as_f32(values[v + 16 * span + 2 * pair + 1]))
             return uint32(low) | (uint32(high) << uint32(16))
 
-    if output == "bf16":
-        @inlined_device_function
-        def store(out, row, column, value):
-            """``out[row, column]`` <- ``value`` as BF16 bits (nearest even, as ``layers.bf16_round``)."""
-            out[row, column] = f32_to_bf16_bits_rne(value)
-    else:
-        @inlined_device_function
-        def store(out, row, column, value):
-            out[row, column] = value
+    store = STORE[output]  # float32, or BF16 bits rounded as ``layers.bf16_round``
 
     @inlined_device_function
     def multiply_chunk(codes, values, slot, c_part):

@@ -70,6 +70,7 @@ from .arguments import (
     require_load_alignment,
 )
 from .bits import SIMULATOR, bf16_bits_to_f32, u32_as_f32
+from .dequantize import STORE
 from .kv_cache import on_device
 from .warp import (
     BUTTERFLY_OFFSETS,
@@ -137,26 +138,6 @@ def sqrt_f32(x):
     """Correctly rounded float32 square root (``sqrt.rn.f32`` on a GPU; in the simulator float64's
     sqrt rounded to float32, which is the same number: 53 >= 2 * 24 + 2 bits)."""
     return float32(math.sqrt(x))
-
-
-@cuda.jit(device=True, inline=True)
-def store_f32(out, row, k, value):
-    """``out[row, k] = value``: a float32 output, as computed."""
-    out[row, k] = value
-
-
-@cuda.jit(device=True, inline=True)
-def store_bf16(out, row, k, value):
-    """``out[row, k]`` = the BF16 bit pattern of the float32 ``value``, round to nearest even, NaN kept NaN:
-    exactly what ``bf16_round`` makes of the float32 output, without its launch (the FP8 tensor-core GEMM
-    that reads the output takes BF16). The rounding works on the bits of the rounded float32 value, so
-    the compiler cannot fuse it into the arithmetic before it: the float32 value is the float32 kernel's."""
-    out[row, k] = mathops.f32_to_bf16_bits_rne(value)
-
-
-STORE = {False: store_f32, True: store_bf16}
-"""The output store of the norm and ``silu_mul`` kernels by their factory's ``bf16_out``: float32 ``out``
-(False) or uint16 BF16 bits (True). The factory picks one; the kernel has no branch on it."""
 
 
 # ---------------------------------------------------------------------------- 1. RMSNorm (and the fused residual add)
@@ -236,7 +217,7 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int, bf16_out
     """The Python source of the norm kernel ``(x, residual, weight, eps, out)`` for rows of length ``n``
     (non-fused: ``residual`` is ``x``; fused: ``x`` is the parts ``[S, rows, n]`` of what is added, one
     part for a plain add), the row held in registers. ``bf16_out``: ``out`` is uint16 and gets the BF16
-    bits of each float32 result (``store_bf16``); otherwise float32 (``store_f32``).
+    bits of each float32 result (``dequantize.STORE``, ``bf16_round``'s rounding); otherwise float32.
 
     ``warp_per_row``: launch ``[ceil(rows / 4), 128]``, warp ``w`` of CTA ``b`` takes row ``4 b + w``.
     Otherwise: launch ``[rows, rms_norm_threads_per_row(n)]``, CTA ``b`` takes row ``b``. Thread ``t``
@@ -252,7 +233,7 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int, bf16_out
         raise ValueError(f"n: no register norm kernel {'warp' if warp_per_row else 'cta'} per row for n = {n}")
     warps = threads // WARP_SIZE
     whole = n % threads == 0  # every thread owns exactly `elements` elements: no bound check
-    store = STORE[bf16_out]
+    store = STORE["bf16" if bf16_out else "f32"]
 
     @cuda.jit(device=True, inline=True)
     def load_row(x, residual, weight, row, t, values, weights):
@@ -333,7 +314,7 @@ def rms_norm_loop_function(fused: bool, bf16_out: bool = False):
     ``bf16_out``: ``out`` is uint16 BF16 bits, as in ``rms_norm_register_function``.
     Checked bit for bit against ``fp8lab.simulators.dense.rms_norm`` / ``add_rms_norm``.
     """
-    first_pass, second_pass, store = FIRST_PASS[fused], SECOND_PASS[fused], STORE[bf16_out]
+    first_pass, second_pass, store = FIRST_PASS[fused], SECOND_PASS[fused], STORE["bf16" if bf16_out else "f32"]
 
     @cuda.jit(device=True, inline=True)
     def normalize(x, residual, weight, eps, out, row, first, stride, sum_of_squares):
@@ -558,7 +539,7 @@ def silu_mul_function(bf16_out: bool):
     """The ``silu_mul`` kernel ``(gate_up, out)`` writing float32 or (``bf16_out``) the BF16 bits of each
     float32 result (``STORE``). Launch ``[(T, ceil(I / 256)), 256]``: thread ``j`` of CTA ``(t, b)``
     computes ``out[t, 256 b + j]``."""
-    store = STORE[bf16_out]
+    store = STORE["bf16" if bf16_out else "f32"]
 
     def silu_mul_kernel(gate_up, out):
         pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
