@@ -46,6 +46,10 @@ How, per warp (lane ``(g, t)`` = ``(lane >> 2, lane & 3)``):
   ``layers.bf16_round`` does), so a float32 call is ``bf16_round`` + a BF16 call, bit for bit, one launch less.
 - **PDL**: the ring's first codes and scales are loaded before ``griddepcontrol.wait`` (nothing in the stream
   writes them), the activations after it.
+- **BF16 weights** (``gemv_mma_bf16``, for the lm_head): the same kernel with ``weights='bf16'``: a lane loads
+  its 16 k of each row as two 128-bit loads of BF16 patterns, which are the A registers as they are (no bit
+  placement), and there are no block scales (``c_fin += c_part``). Model: ``fp8lab.simulators.gemv_mma.gemv_mma_bf16``.
+  Not yet run on a GPU nor used by the engine (``bench/lm_head.py`` times it against ``layers.bf16_linear``).
 
 Measured (``bench/gemv_mma.py`` and ``bench/engine.py``; numbers in ``bench/RESULTS.md``): at 2 to 8 rows with BF16
 inputs faster than the SIMT GEMV, at one row slower (the SIMT GEMV streams more bytes per register); at 8 rows of
@@ -73,7 +77,7 @@ from fp8lab.simulators.gemv_mma import (
 )
 
 from . import arguments, pdl
-from .bits import u32_as_f32
+from .bits import SIMULATOR, u32_as_f32
 from .dequantize import STORE
 from .gemm_mma import (
     PLACEMENT_EXPONENT,
@@ -89,8 +93,9 @@ from .warp import WARP_SIZE, load_u32x4
 
 SPANS_PER_CHUNK = 2
 """Two 64-wide spans per 128-wide chunk."""
-CODE_WORDS = 2 * SPANS_PER_CHUNK * 4
-"""uint32 words of codes a lane holds per chunk: 2 rows x 2 spans x one 128-bit load."""
+WEIGHT_WORDS = {"e4m3": 4, "bf16": 8}
+"""uint32 words a lane loads per weight row and span: its 16 k as E4M3 codes (one 128-bit load) or as BF16
+patterns (two)."""
 SHIFT = PLACEMENT_SHIFT["bf16"]
 UNPLACE = np.float32(2.0 ** PLACEMENT_EXPONENT["bf16"])
 ACTIVATION_WORDS = {"bf16": SPANS_PER_CHUNK * 8, "f32": SPANS_PER_CHUNK * 16}
@@ -125,30 +130,39 @@ def batch_tiles_for(m: int) -> int:
 
 @functools.cache
 def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3, batch_tiles: int = 1,
-                    output: str = "f32"):
+                    output: str = "f32", weights: str = "e4m3"):
     """One kernel variant: ``depth`` chunks in flight per warp (a register ring), ``k_slices`` warps per CTA,
     ``activation`` ``'bf16'`` (uint16 pairs as uint32 words) or ``'f32'`` (float32 bits as uint32 words), plain or
     SwiGLU, ``batch_tiles`` n8 tiles of batch rows (1: rows 0..7; 2: rows 0..15, two mma per k16 step on the same
     A registers), ``output`` ``'f32'`` or ``'bf16'`` (uint16 bits, rounded as ``layers.bf16_round``). Arguments:
     ``(a_words uint32 [M * K / 2 or M * K], q_words uint32 [N * K / 4], scale_inv float32 [ceil(N/BN),
-    ceil(K/BK)], out float32 or uint16 [M, N or I], m, k, block_n, block_k)``, all flat words row-major."""
+    ceil(K/BK)], out float32 or uint16 [M, N or I], m, k, block_n, block_k)``, all flat words row-major.
+    ``weights='bf16'``: ``q_words`` holds BF16 weight patterns (``N * K / 2`` words), the A registers take them as
+    they are, and there are no block scales (``scale_inv`` is not read; the promotion is ``c_fin += c_part``)."""
+    scaled = weights == "e4m3"
+    row_words = WEIGHT_WORDS[weights]  # per weight row and span
+    code_words = 2 * SPANS_PER_CHUNK * row_words  # per chunk: 2 rows x 2 spans
+    weight_k_per_word = 16 // row_words  # k per uint32 word: 4 codes or 2 BF16
+    unplace = UNPLACE if scaled else np.float32(1)
     activation_words = ACTIVATION_WORDS[activation]
     slot_words = batch_tiles * activation_words  # a ring slot holds every batch tile's activations
-    code_ring, activation_ring, scale_ring = depth * CODE_WORDS, depth * slot_words, 2 * depth  # constants
+    code_ring, activation_ring, scale_ring = depth * code_words, depth * slot_words, 2 * depth  # constants
     accumulators = 4 * batch_tiles  # C registers: 4 per n8 tile
     words_per_k = 2 if activation == "bf16" else 1  # k per activation word
 
     @inlined_device_function
     def load_codes(q_words, row0, row1, k_words, chunk, t, codes, slot):
-        """This lane's 16 codes of rows ``row0`` and ``row1`` in both spans of ``chunk``, into ring slot ``slot``:
-        ``codes[CODE_WORDS slot + 8 s + 4 r + i]`` is word ``i`` of span ``s``, row ``r``."""
+        """This lane's 16 weights (codes, or BF16 patterns) of rows ``row0`` and ``row1`` in both spans of
+        ``chunk``, into ring slot ``slot``: ``codes[code_words slot + 2 row_words s + row_words r + i]`` is word
+        ``i`` of span ``s``, row ``r``."""
         for s in range(SPANS_PER_CHUNK):
-            column = chunk * uint32(K_CHUNK // 4) + uint32(s * 16) + uint32(4) * t  # uint32 words: 4 codes each
-            base = CODE_WORDS * slot + 8 * s
-            w = load_u32x4(q_words, row0 * k_words + column)
-            codes[base], codes[base + 1], codes[base + 2], codes[base + 3] = w
-            w = load_u32x4(q_words, row1 * k_words + column)
-            codes[base + 4], codes[base + 5], codes[base + 6], codes[base + 7] = w
+            column = (chunk * uint32(K_CHUNK) + uint32(s * 64) + uint32(16) * t) // uint32(weight_k_per_word)
+            for r in range(2):
+                row = row0 if r == 0 else row1
+                for piece in range(row_words // 4):
+                    base = code_words * slot + 2 * row_words * s + row_words * r + 4 * piece
+                    w = load_u32x4(q_words, row * k_words + column + uint32(4 * piece))
+                    codes[base], codes[base + 1], codes[base + 2], codes[base + 3] = w
 
     @inlined_device_function
     def load_batch_tile(a_words, row, present, k, chunk, t, values, base0):
@@ -176,10 +190,29 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
 
     @inlined_device_function
     def load_scales(scale_inv, scale_row0, scale_row1, chunk, block_k, scales, slot):
-        """The block scales of the lane's two rows for ``chunk``, into ring slot ``slot``."""
-        column = (chunk * uint32(K_CHUNK)) // block_k
-        scales[2 * slot] = scale_inv[scale_row0, column]
-        scales[2 * slot + 1] = scale_inv[scale_row1, column]
+        """The block scales of the lane's two rows for ``chunk``, into ring slot ``slot`` (BF16 weights: 1)."""
+        if scaled:
+            column = (chunk * uint32(K_CHUNK)) // block_k
+            scales[2 * slot] = scale_inv[scale_row0, column]
+            scales[2 * slot + 1] = scale_inv[scale_row1, column]
+        else:
+            scales[2 * slot] = float32(1)
+            scales[2 * slot + 1] = float32(1)
+
+    if scaled:
+        @inlined_device_function
+        def a_registers(codes, base, j):
+            """A registers of step ``j`` from the span's words at ``codes[base:]``: word ``j`` of each row holds codes
+            ``4 j .. 4 j + 3``, placed pairwise into BF16 patterns (row ``g``: a0a1, a4a5; row ``g + 8``: a2a3, a6a7)."""
+            top, bottom = codes[base + j], codes[base + 4 + j]
+            return (place_code_pair(top & uint32(0xFFFF), SHIFT), place_code_pair(bottom & uint32(0xFFFF), SHIFT),
+                    place_code_pair(top >> uint32(16), SHIFT), place_code_pair(bottom >> uint32(16), SHIFT))
+    else:
+        @inlined_device_function
+        def a_registers(codes, base, j):
+            """The same from BF16 weights: words ``2 j`` and ``2 j + 1`` of each row hold k ``4 j .. 4 j + 3`` as pairs,
+            already the A registers."""
+            return codes[base + 2 * j], codes[base + 8 + 2 * j], codes[base + 2 * j + 1], codes[base + 8 + 2 * j + 1]
 
     if activation == "bf16":
         @inlined_device_function
@@ -204,13 +237,9 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
         for i in range(accumulators):
             c_part[i] = float32(0)
         for span in range(SPANS_PER_CHUNK):
-            s = slot * SPANS_PER_CHUNK + span  # the span, counted in code words
+            base = code_words * slot + 2 * row_words * span  # the span's weight words
             for j in range(4):
-                top, bottom = codes[8 * s + j], codes[8 * s + 4 + j]
-                a0 = place_code_pair(top & uint32(0xFFFF), SHIFT)
-                a1 = place_code_pair(bottom & uint32(0xFFFF), SHIFT)
-                a2 = place_code_pair(top >> uint32(16), SHIFT)
-                a3 = place_code_pair(bottom >> uint32(16), SHIFT)
+                a0, a1, a2, a3 = a_registers(codes, base, j)
                 for tile in range(batch_tiles):
                     v = slot_words * slot + activation_words * tile  # the tile's words, from span 0
                     c = 4 * tile
@@ -246,10 +275,10 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
             multiply_chunk(codes, values, slot, c_part)
             s0, s1 = scales[2 * slot], scales[2 * slot + 1]
             for c in range(0, accumulators, 4):  # C registers c, c + 1: weight row g; c + 2, c + 3: row g + 8
-                c_fin[c] = cuda.fma(s0, c_part[c] * UNPLACE, c_fin[c])  # * 2^120: exact
-                c_fin[c + 1] = cuda.fma(s0, c_part[c + 1] * UNPLACE, c_fin[c + 1])
-                c_fin[c + 2] = cuda.fma(s1, c_part[c + 2] * UNPLACE, c_fin[c + 2])
-                c_fin[c + 3] = cuda.fma(s1, c_part[c + 3] * UNPLACE, c_fin[c + 3])
+                c_fin[c] = cuda.fma(s0, c_part[c] * unplace, c_fin[c])  # * 2^120: exact (BF16 weights: 1, 1)
+                c_fin[c + 1] = cuda.fma(s0, c_part[c + 1] * unplace, c_fin[c + 1])
+                c_fin[c + 2] = cuda.fma(s1, c_part[c + 2] * unplace, c_fin[c + 2])
+                c_fin[c + 3] = cuda.fma(s1, c_part[c + 3] * unplace, c_fin[c + 3])
             ahead = uint32(chunk + uint32(depth))
             if ahead < last:
                 load_codes(q_words, row0, row1, k_words, ahead, t, codes, slot)
@@ -271,7 +300,7 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
         else:
             row0 = tile * uint32(ROWS_PER_WARP) + g
             row1 = row0 + uint32(8)
-        k_words = k // uint32(4)
+        k_words = k // uint32(weight_k_per_word)
         num_chunks = k // uint32(K_CHUNK)
         per_slice = (num_chunks + uint32(k_slices - 1)) // uint32(k_slices)
         first = uint32(min(warp * per_slice, num_chunks))
@@ -402,4 +431,62 @@ def gemv_mma_swiglu(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth
     the rest as ``gemv_mma``."""
     problem = _check(a, q, scale_inv, out, block, swiglu=True)
     _launch(problem, k_slices, depth, stream, swiglu=True)
+    return out
+
+
+# ---------------------------------------------------------------------------- BF16 weights (the lm_head)
+
+
+@functools.cache
+def _no_scales():
+    """The ``scale_inv`` a BF16-weight launch passes and never reads (one allocation, so graphs can capture it)."""
+    array = np.ones((1, 1), np.float32)
+    return array if SIMULATOR else cuda.to_device(array)
+
+
+def gemv_mma_bf16(a, w_bits, out, k_slices=None, depth=None, stream=0):
+    """``out[M, N] = a[M, K] @ W^T`` for BF16 weights ``W`` (the lm_head), on tensor cores for ``1 <= M <= 16``;
+    returns ``out``.
+
+    The kernel of ``gemv_mma`` with the weights' BF16 patterns as the A registers (no bit placement, no block
+    scales): the order of ``fp8lab.simulators.gemv_mma.gemv_mma_bf16`` (per 128-wide chunk ``c_part = 0``, 8 mma
+    steps over K permuted by ``k_order``, ``c_fin += c_part``; the K slices added in warp order).
+    ``a``: BF16 bits (uint16/int16) or float32 (rounded to BF16 on load) ``[M, K]``; ``w_bits``: BF16 patterns
+    ``[N, K]`` (uint16/int16), ``N`` a multiple of 16, ``K`` of 128; ``out``: float32 or uint16 (BF16 bits)
+    ``[M, N]``, sharing no memory with ``a``; C-contiguous, device data 16-byte aligned. ``k_slices``, ``depth``:
+    as ``gemv_mma``'s. Bad calls raise ``ValueError`` before any launch.
+    """
+    kernel_name = "gemv_mma_bf16"
+    a, w_bits, out = (arguments.as_kernel_array(n, x) for n, x in (("a", a), ("w_bits", w_bits), ("out", out)))
+    arguments.require("w_bits", w_bits, "BF16 patterns [N, K] (uint16 or int16)",
+                      w_bits.ndim == 2 and np.dtype(w_bits.dtype) in (np.dtype(np.uint16), np.dtype(np.int16)))
+    arguments.require_c_contiguous("w_bits", w_bits)
+    n, k = w_bits.shape
+    if n == 0 or n % ROWS_PER_WARP or k == 0 or k % K_CHUNK:
+        raise ValueError(f"w_bits: {kernel_name} needs N a positive multiple of {ROWS_PER_WARP} and K of {K_CHUNK}, "
+                         f"got [{n}, {k}]")
+    activation = arguments.ACTIVATION_FORMATS.get(np.dtype(a.dtype))
+    arguments.require("a", a, f"activations [M, {k}] of bf16 (uint16) / f32 (float32), 1 <= M <= {MAX_ROWS}",
+                      a.ndim == 2 and a.shape[1] == k and activation in ("bf16", "f32") and 1 <= a.shape[0] <= MAX_ROWS)
+    arguments.require_c_contiguous("a", a)
+    m = a.shape[0]
+    output = arguments.OUTPUT_FORMATS.get(np.dtype(out.dtype))
+    arguments.require("out", out, f"[{m}, {n}] of float32 or uint16 (BF16 bits)",
+                      tuple(out.shape) == (m, n) and output in ("f32", "bf16"))
+    arguments.require_c_contiguous("out", out)
+    arguments.require("out", out, "memory apart from a's", not arguments.overlaps(a, out))
+    for name, x in (("a", a), ("w_bits", w_bits)):
+        arguments.require_load_alignment(name, x, kernel_name)
+    n_tiles = n // ROWS_PER_WARP
+    k_slices = default_k_slices(n_tiles, k // K_CHUNK) if k_slices is None else k_slices
+    if k_slices not in K_SLICES_CHOICES:
+        raise ValueError(f"k_slices: expected one of {K_SLICES_CHOICES}, got {k_slices!r}")
+    batch_tiles = batch_tiles_for(m)
+    depth = 2 if depth is None else depth  # twice the weight words of a code chunk: the ring of a depth-3 FP8 one
+    if depth not in DEPTH_CHOICES:
+        raise ValueError(f"depth: expected one of {DEPTH_CHOICES}, got {depth!r}")
+    kernel = gemv_mma_kernel(k_slices, activation, False, depth, batch_tiles, output, "bf16")
+    pdl.launch(kernel, (n_tiles,), (WARP_SIZE * k_slices,), stream,
+               a.view(np.uint32).reshape(-1), w_bits.view(np.uint32).reshape(-1), _no_scales(), out,
+               np.uint32(m), np.uint32(k), np.uint32(ROWS_PER_WARP), np.uint32(K_CHUNK))
     return out

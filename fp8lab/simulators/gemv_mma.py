@@ -42,7 +42,7 @@ import numpy as np
 
 from fp8lab.reference import blockwise
 
-from . import dense, gemm_mma
+from . import bit_placement, dense, gemm_mma, mma
 
 BATCH_TILE = 8
 """Activation rows per mma: the n8 operand."""
@@ -117,3 +117,45 @@ def gemv_mma_swiglu(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, *, k_slices:
     """``silu(x @ gate^T) * (x @ up^T)`` from the fused gate/up weight ``q[2 I, K]``, as
     ``fp8lab.numba_kernels.gemv_mma_swiglu`` computes it: ``dense.silu_mul`` of ``gemv_mma``, float32 ``[M, I]``."""
     return dense.silu_mul(gemv_mma(a, q, scale_inv, block, k_slices=k_slices))
+
+
+def gemv_mma_bf16(a, w_bits, *, k_slices: int = 4) -> np.ndarray:
+    """``a[M, K] @ W^T`` for BF16 weights (bit patterns ``w_bits [N, K]``, the lm_head) as
+    ``fp8lab.numba_kernels.gemv_mma.gemv_mma_bf16`` computes it: float32 ``[M, N]``.
+
+    The order of ``gemv_mma`` without bit placement or block scales: K permuted by ``k_order``; per warp's
+    slice of 128-wide chunks, per chunk ``c_part = 0`` and 8 mma steps, each ``c_part = fl32(c_part +
+    fl32(S))`` with ``S`` the exact float64 sum of the step's 16 products in fragment order
+    (``mma.k16_sum``), then ``c_fin = fl32(c_fin + c_part)``; the slices' results added in warp order.
+    ``a``: float32 values (rounded once to BF16) or BF16 bit patterns (uint16), ``1 <= M <= 16``; ``K % 128 == 0``.
+    """
+    if k_slices not in K_SLICES_CHOICES:
+        raise ValueError(f"k_slices: expected one of {K_SLICES_CHOICES}, got {k_slices!r}")
+    weights = np.asarray(w_bits)
+    if weights.ndim != 2 or weights.dtype not in (np.uint16, np.int16):
+        raise ValueError(f"w_bits: expected BF16 patterns [N, K] (uint16), got dtype {weights.dtype}, shape {weights.shape}")
+    n, k = weights.shape
+    if k == 0 or k % K_CHUNK:
+        raise ValueError(f"K: expected a positive multiple of {K_CHUNK}, got {k}")
+    a_bits = bit_placement.activation_bits(a, "bf16")
+    if a_bits.ndim != 2 or a_bits.shape[1] != k:
+        raise ValueError(f"a: expected [M, K] with K = {k}, got shape {a_bits.shape}")
+    check_rows("a", a_bits.shape[0])
+    order = k_order(k)
+    a_values = bit_placement.bits_to_float32(a_bits[:, order], "bf16").astype(np.float64)
+    w_values = bit_placement.bits_to_float32(weights.view(np.uint16)[:, order], "bf16").astype(np.float64)
+    total = None
+    for chunks in slice_chunks(k // K_CHUNK, k_slices):
+        c_fin = np.zeros((a_bits.shape[0], n), np.float32)
+        for chunk in chunks:
+            c_part = np.zeros_like(c_fin)
+            for step in range(K_CHUNK // mma.MMA_K):
+                ks = slice(chunk * K_CHUNK + step * mma.MMA_K, chunk * K_CHUNK + (step + 1) * mma.MMA_K)
+                products = a_values[:, None, ks] * w_values[None, :, ks]  # exact: 8-bit significands
+                sums = products[..., 0].copy()
+                for f in range(1, mma.MMA_K):  # float64, in fragment order, as mma.k16_sum
+                    sums += products[..., f]
+                c_part = c_part + sums.astype(np.float32)
+            c_fin = c_fin + c_part
+        total = c_fin if total is None else total + c_fin
+    return total

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
-from fp8lab.numba_kernels.gemv_mma import gemv_mma, gemv_mma_swiglu
+from fp8lab.numba_kernels.gemv_mma import gemv_mma, gemv_mma_bf16, gemv_mma_swiglu
 from fp8lab.reference import blockwise, e4m3
 from fp8lab.reference import strategies as fst
 from fp8lab.simulators import bit_placement
@@ -113,6 +113,39 @@ def test_bad_calls_raise_before_launching(change, message):
         gemv_mma(**args)
 
 
+# ---------------------------------------------------------------------------- BF16 weights (the lm_head)
+
+
+def bf16_weights(rng, n, k):
+    return bit_placement.float32_to_bf16_bits((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
+
+
+@pytest.mark.parametrize("m, n, k, k_slices, depth", [(3, 16, 640, 4, 2), (11, 32, 384, 2, 1), (16, 16, 256, 1, 3)])
+def test_bf16_weights_match_the_simulator_bit_for_bit(rng, m, n, k, k_slices, depth):
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    w = bf16_weights(rng, n, k)
+    out = np.full((m, n), np.nan, np.float32)
+    gemv_mma_bf16(a, w, out, k_slices=k_slices, depth=depth)
+    np.testing.assert_array_equal(bits(out), bits(model.gemv_mma_bf16(a, w, k_slices=k_slices)))
+    as_bf16 = np.full((m, n), 0x1234, np.uint16)
+    gemv_mma_bf16(bit_placement.float32_to_bf16_bits(a), w, as_bf16, k_slices=k_slices, depth=depth)
+    np.testing.assert_array_equal(as_bf16, bit_placement.float32_to_bf16_bits(out))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(w_bits=np.zeros((16, 128), np.uint8)), "^w_bits: expected BF16 patterns"),
+    (dict(w_bits=np.zeros((24, 128), np.uint16), out=np.zeros((2, 24), np.float32)), "^w_bits: gemv_mma_bf16 needs N"),
+    (dict(a=np.ones((17, 128), np.float32), out=np.zeros((17, 16), np.float32)), "^a: expected activations"),
+    (dict(out=np.zeros((2, 16), np.float16)), "^out: expected \\[2, 16\\] of float32 or uint16"),
+    (dict(depth=5), "^depth: expected one of"),
+])
+def test_bf16_weights_bad_calls_raise_before_launching(change, message):
+    args = dict(a=np.ones((2, 128), np.float32), w_bits=np.zeros((16, 128), np.uint16),
+                out=np.zeros((2, 16), np.float32)) | change
+    with pytest.raises(ValueError, match=message):
+        gemv_mma_bf16(**args)
+
+
 # ---------------------------------------------------------------------------- GPU
 
 
@@ -151,3 +184,23 @@ def test_gpu_bit_for_bit_the_simulator_where_sums_are_exact(rng, k_slices):
     out = cuda.to_device(np.full((m, n), np.nan, np.float32))
     gemv_mma(cuda.to_device(a), cuda.to_device(q), cuda.to_device(scales), out, k_slices=k_slices)
     np.testing.assert_array_equal(bits(out.copy_to_host()), bits(model.gemv_mma(a, q, scales, k_slices=k_slices)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_gpu_bf16_weights_at_the_lm_head_shape(rng, m):
+    """Qwen3-8B's lm_head rows (a slice of 8,192 of its 151,936) against the float64 product of the BF16 inputs,
+    within the tensor-core budget (the HMMA's own rounding of each 16-product sum, float32 partial sums)."""
+    from numba import cuda
+
+    n, k = 8192, 4096
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    w = bf16_weights(rng, n, k)
+    out = cuda.to_device(np.full((m, n), np.nan, np.float32))
+    gemv_mma_bf16(cuda.to_device(a), cuda.to_device(w), out)
+    got = out.copy_to_host().astype(np.float64)
+    a16 = bit_placement.bf16_bits_to_float32(bit_placement.float32_to_bf16_bits(a)).astype(np.float64)
+    w64 = bit_placement.bf16_bits_to_float32(w).astype(np.float64)
+    exact, magnitude = a16 @ w64.T, np.abs(a16) @ np.abs(w64).T
+    bound = (48 + k // 128 + 9) * 2.0**-24 * magnitude
+    assert np.all(np.isfinite(got)) and np.all(np.abs(got - exact) <= bound)

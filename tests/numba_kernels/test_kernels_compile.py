@@ -91,11 +91,13 @@ def variants():
              (8, "bf16", False, 2, 1, "f32"), (4, "bf16", False, 1, 1, "f32"), (4, "bf16", False, 4, 1, "f32"),
              (4, "f32", False, 2, 1, "f32"), (2, "bf16", True, 3, 1, "f32"), (2, "bf16", True, 3, 1, "bf16"),
              (4, "bf16", False, 2, 2, "f32"), (8, "bf16", False, 2, 2, "f32"), (2, "bf16", True, 2, 2, "bf16")]
+    cases = [case + ("e4m3",) for case in cases]
+    cases += [(2, "bf16", False, 2, 1, "f32", "bf16"), (2, "bf16", False, 2, 2, "f32", "bf16")]  # the lm_head form
     return [Variant(f"gemv_mma{'_swiglu' if swiglu else ''} k_slices={ks} {activation} depth={depth}"
-                    f" batch_tiles={tiles} out={output}",
-                    G.gemv_mma_kernel(ks, activation, swiglu, depth, tiles, output).py_func,
+                    f" batch_tiles={tiles} out={output} weights={weights}",
+                    G.gemv_mma_kernel(ks, activation, swiglu, depth, tiles, output, weights).py_func,
                     G.kernel_signature(output), lto=True, info={"k_slices": ks})
-            for ks, activation, swiglu, depth, tiles, output in cases]
+            for ks, activation, swiglu, depth, tiles, output, weights in cases]
 '''
 
 GEMV_SIMT = r'''

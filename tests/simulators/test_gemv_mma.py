@@ -98,3 +98,21 @@ def test_bad_arguments(change, message):
                 scale_inv=np.ones((1, 1), np.float32), block=(16, 128)) | change
     with pytest.raises(ValueError, match=message):
         model.gemv_mma(**args)
+
+
+@pytest.mark.parametrize("k_slices", [1, 4])
+def test_bf16_weights_exact_where_every_rounding_is_exact(rng, k_slices):
+    """BF16 weights (the lm_head form): small integers everywhere make every sum exact, so the model is the
+    oracle's product bit for bit; random data stays within the float32 bound."""
+    m, n, k = 5, 32, 640
+    a = rng.integers(-4, 5, (m, k)).astype(np.float32)
+    w = rng.integers(-4, 5, (n, k)).astype(np.float32)
+    got = model.gemv_mma_bf16(a, bit_placement.float32_to_bf16_bits(w), k_slices=k_slices)
+    np.testing.assert_array_equal(got, (a.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32))
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    w_bits = bit_placement.float32_to_bf16_bits(rng.standard_normal((n, k)).astype(np.float32))
+    got = model.gemv_mma_bf16(a, w_bits, k_slices=k_slices).astype(np.float64)
+    a16 = bit_placement.bf16_bits_to_float32(bit_placement.float32_to_bf16_bits(a)).astype(np.float64)
+    w64 = bit_placement.bf16_bits_to_float32(w_bits).astype(np.float64)
+    bound = (k // 16 + k // 128 + k_slices) * 2.0**-24 * (np.abs(a16) @ np.abs(w64).T)
+    assert np.all(np.abs(got - a16 @ w64.T) <= bound)
