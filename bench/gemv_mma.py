@@ -11,7 +11,7 @@ float32 and BF16 input forms of ``gemv_mma`` must agree bit for bit. Times: CUDA
 (PDL edges, as the engine's graph), rotating among weight copies of at least 256 MB in all so the weights come
 from HBM. Prints a markdown table; ``--out`` writes it to a file too.
 
-    python bench/gemv_mma.py [--out results.md] [--rows 1,2,4,8,16] [--sweep-rows 16]   # on a GPU
+    python bench/gemv_mma.py [--out results.md] [--rows 1,2,4,8,16] [--sweep-rows 16] [--gemvs gate/up,down]  # on a GPU
 """
 
 import argparse
@@ -107,6 +107,7 @@ def main():
     parser.add_argument("--shapes", default="qwen3-8b,qwen3-0.6b")
     parser.add_argument("--rows", default="1,2,4,8,16", help="the M of the first table")
     parser.add_argument("--sweep-rows", default="16", help="the M at which every (k_slices, depth) is timed")
+    parser.add_argument("--gemvs", default="q/k/v,o,gate/up,down", help="which of each shape's GEMVs to run")
     args = parser.parse_args()
     rows = [int(m) for m in args.rows.split(",")]
     sweep_rows = {int(m) for m in args.sweep_rows.split(",")}
@@ -119,6 +120,8 @@ def main():
     for shape in args.shapes.split(","):
         big = shape == "qwen3-8b"
         for gemv, n, k in SHAPES[shape]:
+            if gemv not in args.gemvs.split(","):
+                continue
             codes, scales = random_weight(rng, n, k)
             count = max(2, -(-256 * 2**20 // (n * k)))
             copies = [cuda.to_device(codes)] + [cuda.to_device(rng.permutation(codes, axis=0)) for _ in range(count - 1)]

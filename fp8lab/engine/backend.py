@@ -13,6 +13,8 @@ block)``                             + ``scale_inv`` + ``(BN, BK)``, or a float 
                                      whatever ``linear`` consumes
 ``linear(x, prepared)``              ``x[..., K] -> [..., N]``: ``x @ W^T`` with W8A16 numerics,
                                      ``W = decode(q) * scale_inv[n // BN, k // BK]``
+``lm_head(x, prepared)``             the logits ``x @ lm_head^T`` (a ``linear`` unless the backend
+                                     rounds the lm_head's input as its tensor cores do)
 ``embedding(table, ids)``            rows of the embedding table
 ``rms_norm(x, weight, eps)``         over the last axis: ``weight * x / sqrt(mean(x^2) + eps)``
 ``rope(x, positions, theta)``        NeoX-style rotary embedding of ``x[T, heads, head_dim]``
@@ -57,6 +59,10 @@ class Backend(ABC):
 
     @abstractmethod
     def linear(self, x: np.ndarray, prepared) -> np.ndarray: ...
+
+    def lm_head(self, x: np.ndarray, prepared) -> np.ndarray:
+        """The logits ``x @ lm_head^T`` of the final norm's rows ``x``: ``linear`` by default."""
+        return self.linear(x, prepared)
 
     @abstractmethod
     def embedding(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray: ...
@@ -119,8 +125,9 @@ class ReferenceBackend(Backend):
     - ``gemm_input``: ``"float32"`` (default) multiplies the FP8 weights by the float32
       activations as they are; ``"bf16"`` first rounds the activations of every FP8 linear to BF16
       (round to nearest even, NaN kept NaN), as ``fp8lab.engine.cuda`` does before its tensor-core
-      GEMM. Float weights (a BF16 checkpoint's projections, ``lm_head``) always take float32
-      activations, as the GPU model's ``bf16_linear`` does.
+      GEMM, and so does ``lm_head`` (the GPU model's tensor-core lm_head, ``gemv_mma_bf16``, reads
+      BF16 too). A BF16 checkpoint's projections always take float32 activations, as the GPU
+      model's ``bf16_linear`` does.
     - KV cache writes and attention: ``fp8lab.reference.kv_cache.write`` (FP8 quantization per token and
       kv head), ``fp8lab.reference.attention.paged_decode`` and ``fp8lab.reference.attention.prefill`` over the
       gathered, dequantized cache (both in float64).
@@ -161,6 +168,10 @@ class ReferenceBackend(Backend):
         if prepared.is_fp8 and self.gemm_input == "bf16":
             x = dense.round_to_bf16(x)
         return dense.linear(x, w)
+
+    def lm_head(self, x, prepared: PreparedLinear) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float32)
+        return self.linear(dense.round_to_bf16(x) if self.gemm_input == "bf16" else x, prepared)
 
     def embedding(self, table, ids) -> np.ndarray:
         return dense.embedding(table, ids)

@@ -67,7 +67,7 @@ def register(subparsers) -> None:
     p.add_argument("--kv-cache-dtype", choices=["fp8", "bf16", "fp32"], default=None,
                    help="KV cache format of a perplexity run (default fp8; --compare sets it per row)")
     p.add_argument("--gemm-input", choices=GEMM_INPUTS, default=None,
-                   help="format of the activations entering the FP8 GEMMs in a perplexity run (default float32; "
+                   help="format of the activations entering the FP8 GEMMs and the lm_head in a perplexity run (default float32; "
                    "--compare sets it per row)")
     p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                    help="backend of every row: reference (NumPy), cuda (the GPU kernels), " + SIMULATOR_HELP +

@@ -85,7 +85,7 @@ DEFAULT_TEXT = Path(__file__).parent / "data" / "demo_heldout.txt"
 @dataclass(frozen=True)
 class EvalConfig:
     """One numeric configuration of the engine: weight format, KV cache format, format of the
-    activations entering the FP8 GEMMs, backend."""
+    activations entering the FP8 GEMMs and the lm_head, backend."""
 
     weights: str = "fp8"
     kv_cache_dtype: str = "fp8"

@@ -254,7 +254,7 @@ class Qwen3Model(CausalLM):
             check_finite(h, f"layer {i}: the residual stream after the MLP")
         if not all_logits:
             h = h[batch.last_token_rows]
-        logits = b.linear(b.rms_norm(h, self.norm, eps), self.lm_head)
+        logits = b.lm_head(b.rms_norm(h, self.norm, eps), self.lm_head)
         check_finite(logits, "the output of the final norm and lm_head (the logits)")
         return logits
 

@@ -4,9 +4,9 @@ reference backend.
 In the CUDA simulator (``cudasim``), on a micro model (1 to 2 layers, hidden 128, GQA 2:1, head_dim
 64, FP8 blocks of 48 x 128 so that every fused weight is re-blocked and has partial edge blocks):
 every non-GEMM kernel runs for real (embedding, norms, RoPE, cache write, split-kv decode with a
-combine, prefill expansion, SwiGLU, the BF16 cast); the three GEMM kernels (``gemv_simt``,
-``fp8_gemm``, ``bf16_linear``) are replaced by bit-exact NumPy twins (``fp8lab.simulators.gemv_simt``,
-``fp8lab.simulators.gemm_mma`` and the order model of ``bf16_linear``), because the simulator spends 2 to 4
+combine, prefill expansion, SwiGLU, the BF16 cast); the GEMM kernels (``gemv_simt`` in its three forms,
+``fp8_gemm``, ``gemv_mma_swiglu``, ``bf16_linear`` and the tensor-core lm_head ``gemv_mma_bf16``) are replaced by
+bit-exact NumPy twins (``helpers.cuda_twins``: their simulators), because the simulator spends 2 to 4
 ms per simulated thread: one SIMT GEMV of 384 x 128 takes 15 s there, a micro-model forward minutes.
 The twins check their arguments with ``fp8lab.numba_kernels.arguments.check_gemm`` like the kernels.
 
@@ -23,7 +23,7 @@ Bounds (``rel`` = ``||got - ref|| / ||ref||`` over all compared logits; NaN neve
   3e-6 .. 1e-3 over 32 steps (BF16 and FP8 KV), argmax never changed. The micro model, measured in
   the simulator: 2e-7 (BF16 and FP8 KV, two seeds; no flip). Bounds: ``1e-4`` (micro, BF16 KV: room
   for a BF16 flip), ``1e-3`` (micro, FP8 KV: room for an E4M3 flip), ``5e-3`` (tiny, both).
-- **BF16 GEMM inputs** (prompts longer than ``f32_max_rows``): every activation entering an FP8 GEMM
+- **BF16 GEMM inputs** (more than ``f32_max_rows`` rows): every activation entering an FP8 GEMM or the lm_head
   is rounded to BF16 (relative error <= 2^-9): measured 2.2e-3 (BF16 KV) and 9.3e-3 (FP8 KV, flips)
   on the micro model, bound ``2^-6`` (BF16 KV); on the tiny model (CPU model of the rounding) 1.0 ..
   1.2% with BF16 KV, bound ``5e-2``; no token identity is claimed there.
@@ -48,6 +48,7 @@ from helpers.engine import (
 )
 
 import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from fp8lab.engine.backend import ReferenceBackend
 from fp8lab.engine.cuda import plan
 from fp8lab.engine.cuda.model import CudaQwen3Model, decode_buckets
 from fp8lab.engine.cuda.plan import decode_context_bound
@@ -66,25 +67,7 @@ TINY_F32_BOUND = 5e-3
 TINY_BF16_INPUT_BOUND = 5e-2
 
 
-# ---------------------------------------------------------------------------- GEMM twins for the simulator
-
-
-
-
-
-
-
-
-
-
-
-
-
 # ---------------------------------------------------------------------------- the micro model
-
-
-
-
 
 
 def run_greedy(model, prompts, steps: int, kv: str, num_blocks: int = 8, block_size: int = 4):
@@ -162,6 +145,27 @@ def test_one_sequence_through_two_layers_matches_the_reference(gemm_twins):
 
 
 @pytest.mark.cudasim
+def test_a_decode_batch_feeds_the_tensor_core_lm_head_bf16_from_the_final_norm(gemm_twins, monkeypatch):
+    """The default ``f32_max_rows`` (1) on a batch of three: the prefill's lm_head takes its 3 float32 last-token rows
+    (rounded to BF16 on load), each decode step's (bucket 4) the final norm's BF16 bits, on ``gemv_mma_bf16``; the
+    logits within the BF16-input bound of the reference that rounds every GEMM input, the lm_head's included
+    (``ReferenceBackend(gemm_input="bf16")``), the greedy tokens identical."""
+    config = micro_config()
+    tensors = micro_tensors(config)
+    model = CudaQwen3Model(config, tensors, max_num_tokens=8, max_num_seqs=4)
+    assert model.f32_max_rows == 1
+    lm_head_twin, inputs = plan.gemv_mma_bf16, []
+    monkeypatch.setattr(plan, "gemv_mma_bf16",
+                        lambda a, *args, **kwargs: inputs.append((a.shape[0], a.dtype)) or lm_head_twin(a, *args, **kwargs))
+    reference = Qwen3Model(config, tensors, ReferenceBackend(gemm_input="bf16"))
+    want_tokens, want, _ = run_greedy(reference, PROMPTS, 2, "bf16")
+    got_tokens, got, _ = run_greedy(model, PROMPTS, 2, "bf16")
+    assert got_tokens == want_tokens
+    assert 0 < rel_err(got, want) <= MICRO_BF16_INPUT_BOUND, rel_err(got, want)
+    assert inputs == [(3, np.float32), (4, np.uint16), (4, np.uint16)]
+
+
+@pytest.mark.cudasim
 @pytest.mark.parametrize("prompts, gemm", [(PROMPTS, "gemv_mma"), (PROMPTS + [list(range(9, 17)), [17, 18]], "gemm_mma")])
 def test_bf16_gemm_inputs_and_all_logits(gemm_twins, monkeypatch, prompts, gemm):
     """A prefill longer than ``f32_max_rows``: the norms, attention and SwiGLU write their GEMM's input as BF16 bits
@@ -172,8 +176,10 @@ def test_bf16_gemm_inputs_and_all_logits(gemm_twins, monkeypatch, prompts, gemm)
     tensors = micro_tensors(config, seed=5)
     reference = Qwen3Model(config, tensors)
     model = CudaQwen3Model(config, tensors, max_num_tokens=24, max_num_seqs=5, f32_max_rows=4)
-    swiglu_twin, calls = plan.gemv_mma_swiglu, []
+    swiglu_twin, lm_head_twin, calls, lm_head_rows = plan.gemv_mma_swiglu, plan.gemv_mma_bf16, [], []
     monkeypatch.setattr(plan, "gemv_mma_swiglu", lambda *args, **kwargs: calls.append(1) or swiglu_twin(*args, **kwargs))
+    monkeypatch.setattr(plan, "gemv_mma_bf16",
+                        lambda a, *args, **kwargs: lm_head_rows.append(a.shape[0]) or lm_head_twin(a, *args, **kwargs))
     monkeypatch.setattr(plan.layers, "bf16_round", None)  # a rounding launch would fail: the producers round
     logits = []
     for m in (reference, model):
@@ -187,6 +193,7 @@ def test_bf16_gemm_inputs_and_all_logits(gemm_twins, monkeypatch, prompts, gemm)
     assert got.shape == (rows, config.vocab_size)
     assert 1e-5 < rel_err(got, want) <= MICRO_BF16_INPUT_BOUND, rel_err(got, want)  # it did round to BF16
     assert len(calls) == (config.num_hidden_layers if gemm == "gemv_mma" else 0)  # which tensor-core kernel ran
+    assert lm_head_rows == [5] * (rows // 5)  # chunks of 5 rows on tensor cores; the last, of at most 4, not
 
 
 # ---------------------------------------------------------------------------- errors

@@ -242,12 +242,14 @@ def test_reference_backend_bf16_gemm_inputs():
     assert not np.array_equal(x_bf16, x)
     np.testing.assert_array_equal(bf16.linear(x, fp8), np.matmul(x_bf16, fp8.weight.T))
     np.testing.assert_array_equal(f32.linear(x, fp8), np.matmul(x, fp8.weight.T))
-    dense = bf16.prepare_linear(w)  # float weights (BF16 checkpoints, lm_head) keep float32 inputs
+    dense = bf16.prepare_linear(w)  # float weights (BF16 checkpoints) keep float32 inputs
     np.testing.assert_array_equal(bf16.linear(x, dense), np.matmul(x, w.T))
+    np.testing.assert_array_equal(bf16.lm_head(x, dense), np.matmul(x_bf16, w.T))  # except the lm_head's
+    np.testing.assert_array_equal(f32.lm_head(x, dense), np.matmul(x, w.T))
     x[1, 3] = np.nan
     x[2].view(np.uint32)[4] = 0x7FFFFFFF  # a NaN that a plain bit-trick rounding would carry into -0
-    out = bf16.linear(x, fp8)
-    assert np.isnan(out[1:3]).all() and np.isfinite(out[[0, 3, 4]]).all()
+    for out in (bf16.linear(x, fp8), bf16.lm_head(x, dense)):
+        assert np.isnan(out[1:3]).all() and np.isfinite(out[[0, 3, 4]]).all()
     with pytest.raises(ValueError, match="gemm_input"):
         ReferenceBackend(gemm_input="f16")
 

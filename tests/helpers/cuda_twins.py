@@ -2,7 +2,7 @@
 
 In Numba's CUDA simulator a simulated GEMM costs seconds; the GPU model's tests under the simulator
 swap its GEMM kernels (the SIMT GEMV plain, split-K and with SwiGLU, ``fp8_gemm``, ``gemv_mma_swiglu``, the BF16
-linear) for their
+linear and the tensor-core lm_head) for their
 simulators (``gemm_twins``), which compute the same float32 operations in the same order, so the rest
 of the forward (norms, RoPE, KV writes, attention, sampling) still runs as simulated kernels.
 """
@@ -84,6 +84,16 @@ def fp8_gemm_twin(a, q, scale_inv, out, block=(128, 128), path="auto", stream=0)
     return out
 
 
+def gemv_mma_bf16_twin(a, w_bits, out, k_slices=None, depth=None, stream=0):
+    """``fp8lab.numba_kernels.gemv_mma.gemv_mma_bf16`` (the tensor-core lm_head) as
+    ``fp8lab.simulators.gemv_mma.gemv_mma_bf16`` computes it (bit for bit, default k slices; float32 ``a`` is rounded
+    to BF16 on load)."""
+    a, w = np.asarray(a), np.asarray(w_bits)
+    assert tuple(out.shape) == (a.shape[0], w.shape[0]) and np.dtype(out.dtype) == np.float32 and 1 <= a.shape[0] <= 16
+    out[...] = sim_gemv_mma.gemv_mma_bf16(a, w, k_slices=default_k_slices(w.shape[0] // 16, w.shape[1] // 128))
+    return out
+
+
 def bf16_linear_twin(x, w_bits, out, rows_per_warp=None, stream=0):
     """``layers.bf16_linear`` as ``fp8lab.simulators.dense.bf16_linear`` computes it (bit for bit)."""
     assert tuple(out.shape) == (np.asarray(x).shape[0], np.asarray(w_bits).shape[0])
@@ -92,7 +102,7 @@ def bf16_linear_twin(x, w_bits, out, rows_per_warp=None, stream=0):
 
 
 def install_gemm_twins(monkeypatch) -> None:
-    """Swap the GPU model's five GEMM kernels for their twins (the ``gemm_twins`` fixture of conftest): in
+    """Swap the GPU model's seven GEMM kernels for their twins (the ``gemm_twins`` fixture of conftest): in
     ``fp8lab.engine.cuda.plan``, whose plans name the kernels every forward launches."""
     monkeypatch.setattr(plan, "gemv_simt", gemv_simt_twin)
     monkeypatch.setattr(plan, "gemv_simt_swiglu", gemv_simt_swiglu_twin)
@@ -100,6 +110,7 @@ def install_gemm_twins(monkeypatch) -> None:
     monkeypatch.setattr(plan, "fp8_gemm", fp8_gemm_twin)
     monkeypatch.setattr(plan, "gemv_mma_swiglu", gemv_mma_swiglu_twin)
     monkeypatch.setattr(plan, "bf16_linear", bf16_linear_twin)
+    monkeypatch.setattr(plan, "gemv_mma_bf16", gemv_mma_bf16_twin)
 
 
 def micro_config(layers: int = 1, **overrides):

@@ -16,8 +16,9 @@ prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the co
 ``gemv_mma``'s one ``gemv_mma_swiglu``; beyond, the GEMM then ``silu_mul``), down_proj. An FP8 GEMM of more than
 ``f32_max_rows`` rows reads BF16 activations, which the kernel before it (the norm, attention, SwiGLU) writes
 as BF16 bits itself (``Planner.gemm_input``): no rounding launch between them.
-Around the layers: the embedding, the final ``add_parts_rms_norm`` and the lm_head
-(``bf16_linear``); a decode step ends with the greedy argmax (``layers.argmax_rows``, one multi-CTA
+Around the layers: the embedding, the final ``add_parts_rms_norm`` and the lm_head (``bf16_linear`` on float32
+rows, at most ``f32_max_rows`` of them; beyond, ``gemv_mma_bf16`` on tensor cores, which a decode step's final
+norm feeds BF16 bits and a prefill's float32 rows it rounds on load: ``Planner.lm_head``); a decode step ends with the greedy argmax (``layers.argmax_rows``, one multi-CTA
 launch, for ``greedy_tokens``), which writes the ids where the next step's embedding reads its tokens.
 A decode step of batch 1 is 8 or 9 launches per layer plus 4, e.g. 9 * 36 + 4 = 328 for Qwen3-8B (8 splits at the benchmark's context). Every launch has a ``label`` (what it is in the forward), which
 ``bench/decode_profile.py`` uses to attribute kernel times.
@@ -63,7 +64,7 @@ import numpy as np
 from fp8lab.numba_kernels import layers, splitkv
 from fp8lab.numba_kernels.attention_input import qk_norm_rope_cache_write
 from fp8lab.numba_kernels.fp8_gemm import choose_path, fp8_gemm
-from fp8lab.numba_kernels.gemv_mma import gemv_mma_swiglu
+from fp8lab.numba_kernels.gemv_mma import gemv_mma_bf16, gemv_mma_swiglu
 from fp8lab.numba_kernels.gemv_simt import (
     gemv_simt,
     gemv_simt_split_k,
@@ -71,6 +72,7 @@ from fp8lab.numba_kernels.gemv_simt import (
 )
 from fp8lab.numba_kernels.layers import bf16_linear
 from fp8lab.numba_kernels.prefill import PrefillRows, paged_prefill
+from fp8lab.simulators.gemv_mma import K_CHUNK, MAX_ROWS, ROWS_PER_WARP
 from fp8lab.simulators.gemv_simt import K_SPLITS, choose_k_splits
 
 from ..config import Qwen3Config
@@ -193,6 +195,14 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
     )
 
 
+def tensor_core_lm_head(x, w_bits, out, stream=0):
+    """``out [M, N] = x [M, K] @ W^T`` for the BF16 lm_head ``w_bits``: ``gemv_mma_bf16`` on blocks of at most
+    ``MAX_ROWS`` (16) rows, one launch each (a row's bits do not depend on the other rows of its launch). ``x``: BF16
+    bits, or float32 that the kernel rounds to BF16 on load."""
+    for first in range(0, x.shape[0], MAX_ROWS):
+        gemv_mma_bf16(x[first : first + MAX_ROWS], w_bits, out[first : first + MAX_ROWS], stream=stream)
+
+
 def is_bf16(x) -> bool:
     """Whether activations ``x`` are BF16 bit patterns (uint16) rather than float32."""
     return np.dtype(x.dtype) == np.uint16
@@ -228,9 +238,10 @@ class Planner:
                                kv_format=layer_cache.kv_format),
                           kernels=1 + (splits > 1), label="attention")
 
+        final = self.lm_head_input(a.x[:bucket])  # the final norm writes what the lm_head reads
         return Plan((Launch(layers.embedding, (w.embed_tokens, index.token_ids[:bucket], a.h[:bucket]), label="embedding"),
-                     *self.decoder_layers(bucket, index.positions[:bucket], index.slots[:bucket], cache, attend),
-                     self.lm_head(a.x[:bucket], bucket),
+                     *self.decoder_layers(bucket, index.positions[:bucket], index.slots[:bucket], cache, attend, final),
+                     self.lm_head(final, bucket),
                      Launch(layers.argmax_rows, (a.logits[:bucket], index.token_ids[:bucket]),
                             dict(workspace=a.argmax_workspace), label="argmax")))
 
@@ -255,12 +266,31 @@ class Planner:
                      *self.decoder_layers(t, index.positions[:t], index.slots[:t], cache, attend)))
 
     def lm_head(self, x, rows: int) -> Launch:
-        """``logits[:rows] = x @ lm_head^T`` (``x``: ``rows`` final-norm rows on the device)."""
-        return Launch(bf16_linear, (x, self.weights.lm_head, self.activations.logits[:rows]), label="lm_head")
+        """``logits[:rows] = x @ lm_head^T`` (``x``: ``rows`` final-norm rows on the device, float32, or BF16 bits from
+        ``lm_head_input``): ``bf16_linear`` on float32 ``x`` of at most ``f32_max_rows`` rows, else the tensor cores
+        (``tensor_core_lm_head``) on ``x`` rounded to BF16, the rule of the FP8 GEMMs."""
+        logits = self.activations.logits[:rows]
+        if self.lm_head_on_tensor_cores(rows):
+            return Launch(tensor_core_lm_head, (x, self.weights.lm_head, logits), kernels=-(-rows // MAX_ROWS),
+                          label="lm_head")
+        return Launch(bf16_linear, (x, self.weights.lm_head, logits), label="lm_head")
 
-    def decoder_layers(self, t: int, positions, slots, cache: DeviceKVCache, attend: Attend) -> list[Launch]:
+    def lm_head_on_tensor_cores(self, rows: int) -> bool:
+        """Whether the lm_head of ``rows`` rows runs on tensor cores: more than ``f32_max_rows`` rows and a weight
+        ``gemv_mma_bf16`` takes (``N`` a multiple of 16, ``K`` of 128: every Qwen3's)."""
+        n, k = self.weights.lm_head.shape
+        return rows > self.f32_max_rows and n % ROWS_PER_WARP == 0 and k % K_CHUNK == 0
+
+    def lm_head_input(self, x):
+        """Where a decode step's final norm writes ``x [rows, hidden]``: ``x`` itself, or a BF16 view of the same shape
+        in ``activations.bf16`` when the lm_head reads BF16 (``lm_head_on_tensor_cores``), so that it reads half the
+        bytes and no rounding launch runs between them."""
+        m, k = x.shape
+        return self.activations.bf16[: m * k].reshape(m, k) if self.lm_head_on_tensor_cores(m) else x
+
+    def decoder_layers(self, t: int, positions, slots, cache: DeviceKVCache, attend: Attend, final=None) -> list[Launch]:
         """The decoder layers over ``t`` tokens whose embeddings are in ``h[:t]``, then the final norm of
-        the residual stream into ``x[:t]``."""
+        the residual stream into ``final`` (default ``x[:t]``, float32; a decode step's ``lm_head_input``)."""
         c, a, plan = self.config, self.activations, []
         eps = c.rms_norm_eps
         h, x, y = a.h[:t], a.x[:t], None  # y: the parts of the last residual block's output
@@ -289,7 +319,8 @@ class Planner:
             act_in = self.gemm_input(act, [layer.down_proj], a.act_bf16)  # SwiGLU writes down_proj's input
             self.gate_up_swiglu(layer.gate_up, x_in, gate_up, act_in, plan)
             y = self.residual_linear(layer.down_proj, act_in, "down_proj", plan)
-        plan.append(Launch(layers.add_parts_rms_norm, (y, h, self.weights.norm, eps, x), label="final norm"))
+        final = x if final is None else final
+        plan.append(Launch(layers.add_parts_rms_norm, (y, h, self.weights.norm, eps, final), label="final norm"))
         return plan
 
     def gemm_input(self, x, consumers: list[DeviceLinear], bf16_buffer=None):
