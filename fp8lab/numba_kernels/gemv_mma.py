@@ -37,7 +37,8 @@ How, per warp (lane ``(g, t)`` = ``(lane >> 2, lane & 3)``):
 - **A ring of ``depth`` chunks** (1 to 4; ``default_depth``): each warp keeps the codes, activations and block
   scales of its next ``depth`` chunks in registers and refills a slot right after that chunk's mma. A round of
   the loop is written out ``depth`` times (``gemv_simt.unrolled``) so every slot index is a constant. The ring
-  is what keeps bytes in flight; registers bound it (110 at depth 2, 146 at depth 3: 3 CTAs of 4 warps per SM).
+  is what keeps bytes in flight; registers bound it (78, 108 and 144 at depths 1 to 3 with one batch tile): the
+  default is the deepest ring at which the whole grid is resident at once (``default_depth``).
 - **The CTA's sum**: each warp puts its ``c_fin`` in shared memory; warp 0 adds them in warp order and stores
   ``out[8 b + 2 t, n]``, ``out[8 b + 2 t + 1, n]`` of batch tile ``b`` (the accumulator columns are the batch
   rows), or SwiGLU's ``silu(gate) * up`` with ``layers.silu_times``; a uint16 ``out`` gets them rounded to BF16
@@ -49,7 +50,8 @@ How, per warp (lane ``(g, t)`` = ``(lane >> 2, lane & 3)``):
 - **BF16 weights** (``gemv_mma_bf16``, for the lm_head): the same kernel with ``weights='bf16'``: a lane loads
   its 16 k of each row as two 128-bit loads of BF16 patterns, which are the A registers as they are (no bit
   placement), and there are no block scales (``c_fin += c_part``). Model: ``fp8lab.simulators.gemv_mma.gemv_mma_bf16``.
-  Not yet run on a GPU nor used by the engine (``bench/lm_head.py`` times it against ``layers.bf16_linear``).
+  The engine's lm_head for more than ``f32_max_rows`` rows; at the copy bandwidth at every M on an H200
+  (``bench/lm_head.py``: 299 us at 16 rows of Qwen3-8B's, against 1,488 for ``layers.bf16_linear``).
 
 Measured (``bench/gemv_mma.py`` and ``bench/engine.py``; numbers in ``bench/RESULTS.md``): at 2 to 8 rows with BF16
 inputs faster than the SIMT GEMV, at one row slower (the SIMT GEMV streams more bytes per register); at 8 rows of
@@ -89,6 +91,7 @@ from .gemv_simt import unrolled
 from .layers import silu_times
 from .mathops import f32_to_bf16_bits_rne
 from .mma import mma_bf16_inline as mma_bf16
+from .splitkv import device_num_sms
 from .warp import WARP_SIZE, load_u32x4
 
 SPANS_PER_CHUNK = 2
@@ -116,11 +119,34 @@ def default_k_slices(n_tiles: int, num_chunks: int) -> int:
     return K_SLICES_CHOICES[-1]
 
 
-def default_depth(activation: str, k_slices: int, batch_tiles: int = 1) -> int:
-    """Chunks in flight per warp: 3 for BF16 activations of one batch tile in CTAs of up to 4 warps (146 registers:
-    3 CTAs per SM), else 2 (110 registers with BF16, 168 with float32, which hold twice the words per chunk; two
-    batch tiles hold twice the activation words too)."""
-    return 3 if activation == "bf16" and k_slices <= 4 and batch_tiles == 1 else 2
+REGISTERS = {(False, 1): (78, 108, 144), (False, 2): (102, 144, 196), (True, 1): (78, 102, 140), (True, 2): (94, 144, 194)}
+"""Registers per thread of the BF16-activation kernels at ring depths 1, 2 and 3, by (SwiGLU, batch tiles): ptxas
+for sm_90 (``tests/numba_kernels/test_kernels_compile.py`` checks the variants it compiles against this table)."""
+SM_REGISTERS, SM_MAX_WARPS, SM_MAX_CTAS, REGISTER_UNIT = 65536, 64, 32, 256
+"""An sm_90 SM's register file, its most resident warps and CTAs, and the registers a warp is given at a time."""
+
+
+def resident_ctas(k_slices: int, registers: int) -> int:
+    """CTAs of ``k_slices`` warps that one SM holds at once when each thread uses ``registers`` registers (shared
+    memory, at most 8 KB a CTA here, never binds)."""
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    return min(SM_MAX_CTAS, SM_MAX_WARPS // k_slices, SM_REGISTERS // (per_warp * k_slices))
+
+
+def default_depth(activation: str, k_slices: int, batch_tiles: int, swiglu: bool, grid: int, sms: int) -> int:
+    """Chunks in flight per warp: the deepest ring (up to 3) at which all ``grid`` CTAs are resident at once on
+    ``sms`` SMs (one wave), else 1, the most warps at once. A deeper ring keeps more bytes in flight per warp but
+    costs registers, and once the grid needs a second wave the SMs idle through its tail. On an H200 (the sweeps
+    of ``bench/RESULTS.md``, ninth and eleventh sessions) this picks, at every Qwen3 shape and row count measured,
+    the fastest of the depths measured at the default ``k_slices`` or one within 5% of it: e.g. Qwen3-8B gate/up at
+    4 and 8 rows, depth 1, 33.7 us, against 43.9 at depth 3, the rule before. Float32 activations: 2 (twice the
+    activation words per chunk: 168 registers at depth 2)."""
+    if activation != "bf16":
+        return 2
+    for depth in (3, 2):
+        if resident_ctas(k_slices, REGISTERS[swiglu, batch_tiles][depth - 1]) * sms >= grid:
+            return depth
+    return 1
 
 
 def batch_tiles_for(m: int) -> int:
@@ -397,7 +423,8 @@ def _launch(problem: arguments.GemmProblem, k_slices, depth, stream, swiglu: boo
     if k_slices not in K_SLICES_CHOICES:
         raise ValueError(f"k_slices: expected one of {K_SLICES_CHOICES}, got {k_slices!r}")
     batch_tiles = batch_tiles_for(problem.m)
-    depth = default_depth(problem.activation, k_slices, batch_tiles) if depth is None else depth
+    if depth is None:
+        depth = default_depth(problem.activation, k_slices, batch_tiles, swiglu, n_tiles, device_num_sms())
     if depth not in DEPTH_CHOICES:
         raise ValueError(f"depth: expected one of {DEPTH_CHOICES}, got {depth!r}")
     kernel = gemv_mma_kernel(k_slices, problem.activation, swiglu, depth, batch_tiles, problem.output)

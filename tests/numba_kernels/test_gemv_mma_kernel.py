@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 
 import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
-from fp8lab.numba_kernels.gemv_mma import gemv_mma, gemv_mma_bf16, gemv_mma_swiglu
+from fp8lab.numba_kernels.gemv_mma import (
+    default_depth,
+    default_k_slices,
+    gemv_mma,
+    gemv_mma_bf16,
+    gemv_mma_swiglu,
+    resident_ctas,
+)
 from fp8lab.reference import blockwise, e4m3
 from fp8lab.reference import strategies as fst
 from fp8lab.simulators import bit_placement
@@ -111,6 +118,22 @@ def test_bad_calls_raise_before_launching(change, message):
                 out=np.zeros((2, 16), np.float32), block=(128, 128)) | change
     with pytest.raises(ValueError, match=message):
         gemv_mma(**args)
+
+
+
+@pytest.mark.parametrize("n, k, swiglu, depths", [
+    # (depth at up to 8 rows, at 9 to 16 rows) on 132 SMs, the fastest measured on an H200 (bench/RESULTS.md)
+    (6144, 4096, False, (3, 2)),   # Qwen3-8B q/k/v: 384 CTAs of 4 warps, 3 per SM at 144 registers
+    (4096, 4096, False, (2, 1)),   # 8B o: 256 CTAs of 8 warps; two batch tiles need 102 registers to fit 2 per SM
+    (24576, 4096, True, (1, 1)),   # 8B gate/up: 1,536 CTAs of 2 warps fit once at depth 1 (12 per SM), never at 16 rows
+    (1024, 3072, False, (3, 3)),   # Qwen3-0.6B down: 64 CTAs, one wave at any depth
+])
+def test_the_default_depth_is_the_deepest_ring_whose_grid_fits_one_wave(n, k, swiglu, depths):
+    n_tiles = n // 16
+    k_slices = default_k_slices(n_tiles, k // 128)
+    assert tuple(default_depth("bf16", k_slices, tiles, swiglu, n_tiles, 132) for tiles in (1, 2)) == depths
+    assert default_depth("f32", k_slices, 1, swiglu, n_tiles, 132) == 2
+    assert resident_ctas(2, 78) == 12 and resident_ctas(8, 144) == 1 and resident_ctas(1, 32) == 32  # the CTA cap
 
 
 # ---------------------------------------------------------------------------- BF16 weights (the lm_head)

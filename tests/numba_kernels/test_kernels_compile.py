@@ -20,6 +20,8 @@ from helpers.ptx import (
     run_compiled,
 )
 
+from fp8lab.numba_kernels.gemv_mma import REGISTERS
+
 # ---------------------------------------------------------------------------- the variant sets (run with the simulator off)
 
 TOOLKIT = r'''
@@ -90,13 +92,15 @@ def variants():
     cases = [(1, "bf16", False, 3, 1, "f32"), (2, "bf16", False, 3, 1, "f32"), (4, "bf16", False, 3, 1, "f32"),
              (8, "bf16", False, 2, 1, "f32"), (4, "bf16", False, 1, 1, "f32"), (4, "bf16", False, 4, 1, "f32"),
              (4, "f32", False, 2, 1, "f32"), (2, "bf16", True, 3, 1, "f32"), (2, "bf16", True, 3, 1, "bf16"),
-             (4, "bf16", False, 2, 2, "f32"), (8, "bf16", False, 2, 2, "f32"), (2, "bf16", True, 2, 2, "bf16")]
+             (4, "bf16", False, 2, 2, "f32"), (8, "bf16", False, 2, 2, "f32"), (2, "bf16", True, 2, 2, "bf16"),
+             (2, "bf16", True, 1, 1, "bf16"), (8, "bf16", False, 1, 2, "f32")]  # default_depth's 1 (8B gate/up, o, down)
     cases = [case + ("e4m3",) for case in cases]
     cases += [(2, "bf16", False, 2, 1, "f32", "bf16"), (2, "bf16", False, 2, 2, "f32", "bf16")]  # the lm_head form
     return [Variant(f"gemv_mma{'_swiglu' if swiglu else ''} k_slices={ks} {activation} depth={depth}"
                     f" batch_tiles={tiles} out={output} weights={weights}",
                     G.gemv_mma_kernel(ks, activation, swiglu, depth, tiles, output, weights).py_func,
-                    G.kernel_signature(output), lto=True, info={"k_slices": ks})
+                    G.kernel_signature(output), lto=True,
+                    info={"k_slices": ks, "ring": [activation, weights, swiglu, tiles, depth]})
             for ks, activation, swiglu, depth, tiles, output, weights in cases]
 '''
 
@@ -277,6 +281,10 @@ def test_gemv_mma_kernels_compile_to_sm90_ptx(compiled):
         check_pdl_rules(c.ptx, weights_before_wait=True)  # the first chunk's codes load before the wait
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in c.resources, c.resources
         print(c.name, registers(c.resources))
+        activation, weights, swiglu, tiles, depth = c.info["ring"]
+        if activation == "bf16" and weights == "e4m3" and depth <= 3:  # the registers default_depth counts on
+            used = int(re.search(r"Used (\d+) registers", c.resources).group(1))
+            assert used == REGISTERS[bool(swiglu), tiles][depth - 1], (c.name, used)
 
     each_variant(compiled["gemv_mma"], check)
 
