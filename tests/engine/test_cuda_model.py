@@ -311,6 +311,24 @@ def test_a_decode_plan_is_made_for_its_context_bound_not_the_cache():
     assert [(a.options["num_splits"], a.options["max_seq_len"]) for a in attention] == [(expected, bound)]
 
 
+@pytest.mark.parametrize("vocab, tensor_cores", [(272, True), (264, False)])
+def test_the_lm_head_takes_the_tensor_cores_past_f32_max_rows_where_its_shape_allows(vocab, tensor_cores):
+    """``Planner.lm_head``: float32 ``bf16_linear`` up to ``f32_max_rows`` rows; beyond, ``tensor_core_lm_head`` (one
+    ``gemv_mma_bf16`` launch per 16 rows) when the vocabulary is a multiple of 16, else ``bf16_linear`` still; a decode
+    step's final norm writes BF16 exactly when the lm_head reads it."""
+    config = micro_config(vocab_size=vocab)
+    model = CudaQwen3Model(config, micro_tensors(config), max_num_tokens=40, max_num_seqs=40, f32_max_rows=2)
+    planner, x = model.planner, model.activations.x
+    assert planner.lm_head(x[:2], 2).kernel is plan.bf16_linear
+    wide = planner.lm_head(x[:33], 33)
+    assert wide.kernel is (plan.tensor_core_lm_head if tensor_cores else plan.bf16_linear)
+    assert wide.kernels == (3 if tensor_cores else 1)  # 16 + 16 + 1 rows
+    assert (planner.lm_head_input(x[:4]).dtype == np.uint16) == tensor_cores
+    cache = model.allocate_kv_cache(8, 4, "fp8")
+    final_norm = next(launch for launch in planner.decode(4, cache, 8).launches if launch.label == "final norm")
+    assert (final_norm.args[-1].dtype == np.uint16) == tensor_cores
+
+
 def test_backend_selection_without_a_gpu():
     if SIMULATOR is False:
         pytest.skip("this process drives a GPU")
