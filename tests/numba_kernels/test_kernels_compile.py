@@ -95,7 +95,8 @@ def variants():
              (4, "bf16", False, 2, 2, "f32"), (8, "bf16", False, 2, 2, "f32"), (2, "bf16", True, 2, 2, "bf16"),
              (2, "bf16", True, 1, 1, "bf16"), (8, "bf16", False, 1, 2, "f32")]  # default_depth's 1 (8B gate/up, o, down)
     cases = [case + ("e4m3",) for case in cases]
-    cases += [(2, "bf16", False, 2, 1, "f32", "bf16"), (2, "bf16", False, 2, 2, "f32", "bf16")]  # the lm_head form
+    cases += [(2, "bf16", False, 2, 1, "f32", "bf16"), (2, "bf16", False, 2, 2, "f32", "bf16"),  # the lm_head form,
+              (2, "f32", False, 2, 2, "f32", "bf16")]  # and on a prefill's float32 rows (250 registers, no spill)
     return [Variant(f"gemv_mma{'_swiglu' if swiglu else ''} k_slices={ks} {activation} depth={depth}"
                     f" batch_tiles={tiles} out={output} weights={weights}",
                     G.gemv_mma_kernel(ks, activation, swiglu, depth, tiles, output, weights).py_func,
