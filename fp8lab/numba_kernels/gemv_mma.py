@@ -416,17 +416,20 @@ def _check(a, q, scale_inv, out, block, swiglu: bool) -> arguments.GemmProblem:
     return problem
 
 
+def _knob(name: str, value, choices: tuple, default):
+    """A launch knob: ``value``, or ``default()`` when it is None; ``ValueError`` naming it when not in ``choices``."""
+    value = default() if value is None else value
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+    return value
+
+
 def _launch(problem: arguments.GemmProblem, k_slices, depth, stream, swiglu: bool) -> None:
     n_tiles = problem.n // ROWS_PER_WARP
-    num_chunks = problem.k // K_CHUNK
-    k_slices = default_k_slices(n_tiles, num_chunks) if k_slices is None else k_slices
-    if k_slices not in K_SLICES_CHOICES:
-        raise ValueError(f"k_slices: expected one of {K_SLICES_CHOICES}, got {k_slices!r}")
+    k_slices = _knob("k_slices", k_slices, K_SLICES_CHOICES, lambda: default_k_slices(n_tiles, problem.k // K_CHUNK))
     batch_tiles = batch_tiles_for(problem.m)
-    if depth is None:
-        depth = default_depth(problem.activation, k_slices, batch_tiles, swiglu, n_tiles, device_num_sms())
-    if depth not in DEPTH_CHOICES:
-        raise ValueError(f"depth: expected one of {DEPTH_CHOICES}, got {depth!r}")
+    depth = _knob("depth", depth, DEPTH_CHOICES, lambda: default_depth(problem.activation, k_slices, batch_tiles,
+                                                                        swiglu, n_tiles, device_num_sms()))
     kernel = gemv_mma_kernel(k_slices, problem.activation, swiglu, depth, batch_tiles, problem.output)
     bn, bk = problem.block
     pdl.launch(kernel, (n_tiles,), (WARP_SIZE * k_slices,), stream,
@@ -505,14 +508,10 @@ def gemv_mma_bf16(a, w_bits, out, k_slices=None, depth=None, stream=0):
     for name, x in (("a", a), ("w_bits", w_bits)):
         arguments.require_load_alignment(name, x, kernel_name)
     n_tiles = n // ROWS_PER_WARP
-    k_slices = default_k_slices(n_tiles, k // K_CHUNK) if k_slices is None else k_slices
-    if k_slices not in K_SLICES_CHOICES:
-        raise ValueError(f"k_slices: expected one of {K_SLICES_CHOICES}, got {k_slices!r}")
-    batch_tiles = batch_tiles_for(m)
-    depth = 2 if depth is None else depth  # twice the weight words of a code chunk: the ring of a depth-3 FP8 one
-    if depth not in DEPTH_CHOICES:
-        raise ValueError(f"depth: expected one of {DEPTH_CHOICES}, got {depth!r}")
-    kernel = gemv_mma_kernel(k_slices, activation, False, depth, batch_tiles, output, "bf16")
+    k_slices = _knob("k_slices", k_slices, K_SLICES_CHOICES, lambda: default_k_slices(n_tiles, k // K_CHUNK))
+    # depth 2: twice the weight words of a code chunk, the ring of a depth-3 FP8 one (at the copy bandwidth already)
+    depth = _knob("depth", depth, DEPTH_CHOICES, lambda: 2)
+    kernel = gemv_mma_kernel(k_slices, activation, False, depth, batch_tiles_for(m), output, "bf16")
     pdl.launch(kernel, (n_tiles,), (WARP_SIZE * k_slices,), stream,
                a.view(np.uint32).reshape(-1), w_bits.view(np.uint32).reshape(-1), _no_scales(), out,
                np.uint32(m), np.uint32(k), np.uint32(ROWS_PER_WARP), np.uint32(K_CHUNK))
