@@ -11,6 +11,8 @@ without conversion. On a GPU these are LLVM ``bitcast`` intrinsics (free: no ins
 - ``bf16_bits_to_f32(h)``: a BF16 pattern (low 16 bits of ``h``) as float32 (exact);
 - ``f16_bits_to_f32(h)``: an F16 pattern (low 16 bits of ``h``) as float32 (exact);
 - ``f32_to_bf16_bits(x)``: float32 to BF16 bits, round to nearest even (finite inputs);
+- ``f32_to_f16_bits(x)``: float32 to F16 bits, round to nearest even, overflow to inf, NaN to NaN
+  (``cvt.rn.f16.f32`` through libdevice; in the simulator NumPy's float16 cast, which rounds the same way);
 - ``e4m3x2_to_f16x2(pair)``: the two E4M3 codes in the low 16 bits of ``pair`` (code 0 in the low
   byte) as two F16 patterns (code 0 in the low half), exact, NaN codes to NaN: the hardware
   conversion ``cvt.rn.f16x2.e4m3x2`` (sm_89 and later: one instruction for two codes) as inline
@@ -35,6 +37,10 @@ if SIMULATOR:
 
     def f16_bits_to_f32(h):
         return np.float32(np.uint16(int(h) & 0xFFFF).view(np.float16))
+
+    def f32_to_f16_bits(x):
+        with np.errstate(over="ignore"):
+            return np.uint32(np.float32(x).astype(np.float16).view(np.uint16))
 
     def e4m3x2_to_f16x2(pair):
         from fp8lab.reference.e4m3 import decode
@@ -75,6 +81,10 @@ else:
     def f16_bits_to_f32(h):
         # libdevice's __nv_half2float: one cvt.f32.f16, exact for every F16 value
         return libdevice.half2float(types.int16(h & 0xFFFF))
+
+    @cuda.jit(device=True, inline=True)
+    def f32_to_f16_bits(x):
+        return types.uint32(libdevice.float2half_rn(x)) & types.uint32(0xFFFF)
 
     @intrinsic
     def _cvt_e4m3x2_f16x2(typingctx, pair):

@@ -10,7 +10,7 @@ call it together (it is ``mma.sync``). Registers hold two 16-bit values each, lo
 low half, laid out as the PTX ISA's fragments (``fp8lab.simulators.mma.A_COORDS`` etc.).
 
 - On a GPU: CUDA C++ with inline PTX (``mma_m16n8k16.cu``), linked through ``cuda.declare_device``; and
-  ``mma_bf16_inline``, the same instruction as LLVM inline assembly in the calling kernel (``gemv_mma``'s many
+  ``mma_bf16_inline`` and ``mma_f16_inline``, the same instructions as LLVM inline assembly in the calling kernel (``gemv_mma``'s many
   call sites: link-time optimization stopped inlining the linked helper there). Its operands must be uint32
   and float32 already (the intrinsic does not convert).
 - In the CUDA simulator: a warp-collective twin; the 32 lanes pool their registers and each takes
@@ -52,6 +52,7 @@ if SIMULATOR:
         return _mma_twin("f16", (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
 
     mma_bf16_inline = mma_bf16
+    mma_f16_inline = mma_f16
 
 else:
     from llvmlite import ir
@@ -60,18 +61,26 @@ else:
     mma_bf16 = cuda.declare_device("mma_m16n8k16_bf16", _SIGNATURE, link=str(SOURCE))
     mma_f16 = cuda.declare_device("mma_m16n8k16_f16", _SIGNATURE, link=str(SOURCE))
 
-    @intrinsic
-    def mma_bf16_inline(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """``mma_bf16`` as inline PTX in the calling kernel (LLVM inline assembly): no linked helper, so nothing
-        depends on link-time optimization inlining it, which it stops doing in kernels with many call sites."""
-        def codegen(context, builder, signature, args):
-            f32, i32 = ir.FloatType(), ir.IntType(32)
-            function = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
-            asm = ir.InlineAsm(function, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                               "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            result = builder.call(asm, list(args))
-            values = [builder.extract_value(result, i) for i in range(4)]
-            return context.make_tuple(builder, signature.return_type, values)
+    def _inline_mma(fmt: str):
+        """The ``mma`` of ``fmt`` ("bf16" or "f16") as inline PTX in the calling kernel (LLVM inline assembly)."""
+        @intrinsic
+        def mma_inline(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            def codegen(context, builder, signature, args):
+                f32, i32 = ir.FloatType(), ir.IntType(32)
+                function = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+                asm = ir.InlineAsm(function, f"mma.sync.aligned.m16n8k16.row.col.f32.{fmt}.{fmt}.f32 "
+                                   "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                                   "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                result = builder.call(asm, list(args))
+                values = [builder.extract_value(result, i) for i in range(4)]
+                return context.make_tuple(builder, signature.return_type, values)
 
-        return types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4)), codegen
+            return types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4)), codegen
+
+        return mma_inline
+
+    mma_bf16_inline = _inline_mma("bf16")
+    """``mma_bf16`` as inline PTX in the calling kernel: no linked helper, so nothing depends on link-time
+    optimization inlining it, which it stops doing in kernels with many call sites."""
+    mma_f16_inline = _inline_mma("f16")
+    """``mma_f16`` likewise."""

@@ -1,5 +1,6 @@
 """Shared by the split-kv and prefill tests: the simulator's error bound, ALiBi slopes, filled paged caches,
-BF16 rounding of an output, prefill as decode rows and its reference.
+BF16 rounding of an output, prefill as decode rows and its reference; random paged FP8 batches and the error
+bound of the tensor-core decode attention (``paged_fp8``, ``assert_within_mma_bound``).
 
 ``tolerance`` is the bound stated (and derived) in ``tests/simulators/test_splitkv.py``'s docstring.
 """
@@ -11,8 +12,10 @@ import math
 import ml_dtypes
 import numpy as np
 
-from fp8lab.reference import attention, kv_cache
+from fp8lab.reference import attention, e4m3, kv_cache
+from fp8lab.reference import strategies as fst
 from fp8lab.simulators import splitkv as sk
+from fp8lab.simulators import splitkv_mma
 from helpers.numerics import U, gamma
 
 EXP2_ULPS = 4
@@ -119,3 +122,43 @@ def reference_prefill(q, k_cache, v_cache, k_scale, v_scale, tables, context_len
         out.append(attention.prefill(q[start : start + n], k, v, softmax_scale))
         start += int(n)
     return np.concatenate(out)
+
+
+def paged_fp8(rng, lens, num_heads, num_kv_heads, head_dim, block_size, spare_blocks=1):
+    """A paged FP8 batch with permuted block tables (padded with -1) and NaN-poisoned unused slots."""
+    lens = np.asarray(lens, np.int32)
+    blocks = -(-lens // block_size)
+    num_blocks = int(blocks.sum()) + spare_blocks
+    pool = rng.permutation(num_blocks)
+    tables = np.full((len(lens), max(1, int(blocks.max(initial=0)))), -1, np.int32)
+    start = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = pool[start : start + n]
+        start += n
+    layout = fst.PagedKVLayout(num_heads, num_kv_heads, head_dim, block_size, num_blocks, tables, lens)
+    return layout.random_data(rng, fp8=True)
+
+
+def dense_tokens(data, seq):
+    """``(k_values, v_values, k_scale, v_scale)`` of one sequence's tokens: ``[kv, L, D]`` and ``[kv, L]``."""
+    block_size = data.k_cache.shape[2]
+    rows = [(data.block_tables[seq, i // block_size], i % block_size) for i in range(int(data.seq_lens[seq]))]
+    k = np.stack([e4m3.VALUES[data.k_cache[b, :, o]] for b, o in rows], axis=1)
+    v = np.stack([e4m3.VALUES[data.v_cache[b, :, o]] for b, o in rows], axis=1)
+    ks = np.stack([data.k_scale[b, :, o] for b, o in rows], axis=1)
+    vs = np.stack([data.v_scale[b, :, o] for b, o in rows], axis=1)
+    return k, v, ks, vs
+
+
+def assert_within_mma_bound(data, out):
+    """``out`` (the tensor-core decode attention) within ``fp8lab.simulators.splitkv_mma.error_bound`` of the float64 reference for every sequence (zeros for length 0); no NaN."""
+    assert not np.isnan(out).any()
+    ref = attention.paged_decode(data.q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens,
+                                 data.softmax_scale, data.k_scale, data.v_scale)
+    for seq, length in enumerate(data.seq_lens):
+        if length == 0:
+            assert (out[seq] == 0).all()
+            continue
+        bound = splitkv_mma.error_bound(data.q[seq], *dense_tokens(data, seq), data.softmax_scale)
+        err = np.abs(out[seq].astype(np.float64) - ref[seq])
+        assert (err <= bound).all(), f"sequence {seq}: error / bound up to {np.max(err / bound):.3g}"

@@ -141,11 +141,11 @@ def variants():
 '''
 
 KV_CACHE_AND_SPLITKV = r'''
-from fp8lab.numba_kernels import kv_cache, splitkv
+from fp8lab.numba_kernels import kv_cache, splitkv, splitkv_mma
 from helpers.ptx import Variant
 
 def variants():
-    return [Variant(*v) for v in kv_cache.kernel_variants() + splitkv.kernel_variants()]
+    return [Variant(*v) for v in kv_cache.kernel_variants() + splitkv.kernel_variants() + splitkv_mma.kernel_variants()]
 '''
 
 ATTENTION_INPUT = r'''
@@ -386,8 +386,10 @@ def test_fp8_weight_kernels_compile_to_sm90_ptx(compiled):
 def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
     """Every variant: 9 cache writes (input x cache format), 22 split kernels (3 cache formats x 4 head sizes
     with 4 heads per CTA, every format at 128 with 1 to 3 heads, FP8 at 128 with 4 heads and BF16 output),
-    the combine for float32 and BF16 output: no local memory, no float64, the expected load widths, 16-bit
-    stores for BF16 output; no spills where nvJitLink can run ptxas."""
+    the combine for float32 and BF16 output, 4 tensor-core split kernels (``splitkv_mma``: head_dim 128 with
+    2, 4 and 16 query heads per kv head, 256 with 8): no local memory, no float64, the expected load widths,
+    16-bit stores for BF16 output, the F16 ``mma`` and the E4M3 pair conversion in the tensor-core ones; no
+    spills where nvJitLink can run ptxas."""
     def check(c):
         name, ptx = c.name, c.ptx
         assert ".target sm_90" in ptx
@@ -397,6 +399,9 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
         if name.startswith("split"):
             assert "shfl.sync.bfly.b32" in ptx and "ex2.approx.f32" in ptx and "fma.rn.f32" in ptx
             assert re.search(r"ld\.global\.nc\.v4\.[uf]32\b", ptx)  # a lane reads its 16 elements in 128-bit loads
+        if name.startswith("split_mma"):
+            assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
+            assert "cvt.rn.f16.f32" in ptx  # the query and the weights rounded to F16
         if name.startswith("combine"):
             assert "ex2.approx.f32" in ptx and "div.rn.f32" in ptx
         if "out=bf16" in name:

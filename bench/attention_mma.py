@@ -1,0 +1,131 @@
+"""Decode attention over the FP8 cache: the tensor-core kernel (``splitkv_mma``) against the SIMT kernel (``splitkv``).
+
+    python bench/attention_mma.py [--cases small|all]
+
+For the Qwen3-8B heads (32 query, 8 kv) and the Qwen3-0.6B heads (16 query, 8 kv), head_dim 128, block size 16, one
+decode attention (split kernel, then the combine kernel where there are shards) per cell, timed by CUDA-graph
+replay (``timing.graph_time_us``); every sequence's blocks are drawn at random from a 600 MB pool of random K/V
+written by ``paged_cache_write``, a fresh draw per replayed launch, so K and V come from HBM. Columns: the SIMT
+kernel with its ``"auto"`` plan (what the engine ran before), the tensor-core kernel with its ``"auto"`` plan, and
+the tensor-core kernel at split counts 1 to 32 (the fastest, to check the rule). Before timing, each variant's
+output (NaN-poisoned first) must be finite and within 2e-2 of the SIMT output relative to the row's largest
+element (the tensor-core kernel's F16 query and weights; ``tests/numba_kernels/test_splitkv_mma_kernel.py`` checks
+it against the reference within its derived bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from attention_plan import BLOCK_SIZE, COPIES, HEAD_DIM, cache_pool  # noqa: E402
+
+HEAD_SHAPES = ((32, 8), (16, 8))
+CASES = {"small": ((1, 512), (4, 512), (8, 512), (16, 512), (1, 4096), (1, 16384)),
+         "all": ((1, 512), (4, 512), (8, 512), (16, 512), (1, 1024), (1, 4096), (1, 16384), (8, 2048), (16, 2048))}
+SPLITS = (1, 2, 4, 8, 16, 32)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", choices=sorted(CASES), default="small")
+    args = parser.parse_args(argv)
+    import torch
+    from numba import cuda
+    from timing import graph_time_us
+
+    from fp8lab.numba_kernels import splitkv, splitkv_mma
+    from fp8lab.numba_kernels.kv_cache import placeholder
+    from fp8lab.simulators import splitkv_mma as plan
+
+    sms = splitkv.device_num_sms()
+    rng = np.random.default_rng(0)
+    scale_log2 = np.float32(HEAD_DIM**-0.5 * splitkv.LOG2E)
+    for num_heads, num_kv_heads in HEAD_SHAPES:
+        num_blocks, k_words, v_words, k_scales, v_scales = cache_pool(num_kv_heads, torch, cuda)
+        group = num_heads // num_kv_heads
+        print(f"\n#### Decode attention, {num_heads} query / {num_kv_heads} kv heads, FP8 cache, us per call (splits)\n")
+        header = ["batch", "context", "SIMT (auto)", "tensor cores (auto)", "SIMT / tensor cores",
+                  *(f"tc, {s} splits" for s in SPLITS), "fastest tc"]
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for batch, context in CASES[args.cases]:
+            blocks = context // BLOCK_SIZE
+            tables = [cuda.to_device(rng.choice(num_blocks, batch * blocks, replace=False)
+                                     .astype(np.int32).reshape(batch, blocks)) for _ in range(COPIES)]
+            q = cuda.to_device(rng.standard_normal((batch, num_heads, HEAD_DIM)).astype(np.float32))
+            lens = cuda.to_device(np.full(batch, context, np.int32))
+            out = cuda.device_array((batch, num_heads, HEAD_DIM), np.float32)
+            workspace = splitkv.decode_workspace(batch, num_heads, HEAD_DIM, 64)
+            flat = workspace.reshape(workspace.size)
+
+            def combine(stream, splits):
+                if splits > 1:
+                    splitkv._combine_kernel[(batch, num_heads), HEAD_DIM, stream](flat, workspace.shape[2], splits, out)
+
+            def simt(splits, heads):
+                kernel = splitkv._split_kernel("fp8", HEAD_DIM, heads, None)
+
+                def launch(i, stream):
+                    kernel[(batch, num_heads // heads, splits), splitkv.THREADS_PER_CTA, stream](
+                        q, k_words, v_words, k_scales, v_scales, tables[i % COPIES], lens, placeholder(1), 0,
+                        scale_log2, num_kv_heads, BLOCK_SIZE, splits, workspace, out)
+                    combine(stream, splits)
+                return launch
+
+            def tensor_cores(splits):
+                kernel = splitkv_mma._split_kernel(HEAD_DIM, group, False)
+
+                def launch(i, stream):
+                    kernel[(batch, num_kv_heads, splits), 32, stream](
+                        q, k_words, v_words, k_scales, v_scales, tables[i % COPIES], lens, scale_log2, num_kv_heads,
+                        BLOCK_SIZE, splits, workspace, out)
+                    combine(stream, splits)
+                return launch
+
+            def checked(launch, reference=None):
+                out.copy_to_device(np.full(out.shape, np.nan, np.float32))
+                launch(0, 0)
+                cuda.synchronize()
+                got = out.copy_to_host()
+                if not np.all(np.isfinite(got)):
+                    raise RuntimeError(f"batch {batch}, context {context}: non-finite attention output")
+                if reference is not None:
+                    scale = np.abs(reference).max(axis=-1, keepdims=True)
+                    worst = float(np.max(np.abs(got - reference) / scale))
+                    if worst > 2e-2:
+                        raise RuntimeError(f"batch {batch}, context {context}: tensor cores differ from SIMT by {worst:.3g}")
+                return got
+
+            simt_splits = splitkv.choose_num_splits(batch, num_heads, num_kv_heads, context, sms, BLOCK_SIZE)
+            simt_launch = simt(simt_splits, splitkv.heads_per_cta(group, batch * context))
+            reference = checked(simt_launch)
+            simt_us = graph_time_us(simt_launch, reps=20, replays=9)
+            tc = {}
+            for splits in SPLITS:
+                if splits <= blocks:
+                    launch = tensor_cores(splits)
+                    checked(launch, reference)
+                    tc[splits] = graph_time_us(launch, reps=20, replays=9)
+            auto = plan.choose_num_splits(batch, num_kv_heads, context, sms)
+            if auto not in tc:
+                launch = tensor_cores(auto)
+                checked(launch, reference)
+                tc[auto] = graph_time_us(launch, reps=20, replays=9)
+            fastest = min(tc, key=tc.get)
+            row = [str(batch), str(context), f"{simt_us:.1f} ({simt_splits})", f"{tc[auto]:.1f} ({auto})",
+                   f"{simt_us / tc[auto]:.2f}", *(f"{tc[s]:.1f}" if s in tc else "" for s in SPLITS),
+                   f"{tc[fastest]:.1f} ({fastest})"]
+            print("| " + " | ".join(row) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""Split-kv paged decode attention over an FP8 cache on tensor cores (``mma.m16n8k16``, F16 in, float32 out).
+
+Computes ``fp8lab.reference.attention.paged_decode`` (FP8 cache, no ALiBi). Launch: ``split_kernel`` grid
+``(num_seqs, num_kv_heads, num_splits)`` x 32 threads (one warp), then, with more than one split, the combine
+kernel of ``fp8lab.numba_kernels.splitkv`` (grid ``(num_seqs, num_heads)`` x ``head_dim``), which reads the
+same workspace layout. Checked (``tests/numba_kernels/test_splitkv_mma_kernel.py``): bit for bit against
+``fp8lab.simulators.splitkv_mma`` in the CUDA simulator (whose ``mma`` twin is the model the simulator uses),
+against the oracle within ``fp8lab.simulators.splitkv_mma.error_bound`` on a GPU; sm_90 PTX in
+``tests/numba_kernels/test_kernels_compile.py``.
+
+Why: the SIMT kernel (``splitkv``) spends a lane's instructions on 16-element fma chains and butterflies per
+token and query head, and is bound by that chain, not by bytes (``bench/RESULTS.md``: at Qwen3-8B batch 16 its
+25 us per layer read 16 x 1.1 MB). Here one warp serves all ``G`` query heads of a kv head (the rows of an mma
+tile) and 16 tokens per step: ``D / 16 * 2`` mma for the scores, ``D / 8`` for ``P V``.
+
+The schedule is the simulator's (read ``fp8lab.simulators.splitkv_mma`` first); per lane ``L``, ``g = L >> 2``,
+``t = L & 3``, tile ``[tile0, tile0 + 16)`` (one KV block holds it: the block size is a multiple of 16):
+
+- **Keys**: the lane loads ``D / 4`` bytes, ``[(D/4) t, (D/4)(t+1))``, of tokens ``g`` and ``8 + g`` (the two
+  8-token n tiles): word ``s`` of them is k-step ``s``'s B registers, two ``cvt.rn.f16x2.e4m3x2`` away.
+- **Queries**: row ``g`` (and ``g + 8`` when ``G > 8``) of the A registers, the same elements, as F16 pairs of
+  ``q * scale_log2``, loaded once.
+- **Scores**: the lane's accumulator holds tokens ``2t, 2t + 1, 8 + 2t, 9 + 2t`` of rows ``g`` and ``g + 8``;
+  it loads those tokens' scales and V bytes ``[(D/8) g, (D/8)(g + 1))``.
+- **Softmax**: the row max over the tile is the lane's 4 values and two ``shfl_xor`` (the row's 4 lanes); the
+  weights ``p`` of the lane's tokens are, as F16 pairs, exactly the A registers of ``P V`` (no shuffle: the
+  accumulator's layout of the scores is the A layout of the weights).
+- **Values**: the B registers of ``P V`` are pairs of consecutive tokens at one head element, so the lane
+  gathers byte ``s`` of two token rows into one pair (shifts and masks) before the conversion; n tile ``s``
+  gives elements ``(D/8)(2t) + s`` and ``(D/8)(2t + 1) + s`` of the row: the lane ends with ``D / 4``
+  elements of row ``g``'s output.
+
+Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` uint8 E4M3 codes with float32 scales ``[num_blocks,
+num_kv_heads, block_size]``; ``head_dim`` 128; ``num_heads / num_kv_heads`` at most 16; ``block_size`` a
+multiple of 16 (``fp8lab.simulators.splitkv_mma.supports``). ``q`` float32; ``out`` float32 or uint16 (BF16 bits,
+rounded once as ``layers.bf16_round`` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, types, uint32, uint64
+
+from fp8lab.simulators.splitkv_mma import (
+    HEAD_DIMS,
+    MAX_GROUP,
+    TILE,
+    choose_num_splits,
+    supports,
+)
+
+from . import mathops, pdl
+from .bits import e4m3x2_to_f16x2, f32_as_u32, f32_to_f16_bits, u32_as_f32
+from .gemv_simt import unrolled
+from .kv_cache import on_device, placeholder
+from .mma import mma_f16_inline as mma_f16
+from .splitkv import (
+    _combine,
+    check_decode,
+    decode_workspace,
+    device_num_sms,
+    normalized,
+    output_store,
+)
+from .warp import FULL_MASK, WARP_SIZE, load_u32x4
+
+EXPONENT_BITS = uint32(0x7F800000)
+INVERSE_EXPONENT_BITS = uint32(254 << 23)
+ONE_BITS = uint32(0x3F800000)
+
+
+@cuda.jit(device=True, inline=True)
+def tile_shard_range(seq_len, shard, num_splits):
+    """Token range ``[start, end)`` of ``shard``: ``fp8lab.simulators.splitkv_mma.shard_bounds``, whole tiles."""
+    tiles = (seq_len + TILE - 1) // TILE
+    tokens_per_shard = (tiles + num_splits - 1) // num_splits * TILE
+    start = min(shard * tokens_per_shard, seq_len)
+    return start, min(start + tokens_per_shard, seq_len)
+
+
+@cuda.jit(device=True, inline=True)
+def query_pair(q, seq, head, d, scale_log2):
+    """F16 bits of ``q[seq, head, d] * scale_log2`` (low half) and of element ``d + 1`` (high half)."""
+    low = f32_to_f16_bits(q[seq, head, d] * scale_log2)
+    high = f32_to_f16_bits(q[seq, head, d + 1] * scale_log2)
+    return low | (high << uint32(16))
+
+
+@cuda.jit(device=True, inline=True)
+def byte_pair(first, second, shift):
+    """Byte ``shift / 8`` of ``first`` (low byte) and of ``second`` (high byte): two codes for one conversion."""
+    return ((first >> shift) & uint32(0xFF)) | (((second >> shift) & uint32(0xFF)) << uint32(8))
+
+
+@cuda.jit(device=True, inline=True)
+def power_of_two_below(vmax):
+    """``(pow, inv)``: ``2^floor(log2 vmax)`` and its inverse from the exponent bits (``(1, 1)`` where they are 0;
+    ``inv = 0`` from ``2^127`` on): ``fp8lab.simulators.splitkv_mma.power_of_two_below``."""
+    bits = f32_as_u32(vmax) & EXPONENT_BITS
+    if bits == uint32(0):
+        return float32(1), float32(1)
+    inverse = INVERSE_EXPONENT_BITS - bits if bits < INVERSE_EXPONENT_BITS else uint32(0)
+    return u32_as_f32(bits), u32_as_f32(uint32(inverse))
+
+
+@cuda.jit(device=True, inline=True)
+def row_max(x):
+    """The NaN-propagating max over the 4 lanes of an mma row group (``shfl_xor`` 1 and 2)."""
+    x = mathops.nan_max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
+    return mathops.nan_max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
+
+
+def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
+    """The Python source of the split kernel for one head size, query heads per kv head and output format.
+
+    Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, scale_log2, num_kv_heads,
+    block_size, num_splits, workspace, out``: the caches flat as uint32 words and their scales flat
+    (``splitkv.flat_cache``: row ``(block * num_kv_heads + kv_head) * block_size + offset``). Launch
+    ``[(num_seqs, num_kv_heads, num_splits), 32]``. ``out`` is written only when ``num_splits == 1``.
+    """
+    D, G = head_dim, group
+    STEPS = D // 16  # k-steps of the scores; the lane's key words per token
+    K_WORDS = D // 16
+    V_WORDS = D // 32  # the lane's value words per token
+    NTILES = D // 8  # n tiles of P V
+    ROW_WORDS = uint64(D // 4)
+    WIDE = G > 8  # rows g + 8 hold query heads too
+    ROWS = 2 if WIDE else 1  # accumulator rows g (and g + 8) a lane works on
+    QUERY_WORDS, ACC_SIZE = 4 * STEPS, 4 * NTILES  # local array sizes must be plain constants
+    KEY_WORDS, VALUE_WORDS = 2 * K_WORDS, 4 * V_WORDS
+    store = output_store(bf16_out)
+
+    @cuda.jit(device=True, inline=True)
+    def value_word(w, args):
+        """The 4 n tiles ``s = 4 w .. 4 w + 3`` of ``P V`` whose value bytes are in word ``w`` of the lane's tokens
+        (n tile ``s``: head elements ``(D/8) n + s`` of lane group ``n``), into ``acc[4 s : 4 s + 4]``."""
+        vw, pa0, pa1, pa2, pa3, corr, pow_, acc = args
+        for k in range(4):
+            s = 4 * w + k
+            shift = uint32(8 * k)
+            b0 = e4m3x2_to_f16x2(byte_pair(vw[w], vw[V_WORDS + w], shift))  # tokens 2t, 2t + 1
+            b1 = e4m3x2_to_f16x2(byte_pair(vw[2 * V_WORDS + w], vw[3 * V_WORDS + w], shift))  # 8 + 2t, 9 + 2t
+            o0, o1, o2, o3 = mma_f16(pa0, pa1, pa2, pa3, b0, b1, float32(0), float32(0), float32(0), float32(0))
+            acc[4 * s] = cuda.fma(acc[4 * s], corr[0], o0 * pow_)
+            acc[4 * s + 1] = cuda.fma(acc[4 * s + 1], corr[0], o1 * pow_)
+            if WIDE:
+                acc[4 * s + 2] = cuda.fma(acc[4 * s + 2], corr[1], o2 * pow_)
+                acc[4 * s + 3] = cuda.fma(acc[4 * s + 3], corr[1], o3 * pow_)
+
+    @cuda.jit(device=True, inline=True)
+    def output_word(w, args):
+        """Row ``r``'s elements of n tiles ``4 w .. 4 w + 3``, ``acc / l``, into ``out`` (one shard: no combine)."""
+        out, seq, head, t, r, l, acc = args
+        for k in range(4):
+            for e in range(2):
+                s = 4 * w + k
+                store(out, seq, head, (D // 8) * (2 * t + e) + s, normalized(acc[4 * s + 2 * r + e], l))
+
+    @cuda.jit(device=True, inline=True)
+    def partial_word(w, args):
+        """Row ``r``'s elements of n tiles ``4 w .. 4 w + 3``, not normalized, into the shard's workspace row."""
+        workspace, seq, head, shard, t, r, acc = args
+        for k in range(4):
+            for e in range(2):
+                s = 4 * w + k
+                workspace[seq, head, shard, (D // 8) * (2 * t + e) + s] = acc[4 * s + 2 * r + e]
+
+    @cuda.jit(device=True, inline=True)
+    def softmax_row(r, args):
+        """One tile's online-softmax step of row ``g + 8 r``: scores times ``k_scale`` (``-inf`` past the end), the
+        row max, ``corr``, ``p``, this lane's ``l``; the F16 weights ``p * (v_scale * inv)`` into ``weights[4 r ..]``."""
+        scores, k_scale, v_scale, valid, inv, m, lsum, corr, p, weights = args
+        tile_max = float32(-math.inf)
+        for u in range(4):
+            s_u = scores[4 * r + u] * k_scale[u] if valid[u] else float32(-math.inf)
+            scores[4 * r + u] = s_u
+            tile_max = mathops.nan_max(tile_max, s_u)
+        m_new = mathops.nan_max(m[r], row_max(tile_max))
+        corr[r] = float32(1) if m_new == m[r] else mathops.exp2(m[r] - m_new)
+        for u in range(4):
+            p[u] = mathops.exp2(scores[4 * r + u] - m_new) if valid[u] else float32(0)
+            weights[4 * r + u] = f32_to_f16_bits(p[u] * (v_scale[u] * inv))
+        lsum[r] = cuda.fma(lsum[r], corr[r], (p[0] + p[1]) + (p[2] + p[3]))
+        m[r] = m_new
+
+    @cuda.jit(device=True, inline=True)
+    def finish_row(r, args):
+        """Row ``g + 8 r``: ``l`` over its four lanes, ``(l_0 + l_1) + (l_2 + l_3)``; then ``out = acc / l`` (one
+        shard) or the shard's partial ``(acc, m, l)`` in the workspace."""
+        out, workspace, seq, head0, shard, num_splits, g, t, m, lsum, acc = args
+        l = lsum[r] + cuda.shfl_xor_sync(FULL_MASK, lsum[r], 1)
+        l += cuda.shfl_xor_sync(FULL_MASK, l, 2)
+        if g + 8 * r < G:
+            head = head0 + g + 8 * r
+            if num_splits == 1:
+                write_output((out, seq, head, t, r, l, acc))
+            else:
+                write_partial((workspace, seq, head, shard, t, r, acc))
+                if t == 0:
+                    workspace[seq, head, shard, D] = m[r]
+                    workspace[seq, head, shard, D + 1] = l
+
+    value_tiles = unrolled(value_word, V_WORDS)  # straight-line code: acc stays in registers
+    write_output = unrolled(output_word, V_WORDS)
+    write_partial = unrolled(partial_word, V_WORDS)
+    softmax_rows = unrolled(softmax_row, ROWS)
+    finish_rows = unrolled(finish_row, ROWS)
+
+    def split_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, scale_log2, num_kv_heads,
+                     block_size, num_splits, workspace, out):
+        pdl.prologue()  # the cache write and q come from the kernels before: wait for them
+        seq, kv, shard = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        lane = cuda.threadIdx.x
+        g, t = lane >> 2, lane & 3
+        head0 = kv * G
+        start, end = tile_shard_range(seq_lens[seq], shard, num_splits)
+
+        qa = cuda.local.array(QUERY_WORDS, uint32)  # the A registers of the scores, per k-step
+        for s in range(STEPS):
+            d = (D // 4) * t + 4 * s
+            qa[4 * s] = query_pair(q, seq, head0 + g, d, scale_log2) if g < G else uint32(0)
+            qa[4 * s + 2] = query_pair(q, seq, head0 + g, d + 2, scale_log2) if g < G else uint32(0)
+            if WIDE and g + 8 < G:
+                qa[4 * s + 1] = query_pair(q, seq, head0 + g + 8, d, scale_log2)
+                qa[4 * s + 3] = query_pair(q, seq, head0 + g + 8, d + 2, scale_log2)
+            else:
+                qa[4 * s + 1] = uint32(0)
+                qa[4 * s + 3] = uint32(0)
+
+        m = cuda.local.array(2, float32)  # rows g, g + 8
+        lsum = cuda.local.array(2, float32)  # this lane's share of l
+        corr = cuda.local.array(2, float32)
+        weights = cuda.local.array(8, uint32)  # F16 bits, [row r][u]
+        acc = cuda.local.array(ACC_SIZE, float32)  # [n tile][c0, c1, c2, c3]
+        for r in range(2):
+            m[r] = float32(-math.inf)
+            lsum[r] = float32(0)
+            corr[r] = float32(1)
+        for i in range(ACC_SIZE):
+            acc[i] = float32(0)
+        for i in range(8):
+            weights[i] = uint32(0)  # rows g + 8 stay 0 unless G > 8
+
+        kw = cuda.local.array(KEY_WORDS, uint32)  # keys of tokens g and 8 + g
+        vw = cuda.local.array(VALUE_WORDS, uint32)  # values of the lane's tokens u = 0..3
+        k_scale = cuda.local.array(4, float32)
+        v_scale = cuda.local.array(4, float32)
+        valid = cuda.local.array(4, types.int32)  # whether token u is in the shard
+        p = cuda.local.array(4, float32)
+        scores = cuda.local.array(8, float32)  # [row r][u]
+
+        table = block_tables[seq]
+        rows_per_block = num_kv_heads * block_size
+        tile0 = start
+        while tile0 < end:
+            row0 = uint64(table[tile0 // block_size] * rows_per_block + kv * block_size + tile0 % block_size)
+            for half in range(2):
+                if tile0 + 8 * half + g < end:
+                    first = (row0 + uint64(8 * half + g)) * ROW_WORDS + uint64(K_WORDS * t)
+                    for i in range(K_WORDS // 4):
+                        w0, w1, w2, w3 = load_u32x4(k_words, first + uint64(4 * i))
+                        kw[half * K_WORDS + 4 * i] = w0
+                        kw[half * K_WORDS + 4 * i + 1] = w1
+                        kw[half * K_WORDS + 4 * i + 2] = w2
+                        kw[half * K_WORDS + 4 * i + 3] = w3
+                else:
+                    for i in range(K_WORDS):
+                        kw[half * K_WORDS + i] = uint32(0)
+            for u in range(4):  # token j = 2t + (u & 1) + 8 (u >> 1)
+                j = 2 * t + (u & 1) + 8 * (u >> 1)
+                valid[u] = 1 if tile0 + j < end else 0
+                if valid[u]:
+                    row = row0 + uint64(j)
+                    first = row * ROW_WORDS + uint64(V_WORDS * g)
+                    for i in range(V_WORDS // 4):
+                        w0, w1, w2, w3 = load_u32x4(v_words, first + uint64(4 * i))
+                        vw[u * V_WORDS + 4 * i] = w0
+                        vw[u * V_WORDS + 4 * i + 1] = w1
+                        vw[u * V_WORDS + 4 * i + 2] = w2
+                        vw[u * V_WORDS + 4 * i + 3] = w3
+                    k_scale[u] = k_scales[row]
+                    v_scale[u] = v_scales[row]
+                else:
+                    for i in range(V_WORDS):
+                        vw[u * V_WORDS + i] = uint32(0)
+                    k_scale[u] = float32(1)
+                    v_scale[u] = float32(0)
+
+            # scores: two 8-token n tiles, D / 16 k-steps each
+            for half in range(2):
+                c0 = c1 = c2 = c3 = float32(0)
+                for s in range(STEPS):
+                    word = kw[half * K_WORDS + s]
+                    b0 = e4m3x2_to_f16x2(word & uint32(0xFFFF))
+                    b1 = e4m3x2_to_f16x2(word >> uint32(16))
+                    c0, c1, c2, c3 = mma_f16(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3], b0, b1,
+                                             c0, c1, c2, c3)
+                scores[2 * half] = c0
+                scores[2 * half + 1] = c1
+                scores[4 + 2 * half] = c2
+                scores[4 + 2 * half + 1] = c3
+
+            # the online softmax of each row, and the V scales relative to the tile's largest
+            vmax = mathops.nan_max(mathops.nan_max(v_scale[0], v_scale[1]), mathops.nan_max(v_scale[2], v_scale[3]))
+            pow_, inv = power_of_two_below(row_max(vmax))
+            softmax_rows((scores, k_scale, v_scale, valid, inv, m, lsum, corr, p, weights))
+
+            # P V: one mma per n tile s (head elements (D/8) n + s of the lane group n)
+            pa0 = weights[0] | (weights[1] << uint32(16))
+            pa1 = weights[4] | (weights[5] << uint32(16))
+            pa2 = weights[2] | (weights[3] << uint32(16))
+            pa3 = weights[6] | (weights[7] << uint32(16))
+            value_tiles((vw, pa0, pa1, pa2, pa3, corr, pow_, acc))
+            tile0 += TILE
+
+        finish_rows((out, workspace, seq, head0, shard, num_splits, g, t, m, lsum, acc))
+
+    return split_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _split_kernel(head_dim: int, group: int, bf16_out: bool = False):
+    """The compiled split kernel of one variant, compiled once per process."""
+    return cuda.jit(split_kernel_function(head_dim, group, bf16_out))
+
+
+def paged_decode_mma(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
+                     num_splits="auto", workspace=None, *, kv_format=None, max_seq_len=None, stream=0):
+    """Decode attention of one query token per sequence over a paged FP8 cache on tensor cores, into ``out``;
+    returns ``out``.
+
+    Arguments as ``fp8lab.numba_kernels.splitkv.paged_decode`` (and checked by it: ``check_decode``), without
+    ``alibi_slopes``; the cache must be one this kernel takes (``fp8lab.simulators.splitkv_mma.supports``: FP8,
+    ``head_dim`` 128, at most 16 query heads per kv head, a block size that is a multiple of 16), else a
+    ``ValueError`` that says which. ``num_splits="auto"`` is ``fp8lab.simulators.splitkv_mma.choose_num_splits``
+    for this GPU (one-warp CTAs, at most 32 shards); ``workspace`` as ``splitkv.decode_workspace``.
+    """
+    call = check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale, v_scale, None,
+                        1 if isinstance(num_splits, str) and num_splits == "auto" else num_splits, None, max_seq_len,
+                        kv_format)
+    num_seqs, num_heads, head_dim = call.q.shape
+    group = num_heads // call.num_kv_heads
+    if not supports(head_dim, group, call.block_size, call.cache_format == "fp8", False):
+        raise ValueError(f"k_cache: the tensor-core decode attention takes an FP8 cache, head_dim in {HEAD_DIMS}, at "
+                         f"most {MAX_GROUP} query heads per kv head and a block size that is a multiple of {TILE}; got "
+                         f"a {call.cache_format} cache, head_dim {head_dim}, {group} heads per kv head, block size "
+                         f"{call.block_size}")
+    if isinstance(num_splits, str):
+        call = dataclasses.replace(call, num_splits=choose_num_splits(num_seqs, call.num_kv_heads, call.max_seq_len,
+                                                                      device_num_sms()))
+    if num_seqs == 0 or num_heads == 0:
+        return out
+    if workspace is None:
+        workspace = decode_workspace(num_seqs, num_heads, head_dim, call.num_splits) if call.num_splits > 1 else None
+    if workspace is not None:
+        shape = tuple(workspace.shape)
+        if len(shape) != 4 or shape[:2] != (num_seqs, num_heads) or shape[2] < call.num_splits or shape[3] != head_dim + 2 \
+                or np.dtype(workspace.dtype) != np.float32:
+            raise ValueError(f"workspace: expected float32 [{num_seqs}, {num_heads}, >= {call.num_splits}, {head_dim + 2}] "
+                             f"(splitkv.decode_workspace), got {workspace.dtype} {shape}")
+    else:
+        workspace = placeholder(4)  # one shard: the kernel writes out itself and never reads this
+    device = [on_device(x, stream) for x in (call.q, call.k_words, call.v_words, call.k_scales, call.v_scales,
+                                             call.block_tables, call.seq_lens)]
+    out_device = on_device(call.out, stream)
+    workspace_device = on_device(workspace, stream)
+    pdl.launch(_split_kernel(head_dim, group, call.bf16_out), (num_seqs, call.num_kv_heads, call.num_splits),
+               WARP_SIZE, stream, *device, call.scale_log2, call.num_kv_heads, call.block_size, call.num_splits,
+               workspace_device, out_device)
+    if call.num_splits > 1:
+        pdl.launch(_combine(call.bf16_out), (num_seqs, num_heads), head_dim, stream,
+                   workspace_device.reshape(workspace_device.size), workspace_device.shape[2], call.num_splits,
+                   out_device)
+    if out_device is not call.out:  # a NumPy out on a GPU
+        out_device.copy_to_host(call.out, stream=stream)
+    return out
+
+
+def kernel_variants():
+    """``(name, python function, numba signature)`` of the variants the PTX check compiles: 4 and 16 query heads per
+    kv head (float32 out), 2 per kv head with BF16 out."""
+    f32 = types.float32
+    words = types.Array(types.uint32, 1, "C")
+
+    def signature(bf16_out: bool):
+        out = types.Array(types.uint16 if bf16_out else f32, 3, "C")
+        return types.void(types.Array(f32, 3, "C"), words, words, types.Array(f32, 1, "C"), types.Array(f32, 1, "C"),
+                          types.Array(types.int32, 2, "C"), types.Array(types.int32, 1, "C"), f32, types.int64,
+                          types.int64, types.int64, types.Array(f32, 4, "C"), out)
+
+    shapes = ((128, 4, False), (128, 16, False), (128, 2, True))
+    return [(f"split_mma[head_dim={d}, group={g}{', out=bf16' if b else ''}]", split_kernel_function(d, g, b),
+             signature(b)) for d, g, b in shapes]

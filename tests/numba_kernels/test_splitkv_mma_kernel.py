@@ -1,0 +1,135 @@
+"""fp8lab.numba_kernels.splitkv_mma (tensor-core split-kv decode attention) against fp8lab.simulators.splitkv_mma and
+fp8lab.reference.attention.
+
+In the CUDA simulator (``cudasim``; a simulated warp's ``mma`` pools the 32 lanes' registers into the model of
+``fp8lab.simulators.mma``): outputs bit for bit equal to ``fp8lab.simulators.splitkv_mma`` for split counts 1 to
+4 and ``"auto"`` (empty shards included), GQA groups of 2, 4 and 16 (rows ``g + 8`` in use), block sizes 16 and
+32, lengths 0, 1 and tails of a tile, NaN-poisoned unused slots; BF16 output bit for bit ``layers.bf16_round``
+of the float32 output; a length-0 row after a call with data comes back zero; unsupported caches and bad
+workspaces are a ``ValueError`` before anything is launched.
+
+On a GPU (``gpu``, run by hand on an H200): Qwen3-8B heads (32 query, 8 kv, head_dim 128) and Qwen3-0.6B heads (16,
+8), batches 1 and 8, contexts up to 16k, split on and off, against ``fp8lab.reference.attention`` on fresh random
+data with ``out`` poisoned: elementwise within ``fp8lab.simulators.splitkv_mma.error_bound``; BF16 output bit for
+bit the float32 output rounded.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from helpers.attention import assert_within_mma_bound as assert_within_bound
+from helpers.attention import paged_fp8
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from fp8lab.numba_kernels import splitkv, splitkv_mma
+from fp8lab.numba_kernels.bits import SIMULATOR
+from fp8lab.simulators import splitkv_mma as model
+from fp8lab.simulators.splitkv import combine_partials
+
+SIMULATOR_EXAMPLES = max(3, settings().max_examples // 10)
+"""Simulated kernels are slow (a warp's mma is a NumPy call per lane): few Hypothesis examples."""
+
+
+def run_kernel(data, num_splits="auto", out=None, **kwargs):
+    if out is None:
+        out = np.full(data.q.shape, np.nan, np.float32)  # poisoned: every element must be written
+    splitkv_mma.paged_decode_mma(data.q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens,
+                                 data.softmax_scale, out, data.k_scale, data.v_scale, num_splits=num_splits, **kwargs)
+    return out
+
+
+def simulated(data, num_splits="auto"):
+    return model.paged_decode(data.q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens,
+                              data.softmax_scale, data.k_scale, data.v_scale, num_splits=num_splits)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
+@settings(max_examples=SIMULATOR_EXAMPLES, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), lens=st.lists(st.integers(0, 40), min_size=1, max_size=2),
+       group=st.sampled_from([2, 4, 16]), block_size=st.sampled_from([16, 32]),
+       num_splits=st.one_of(st.just("auto"), st.integers(1, 4)))
+def test_bit_for_bit_the_simulator(seed, lens, group, block_size, num_splits):
+    rng = np.random.default_rng(seed)
+    data = paged_fp8(rng, lens, group, 1, 128, block_size)
+    out = run_kernel(data, num_splits)
+    expected = simulated(data, num_splits if num_splits != "auto" else
+                         model.choose_num_splits(len(lens), 1, int(max(lens)), splitkv.device_num_sms()))
+    assert np.array_equal(out, expected), np.argwhere(out != expected)[:5]
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
+def test_two_kv_heads_shards_and_a_length_0_row_after_data():
+    rng = np.random.default_rng(5)
+    data = paged_fp8(rng, [37, 0, 18], 8, 2, 128, 16)
+    workspace = splitkv.decode_workspace(3, 8, 128, 3)
+    first = run_kernel(data, 3, workspace=workspace)
+    assert np.array_equal(first, simulated(data, 3)) and (first[1] == 0).all()
+    partials = model.shard_partials(data.q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens,
+                                    data.softmax_scale, data.k_scale, data.v_scale, 3)
+    assert np.array_equal(workspace[..., :3, :128], partials.acc)  # the workspace holds the shards' partials
+    assert np.array_equal(workspace[..., :3, 128], partials.m) and np.array_equal(workspace[..., :3, 129], partials.l)
+    assert np.array_equal(first, combine_partials(partials.m, partials.l, partials.acc))
+    data.seq_lens[0] = 0  # the same workspace again: nothing stale survives
+    assert (run_kernel(data, 3, workspace=workspace)[0] == 0).all()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_bf16_out_is_the_float32_out_rounded(num_splits):
+    from fp8lab.numba_kernels import layers
+
+    rng = np.random.default_rng(9)
+    data = paged_fp8(rng, [21, 0], 4, 1, 128, 16)
+    f32 = run_kernel(data, num_splits)
+    bf16 = np.full(data.q.shape, 0xFFFF, np.uint16)
+    run_kernel(data, num_splits, out=bf16)
+    expected = np.empty(f32.size, np.uint16)
+    layers.bf16_round(f32.reshape(-1), expected)
+    assert np.array_equal(bf16.reshape(-1), expected)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the CUDA simulator's argument checks")
+@pytest.mark.parametrize("change, message", [
+    (dict(block_size=8), "block size"), (dict(head_dim=64), "head_dim"), (dict(group=32), "heads per kv head"),
+])
+def test_unsupported_caches_are_refused(change, message):
+    shape = dict(block_size=16, head_dim=128, group=2) | change
+    data = paged_fp8(np.random.default_rng(0), [5], shape["group"], 1, shape["head_dim"], shape["block_size"])
+    with pytest.raises(ValueError, match=message):
+        run_kernel(data)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the CUDA simulator's argument checks")
+def test_a_bf16_cache_and_a_small_workspace_are_refused():
+    data = paged_fp8(np.random.default_rng(0), [40], 2, 1, 128, 16)
+    with pytest.raises(ValueError, match="workspace"):
+        run_kernel(data, 4, workspace=splitkv.decode_workspace(1, 2, 128, 2))
+    bf16 = np.zeros(data.k_cache.shape, np.uint16)
+    with pytest.raises(ValueError, match="FP8 cache"):
+        splitkv_mma.paged_decode_mma(data.q, bf16, bf16, data.block_tables, data.seq_lens, data.softmax_scale,
+                                     np.zeros(data.q.shape, np.float32))
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="needs a GPU")
+@pytest.mark.parametrize("heads, batch, context", [((32, 8), 1, 512), ((32, 8), 1, 16384), ((32, 8), 8, 2048),
+                                                   ((16, 8), 1, 531), ((16, 8), 16, 1000)])
+def test_on_the_gpu_within_the_bound_of_the_reference(heads, batch, context):
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    lens = rng.integers(context // 2, context + 1, batch)
+    lens[0] = context
+    data = paged_fp8(rng, lens, heads[0], heads[1], 128, 16)
+    for num_splits in ("auto", 1):
+        out = run_kernel(data, num_splits)
+        assert_within_bound(data, out)
+    bf16 = np.full(data.q.shape, 0xFFFF, np.uint16)
+    run_kernel(data, "auto", out=bf16)
+    f32 = run_kernel(data, "auto")
+    rounded = ((f32.view(np.uint32) + 0x7FFF + ((f32.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16)
+    assert np.array_equal(bf16, rounded)
