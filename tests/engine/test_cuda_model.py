@@ -57,7 +57,7 @@ from fp8lab.engine.generate import Generator
 from fp8lab.engine.kv_manager import KVCacheExhausted, KVCacheManager
 from fp8lab.engine.loading import get_backend, load_model, resolve_backend
 from fp8lab.engine.model import Qwen3Model, make_batch
-from fp8lab.numba_kernels import splitkv
+from fp8lab.numba_kernels import splitkv, splitkv_mma
 from fp8lab.numba_kernels.bits import SIMULATOR
 from fp8lab.reference import blockwise
 
@@ -142,6 +142,32 @@ def test_one_sequence_through_two_layers_matches_the_reference(gemm_twins):
     ids = model.greedy_tokens(step, cache)
     logits = model.forward(step, cache)
     assert ids.tolist() == [int(np.argmax(logits[0]))]
+
+
+@pytest.mark.cudasim
+def test_decode_attention_over_an_fp8_cache_of_whole_tiles_runs_on_tensor_cores(gemm_twins, monkeypatch):
+    """head_dim 128 and KV blocks of 16 (what ``splitkv_mma`` takes): every decode step's attention is the tensor-core
+    kernel, in a decode step of 2 sequences; the greedy tokens are the reference's, and the logits differ
+    from the same model's with the SIMT attention (``splitkv``) only by the F16 roundings (prefill rows: identical,
+    prefill attention is not this kernel); a BF16 cache keeps the SIMT kernel."""
+    launched = []
+    real = splitkv_mma.paged_decode_mma
+    monkeypatch.setattr(splitkv_mma, "paged_decode_mma", lambda *a, **k: launched.append(k["num_splits"]) or real(*a, **k))
+    config = micro_config(head_dim=128)
+    tensors = micro_tensors(config, seed=6)
+    prompts = PROMPTS[:2]
+    want_tokens, want, _ = run_greedy(Qwen3Model(config, tensors), prompts, 1, "fp8", num_blocks=4, block_size=16)
+    model = CudaQwen3Model(config, tensors, max_num_tokens=20, max_num_seqs=2, f32_max_rows=16)
+    assert model.planner.decode_attention_on_tensor_cores(model.allocate_kv_cache(4, 16, "fp8"))
+    assert not model.planner.decode_attention_on_tensor_cores(model.allocate_kv_cache(4, 16, "bf16"))
+    got_tokens, got, _ = run_greedy(model, prompts, 1, "fp8", num_blocks=4, block_size=16)
+    assert launched == [1]  # one layer, one tile: one shard (the kernel tests cover shards and the combine)
+    monkeypatch.setattr(plan.Planner, "decode_attention_on_tensor_cores", lambda self, cache: False)
+    simt_tokens, simt, _ = run_greedy(CudaQwen3Model(config, tensors, max_num_tokens=20, max_num_seqs=2, f32_max_rows=16),
+                                      prompts, 1, "fp8", num_blocks=4, block_size=16)
+    assert launched == [1] and got_tokens == simt_tokens == want_tokens
+    assert np.array_equal(got[0], simt[0])
+    assert 0 < rel_err(got[1:], simt[1:]) <= 1e-3, rel_err(got[1:], simt[1:])
 
 
 @pytest.mark.cudasim

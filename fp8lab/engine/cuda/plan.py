@@ -10,7 +10,9 @@ Launches per layer: ``add_parts_rms_norm`` (the previous residual add fused with
 layer 0), the q/k/v GEMM (one launch on the fused weight, whose output row ``t`` is ``[q | k | v]``),
 ``attention_input.qk_norm_rope_cache_write`` (q-norm, k-norm, RoPE and the paged cache write in one
 launch; it reads q, k and v as column slices of that output and writes q, contiguous, for attention),
-attention (decode: ``paged_decode``, the split kernel and, with more than one split, the combine kernel;
+attention (decode: over an FP8 cache of head size 128 and blocks of whole 16-token tiles, ``paged_decode_mma`` on
+tensor cores (``Planner.decode_attention_on_tensor_cores``), else ``paged_decode``: the split kernel and, with more
+than one split, the combine kernel;
 prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the combine), o_proj,
 ``add_parts_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch, on
 ``gemv_mma``'s one ``gemv_mma_swiglu``; beyond, the GEMM then ``silu_mul``), down_proj. An FP8 GEMM of more than
@@ -61,7 +63,7 @@ from typing import Callable
 
 import numpy as np
 
-from fp8lab.numba_kernels import layers, splitkv
+from fp8lab.numba_kernels import layers, splitkv, splitkv_mma
 from fp8lab.numba_kernels.attention_input import qk_norm_rope_cache_write
 from fp8lab.numba_kernels.fp8_gemm import choose_path, fp8_gemm
 from fp8lab.numba_kernels.gemv_mma import gemv_mma_bf16, gemv_mma_swiglu
@@ -72,6 +74,7 @@ from fp8lab.numba_kernels.gemv_simt import (
 )
 from fp8lab.numba_kernels.layers import bf16_linear
 from fp8lab.numba_kernels.prefill import PrefillRows, paged_prefill
+from fp8lab.simulators import splitkv_mma as tensor_core_attention
 from fp8lab.simulators.gemv_mma import K_CHUNK, MAX_ROWS, ROWS_PER_WARP
 from fp8lab.simulators.gemv_simt import K_SPLITS, choose_k_splits
 
@@ -170,9 +173,10 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
     # contexts split the most: 4 heads per CTA allow 8 x 4 shards)
     sms, most = splitkv.device_num_sms(), 0
     for rows in range(1, tmax + 1):
-        s = splitkv.choose_num_splits(rows, hq, hkv, 2**62, sms, 1)
-        if s > 1:
-            most = max(most, rows * hq * s * (d + 2))
+        for s in (splitkv.choose_num_splits(rows, hq, hkv, 2**62, sms, 1),
+                  tensor_core_attention.choose_num_splits(rows, hkv, 2**62, sms)):
+            if s > 1:
+                most = max(most, rows * hq * s * (d + 2))
     return Activations(
         h=mem.empty("activations h", (tmax, c.hidden_size), np.float32),
         x=mem.empty("activations x", (tmax, c.hidden_size), np.float32),
@@ -228,10 +232,22 @@ class Planner:
         step leaves them in place)."""
         w, a, index = self.weights, self.activations, cache.decode_index.device
         lens, tables = index.context_lens[:bucket], index.block_tables[:bucket]
-        splits = self.num_splits(bucket, max_context, cache.block_size)
+        tensor_cores = self.decode_attention_on_tensor_cores(cache)
+        if tensor_cores:
+            splits = tensor_core_attention.choose_num_splits(bucket, self.config.num_key_value_heads, max_context,
+                                                             splitkv.device_num_sms())
+        else:
+            splits = self.num_splits(bucket, max_context, cache.block_size)
         workspace = self.workspace(bucket, splits)
 
         def attend(q, layer_cache, out):
+            if tensor_cores:
+                return Launch(splitkv_mma.paged_decode_mma,
+                              (q, layer_cache.k, layer_cache.v, tables, lens, self.softmax_scale, out,
+                               layer_cache.k_scale, layer_cache.v_scale),
+                              dict(num_splits=splits, workspace=workspace, max_seq_len=max_context,
+                                   kv_format=layer_cache.kv_format),
+                              kernels=1 + (splits > 1), label="attention")
             return Launch(splitkv.paged_decode, (q, layer_cache.k, layer_cache.v, tables, lens, self.softmax_scale,
                                                  out, layer_cache.k_scale, layer_cache.v_scale),
                           dict(num_splits=splits, workspace=workspace, max_seq_len=max_context,
@@ -244,6 +260,15 @@ class Planner:
                      self.lm_head(final, bucket),
                      Launch(layers.argmax_rows, (a.logits[:bucket], index.token_ids[:bucket]),
                             dict(workspace=a.argmax_workspace), label="argmax")))
+
+    def decode_attention_on_tensor_cores(self, cache: DeviceKVCache) -> bool:
+        """Whether a decode step's attention runs on tensor cores (``splitkv_mma``): an FP8 cache of a shape that
+        kernel takes (``fp8lab.simulators.splitkv_mma.supports``). Its F16 query and weights round far less than
+        the FP8 cache itself (ARCHITECTURE.md, "decode attention"); a BF16 or float32 cache keeps the float32
+        SIMT kernel (``splitkv``)."""
+        c = self.config
+        return tensor_core_attention.supports(c.head_dim, c.num_attention_heads // c.num_key_value_heads,
+                                              cache.block_size, cache.kv_format.name == "fp8", False)
 
     def prefill(self, num_tokens: int, num_seqs: int, width: int, max_context: int, cache: DeviceKVCache) -> Plan:
         """Any forward that is not a decode step, over ``num_tokens`` tokens of ``num_seqs`` sequences whose
