@@ -30,7 +30,7 @@ from attention_plan import BLOCK_SIZE, COPIES, HEAD_DIM, cache_pool  # noqa: E40
 HEAD_SHAPES = ((32, 8), (16, 8))
 CASES = {"small": ((1, 512), (4, 512), (8, 512), (16, 512), (1, 4096), (1, 16384)),
          "all": ((1, 512), (4, 512), (8, 512), (16, 512), (1, 1024), (1, 4096), (1, 16384), (8, 2048), (16, 2048))}
-SPLITS = (1, 2, 4, 8, 16, 32)
+SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def main(argv=None) -> int:

@@ -210,6 +210,56 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
     softmax_rows = unrolled(softmax_row, ROWS)
     finish_rows = unrolled(finish_row, ROWS)
 
+    @cuda.jit(device=True, inline=True)
+    def load_tile(k_words, v_words, k_scales, v_scales, row0, tile0, end, g, t, kw, vw, k_scale, v_scale, valid):
+        """The lane's share of the tile ``[tile0, tile0 + 16)`` whose first token is cache row ``row0``: key words of
+        tokens ``g``, ``8 + g``; value words, scales and whether it is in the shard for tokens ``u = 0..3`` (token
+        ``2t + (u & 1) + 8 (u >> 1)``). Tokens past ``end`` load nothing: zero codes, ``k_scale`` 1, ``v_scale`` 0."""
+        for half in range(2):
+            if tile0 + 8 * half + g < end:
+                first = (row0 + uint64(8 * half + g)) * ROW_WORDS + uint64(K_WORDS * t)
+                for i in range(K_WORDS // 4):
+                    w0, w1, w2, w3 = load_u32x4(k_words, first + uint64(4 * i))
+                    kw[half * K_WORDS + 4 * i] = w0
+                    kw[half * K_WORDS + 4 * i + 1] = w1
+                    kw[half * K_WORDS + 4 * i + 2] = w2
+                    kw[half * K_WORDS + 4 * i + 3] = w3
+            else:
+                for i in range(K_WORDS):
+                    kw[half * K_WORDS + i] = uint32(0)
+        for u in range(4):
+            j = 2 * t + (u & 1) + 8 * (u >> 1)
+            valid[u] = 1 if tile0 + j < end else 0
+            if valid[u]:
+                row = row0 + uint64(j)
+                first = row * ROW_WORDS + uint64(V_WORDS * g)
+                for i in range(V_WORDS // 4):
+                    w0, w1, w2, w3 = load_u32x4(v_words, first + uint64(4 * i))
+                    vw[u * V_WORDS + 4 * i] = w0
+                    vw[u * V_WORDS + 4 * i + 1] = w1
+                    vw[u * V_WORDS + 4 * i + 2] = w2
+                    vw[u * V_WORDS + 4 * i + 3] = w3
+                k_scale[u] = k_scales[row]
+                v_scale[u] = v_scales[row]
+            else:
+                for i in range(V_WORDS):
+                    vw[u * V_WORDS + i] = uint32(0)
+                k_scale[u] = float32(1)
+                v_scale[u] = float32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def tile_row(lane_block, tile, start, block_size, rows_per_block, kv_row):
+        """Cache row of tile ``tile``'s first token, its block read from lane ``tile % 32``'s ``lane_block``."""
+        tile0 = start + TILE * tile
+        block = cuda.shfl_sync(FULL_MASK, lane_block, tile % WARP_SIZE)
+        return uint64(block * rows_per_block + kv_row + tile0 % block_size)
+
+    @cuda.jit(device=True, inline=True)
+    def table_chunk(table, start, end, block_size, first_tile, lane):
+        """Lane ``i`` reads the block of tile ``first_tile + i`` (0 past the shard): 32 tiles' blocks in one load."""
+        tile0 = start + TILE * (first_tile + lane)
+        return table[tile0 // block_size] if tile0 < end else 0
+
     def split_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, scale_log2, num_kv_heads,
                      block_size, num_splits, workspace, out):
         pdl.prologue()  # the cache write and q come from the kernels before: wait for them
@@ -245,50 +295,35 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
         for i in range(8):
             weights[i] = uint32(0)  # rows g + 8 stay 0 unless G > 8
 
-        kw = cuda.local.array(KEY_WORDS, uint32)  # keys of tokens g and 8 + g
+        kw = cuda.local.array(KEY_WORDS, uint32)  # the tile being computed: keys of tokens g and 8 + g
         vw = cuda.local.array(VALUE_WORDS, uint32)  # values of the lane's tokens u = 0..3
         k_scale = cuda.local.array(4, float32)
         v_scale = cuda.local.array(4, float32)
         valid = cuda.local.array(4, types.int32)  # whether token u is in the shard
+        next_kw = cuda.local.array(KEY_WORDS, uint32)  # the next tile, loading while this one computes
+        next_vw = cuda.local.array(VALUE_WORDS, uint32)
+        next_k_scale = cuda.local.array(4, float32)
+        next_v_scale = cuda.local.array(4, float32)
+        next_valid = cuda.local.array(4, types.int32)
         p = cuda.local.array(4, float32)
         scores = cuda.local.array(8, float32)  # [row r][u]
 
         table = block_tables[seq]
         rows_per_block = num_kv_heads * block_size
-        tile0 = start
-        while tile0 < end:
-            row0 = uint64(table[tile0 // block_size] * rows_per_block + kv * block_size + tile0 % block_size)
-            for half in range(2):
-                if tile0 + 8 * half + g < end:
-                    first = (row0 + uint64(8 * half + g)) * ROW_WORDS + uint64(K_WORDS * t)
-                    for i in range(K_WORDS // 4):
-                        w0, w1, w2, w3 = load_u32x4(k_words, first + uint64(4 * i))
-                        kw[half * K_WORDS + 4 * i] = w0
-                        kw[half * K_WORDS + 4 * i + 1] = w1
-                        kw[half * K_WORDS + 4 * i + 2] = w2
-                        kw[half * K_WORDS + 4 * i + 3] = w3
-                else:
-                    for i in range(K_WORDS):
-                        kw[half * K_WORDS + i] = uint32(0)
-            for u in range(4):  # token j = 2t + (u & 1) + 8 (u >> 1)
-                j = 2 * t + (u & 1) + 8 * (u >> 1)
-                valid[u] = 1 if tile0 + j < end else 0
-                if valid[u]:
-                    row = row0 + uint64(j)
-                    first = row * ROW_WORDS + uint64(V_WORDS * g)
-                    for i in range(V_WORDS // 4):
-                        w0, w1, w2, w3 = load_u32x4(v_words, first + uint64(4 * i))
-                        vw[u * V_WORDS + 4 * i] = w0
-                        vw[u * V_WORDS + 4 * i + 1] = w1
-                        vw[u * V_WORDS + 4 * i + 2] = w2
-                        vw[u * V_WORDS + 4 * i + 3] = w3
-                    k_scale[u] = k_scales[row]
-                    v_scale[u] = v_scales[row]
-                else:
-                    for i in range(V_WORDS):
-                        vw[u * V_WORDS + i] = uint32(0)
-                    k_scale[u] = float32(1)
-                    v_scale[u] = float32(0)
+        kv_row = kv * block_size
+        tiles = (end - start + TILE - 1) // TILE
+        lane_block = table_chunk(table, start, end, block_size, 0, lane)
+        if tiles > 0:
+            load_tile(k_words, v_words, k_scales, v_scales,
+                      tile_row(lane_block, 0, start, block_size, rows_per_block, kv_row), start, end, g, t,
+                      kw, vw, k_scale, v_scale, valid)
+        for tile in range(tiles):
+            if tile + 1 < tiles:  # the next tile's loads go out before this tile's arithmetic
+                if (tile + 1) % WARP_SIZE == 0:
+                    lane_block = table_chunk(table, start, end, block_size, tile + 1, lane)
+                load_tile(k_words, v_words, k_scales, v_scales,
+                          tile_row(lane_block, tile + 1, start, block_size, rows_per_block, kv_row),
+                          start + TILE * (tile + 1), end, g, t, next_kw, next_vw, next_k_scale, next_v_scale, next_valid)
 
             # scores: two 8-token n tiles, D / 16 k-steps each
             for half in range(2):
@@ -315,7 +350,14 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
             pa2 = weights[2] | (weights[3] << uint32(16))
             pa3 = weights[6] | (weights[7] << uint32(16))
             value_tiles((vw, pa0, pa1, pa2, pa3, corr, pow_, acc))
-            tile0 += TILE
+            for i in range(KEY_WORDS):  # the next tile becomes this one (register moves)
+                kw[i] = next_kw[i]
+            for i in range(VALUE_WORDS):
+                vw[i] = next_vw[i]
+            for u in range(4):
+                k_scale[u] = next_k_scale[u]
+                v_scale[u] = next_v_scale[u]
+                valid[u] = next_valid[u]
 
         finish_rows((out, workspace, seq, head0, shard, num_splits, g, t, m, lsum, acc))
 
