@@ -7,7 +7,7 @@ decode attention (split kernel, then the combine kernel where there are shards) 
 replay (``timing.graph_time_us``); every sequence's blocks are drawn at random from a 600 MB pool of random K/V
 written by ``paged_cache_write``, a fresh draw per replayed launch, so K and V come from HBM. Columns: the SIMT
 kernel with its ``"auto"`` plan (what the engine ran before), the tensor-core kernel with its ``"auto"`` plan, and
-the tensor-core kernel at split counts 1 to 32 (the fastest, to check the rule). Before timing, each variant's
+the tensor-core kernel at split counts 1 to 64 (the fastest, to check the rule). Before timing, each variant's
 output (NaN-poisoned first) must be finite and within 2e-2 of the SIMT output relative to the row's largest
 element (the tensor-core kernel's F16 query and weights; ``tests/numba_kernels/test_splitkv_mma_kernel.py`` checks
 it against the reference within its derived bound).
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                 kernel = splitkv_mma._split_kernel(HEAD_DIM, group, False)
 
                 def launch(i, stream):
-                    kernel[(batch, num_kv_heads, splits), 32, stream](
+                    kernel[(batch, num_kv_heads, splits), splitkv_mma.THREADS, stream](
                         q, k_words, v_words, k_scales, v_scales, tables[i % COPIES], lens, scale_log2, num_kv_heads,
                         BLOCK_SIZE, splits, workspace, out)
                     combine(stream, splits)

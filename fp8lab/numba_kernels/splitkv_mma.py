@@ -49,6 +49,7 @@ from fp8lab.simulators.splitkv_mma import (
     HEAD_DIMS,
     MAX_GROUP,
     TILE,
+    WARPS,
     choose_num_splits,
     supports,
 )
@@ -63,11 +64,13 @@ from .splitkv import (
     check_decode,
     decode_workspace,
     device_num_sms,
+    merge_weight,
     normalized,
     output_store,
 )
 from .warp import FULL_MASK, WARP_SIZE, load_u32x4
 
+THREADS = WARPS * WARP_SIZE
 EXPONENT_BITS = uint32(0x7F800000)
 INVERSE_EXPONENT_BITS = uint32(254 << 23)
 ONE_BITS = uint32(0x3F800000)
@@ -152,22 +155,13 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
                 acc[4 * s + 3] = cuda.fma(acc[4 * s + 3], corr[1], o3 * pow_)
 
     @cuda.jit(device=True, inline=True)
-    def output_word(w, args):
-        """Row ``r``'s elements of n tiles ``4 w .. 4 w + 3``, ``acc / l``, into ``out`` (one shard: no combine)."""
-        out, seq, head, t, r, l, acc = args
+    def stash_word(w, args):
+        """Row ``r``'s elements of n tiles ``4 w .. 4 w + 3`` of this warp's ``acc`` into the CTA's shared ``stash``."""
+        stash, warp, row, t, r, acc = args
         for k in range(4):
             for e in range(2):
                 s = 4 * w + k
-                store(out, seq, head, (D // 8) * (2 * t + e) + s, normalized(acc[4 * s + 2 * r + e], l))
-
-    @cuda.jit(device=True, inline=True)
-    def partial_word(w, args):
-        """Row ``r``'s elements of n tiles ``4 w .. 4 w + 3``, not normalized, into the shard's workspace row."""
-        workspace, seq, head, shard, t, r, acc = args
-        for k in range(4):
-            for e in range(2):
-                s = 4 * w + k
-                workspace[seq, head, shard, (D // 8) * (2 * t + e) + s] = acc[4 * s + 2 * r + e]
+                stash[warp, row, (D // 8) * (2 * t + e) + s] = acc[4 * s + 2 * r + e]
 
     @cuda.jit(device=True, inline=True)
     def softmax_row(r, args):
@@ -189,24 +183,20 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
 
     @cuda.jit(device=True, inline=True)
     def finish_row(r, args):
-        """Row ``g + 8 r``: ``l`` over its four lanes, ``(l_0 + l_1) + (l_2 + l_3)``; then ``out = acc / l`` (one
-        shard) or the shard's partial ``(acc, m, l)`` in the workspace."""
-        out, workspace, seq, head0, shard, num_splits, g, t, m, lsum, acc = args
+        """Row ``g + 8 r`` of this warp: ``l`` over its four lanes, ``(l_0 + l_1) + (l_2 + l_3)``; the warp's ``(m, l,
+        acc)`` into the CTA's shared arrays, where the merge reads them."""
+        stash_m, stash_l, stash, warp, g, t, m, lsum, acc = args
         l = lsum[r] + cuda.shfl_xor_sync(FULL_MASK, lsum[r], 1)
         l += cuda.shfl_xor_sync(FULL_MASK, l, 2)
-        if g + 8 * r < G:
-            head = head0 + g + 8 * r
-            if num_splits == 1:
-                write_output((out, seq, head, t, r, l, acc))
-            else:
-                write_partial((workspace, seq, head, shard, t, r, acc))
-                if t == 0:
-                    workspace[seq, head, shard, D] = m[r]
-                    workspace[seq, head, shard, D + 1] = l
+        row = g + 8 * r
+        if row < G:
+            stash_words((stash, warp, row, t, r, acc))
+            if t == 0:
+                stash_m[warp, row] = m[r]
+                stash_l[warp, row] = l
 
     value_tiles = unrolled(value_word, V_WORDS)  # straight-line code: acc stays in registers
-    write_output = unrolled(output_word, V_WORDS)
-    write_partial = unrolled(partial_word, V_WORDS)
+    stash_words = unrolled(stash_word, V_WORDS)
     softmax_rows = unrolled(softmax_row, ROWS)
     finish_rows = unrolled(finish_row, ROWS)
 
@@ -264,7 +254,7 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
                      block_size, num_splits, workspace, out):
         pdl.prologue()  # the cache write and q come from the kernels before: wait for them
         seq, kv, shard = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        lane = cuda.threadIdx.x
+        warp, lane = cuda.threadIdx.x // WARP_SIZE, cuda.threadIdx.x % WARP_SIZE
         g, t = lane >> 2, lane & 3
         head0 = kv * G
         start, end = tile_shard_range(seq_lens[seq], shard, num_splits)
@@ -313,17 +303,18 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
         kv_row = kv * block_size
         tiles = (end - start + TILE - 1) // TILE
         lane_block = table_chunk(table, start, end, block_size, 0, lane)
-        if tiles > 0:
+        if warp < tiles:
             load_tile(k_words, v_words, k_scales, v_scales,
-                      tile_row(lane_block, 0, start, block_size, rows_per_block, kv_row), start, end, g, t,
-                      kw, vw, k_scale, v_scale, valid)
-        for tile in range(tiles):
-            if tile + 1 < tiles:  # the next tile's loads go out before this tile's arithmetic
-                if (tile + 1) % WARP_SIZE == 0:
-                    lane_block = table_chunk(table, start, end, block_size, tile + 1, lane)
+                      tile_row(lane_block, warp, start, block_size, rows_per_block, kv_row), start + TILE * warp, end,
+                      g, t, kw, vw, k_scale, v_scale, valid)
+        for tile in range(warp, tiles, WARPS):  # this warp's tiles: warp, warp + 4, ...
+            upcoming = tile + WARPS
+            if upcoming < tiles:  # the next tile's loads go out before this tile's arithmetic
+                if upcoming // WARP_SIZE != tile // WARP_SIZE:
+                    lane_block = table_chunk(table, start, end, block_size, upcoming - upcoming % WARP_SIZE, lane)
                 load_tile(k_words, v_words, k_scales, v_scales,
-                          tile_row(lane_block, tile + 1, start, block_size, rows_per_block, kv_row),
-                          start + TILE * (tile + 1), end, g, t, next_kw, next_vw, next_k_scale, next_v_scale, next_valid)
+                          tile_row(lane_block, upcoming, start, block_size, rows_per_block, kv_row),
+                          start + TILE * upcoming, end, g, t, next_kw, next_vw, next_k_scale, next_v_scale, next_valid)
 
             # scores: two 8-token n tiles, D / 16 k-steps each
             for half in range(2):
@@ -359,7 +350,32 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
                 v_scale[u] = next_v_scale[u]
                 valid[u] = next_valid[u]
 
-        finish_rows((out, workspace, seq, head0, shard, num_splits, g, t, m, lsum, acc))
+        stash_m = cuda.shared.array((WARPS, G), float32)
+        stash_l = cuda.shared.array((WARPS, G), float32)
+        stash = cuda.shared.array((WARPS, G, D), float32)
+        finish_rows((stash_m, stash_l, stash, warp, g, t, m, lsum, acc))
+        cuda.syncthreads()
+
+        # The CTA's partial: the warps' merged in warp order (splitkv's merge rule); thread i takes elements i, i + 128, ...
+        for element in range(cuda.threadIdx.x, G * D, THREADS):
+            row, d = element // D, element % D
+            m_star = stash_m[0, row]
+            for w in range(1, WARPS):
+                m_star = mathops.nan_max(m_star, stash_m[w, row])
+            l_sum = float32(0)
+            acc_sum = float32(0)
+            for w in range(WARPS):
+                weight = merge_weight(stash_m[w, row], m_star)
+                l_sum = cuda.fma(weight, stash_l[w, row], l_sum)
+                acc_sum = cuda.fma(weight, stash[w, row, d], acc_sum)
+            head = head0 + row
+            if num_splits == 1:
+                store(out, seq, head, d, normalized(acc_sum, l_sum))
+            else:
+                workspace[seq, head, shard, d] = acc_sum
+                if d == 0:
+                    workspace[seq, head, shard, D] = m_star
+                    workspace[seq, head, shard, D + 1] = l_sum
 
     return split_kernel
 
@@ -411,7 +427,7 @@ def paged_decode_mma(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale,
     out_device = on_device(call.out, stream)
     workspace_device = on_device(workspace, stream)
     pdl.launch(_split_kernel(head_dim, group, call.bf16_out), (num_seqs, call.num_kv_heads, call.num_splits),
-               WARP_SIZE, stream, *device, call.scale_log2, call.num_kv_heads, call.block_size, call.num_splits,
+               THREADS, stream, *device, call.scale_log2, call.num_kv_heads, call.block_size, call.num_splits,
                workspace_device, out_device)
     if call.num_splits > 1:
         pdl.launch(_combine(call.bf16_out), (num_seqs, num_heads), head_dim, stream,

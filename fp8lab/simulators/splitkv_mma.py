@@ -1,6 +1,6 @@
 """How tensor-core split-kv decode attention over an FP8 cache computes, modelled in vectorized NumPy.
 
-Models ``fp8lab.numba_kernels.splitkv_mma`` (grid ``(num_seqs, num_kv_heads, num_splits)`` of one-warp CTAs,
+Models ``fp8lab.numba_kernels.splitkv_mma`` (grid ``(num_seqs, num_kv_heads, num_splits)`` of 4-warp CTAs,
 then the combine kernel of ``fp8lab.numba_kernels.splitkv``) bit for bit, and writes its launch plan once:
 ``choose_num_splits``, ``shard_bounds``, ``supports`` are what the kernel's host side launches with.
 Checked (``tests/simulators/test_splitkv_mma.py``): against ``fp8lab.reference.attention.paged_decode`` within
@@ -10,10 +10,12 @@ What it computes: the contract of ``fp8lab.reference.attention.paged_decode`` (s
 sequence's new query over its cached tokens, GQA) for an FP8 cache (E4M3 codes, one float32 scale per token and kv
 head), without ALiBi; a sequence of length 0 gives a zero row.
 
-How (the schedule the kernel follows, and this model reproduces operation by operation). One warp serves one
-sequence, one kv head and one *shard* of its tokens; the ``G = num_heads / num_kv_heads`` query heads of the kv
-head (at most 16) are the 16 rows of ``mma.m16n8k16`` tiles (rows ``G..15`` are zeros). The shard is walked in
-*tiles* of 16 tokens (``TILE``), which never straddle a KV block (the block size is a multiple of 16).
+How (the schedule the kernel follows, and this model reproduces operation by operation). One CTA of ``WARPS`` = 4
+warps serves one sequence, one kv head and one *shard* of its tokens; the ``G = num_heads / num_kv_heads`` query
+heads of the kv head (at most 16) are the 16 rows of ``mma.m16n8k16`` tiles (rows ``G..15`` are zeros). The shard is
+cut into *tiles* of 16 tokens (``TILE``), which never straddle a KV block (the block size is a multiple of 16);
+warp ``w`` walks tiles ``w, w + 4, w + 8, ...`` with a state of its own, and the CTA merges the 4 warps' states in
+warp order by the merge rule of ``fp8lab.simulators.splitkv`` (``merge_partials``), as that kernel merges its slots.
 
 - **Queries**: ``qh = f16(fl32(q * scale_log2))`` (``scale_log2 = softmax_scale * log2(e)``, float64 on the
   host, rounded once to float32): F16 keeps 11 significant bits, where BF16 keeps 8, and every E4M3 value is
@@ -25,7 +27,7 @@ head (at most 16) are the 16 rows of ``mma.m16n8k16`` tiles (rows ``G..15`` are 
   lane ``4 g + t`` finds them in the 32-bit word ``s`` of its ``D / 4`` contiguous bytes of key row ``g``,
   so a key word becomes the B registers by two ``cvt.rn.f16x2.e4m3x2`` conversions and nothing else. Then
   ``s = S * k_scale[token]`` (float32); tokens past the shard's end are ``-inf``.
-- **Online softmax per row**, per tile (state ``m = -inf``, ``l = 0`` per lane, ``acc = 0``)::
+- **Online softmax per row**, per tile of the warp (state ``m = -inf``, ``l = 0`` per lane, ``acc = 0``)::
 
       m_new = max(m, max_j s_j)           (NaN-propagating)
       corr  = 1 if m_new == m else exp2(m - m_new)
@@ -40,7 +42,7 @@ head (at most 16) are the 16 rows of ``mma.m16n8k16`` tiles (rows ``G..15`` are 
   F16's range holds the weights whatever the scales' magnitude); ``O = fl32(sum_j w_j v_j)`` by one ``mma``
   per 8 head elements (k = the 16 tokens in order, from a zero accumulator); ``acc = fma(acc, corr, fl32(O *
   pow))`` (``O * pow`` is exact: a power of two).
-- **Shard partial** ``(m, l, acc)`` per query head, not normalized, in the workspace layout of
+- **Shard partial**: the warps' ``(m, l, acc)`` merged in warp order, per query head, not normalized, in the workspace layout of
   ``fp8lab.numba_kernels.splitkv`` (an empty shard: ``(-inf, 0, 0)``); the combine is that module's (and
   ``fp8lab.simulators.splitkv.combine_partials``). With one shard the kernel writes ``acc / l`` itself (0 where
   ``l = 0``).
@@ -62,7 +64,7 @@ from fp8lab.reference import e4m3, kv_cache
 
 from .fma import fma_f32
 from .mma import MMA_K, MMA_N, k16_sum
-from .splitkv import NUM_SMS, Partials, _checked_arguments, combine_partials
+from .splitkv import NUM_SMS, Partials, _checked_arguments, combine_partials, merge_partials
 
 TILE = 16
 """Tokens per tile: the k of the ``P V`` mma, and the two 8-token n tiles of the scores."""
@@ -72,8 +74,10 @@ HEAD_DIMS = (128,)
 """Head sizes the kernel compiles (every Qwen3's): a lane's 4 value words per token are one 128-bit load, and its
 state (the queries' 16 words, ``acc``'s 32 or 64 floats, a tile's 40 words) fits in registers. (The model takes any
 multiple of 32.)"""
-CTAS_PER_SM = 8
-"""``"auto"`` aims at this many one-warp CTAs per SM."""
+WARPS = 4
+"""Warps per CTA: warp ``w`` takes the shard's tiles ``w, w + 4, ...``; the CTA merges their partials in warp order."""
+CTAS_PER_SM = 2
+"""``"auto"`` aims at this many CTAs per SM."""
 MAX_SPLITS = 32
 """``"auto"`` cuts a sequence into at most this many shards."""
 LOG2E = math.log2(math.e)
@@ -92,9 +96,9 @@ def supports(head_dim: int, group: int, block_size: int, fp8: bool, alibi: bool)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = NUM_SMS) -> int:
-    """The ``"auto"`` split count: enough one-warp CTAs for ``CTAS_PER_SM`` per SM, at most one shard per tile of
-    the longest sequence and at most ``MAX_SPLITS``; at least 1."""
-    tiles = -(-int(max_seq_len) // TILE)
+    """The ``"auto"`` split count: enough CTAs for ``CTAS_PER_SM`` per SM, at most one shard per ``WARPS`` tiles of
+    the longest sequence (a tile for every warp) and at most ``MAX_SPLITS``; at least 1."""
+    tiles = -(-int(max_seq_len) // (TILE * WARPS))
     grid = int(num_seqs) * int(num_kv_heads)
     wanted = -(-CTAS_PER_SM * int(num_sms) // grid) if grid else 1
     return max(1, min(wanted, tiles, MAX_SPLITS))
@@ -156,10 +160,12 @@ class _Tile:
 
 
 def _gather_tile(k_cache, v_cache, k_scale, v_scale, tables, bounds, step: int) -> _Tile:
-    """Tile ``step`` of every (sequence, shard), for every kv head."""
+    """Step ``step`` of every (sequence, shard, warp): the warp's tile ``w + WARPS * step`` of the shard, for every
+    kv head (the shard-and-warp axis flattened)."""
     block_size = k_cache.shape[2]
-    token = bounds[:, :, 0, None] + TILE * step + np.arange(TILE)  # [seq, shard, 16]
-    valid = token < bounds[:, :, 1, None]
+    first = bounds[:, :, 0, None] + TILE * np.arange(WARPS)  # [seq, shard, warp]
+    token = (first + TILE * WARPS * step).reshape(len(bounds), -1)[..., None] + np.arange(TILE)  # [seq, shard*warp, 16]
+    valid = token < np.repeat(bounds[:, :, 1], WARPS, axis=1)[..., None]
     position = np.where(valid, token, 0)
     column = np.minimum(position // block_size, tables.shape[1] - 1)
     block = np.where(valid, np.take_along_axis(tables, column.reshape(len(tables), -1), axis=1).reshape(token.shape), 0)
@@ -228,11 +234,11 @@ def shard_partials(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale: f
     qh = np.zeros((num_seqs, num_kv_heads, 1, 16, head_dim))
     qh[:, :, 0, :group] = f16(q32 * scale_log2).reshape(num_seqs, num_kv_heads, group, head_dim)
 
-    cta = (num_seqs, num_kv_heads, splits, 16)  # per CTA and row
+    cta = (num_seqs, num_kv_heads, splits * WARPS, 16)  # per warp and row
     m = np.full(cta, -np.inf, np.float32)
     l = np.zeros(cta + (4,), np.float32)
     acc = np.zeros(cta + (head_dim,), np.float32)
-    steps = int(np.max(-(-(bounds[..., 1] - bounds[..., 0]) // TILE), initial=0))
+    steps = int(np.max(-(-(bounds[..., 1] - bounds[..., 0]) // (TILE * WARPS)), initial=0))
     for step in range(steps):
         tile = _gather_tile(k_cache, v_cache, k_scale, v_scale, tables, bounds, step)
         valid = tile.valid[..., None, :]  # [seq, kv, shard, 1, 16]: the same tokens for every row
@@ -252,6 +258,8 @@ def shard_partials(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale: f
         # (a CTA past its last tile sees no token: corr = 1 and p = 0 leave its state as it is, as if it had stopped)
 
     l_row = (l[..., 0] + l[..., 1]) + (l[..., 2] + l[..., 3])
+    by_warp = (num_seqs, num_kv_heads, splits, WARPS, 16)
+    m, l_row, acc = merge_partials(m.reshape(by_warp), l_row.reshape(by_warp), acc.reshape(by_warp + (head_dim,)), axis=3)
     heads = (num_seqs, num_heads, splits)
     pick = (slice(None), slice(None), slice(None), slice(0, group))
     return Partials(m[pick].transpose(0, 1, 3, 2).reshape(heads), l_row[pick].transpose(0, 1, 3, 2).reshape(heads),
