@@ -76,8 +76,10 @@ state (the queries' 16 words, ``acc``'s 32 or 64 floats, a tile's 40 words) fits
 multiple of 32.)"""
 WARPS = 4
 """Warps per CTA: warp ``w`` takes the shard's tiles ``w, w + 4, ...``; the CTA merges their partials in warp order."""
-CTAS_PER_SM = 2
-"""``"auto"`` aims at this many CTAs per SM."""
+CTAS_PER_SM = 1
+"""``"auto"`` aims at this many CTAs per SM. One, measured on an H200 (``bench/attention_mma.py``, ``bench/RESULTS.md``,
+2026-12-04): the fastest split count made 64 to 256 CTAs in all, at batches 1 to 16 and contexts 512 to 16,384 (more
+shards cost more combine than they gain; a CTA of 4 warps at 215 registers a lane leaves room for 2 per SM)."""
 MAX_SPLITS = 32
 """``"auto"`` cuts a sequence into at most this many shards."""
 LOG2E = math.log2(math.e)

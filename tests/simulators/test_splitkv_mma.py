@@ -103,11 +103,12 @@ def test_shards_partition_each_sequence_in_whole_tiles():
 
 
 def test_split_rule():
-    assert splitkv_mma.choose_num_splits(1, 8, 16384, 132) == 32  # batch 1, Qwen3-8B, long: capped at MAX_SPLITS
+    assert splitkv_mma.choose_num_splits(1, 8, 16384, 132) == 17  # batch 1, Qwen3-8B, long: a CTA per SM
     assert splitkv_mma.choose_num_splits(1, 8, 1024, 132) == 16  # a tile for each of a CTA's 4 warps: 64 tiles / 4
-    assert splitkv_mma.choose_num_splits(16, 8, 1024, 132) == 3  # 2 CTAs per SM: 264 / 128 CTAs
+    assert splitkv_mma.choose_num_splits(16, 8, 1024, 132) == 2  # 132 SMs / 128 CTAs
     assert splitkv_mma.choose_num_splits(1, 8, 40, 132) == 1
     assert splitkv_mma.choose_num_splits(64, 8, 4096, 132) == 1
+    assert splitkv_mma.choose_num_splits(1, 1, 2**20, 132) == splitkv_mma.MAX_SPLITS
 
 
 def test_power_of_two_below():
