@@ -1,7 +1,7 @@
 """Split-kv paged decode attention over an FP8 cache on tensor cores (``mma.m16n8k16``, F16 in, float32 out).
 
 Computes ``fp8lab.reference.attention.paged_decode`` (FP8 cache, no ALiBi). Launch: ``split_kernel`` grid
-``(num_seqs, num_kv_heads, num_splits)`` x 32 threads (one warp), then, with more than one split, the combine
+``(num_seqs, num_kv_heads, num_splits)`` x 128 threads (4 warps), then, with more than one split, the combine
 kernel of ``fp8lab.numba_kernels.splitkv`` (grid ``(num_seqs, num_heads)`` x ``head_dim``), which reads the
 same workspace layout. Checked (``tests/numba_kernels/test_splitkv_mma_kernel.py``): bit for bit against
 ``fp8lab.simulators.splitkv_mma`` in the CUDA simulator (whose ``mma`` twin is the model the simulator uses),
@@ -10,10 +10,18 @@ against the oracle within ``fp8lab.simulators.splitkv_mma.error_bound`` on a GPU
 
 Why: the SIMT kernel (``splitkv``) spends a lane's instructions on 16-element fma chains and butterflies per
 token and query head, and is bound by that chain, not by bytes (``bench/RESULTS.md``: at Qwen3-8B batch 16 its
-25 us per layer read 16 x 1.1 MB). Here one warp serves all ``G`` query heads of a kv head (the rows of an mma
-tile) and 16 tokens per step: ``D / 16 * 2`` mma for the scores, ``D / 8`` for ``P V``.
+25 us per layer read 16 x 1.1 MB). Here a warp serves all ``G`` query heads of a kv head (the rows of an mma
+tile) and 16 tokens per step: ``D / 16 * 2`` mma for the scores, ``D / 8`` for ``P V``. A CTA's 4 warps take every
+fourth tile of the shard each, so that 4 tiles' loads are in flight at once, and each warp issues its next tile's
+loads before its current tile's arithmetic (a warp alone waits for each tile's loads: 1.3 us a tile); the block
+table is read 32 tiles at a time, one entry per lane, and passed round by ``shfl``. At the end the warps' states
+meet in shared memory and the CTA merges them in warp order (``splitkv.merge_weight``, the merge of the shards).
 
-The schedule is the simulator's (read ``fp8lab.simulators.splitkv_mma`` first); per lane ``L``, ``g = L >> 2``,
+Measured (``bench/attention_mma.py``, ``bench/RESULTS.md``, H200): against the SIMT kernel, both with their best
+split counts, 1.0 times its time at batch 1 and 512 tokens, 1.2 at batches 4 to 16, 1.3 at 16,384 tokens and
+at batches 8 and 16 over 2,048.
+
+The schedule is the simulator's (read ``fp8lab.simulators.splitkv_mma`` first); per lane ``L`` of a warp, ``g = L >> 2``,
 ``t = L & 3``, tile ``[tile0, tile0 + 16)`` (one KV block holds it: the block size is a multiple of 16):
 
 - **Keys**: the lane loads ``D / 4`` bytes, ``[(D/4) t, (D/4)(t+1))``, of tokens ``g`` and ``8 + g`` (the two
