@@ -81,7 +81,6 @@ from .warp import FULL_MASK, WARP_SIZE, load_u32x4
 THREADS = WARPS * WARP_SIZE
 EXPONENT_BITS = uint32(0x7F800000)
 INVERSE_EXPONENT_BITS = uint32(254 << 23)
-ONE_BITS = uint32(0x3F800000)
 
 
 @cuda.jit(device=True, inline=True)
@@ -131,7 +130,7 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
     Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, scale_log2, num_kv_heads,
     block_size, num_splits, workspace, out``: the caches flat as uint32 words and their scales flat
     (``splitkv.flat_cache``: row ``(block * num_kv_heads + kv_head) * block_size + offset``). Launch
-    ``[(num_seqs, num_kv_heads, num_splits), 32]``. ``out`` is written only when ``num_splits == 1``.
+    ``[(num_seqs, num_kv_heads, num_splits), THREADS]`` (4 warps). ``out`` is written only when ``num_splits == 1``.
     """
     D, G = head_dim, group
     STEPS = D // 16  # k-steps of the scores; the lane's key words per token

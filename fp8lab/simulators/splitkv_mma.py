@@ -64,7 +64,13 @@ from fp8lab.reference import e4m3, kv_cache
 
 from .fma import fma_f32
 from .mma import MMA_K, MMA_N, k16_sum
-from .splitkv import NUM_SMS, Partials, _checked_arguments, combine_partials, merge_partials
+from .splitkv import (
+    NUM_SMS,
+    Partials,
+    _checked_arguments,
+    combine_partials,
+    merge_partials,
+)
 
 TILE = 16
 """Tokens per tile: the k of the ``P V`` mma, and the two 8-token n tiles of the scores."""
@@ -133,11 +139,13 @@ def f16(x) -> np.ndarray:
 
 def power_of_two_below(vmax) -> tuple[np.ndarray, np.ndarray]:
     """``(pow, inv)``: ``2^floor(log2 vmax)`` and its inverse from ``vmax``'s exponent bits, float32; ``(1, 1)``
-    where those bits are 0 (a zero or subnormal ``vmax``). Integer arithmetic that wraps at 32 bits, as the kernel's."""
+    where those bits are 0 (a zero or subnormal ``vmax``), ``inv = 0`` where they are 254 or 255 (``vmax >= 2^127``,
+    whose inverse is not a normal float32: V scales that large are outside the contract)."""
     bits = np.asarray(vmax, np.float32).view(np.uint32) & F32_EXPONENT_BITS
     one = np.float32(1).view(np.uint32)
     pow_bits = np.where(bits == 0, one, bits).astype(np.uint32)
-    inv_bits = np.where(bits == 0, one, INVERSE_EXPONENT_BITS - bits).astype(np.uint32)
+    inverse = np.where(bits < INVERSE_EXPONENT_BITS, INVERSE_EXPONENT_BITS - np.minimum(bits, INVERSE_EXPONENT_BITS), 0)
+    inv_bits = np.where(bits == 0, one, inverse).astype(np.uint32)
     return pow_bits.view(np.float32), inv_bits.view(np.float32)
 
 

@@ -124,8 +124,8 @@ def reference_prefill(q, k_cache, v_cache, k_scale, v_scale, tables, context_len
     return np.concatenate(out)
 
 
-def paged_fp8(rng, lens, num_heads, num_kv_heads, head_dim, block_size, spare_blocks=1):
-    """A paged FP8 batch with permuted block tables (padded with -1) and NaN-poisoned unused slots."""
+def paged_layout(rng, lens, num_heads, num_kv_heads, head_dim, block_size, spare_blocks=1) -> fst.PagedKVLayout:
+    """A paged batch's layout: each sequence's blocks drawn from a permuted pool, block tables padded with -1."""
     lens = np.asarray(lens, np.int32)
     blocks = -(-lens // block_size)
     num_blocks = int(blocks.sum()) + spare_blocks
@@ -135,8 +135,12 @@ def paged_fp8(rng, lens, num_heads, num_kv_heads, head_dim, block_size, spare_bl
     for i, n in enumerate(blocks):
         tables[i, :n] = pool[start : start + n]
         start += n
-    layout = fst.PagedKVLayout(num_heads, num_kv_heads, head_dim, block_size, num_blocks, tables, lens)
-    return layout.random_data(rng, fp8=True)
+    return fst.PagedKVLayout(num_heads, num_kv_heads, head_dim, block_size, num_blocks, tables, lens)
+
+
+def paged_fp8(rng, lens, num_heads, num_kv_heads, head_dim, block_size, spare_blocks=1):
+    """A random paged FP8 batch (``paged_layout``) with NaN-poisoned unused slots."""
+    return paged_layout(rng, lens, num_heads, num_kv_heads, head_dim, block_size, spare_blocks).random_data(rng, fp8=True)
 
 
 def dense_tokens(data, seq):

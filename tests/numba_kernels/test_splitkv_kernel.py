@@ -26,6 +26,7 @@ from helpers.attention import (
     bf16_cache,
     bf16_rounded,
     filled_cache,
+    paged_layout,
     random_slopes,
     tolerance,
 )
@@ -49,16 +50,7 @@ def make_data(rng, lens, num_heads=2, num_kv_heads=1, head_dim=32, block_size=4,
 
     ``cache``: ``"fp8"`` (codes + scales), ``"fp32"``, or ``"bf16"`` (the float32 data rounded to BF16 patterns).
     """
-    lens = np.asarray(lens, np.int32)
-    blocks = -(-lens // block_size)
-    num_blocks = int(blocks.sum()) + spare_blocks
-    pool = rng.permutation(num_blocks)
-    tables = np.full((len(lens), max(1, int(blocks.max(initial=0)))), -1, np.int32)
-    start = 0
-    for i, n in enumerate(blocks):
-        tables[i, :n] = pool[start : start + n]
-        start += n
-    layout = fst.PagedKVLayout(num_heads, num_kv_heads, head_dim, block_size, num_blocks, tables, lens)
+    layout = paged_layout(rng, lens, num_heads, num_kv_heads, head_dim, block_size, spare_blocks)
     data = layout.random_data(rng, fp8=cache == "fp8")
     if cache == "bf16":
         data = fst.PagedKVData(data.q, bf16_cache(data.k_cache), bf16_cache(data.v_cache), None, None,

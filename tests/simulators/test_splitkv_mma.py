@@ -137,3 +137,10 @@ def test_unsupported_shapes_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
         splitkv_mma.paged_decode(data.q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens,
                                  data.softmax_scale, data.k_scale, data.v_scale)
+
+
+def test_power_of_two_below_at_the_top_of_the_range():
+    """``vmax >= 2^127`` gives ``inv = 0`` (as the kernel's integer code does), never a wrapped exponent."""
+    pow_, inv = splitkv_mma.power_of_two_below(np.array([2.0**127, 3e38, np.inf, 2.0**126], np.float32))
+    assert inv.tolist()[:3] == [0.0, 0.0, 0.0] and inv[3] == np.float32(2.0**-126)
+    assert pow_[0] == np.float32(2.0**127) and np.isinf(pow_[2])
