@@ -386,8 +386,8 @@ def test_fp8_weight_kernels_compile_to_sm90_ptx(compiled):
 def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
     """Every variant: 9 cache writes (input x cache format), 22 split kernels (3 cache formats x 4 head sizes
     with 4 heads per CTA, every format at 128 with 1 to 3 heads, FP8 at 128 with 4 heads and BF16 output),
-    the combine for float32 and BF16 output, 4 tensor-core split kernels (``splitkv_mma``: head_dim 128 with
-    2, 4 and 16 query heads per kv head, 256 with 8): no local memory, no float64, the expected load widths,
+    the combine for float32 and BF16 output, 2 tensor-core split kernels (``splitkv_mma``: head_dim 128 with
+    4 query heads per kv head and float32 output, 16 with BF16 output): no local memory, no float64, the expected load widths,
     16-bit stores for BF16 output, the F16 ``mma`` and the E4M3 pair conversion in the tensor-core ones; no
     spills where nvJitLink can run ptxas."""
     def check(c):
