@@ -731,6 +731,18 @@ def _as_int32(x):
     return np.ascontiguousarray(x, dtype=np.int32) if isinstance(x, np.ndarray) else x
 
 
+def combine_and_return(call: DecodeCall, workspace_device, out_device, stream) -> None:
+    """After a split kernel: the combine kernel where there are shards (it writes ``out``), then ``out`` back to the
+    caller's NumPy array on a GPU. Shared by ``paged_decode`` and ``splitkv_mma.paged_decode_mma``."""
+    num_seqs, num_heads, head_dim = call.q.shape
+    if call.num_splits > 1:
+        pdl.launch(_combine(call.bf16_out), (num_seqs, num_heads), head_dim, stream,
+                   workspace_device.reshape(workspace_device.size), workspace_device.shape[2], call.num_splits,
+                   out_device)
+    if out_device is not call.out:  # a NumPy out on a GPU
+        out_device.copy_to_host(call.out, stream=stream)
+
+
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
                  alibi_slopes=None, num_splits="auto", workspace=None, *, kv_format=None, max_seq_len=None, stream=0,
                  tokens_in_flight=None):
@@ -783,12 +795,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out
         kernel, (num_seqs, num_heads // heads, call.num_splits), THREADS_PER_CTA, stream,
         *device, int(call.alibi_slopes is not None), call.scale_log2, call.num_kv_heads, call.block_size,
         call.num_splits, workspace_device, out_device)
-    if call.num_splits > 1:
-        pdl.launch(_combine(call.bf16_out), (num_seqs, num_heads), head_dim, stream,
-                   workspace_device.reshape(workspace_device.size), workspace_device.shape[2], call.num_splits,
-                   out_device)
-    if out_device is not call.out:  # a NumPy out on a GPU
-        out_device.copy_to_host(call.out, stream=stream)
+    combine_and_return(call, workspace_device, out_device, stream)
     return out
 
 

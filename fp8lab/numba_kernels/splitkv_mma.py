@@ -68,8 +68,8 @@ from .gemv_simt import unrolled
 from .kv_cache import on_device, placeholder
 from .mma import mma_f16_inline as mma_f16
 from .splitkv import (
-    _combine,
     check_decode,
+    combine_and_return,
     decode_workspace,
     device_num_sms,
     merge_weight,
@@ -402,7 +402,7 @@ def paged_decode_mma(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale,
     ``alibi_slopes``; the cache must be one this kernel takes (``fp8lab.simulators.splitkv_mma.supports``: FP8,
     ``head_dim`` 128, at most 16 query heads per kv head, a block size that is a multiple of 16), else a
     ``ValueError`` that says which. ``num_splits="auto"`` is ``fp8lab.simulators.splitkv_mma.choose_num_splits``
-    for this GPU (one-warp CTAs, at most 32 shards); ``workspace`` as ``splitkv.decode_workspace``.
+    for this GPU (4-warp CTAs, one per SM, at most 32 shards); ``workspace`` as ``splitkv.decode_workspace``.
     """
     call = check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale, v_scale, None,
                         1 if isinstance(num_splits, str) and num_splits == "auto" else num_splits, None, max_seq_len,
@@ -436,12 +436,7 @@ def paged_decode_mma(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale,
     pdl.launch(_split_kernel(head_dim, group, call.bf16_out), (num_seqs, call.num_kv_heads, call.num_splits),
                THREADS, stream, *device, call.scale_log2, call.num_kv_heads, call.block_size, call.num_splits,
                workspace_device, out_device)
-    if call.num_splits > 1:
-        pdl.launch(_combine(call.bf16_out), (num_seqs, num_heads), head_dim, stream,
-                   workspace_device.reshape(workspace_device.size), workspace_device.shape[2], call.num_splits,
-                   out_device)
-    if out_device is not call.out:  # a NumPy out on a GPU
-        out_device.copy_to_host(call.out, stream=stream)
+    combine_and_return(call, workspace_device, out_device, stream)
     return out
 
 
