@@ -41,6 +41,8 @@ PTX of ``kernel_variants()``.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from numba import cuda, float32, types
@@ -67,13 +69,30 @@ COMPILED_HEAD_DIMS = (16, 64, 128)
 """Head dims of ``kernel_variants`` (the PTX check): a staged one (16) and in-lane ones (64: tiny model, 128: Qwen3)."""
 
 
-def attention_input_function(head_dim: int, cache_format: str):
-    """The Python source of the kernel for one head dim and cache format.
+@dataclass(frozen=True)
+class HeadRowFunctions:
+    """The device functions of one warp's work on one head row (``head_row_functions``)."""
 
-    Arguments ``(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
-    v_scale, slot_mapping)``: ``q [T, Hq D]``, ``k``, ``v [T, Hkv D]`` (any row stride), ``q_out [T, Hq,
-    D]`` (a float cache gets placeholder scale arrays, never touched). Launch ``[(T, Hq + Hkv), 32]``.
-    """
+    elements: int
+    """``E``: elements per lane (lane ``L`` holds elements ``L + 32 i``)."""
+    load_row: Callable
+    """``load_row(x, token, head, lane, values)``: head ``head``'s D columns of row ``token`` of a 2-D ``[T, heads * D]``
+    array (any row stride) into the lane's ``values[E]``."""
+    norm_rope: Callable
+    """``norm_rope(x, weight, eps, n, positions, cos_sin, token, head, lane, values, stage)``: load, q/k-norm and rotate
+    head ``head`` of row ``token`` into ``values`` (``n``: D as a run-time float32; ``stage``: D shared floats, used
+    only when the RoPE pair is not in one lane)."""
+    store_row: Callable
+    """``store_row(x, token, head, lane, values)``: the lane's elements into ``x[token, head, :]`` of a 3-D array."""
+    write_row: Callable
+    """``write_row(values, cache, scales, block, head, offset, lane)``: the lane's elements into the cache slot
+    (``kv_cache``'s write for the cache format: FP8 codes and the row's scale, BF16 bits or float32)."""
+
+
+@functools.cache
+def head_row_functions(head_dim: int, cache_format: str) -> HeadRowFunctions:
+    """The device functions of this kernel for one head dim and cache format: what a warp does to one head row.
+    ``splitkv_mma``'s decode attention with its input runs the same ones, so their results are the same bits."""
     D = head_dim
     HALF = D // 2
     E = -(-D // WARP_SIZE)  # elements per lane
@@ -160,13 +179,6 @@ def attention_input_function(head_dim: int, cache_format: str):
                     values[r] = cuda.fma(values[r], c[r], other[r] * s[r])
 
     @cuda.jit(device=True, inline=True)
-    def store_row(x, token, head, lane, values):
-        for r in range(E):
-            d = lane + WARP_SIZE * r
-            if owns(lane, r):
-                x[token, head, d] = values[r]
-
-    @cuda.jit(device=True, inline=True)
     def write_fp8(values, cache, scales, block, head, offset, lane):
         """``kv_cache``'s FP8 write: amax (lane order, then the butterfly), the scale by lane 0, the codes."""
         amax = float32(0)
@@ -198,8 +210,6 @@ def attention_input_function(head_dim: int, cache_format: str):
             if owns(lane, r):
                 cache[block, head, offset, d] = mathops.f32_to_bf16_bits_rne(values[r])
 
-    write_row = {"fp8": write_fp8, "fp32": write_f32, "bf16": write_bf16}[cache_format]
-
     @cuda.jit(device=True, inline=True)
     def norm_rope(x, weight, eps, n, positions, cos_sin, token, head, lane, values, stage):
         """Load, norm and rotate head ``head`` of row ``token`` of ``x`` into ``values`` (``n``: D at run time)."""
@@ -216,6 +226,29 @@ def attention_input_function(head_dim: int, cache_format: str):
         normalize(values, w, eps, lane, n)
         partners(values, stage, lane, other)
         rotate(values, other, c, s, in_table, lane)
+
+    @cuda.jit(device=True, inline=True)
+    def store_row(x, token, head, lane, values):
+        for r in range(E):
+            d = lane + WARP_SIZE * r
+            if owns(lane, r):
+                x[token, head, d] = values[r]
+
+    write_row = {"fp8": write_fp8, "fp32": write_f32, "bf16": write_bf16}[cache_format]
+    return HeadRowFunctions(E, load_row, norm_rope, store_row, write_row)
+
+
+def attention_input_function(head_dim: int, cache_format: str):
+    """The Python source of the kernel for one head dim and cache format.
+
+    Arguments ``(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
+    v_scale, slot_mapping)``: ``q [T, Hq D]``, ``k``, ``v [T, Hkv D]`` (any row stride), ``q_out [T, Hq,
+    D]`` (a float cache gets placeholder scale arrays, never touched). Launch ``[(T, Hq + Hkv), 32]``.
+    """
+    D = head_dim
+    rows = head_row_functions(head_dim, cache_format)
+    E, load_row, norm_rope, store_row, write_row = (rows.elements, rows.load_row, rows.norm_rope, rows.store_row,
+                                                    rows.write_row)
 
     def attention_input_kernel(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
                                v_scale, slot_mapping):
@@ -272,6 +305,24 @@ def _check_columns(name: str, x, tokens: int, width: int):
                          f"and at least {4 * width} bytes), got strides {x.strides}")
 
 
+def check_head_inputs(q, k, v, q_norm, k_norm, positions, cos_sin, tokens: int, q_heads: int, kv_heads: int,
+                      head_dim: int) -> None:
+    """The checks of the inputs a warp's head rows read (``ValueError`` naming the argument): ``q``, ``k``, ``v`` float32
+    columns (``_check_columns``), the norm weights, int32 positions and the RoPE table."""
+    _check_columns("q", q, tokens, q_heads * head_dim)
+    _check_columns("k", k, tokens, kv_heads * head_dim)
+    _check_columns("v", v, tokens, kv_heads * head_dim)
+    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if tuple(weight.shape) != (head_dim,) or np.dtype(weight.dtype) != np.float32:
+            reject(name, f"float32 [{head_dim}]", weight)
+        require_c_contiguous(name, weight)
+    if positions.ndim != 1 or positions.shape[0] != tokens or np.dtype(positions.dtype) != np.int32:
+        reject("positions", f"int32 [{tokens}]", positions)
+    if cos_sin.ndim != 2 or cos_sin.shape[1] != head_dim or np.dtype(cos_sin.dtype) != np.float32:
+        reject("cos_sin", f"float32 [max_positions, {head_dim}] (rope_table)", cos_sin)
+    require_c_contiguous("cos_sin", cos_sin)
+
+
 def _check_q_out_memory(q_out, q, k, v):
     """``q_out`` overlaps neither ``k`` nor ``v``, and ``q`` only as ``q`` itself (in place: same start, contiguous)."""
     if q_out.size == 0:
@@ -284,7 +335,7 @@ def _check_q_out_memory(q_out, q, k, v):
                          "q C-contiguous, in place)")
 
 
-def _host_contiguous(x):
+def host_contiguous(x):
     """A NumPy column slice as a C-contiguous copy (the simulator and ``on_device`` copy only contiguous arrays);
     device arrays, read in place with their row stride, pass through."""
     return np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x
@@ -329,18 +380,7 @@ def qk_norm_rope_cache_write(q, k, v, q_out, q_norm, k_norm, eps, positions, cos
     kv_heads = k_cache.shape[1]
     if k_cache.shape[3] != head_dim:
         reject("k_cache", f"[num_blocks, num_kv_heads, block_size, {head_dim}] (q_out's head_dim)", k_cache)
-    _check_columns("q", q, tokens, q_heads * head_dim)
-    _check_columns("k", k, tokens, kv_heads * head_dim)
-    _check_columns("v", v, tokens, kv_heads * head_dim)
-    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if tuple(weight.shape) != (head_dim,) or np.dtype(weight.dtype) != np.float32:
-            reject(name, f"float32 [{head_dim}]", weight)
-        require_c_contiguous(name, weight)
-    if positions.ndim != 1 or positions.shape[0] != tokens or np.dtype(positions.dtype) != np.int32:
-        reject("positions", f"int32 [{tokens}]", positions)
-    if cos_sin.ndim != 2 or cos_sin.shape[1] != head_dim or np.dtype(cos_sin.dtype) != np.float32:
-        reject("cos_sin", f"float32 [max_positions, {head_dim}] (rope_table)", cos_sin)
-    require_c_contiguous("cos_sin", cos_sin)
+    check_head_inputs(q, k, v, q_norm, k_norm, positions, cos_sin, tokens, q_heads, kv_heads, head_dim)
     if slot_mapping.ndim != 1 or slot_mapping.shape[0] != tokens or np.dtype(slot_mapping.dtype) != np.int32:
         reject("slot_mapping", f"int32 [{tokens}] (-1: padding)", slot_mapping)
     _check_q_out_memory(q_out, q, k, v)
@@ -351,7 +391,7 @@ def qk_norm_rope_cache_write(q, k, v, q_out, q_norm, k_norm, eps, positions, cos
     fp8 = cache_format == "fp8"
     # q before q_out: the simulator copies every NumPy argument back after the launch, in order, so an
     # in-place q_out (another NumPy view of q's memory) gets the result last
-    args = [_host_contiguous(q), _host_contiguous(k), _host_contiguous(v), q_out, q_norm, k_norm, np.float32(eps),
+    args = [host_contiguous(q), host_contiguous(k), host_contiguous(v), q_out, q_norm, k_norm, np.float32(eps),
             positions, cos_sin, k_cache, v_cache, k_scale if fp8 else placeholder(3),
             v_scale if fp8 else placeholder(3), slot_mapping]
     written = (3, 9, 10, 11, 12) if fp8 else (3, 9, 10)

@@ -63,6 +63,8 @@ from fp8lab.simulators.splitkv_mma import (
 )
 
 from . import mathops, pdl
+from .arguments import as_kernel_array
+from .attention_input import check_head_inputs, head_row_functions, host_contiguous
 from .bits import e4m3x2_to_f16x2, f32_as_u32, f32_to_f16_bits, u32_as_f32
 from .gemv_simt import unrolled
 from .kv_cache import on_device, placeholder
@@ -76,7 +78,7 @@ from .splitkv import (
     normalized,
     output_store,
 )
-from .warp import FULL_MASK, WARP_SIZE, load_u32x4
+from .warp import FULL_MASK, WARP_SIZE, load_u32x4, load_u32x4_coherent
 
 THREADS = WARPS * WARP_SIZE
 EXPONENT_BITS = uint32(0x7F800000)
@@ -93,10 +95,10 @@ def tile_shard_range(seq_len, shard, num_splits):
 
 
 @cuda.jit(device=True, inline=True)
-def query_pair(q, seq, head, d, scale_log2):
-    """F16 bits of ``q[seq, head, d] * scale_log2`` (low half) and of element ``d + 1`` (high half)."""
-    low = f32_to_f16_bits(q[seq, head, d] * scale_log2)
-    high = f32_to_f16_bits(q[seq, head, d + 1] * scale_log2)
+def query_pair(q_rows, row, d, scale_log2):
+    """F16 bits of ``q_rows[row, d] * scale_log2`` (low half) and of element ``d + 1`` (high half)."""
+    low = f32_to_f16_bits(q_rows[row, d] * scale_log2)
+    high = f32_to_f16_bits(q_rows[row, d + 1] * scale_log2)
     return low | (high << uint32(16))
 
 
@@ -124,13 +126,17 @@ def row_max(x):
     return mathops.nan_max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
 
 
-def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
+def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, with_input: bool = False):
     """The Python source of the split kernel for one head size, query heads per kv head and output format.
 
     Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, scale_log2, num_kv_heads,
     block_size, num_splits, workspace, out``: the caches flat as uint32 words and their scales flat
     (``splitkv.flat_cache``: row ``(block * num_kv_heads + kv_head) * block_size + offset``). Launch
     ``[(num_seqs, num_kv_heads, num_splits), THREADS]`` (4 warps). ``out`` is written only when ``num_splits == 1``.
+
+    ``with_input``: the kernel of ``decode_mma_with_input``, whose arguments begin ``q_in, k_in, v_in, q_norm, k_norm,
+    eps, positions, cos_sin, k_cache, v_cache, k_scale, v_scale`` (the attention input, as
+    ``attention_input.qk_norm_rope_cache_write`` takes it, and the caches it writes) in place of ``q``.
     """
     D, G = head_dim, group
     STEPS = D // 16  # k-steps of the scores; the lane's key words per token
@@ -143,6 +149,12 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
     QUERY_WORDS, ACC_SIZE = 4 * STEPS, 4 * NTILES  # local array sizes must be plain constants
     KEY_WORDS, VALUE_WORDS = 2 * K_WORDS, 4 * V_WORDS
     store = output_store(bf16_out)
+    # a CTA that writes the new token reads it back: the coherent load (the non-coherent path may hold a stale line)
+    load_words = load_u32x4_coherent if with_input else load_u32x4
+    head_rows = head_row_functions(D, "fp8")  # the attention input's warp functions (with_input)
+    HEAD_ELEMENTS, load_row, norm_rope, store_row, write_row = (head_rows.elements, head_rows.load_row,
+                                                                head_rows.norm_rope, head_rows.store_row,
+                                                                head_rows.write_row)
 
     @cuda.jit(device=True, inline=True)
     def value_word(w, args):
@@ -216,7 +228,7 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
             if tile0 + 8 * half + g < end:
                 first = (row0 + uint64(8 * half + g)) * ROW_WORDS + uint64(K_WORDS * t)
                 for i in range(K_WORDS // 4):
-                    w0, w1, w2, w3 = load_u32x4(k_words, first + uint64(4 * i))
+                    w0, w1, w2, w3 = load_words(k_words, first + uint64(4 * i))
                     kw[half * K_WORDS + 4 * i] = w0
                     kw[half * K_WORDS + 4 * i + 1] = w1
                     kw[half * K_WORDS + 4 * i + 2] = w2
@@ -231,7 +243,7 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
                 row = row0 + uint64(j)
                 first = row * ROW_WORDS + uint64(V_WORDS * g)
                 for i in range(V_WORDS // 4):
-                    w0, w1, w2, w3 = load_u32x4(v_words, first + uint64(4 * i))
+                    w0, w1, w2, w3 = load_words(v_words, first + uint64(4 * i))
                     vw[u * V_WORDS + 4 * i] = w0
                     vw[u * V_WORDS + 4 * i + 1] = w1
                     vw[u * V_WORDS + 4 * i + 2] = w2
@@ -257,27 +269,35 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
         tile0 = start + TILE * (first_tile + lane)
         return table[tile0 // block_size] if tile0 < end else 0
 
-    def split_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, scale_log2, num_kv_heads,
-                     block_size, num_splits, workspace, out):
-        pdl.prologue()  # the cache write and q come from the kernels before: wait for them
-        seq, kv, shard = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        warp, lane = cuda.threadIdx.x // WARP_SIZE, cuda.threadIdx.x % WARP_SIZE
-        g, t = lane >> 2, lane & 3
-        head0 = kv * G
-        start, end = tile_shard_range(seq_lens[seq], shard, num_splits)
-
-        qa = cuda.local.array(QUERY_WORDS, uint32)  # the A registers of the scores, per k-step
+    @cuda.jit(device=True, inline=True)
+    def query_registers(q_rows, row0, g, t, scale_log2, qa):
+        """The A registers of the scores, per k-step: rows ``g`` (and ``g + 8``) are query rows ``row0 + g`` (``+ 8``)
+        of ``q_rows [heads, D]``, as F16 pairs of ``q * scale_log2``; rows past the group are 0."""
         for s in range(STEPS):
             d = (D // 4) * t + 4 * s
-            qa[4 * s] = query_pair(q, seq, head0 + g, d, scale_log2) if g < G else uint32(0)
-            qa[4 * s + 2] = query_pair(q, seq, head0 + g, d + 2, scale_log2) if g < G else uint32(0)
+            qa[4 * s] = query_pair(q_rows, row0 + g, d, scale_log2) if g < G else uint32(0)
+            qa[4 * s + 2] = query_pair(q_rows, row0 + g, d + 2, scale_log2) if g < G else uint32(0)
             if WIDE and g + 8 < G:
-                qa[4 * s + 1] = query_pair(q, seq, head0 + g + 8, d, scale_log2)
-                qa[4 * s + 3] = query_pair(q, seq, head0 + g + 8, d + 2, scale_log2)
+                qa[4 * s + 1] = query_pair(q_rows, row0 + g + 8, d, scale_log2)
+                qa[4 * s + 3] = query_pair(q_rows, row0 + g + 8, d + 2, scale_log2)
             else:
                 qa[4 * s + 1] = uint32(0)
                 qa[4 * s + 3] = uint32(0)
 
+    @cuda.jit(device=True, inline=True)
+    def first_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size, rows_per_block, kv_row,
+                   warp, g, t, kw, vw, k_scale, v_scale, valid):
+        """The loads of this warp's first tile (tile ``warp`` of the shard)."""
+        load_tile(k_words, v_words, k_scales, v_scales,
+                  tile_row(lane_block, warp, start, block_size, rows_per_block, kv_row), start + TILE * warp, end,
+                  g, t, kw, vw, k_scale, v_scale, valid)
+
+    @cuda.jit(device=True, inline=True)
+    def attend_shard(qa, k_words, v_words, k_scales, v_scales, table, lane_block, start, end, block_size, num_kv_heads,
+                     kv, seq, shard, num_splits, workspace, out, warp, lane, g, t, kw, vw, k_scale, v_scale, valid):
+        """This warp's tiles of the shard (``warp``, ``warp + 4``, ...; the first one's loads already issued into
+        ``kw``, ``vw``, ...), then the CTA's merge of its warps and the shard's partial (or ``out``)."""
+        head0 = kv * G
         m = cuda.local.array(2, float32)  # rows g, g + 8
         lsum = cuda.local.array(2, float32)  # this lane's share of l
         corr = cuda.local.array(2, float32)
@@ -292,11 +312,6 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
         for i in range(8):
             weights[i] = uint32(0)  # rows g + 8 stay 0 unless G > 8
 
-        kw = cuda.local.array(KEY_WORDS, uint32)  # the tile being computed: keys of tokens g and 8 + g
-        vw = cuda.local.array(VALUE_WORDS, uint32)  # values of the lane's tokens u = 0..3
-        k_scale = cuda.local.array(4, float32)
-        v_scale = cuda.local.array(4, float32)
-        valid = cuda.local.array(4, types.int32)  # whether token u is in the shard
         next_kw = cuda.local.array(KEY_WORDS, uint32)  # the next tile, loading while this one computes
         next_vw = cuda.local.array(VALUE_WORDS, uint32)
         next_k_scale = cuda.local.array(4, float32)
@@ -305,15 +320,9 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
         p = cuda.local.array(4, float32)
         scores = cuda.local.array(8, float32)  # [row r][u]
 
-        table = block_tables[seq]
         rows_per_block = num_kv_heads * block_size
         kv_row = kv * block_size
         tiles = (end - start + TILE - 1) // TILE
-        lane_block = table_chunk(table, start, end, block_size, 0, lane)
-        if warp < tiles:
-            load_tile(k_words, v_words, k_scales, v_scales,
-                      tile_row(lane_block, warp, start, block_size, rows_per_block, kv_row), start + TILE * warp, end,
-                      g, t, kw, vw, k_scale, v_scale, valid)
         for tile in range(warp, tiles, WARPS):  # this warp's tiles: warp, warp + 4, ...
             upcoming = tile + WARPS
             if upcoming < tiles:  # the next tile's loads go out before this tile's arithmetic
@@ -384,26 +393,99 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
                     workspace[seq, head, shard, D] = m_star
                     workspace[seq, head, shard, D + 1] = l_sum
 
-    return split_kernel
+    def split_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, scale_log2, num_kv_heads,
+                     block_size, num_splits, workspace, out):
+        pdl.prologue()  # the cache write and q come from the kernels before: wait for them
+        seq, kv, shard = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        warp, lane = cuda.threadIdx.x // WARP_SIZE, cuda.threadIdx.x % WARP_SIZE
+        g, t = lane >> 2, lane & 3
+        start, end = tile_shard_range(seq_lens[seq], shard, num_splits)
+        qa = cuda.local.array(QUERY_WORDS, uint32)
+        query_registers(q[seq], kv * G, g, t, scale_log2, qa)
+        kw = cuda.local.array(KEY_WORDS, uint32)
+        vw = cuda.local.array(VALUE_WORDS, uint32)
+        k_scale = cuda.local.array(4, float32)
+        v_scale = cuda.local.array(4, float32)
+        valid = cuda.local.array(4, types.int32)
+        table = block_tables[seq]
+        lane_block = table_chunk(table, start, end, block_size, 0, lane)
+        if warp < (end - start + TILE - 1) // TILE:
+            first_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size,
+                       num_kv_heads * block_size, kv * block_size, warp, g, t, kw, vw, k_scale, v_scale, valid)
+        attend_shard(qa, k_words, v_words, k_scales, v_scales, table, lane_block, start, end, block_size, num_kv_heads,
+                     kv, seq, shard, num_splits, workspace, out, warp, lane, g, t, kw, vw, k_scale, v_scale, valid)
+
+    def split_kernel_with_input(q_in, k_in, v_in, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale_out,
+                                v_scale_out, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, scale_log2,
+                                num_kv_heads, block_size, num_splits, workspace, out):
+        seq, kv, shard = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        warp, lane = cuda.threadIdx.x // WARP_SIZE, cuda.threadIdx.x % WARP_SIZE
+        g, t = lane >> 2, lane & 3
+        length = seq_lens[seq]
+        start, end = tile_shard_range(length, shard, num_splits)
+        writer = start < end and end == length  # the shard holding the new token (position length - 1) writes it
+        tiles = (end - start + TILE - 1) // TILE
+        kw = cuda.local.array(KEY_WORDS, uint32)
+        vw = cuda.local.array(VALUE_WORDS, uint32)
+        k_scale = cuda.local.array(4, float32)
+        v_scale = cuda.local.array(4, float32)
+        valid = cuda.local.array(4, types.int32)
+        table = block_tables[seq]
+        rows_per_block, kv_row = num_kv_heads * block_size, kv * block_size
+        # Before the wait: the block table (copied in before the step) and every first tile but the new token's,
+        # which earlier steps wrote. Every kernel waits for its predecessor before it lets the next one launch
+        # (pdl.prologue), so when this kernel runs, everything but the q/k/v GEMM before it is complete.
+        lane_block = table_chunk(table, start, end, block_size, 0, lane)
+        early = warp < tiles and not (writer and warp == tiles - 1)
+        if early:
+            first_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size, rows_per_block, kv_row,
+                       warp, g, t, kw, vw, k_scale, v_scale, valid)
+        pdl.prologue()  # q, k and v come from the GEMM before: wait for it
+
+        # The attention input (attention_input's warp functions, bit for bit): task i < G is query head kv G + i, normed
+        # and rotated into shared memory; task G, in the writing CTA, the new token's k (normed, rotated) and v into
+        # the cache at position length - 1. Warp w takes tasks w, w + 4, ...
+        q_rows = cuda.shared.array((1, G, D), float32)
+        stage = cuda.shared.array(D, float32)  # unused: D = 128 keeps each RoPE pair in one lane
+        values = cuda.local.array(HEAD_ELEMENTS, float32)
+        n = float32(k_cache.shape[3])  # D at run time: the norm divides as rms_norm does
+        for task in range(warp, G + 1, WARPS):
+            if task < G:
+                norm_rope(q_in, q_norm, eps, n, positions, cos_sin, seq, kv * G + task, lane, values, stage)
+                store_row(q_rows, 0, task, lane, values)
+            elif writer:
+                v_values = cuda.local.array(HEAD_ELEMENTS, float32)
+                load_row(v_in, seq, kv, lane, v_values)
+                norm_rope(k_in, k_norm, eps, n, positions, cos_sin, seq, kv, lane, values, stage)
+                position = length - 1
+                block, offset = table[position // block_size], position % block_size
+                write_row(values, k_cache, k_scale_out, block, kv, offset, lane)
+                write_row(v_values, v_cache, v_scale_out, block, kv, offset, lane)
+        cuda.syncthreads()  # the queries and the new token's K/V are visible to the CTA
+
+        if warp < tiles and not early:
+            first_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size, rows_per_block, kv_row,
+                       warp, g, t, kw, vw, k_scale, v_scale, valid)
+        qa = cuda.local.array(QUERY_WORDS, uint32)
+        query_registers(q_rows[0], 0, g, t, scale_log2, qa)
+        attend_shard(qa, k_words, v_words, k_scales, v_scales, table, lane_block, start, end, block_size, num_kv_heads,
+                     kv, seq, shard, num_splits, workspace, out, warp, lane, g, t, kw, vw, k_scale, v_scale, valid)
+
+    return split_kernel_with_input if with_input else split_kernel
+
+
 
 
 @functools.lru_cache(maxsize=None)
-def _split_kernel(head_dim: int, group: int, bf16_out: bool = False):
+def _split_kernel(head_dim: int, group: int, bf16_out: bool = False, with_input: bool = False):
     """The compiled split kernel of one variant, compiled once per process."""
-    return cuda.jit(split_kernel_function(head_dim, group, bf16_out))
+    return cuda.jit(split_kernel_function(head_dim, group, bf16_out, with_input))
 
 
-def paged_decode_mma(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
-                     num_splits="auto", workspace=None, *, kv_format=None, max_seq_len=None, stream=0):
-    """Decode attention of one query token per sequence over a paged FP8 cache on tensor cores, into ``out``;
-    returns ``out``.
-
-    Arguments as ``fp8lab.numba_kernels.splitkv.paged_decode`` (and checked by it: ``check_decode``), without
-    ``alibi_slopes``; the cache must be one this kernel takes (``fp8lab.simulators.splitkv_mma.supports``: FP8,
-    ``head_dim`` 128, at most 16 query heads per kv head, a block size that is a multiple of 16), else a
-    ``ValueError`` that says which. ``num_splits="auto"`` is ``fp8lab.simulators.splitkv_mma.choose_num_splits``
-    for this GPU (4-warp CTAs, one per SM, at most 32 shards); ``workspace`` as ``splitkv.decode_workspace``.
-    """
+def _checked_call(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale, v_scale, num_splits,
+                  workspace, kv_format, max_seq_len):
+    """``splitkv.check_decode``'s checks, then this kernel's: a cache it takes (``supports``), the split count ``"auto"``
+    picks here and a workspace of the right shape; returns ``(call, workspace)`` (a placeholder for one shard)."""
     call = check_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale, v_scale, None,
                         1 if isinstance(num_splits, str) and num_splits == "auto" else num_splits, None, max_seq_len,
                         kv_format)
@@ -417,8 +499,6 @@ def paged_decode_mma(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale,
     if isinstance(num_splits, str):
         call = dataclasses.replace(call, num_splits=choose_num_splits(num_seqs, call.num_kv_heads, call.max_seq_len,
                                                                       device_num_sms()))
-    if num_seqs == 0 or num_heads == 0:
-        return out
     if workspace is None:
         workspace = decode_workspace(num_seqs, num_heads, head_dim, call.num_splits) if call.num_splits > 1 else None
     if workspace is not None:
@@ -429,29 +509,104 @@ def paged_decode_mma(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale,
                              f"(splitkv.decode_workspace), got {workspace.dtype} {shape}")
     else:
         workspace = placeholder(4)  # one shard: the kernel writes out itself and never reads this
-    device = [on_device(x, stream) for x in (call.q, call.k_words, call.v_words, call.k_scales, call.v_scales,
+    return call, workspace
+
+
+def _launch(call, workspace, input_arrays, stream) -> None:
+    """The split kernel, then the combine; ``input_arrays``: the attention input's arrays, which the kernel with its
+    input takes first, or None (the queries ``call.q``)."""
+    num_seqs, num_heads, head_dim = call.q.shape
+    with_input = input_arrays is not None
+    device = [on_device(x, stream) for x in (*(input_arrays if with_input else (call.q,)), call.k_words, call.v_words, call.k_scales, call.v_scales,
                                              call.block_tables, call.seq_lens)]
     out_device = on_device(call.out, stream)
     workspace_device = on_device(workspace, stream)
-    pdl.launch(_split_kernel(head_dim, group, call.bf16_out), (num_seqs, call.num_kv_heads, call.num_splits),
-               THREADS, stream, *device, call.scale_log2, call.num_kv_heads, call.block_size, call.num_splits,
-               workspace_device, out_device)
+    kernel = _split_kernel(head_dim, num_heads // call.num_kv_heads, call.bf16_out, with_input)
+    pdl.launch(kernel, (num_seqs, call.num_kv_heads, call.num_splits), THREADS, stream, *device, call.scale_log2,
+               call.num_kv_heads, call.block_size, call.num_splits, workspace_device, out_device)
     combine_and_return(call, workspace_device, out_device, stream)
+
+
+def paged_decode_mma(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale=None, v_scale=None,
+                     num_splits="auto", workspace=None, *, kv_format=None, max_seq_len=None, stream=0):
+    """Decode attention of one query token per sequence over a paged FP8 cache on tensor cores, into ``out``;
+    returns ``out``.
+
+    Arguments as ``fp8lab.numba_kernels.splitkv.paged_decode`` (and checked by it: ``check_decode``), without
+    ``alibi_slopes``; the cache must be one this kernel takes (``fp8lab.simulators.splitkv_mma.supports``: FP8,
+    ``head_dim`` 128, at most 16 query heads per kv head, a block size that is a multiple of 16), else a
+    ``ValueError`` that says which. ``num_splits="auto"`` is ``fp8lab.simulators.splitkv_mma.choose_num_splits``
+    for this GPU (4-warp CTAs, one per SM, at most 32 shards); ``workspace`` as ``splitkv.decode_workspace``.
+    """
+    call, workspace = _checked_call(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale, v_scale,
+                                    num_splits, workspace, kv_format, max_seq_len)
+    if call.q.shape[0] and call.q.shape[1]:
+        _launch(call, workspace, None, stream)
+    return out
+
+
+def decode_mma_with_input(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, block_tables, seq_lens,
+                          softmax_scale, out, k_scale=None, v_scale=None, num_splits="auto", workspace=None, *,
+                          kv_format=None, max_seq_len=None, stream=0):
+    """A decode step's attention with its input, in one split kernel (and the combine): bit for bit
+    ``attention_input.qk_norm_rope_cache_write`` of the new tokens, then ``paged_decode_mma``; returns ``out``.
+
+    ``q [S, Hq * D]``, ``k``, ``v [S, Hkv * D]``: the step's q/k/v GEMM output, one row per sequence, as
+    ``qk_norm_rope_cache_write`` takes them (C-contiguous or column slices of the fused output), with ``q_norm``,
+    ``k_norm``, ``eps``, ``positions [S]`` (RoPE's) and ``cos_sin``. The new token of sequence ``s`` is its position
+    ``seq_lens[s] - 1``: its normed, rotated k and its v are written into the cache slot that ``block_tables[s]`` gives
+    that position (a row of length 0 writes nothing), by the CTA whose shard holds it, which then reads it back;
+    every CTA norms and rotates its kv head's queries itself. The rest as ``paged_decode_mma``; ``out``'s shape
+    ``[S, Hq, D]`` is the queries'. The normed queries are not stored anywhere.
+
+    Why: the attention input as a launch of its own costs a decode step one kernel boundary per layer (3.5 us at the
+    Qwen3-0.6B shape, ``bench/RESULTS.md``); here each CTA also issues its first tile's loads before it waits for the
+    GEMM (the tiles are earlier steps' and the cache is written by this kernel only at the new token).
+    """
+    out = as_kernel_array("out", out)
+    names = ("q", "k", "v", "q_norm", "k_norm", "positions", "cos_sin")
+    q, k, v, q_norm, k_norm, positions, cos_sin = (as_kernel_array(n, x) for n, x in
+                                                   zip(names, (q, k, v, q_norm, k_norm, positions, cos_sin)))
+    # The kernel writes the caches and reads them as flat words: one device copy of each (a NumPy cache is copied in,
+    # then back, in the CUDA simulator too, which would otherwise copy the cache and its word view apart), whose word
+    # views check_decode makes.
+    hosts = [None if x is None else as_kernel_array(n, x) for n, x in
+             (("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale), ("v_scale", v_scale))]
+    k_cache, v_cache, k_scale, v_scale = devices = [cuda.to_device(x, stream=stream) if isinstance(x, np.ndarray) else x
+                                                    for x in hosts]
+    queries = np.broadcast_to(np.float32(0), tuple(out.shape))  # the shape check_decode wants of q: out's
+    call, workspace = _checked_call(queries, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale,
+                                    v_scale, num_splits, workspace, kv_format, max_seq_len)
+    num_seqs, num_heads, head_dim = call.q.shape
+    check_head_inputs(q, k, v, q_norm, k_norm, positions, cos_sin, num_seqs, num_heads, call.num_kv_heads, head_dim)
+    if num_seqs and num_heads:
+        inputs = (host_contiguous(q), host_contiguous(k), host_contiguous(v), q_norm, k_norm, np.float32(eps), positions,
+                  cos_sin, k_cache, v_cache, k_scale, v_scale)
+        _launch(call, workspace, inputs, stream)
+        for host, device in zip(hosts, devices):
+            if device is not host:
+                device.copy_to_host(host, stream=stream)
     return out
 
 
 def kernel_variants():
     """``(name, python function, numba signature)`` of the variants the PTX check compiles: 4 query heads per kv head
-    with float32 out, 16 (rows ``g + 8`` in use) with BF16 out."""
+    with float32 out; 16 (rows ``g + 8`` in use) with BF16 out and the attention input (the q/k/v GEMM output as
+    column slices: layout "A")."""
     f32 = types.float32
     words = types.Array(types.uint32, 1, "C")
+    f32_1d, f32_2d, f32_3d = (types.Array(f32, d, "C") for d in (1, 2, 3))
+    columns = types.Array(f32, 2, "A")
+    cache = types.Array(types.uint8, 4, "C")
+    input_arguments = (columns, columns, columns, f32_1d, f32_1d, f32, types.Array(types.int32, 1, "C"), f32_2d,
+                       cache, cache, f32_3d, f32_3d)
 
-    def signature(bf16_out: bool):
+    def signature(bf16_out: bool, with_input: bool):
         out = types.Array(types.uint16 if bf16_out else f32, 3, "C")
-        return types.void(types.Array(f32, 3, "C"), words, words, types.Array(f32, 1, "C"), types.Array(f32, 1, "C"),
+        return types.void(*(input_arguments if with_input else (f32_3d,)), words, words, f32_1d, f32_1d,
                           types.Array(types.int32, 2, "C"), types.Array(types.int32, 1, "C"), f32, types.int64,
                           types.int64, types.int64, types.Array(f32, 4, "C"), out)
 
-    shapes = ((128, 4, False), (128, 16, True))
-    return [(f"split_mma[head_dim={d}, group={g}{', out=bf16' if b else ''}]", split_kernel_function(d, g, b),
-             signature(b)) for d, g, b in shapes]
+    shapes = ((128, 4, False, False), (128, 16, True, True))
+    return [(f"split_mma[head_dim={d}, group={g}{', out=bf16' if b else ''}{', with input' if w else ''}]",
+             split_kernel_function(d, g, b, w), signature(b, w)) for d, g, b, w in shapes]

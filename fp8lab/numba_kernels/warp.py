@@ -8,6 +8,7 @@ from here. Device functions, no kernel; checked through the kernels that use the
 - ``WARP_SIZE``, ``FULL_MASK``: 32 lanes, all of them taking part in a shuffle;
 - ``load_u32x4(words, index)``: four uint32 words in one 128-bit global load (``ld.global.nc.v4.u32``
   on a GPU; in the simulator a plain read that refuses a misaligned index, as the GPU would fault);
+  ``load_u32x4_coherent`` the same as ``ld.global.v4.u32``, for memory the kernel itself writes;
 - ``warp_sum(value)``: the butterfly reduction ``value += shfl_xor(value, off)`` for
   ``off = 16, 8, 4, 2, 1``, after which every lane holds the total. Its float32 order is that of
   ``fp8lab.simulators.common.butterfly_sum``.
@@ -38,6 +39,8 @@ if SIMULATOR:
             raise RuntimeError(f"load_u32x4: index {index} is not a multiple of 4 (the GPU load would be misaligned)")
         return words[index], words[index + 1], words[index + 2], words[index + 3]
 
+    load_u32x4_coherent = load_u32x4
+
 else:
     from llvmlite import ir
     from numba import types
@@ -46,18 +49,18 @@ else:
 
     _GLOBAL_ADDRESS_SPACE = 1
 
-    @intrinsic
-    def load_u32x4(typingctx, words, index):
-        """``words[index : index + 4]`` of a 1-D uint32 array as one ``ld.global.nc.v4.u32``.
+    def _load_u32x4_intrinsic(invariant: bool):
+        """The 128-bit load as an intrinsic: ``invariant`` marks it ``invariant.load`` (the non-coherent path)."""
 
-        The address must be 16-byte aligned (``index % 4 == 0`` and a 16-byte aligned array; the
-        host checks the data pointer). The data is read-only for the kernel's lifetime, which the
-        ``invariant.load`` mark tells the compiler, so it uses the non-coherent (read-only data
-        cache) path. An unsigned index needs no negative-index fix-up.
-        """
-        if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
-            return None
+        @intrinsic
+        def load(typingctx, words, index):
+            if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
+                return None
+            return types.UniTuple(types.uint32, WORDS_PER_LOAD)(words, index), _load_codegen(invariant)
 
+        return load
+
+    def _load_codegen(invariant: bool):
         def codegen(context, builder, signature, args):
             array_type, index_type = signature.args
             array = context.make_array(array_type)(context, builder, value=args[0])
@@ -67,11 +70,23 @@ else:
             global_pointer = builder.addrspacecast(pointer, ir.PointerType(ir.IntType(32), _GLOBAL_ADDRESS_SPACE))
             loaded = builder.load(builder.bitcast(global_pointer, ir.PointerType(vector, _GLOBAL_ADDRESS_SPACE)),
                                   align=LOAD_ALIGNMENT)
-            loaded.set_metadata("invariant.load", builder.module.add_metadata([]))
+            if invariant:
+                loaded.set_metadata("invariant.load", builder.module.add_metadata([]))
             lanes = [builder.extract_element(loaded, ir.Constant(ir.IntType(32), i)) for i in range(WORDS_PER_LOAD)]
             return context.make_tuple(builder, signature.return_type, lanes)
 
-        return types.UniTuple(types.uint32, WORDS_PER_LOAD)(words, index), codegen
+        return codegen
+
+    load_u32x4 = _load_u32x4_intrinsic(invariant=True)
+    """``words[index : index + 4]`` of a 1-D uint32 array as one ``ld.global.nc.v4.u32``.
+
+    The address must be 16-byte aligned (``index % 4 == 0`` and a 16-byte aligned array; the host checks the data
+    pointer). The data is read-only for the kernel's lifetime, which the ``invariant.load`` mark tells the compiler,
+    so it uses the non-coherent (read-only data cache) path. An unsigned index needs no negative-index fix-up."""
+
+    load_u32x4_coherent = _load_u32x4_intrinsic(invariant=False)
+    """The same load as a plain ``ld.global.v4.u32``: for memory that this kernel also writes (a CTA reading what
+    its own threads stored before a barrier; the non-coherent path may return the stale line)."""
 
 
 

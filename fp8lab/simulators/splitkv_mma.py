@@ -62,6 +62,7 @@ import numpy as np
 
 from fp8lab.reference import e4m3, kv_cache
 
+from .dense import rms_norm, rope
 from .fma import fma_f32
 from .mma import MMA_K, MMA_N, k16_sum
 from .splitkv import (
@@ -282,6 +283,37 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale: flo
     (``shard_partials``, then the combine of ``fp8lab.simulators.splitkv``)."""
     partials = shard_partials(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale, num_splits)
     return combine_partials(partials.m, partials.l, partials.acc)
+
+
+def new_token_slots(block_tables, seq_lens, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, slots)``: the sequences with a new token (length > 0) and the cache slot of position ``length - 1``
+    in each one's block table: where a decode step's new K/V go (``decode_with_input``)."""
+    lens = np.asarray(seq_lens, np.int64)
+    rows = np.flatnonzero(lens > 0)
+    slots = [kv_cache.slots_for_positions(block_tables[i], [lens[i] - 1], block_size)[0] for i in rows]
+    return rows, np.asarray(slots, np.int64)
+
+
+def decode_with_input(q, k, v, q_norm, k_norm, eps: float, positions, cos_sin, k_cache, v_cache, block_tables,
+                      seq_lens, softmax_scale: float, k_scale, v_scale, num_splits="auto") -> np.ndarray:
+    """``fp8lab.numba_kernels.splitkv_mma.decode_mma_with_input``: the attention input of the new tokens (q/k-norm with
+    a warp per head row, ``fp8lab.simulators.dense.rms_norm``; RoPE, ``dense.rope``; the FP8 cache write of k and v,
+    ``fp8lab.reference.kv_cache.write``, at position ``length - 1`` of each sequence with one), then ``paged_decode``.
+    ``q [S, Hq D]``, ``k``, ``v [S, Hkv D]``; the caches and scales are updated in place; returns the attention."""
+    num_kv_heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_seqs = len(seq_lens)
+    warp = 32  # attention_input's norm: a warp per head row
+
+    def normed_rotated(x, weight):
+        heads = np.asarray(x, np.float32).reshape(num_seqs, -1, head_dim)
+        return rope(rms_norm(heads, weight, eps, warp), positions, cos_sin)
+
+    rows, slots = new_token_slots(block_tables, seq_lens, block_size)
+    new_v = np.asarray(v, np.float32).reshape(num_seqs, num_kv_heads, head_dim)
+    kv_cache.write(k_cache, k_scale, normed_rotated(k, k_norm)[rows], slots)
+    kv_cache.write(v_cache, v_scale, new_v[rows], slots)
+    return paged_decode(normed_rotated(q, q_norm), k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale,
+                        v_scale, num_splits)
 
 
 def _resolve(num_splits, num_seqs: int, num_kv_heads: int, lens) -> int:

@@ -147,30 +147,41 @@ def test_one_sequence_through_two_layers_matches_the_reference(gemm_twins):
 @pytest.mark.cudasim
 def test_decode_attention_over_an_fp8_cache_of_whole_tiles_runs_on_tensor_cores(gemm_twins, monkeypatch):
     """head_dim 128 and KV blocks of 16 (what ``splitkv_mma`` takes): a decode step of 2 sequences runs the
-    tensor-core attention, whose output is bit for bit ``fp8lab.simulators.splitkv_mma`` on the very arrays the
-    engine passed it (the new tokens' K/V in the cache, the step's queries and tables); the greedy tokens are the
-    reference's and the logits within this micro model's FP8-cache error of it; a BF16 cache keeps the SIMT kernel."""
+    tensor-core attention with its input (one launch: q/k-norm, RoPE, the cache write and the attention), whose
+    output and cache writes are bit for bit ``fp8lab.simulators.splitkv_mma.decode_with_input`` on the very arrays
+    the engine passed it (the step's q/k/v GEMM output, tables and the cache as it was before); the greedy tokens are
+    the reference's and the logits within this micro model's FP8-cache error of it; a BF16 cache keeps the SIMT
+    kernel and its separate attention input."""
     from fp8lab.simulators import splitkv_mma as model
 
     calls = []
-    real = splitkv_mma.paged_decode_mma
+    real = splitkv_mma.decode_mma_with_input
+    cache_arguments = (8, 9, 14, 15)  # k_cache, v_cache, k_scale, v_scale
 
     def recorded(*args, **kwargs):
+        before = [np.array(args[i], copy=True) for i in cache_arguments]
+        inputs = [np.array(x, copy=True) for x in args[:3]]
         out = real(*args, **kwargs)
-        calls.append((args, kwargs, np.array(out, copy=True)))
+        after = [np.array(args[i], copy=True) for i in cache_arguments]
+        calls.append((args, inputs, kwargs, before, after, np.array(out, copy=True)))
         return out
 
-    monkeypatch.setattr(splitkv_mma, "paged_decode_mma", recorded)
+    monkeypatch.setattr(splitkv_mma, "decode_mma_with_input", recorded)
     config = micro_config(head_dim=128)
     tensors = micro_tensors(config, seed=6)
     want_tokens, want, _ = run_greedy(Qwen3Model(config, tensors), PROMPTS[:2], 1, "fp8", num_blocks=4, block_size=16)
     model_ = CudaQwen3Model(config, tensors, max_num_tokens=8, max_num_seqs=2, f32_max_rows=16)
-    assert not model_.planner.decode_attention_on_tensor_cores(model_.allocate_kv_cache(4, 16, "bf16"))
+    bf16_plan = model_.planner.decode(2, model_.allocate_kv_cache(4, 16, "bf16"), 512)
+    assert splitkv_mma.decode_mma_with_input not in [launch.kernel for launch in bf16_plan.launches]
     got_tokens, got, _ = run_greedy(model_, PROMPTS[:2], 1, "fp8", num_blocks=4, block_size=16)
-    assert len(calls) == 1 and got_tokens == want_tokens
-    (q, k, v, tables, lens, scale, _, k_scale, v_scale), kwargs, out = calls[0]
-    expected = model.paged_decode(q, k, v, tables, lens, scale, k_scale, v_scale, num_splits=kwargs["num_splits"])
+    assert len(calls) == config.num_hidden_layers and got_tokens == want_tokens  # one decode step, every layer
+    args, (q, k, v), kwargs, before, after, out = calls[0]
+    q_norm, k_norm, eps, positions, cos_sin, tables, lens, scale = args[3:8] + args[10:13]
+    expected = model.decode_with_input(q, k, v, q_norm, k_norm, eps, np.asarray(positions), np.asarray(cos_sin),
+                                       before[0], before[1], np.asarray(tables), np.asarray(lens), scale, before[2],
+                                       before[3], num_splits=kwargs["num_splits"])
     assert np.array_equal(out, expected)
+    assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(after, before))  # simulated write
     assert rel_err(got, want) <= 1e-2, rel_err(got, want)  # the FP8 cache's error at head_dim 128 (about 4e-3)
 
 
@@ -264,6 +275,7 @@ def test_a_batch_the_cache_cannot_take_is_a_value_error(small_model, gemm_twins)
            (dict(slot_mapping=np.array([0, 0])), "slots must be distinct"),
            (dict(slot_mapping=np.array([0, 32])), r"slots must be distinct and lie in \[0, 32\)"),
            (dict(slot_mapping=np.array([-1, 5])), "slots must be distinct and lie in"),
+           (dict(slot_mapping=good.slot_mapping[::-1].copy()), "position context_len - 1"),
            (dict(context_lens=np.array([1, 9])), "block_tables: at most"),
            (dict(query_lens=np.array([1, 0])), "query_lens"),
            (dict(positions=np.array([0])), "one entry per token")]

@@ -310,13 +310,16 @@ def each_variant(compiled: list[Compiled], check) -> None:
     assert not failures, f"{len(failures)} of {len(compiled)} variants failed:\n" + "\n".join(failures)
 
 
-def check_pdl_rules(ptx: str, weights_before_wait: bool = False) -> None:
+def check_pdl_rules(ptx: str, weights_before_wait: bool = False, loads_before_wait: bool = False) -> None:
     """The rules of ``fp8lab.numba_kernels.pdl`` in a kernel's PTX: it waits for the previous kernel
     (``griddepcontrol.wait``) before any store or atomic to global or generic memory and only then lets the next
     kernel launch (``griddepcontrol.launch_dependents``); before the wait it loads nothing from memory either,
     except (``weights_before_wait``, the SIMT GEMV) through the read-only path (``ld.global.nc``, the weight
-    codes) and ``ld.global.f32`` (their block scales). The PTX of a kernel is straight-line up to its first
-    branch, and the two instructions come first, so "before" in the text is before in time."""
+    codes) and ``ld.global.f32`` (their block scales), or (``loads_before_wait``, the decode attention with its
+    input: the block table and its first KV tile, which kernels before the previous one wrote) any global load.
+    The PTX of a kernel is straight-line up to its first branch, and the two instructions come first, so "before"
+    in the text is before in time (for the attention with its input, whose early loads branch, every path to the
+    wait passes through that text)."""
     assert ptx.count("griddepcontrol.launch_dependents;") == 1, "launch_dependents: not exactly once"
     assert ptx.count("griddepcontrol.wait;") == 1, "griddepcontrol.wait: not exactly once"
     before = ptx[: ptx.index("griddepcontrol.wait;")]
@@ -328,5 +331,6 @@ def check_pdl_rules(ptx: str, weights_before_wait: bool = False) -> None:
         if op.startswith("cp.async"):  # a copy from global memory is a load too
             raise AssertionError(f"an asynchronous copy before griddepcontrol.wait: {line.strip()}")
         if op.startswith("ld.") and not op.startswith(("ld.param", "ld.local", "ld.shared")):
-            allowed = weights_before_wait and (op.startswith("ld.global.nc.") or op == "ld.global.f32")
+            allowed = (weights_before_wait and (op.startswith("ld.global.nc.") or op == "ld.global.f32")) or (
+                loads_before_wait and op.startswith("ld.global."))
             assert allowed, f"a load before griddepcontrol.wait: {line.strip()}"

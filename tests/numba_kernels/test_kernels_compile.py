@@ -387,9 +387,11 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
     """Every variant: 9 cache writes (input x cache format), 22 split kernels (3 cache formats x 4 head sizes
     with 4 heads per CTA, every format at 128 with 1 to 3 heads, FP8 at 128 with 4 heads and BF16 output),
     the combine for float32 and BF16 output, 2 tensor-core split kernels (``splitkv_mma``: head_dim 128 with
-    4 query heads per kv head and float32 output, 16 with BF16 output): no local memory, no float64, the expected load widths,
-    16-bit stores for BF16 output, the F16 ``mma`` and the E4M3 pair conversion in the tensor-core ones; no
-    spills where nvJitLink can run ptxas."""
+    4 query heads per kv head and float32 output, 16 with BF16 output and the attention input): no local memory,
+    no float64, the expected load widths (the attention with its input reads its cache with coherent 128-bit loads:
+    it writes the new token there), 16-bit stores for BF16 output, the F16 ``mma`` and the E4M3 pair conversion in
+    the tensor-core ones, the norm's square root in the one with its input; no spills where nvJitLink can run
+    ptxas."""
     def check(c):
         name, ptx = c.name, c.ptx
         assert ".target sm_90" in ptx
@@ -398,7 +400,11 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
             assert "shfl.sync.bfly.b32" in ptx and "div.rn.f32" in ptx  # amax butterfly; x / scale correctly rounded
         if name.startswith("split"):
             assert "shfl.sync.bfly.b32" in ptx and "ex2.approx.f32" in ptx and "fma.rn.f32" in ptx
-            assert re.search(r"ld\.global\.nc\.v4\.[uf]32\b", ptx)  # a lane reads its 16 elements in 128-bit loads
+            with_input = "with input" in name
+            load = r"ld\.global\.v4\.u32\b" if with_input else r"ld\.global\.nc\.v4\.[uf]32\b"
+            assert re.search(load, ptx)  # a lane reads its 16 elements in 128-bit loads
+            assert not (with_input and "ld.global.nc.v4" in ptx)  # what a CTA writes, it reads back coherently
+            assert not with_input or "sqrt.rn.f32" in ptx
         if name.startswith("split_mma"):
             assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
             assert "cvt.rn.f16.f32" in ptx  # the query and the weights rounded to F16
@@ -406,7 +412,7 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
             assert "ex2.approx.f32" in ptx and "div.rn.f32" in ptx
         if "out=bf16" in name:
             assert re.search(r"st\.global\.[ub]16\b", ptx)  # out is stored as 16-bit BF16 patterns
-        check_pdl_rules(ptx)
+        check_pdl_rules(ptx, loads_before_wait="with input" in name)
         check_no_spills(c)  # every per-lane array lives in registers
 
     each_variant(compiled["kv_cache and splitkv"], check)

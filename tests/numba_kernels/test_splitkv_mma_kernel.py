@@ -20,11 +20,13 @@ import numpy as np
 import pytest
 from helpers.attention import assert_within_mma_bound as assert_within_bound
 from helpers.attention import paged_fp8
+from helpers.numerics import spread_activations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
-from fp8lab.numba_kernels import splitkv, splitkv_mma
+from fp8lab.numba_kernels import layers, splitkv, splitkv_mma
+from fp8lab.numba_kernels.attention_input import qk_norm_rope_cache_write
 from fp8lab.numba_kernels.bits import SIMULATOR
 from fp8lab.simulators import splitkv_mma as model
 from fp8lab.simulators.splitkv import combine_partials
@@ -80,8 +82,6 @@ def test_two_kv_heads_shards_and_a_length_0_row_after_data():
 def test_bf16_out_is_the_float32_out_rounded():
     """The split kernel's own BF16 store (one shard; with shards the combine of ``splitkv`` stores, tested there)."""
     num_splits = 1
-    from fp8lab.numba_kernels import layers
-
     rng = np.random.default_rng(9)
     data = paged_fp8(rng, [21, 0], 4, 1, 128, 16)
     f32 = run_kernel(data, num_splits)
@@ -114,6 +114,98 @@ def test_a_bf16_cache_and_a_small_workspace_are_refused():
                                      np.zeros(data.q.shape, np.float32))
 
 
+# ---------------------------------------------------------------------------- with the attention input
+
+
+def with_input_problem(rng, lens, group, num_kv_heads, block_size):
+    """A paged FP8 batch whose new tokens (position ``length - 1``) are still to be written (their slots poisoned:
+    NaN codes and scales), and the step's q/k/v GEMM output as column slices of one fused buffer."""
+    data = paged_fp8(rng, lens, group * num_kv_heads, num_kv_heads, 128, block_size)
+    rows, slots = model.new_token_slots(data.block_tables, data.seq_lens, block_size)
+    for cache, scales in ((data.k_cache, data.k_scale), (data.v_cache, data.v_scale)):
+        cache.reshape(-1, num_kv_heads, 128)[slots] = 0x7F
+        scales.reshape(-1, num_kv_heads)[slots] = np.nan
+    heads = group * num_kv_heads + 2 * num_kv_heads
+    fused = spread_activations(rng, (len(lens), heads, 128)).reshape(len(lens), heads * 128)
+    qd, kd = group * num_kv_heads * 128, num_kv_heads * 128
+    inputs = dict(q=fused[:, :qd], k=fused[:, qd : qd + kd], v=fused[:, qd + kd :],
+                  q_norm=spread_activations(rng, (128,), spread=1), k_norm=spread_activations(rng, (128,), spread=1),
+                  eps=1e-6, positions=rng.integers(0, 64, len(lens)).astype(np.int32),
+                  cos_sin=layers.rope_table(64, 128, 1e6))
+    slot_mapping = np.full(len(lens), -1, np.int32)
+    slot_mapping[rows] = slots
+    return data, inputs, slot_mapping
+
+
+def caches_of(data):
+    return [x.copy() for x in (data.k_cache, data.v_cache, data.k_scale, data.v_scale)]
+
+
+def same_bits(a, b) -> bool:
+    return a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def two_launches(data, inputs, slot_mapping, num_splits):
+    """What ``decode_mma_with_input`` replaces: ``qk_norm_rope_cache_write`` then ``paged_decode_mma``, on copies of the
+    caches; returns ``(out, [k_cache, v_cache, k_scale, v_scale])``."""
+    caches = caches_of(data)
+    q_out = np.full((len(data.seq_lens),) + data.q.shape[1:], np.nan, np.float32)
+    qk_norm_rope_cache_write(inputs["q"], inputs["k"], inputs["v"], q_out, inputs["q_norm"], inputs["k_norm"],
+                             inputs["eps"], inputs["positions"], inputs["cos_sin"], caches[0], caches[1], slot_mapping,
+                             caches[2], caches[3])
+    out = np.full(q_out.shape, np.nan, np.float32)
+    splitkv_mma.paged_decode_mma(q_out, caches[0], caches[1], data.block_tables, data.seq_lens, data.softmax_scale,
+                                 out, caches[2], caches[3], num_splits=num_splits)
+    return out, caches
+
+
+def with_input(data, inputs, num_splits):
+    """``decode_mma_with_input`` on copies of the caches, ``out`` poisoned; returns ``(out, caches)``."""
+    caches = caches_of(data)
+    out = np.full(data.q.shape, np.nan, np.float32)
+    splitkv_mma.decode_mma_with_input(**inputs, k_cache=caches[0], v_cache=caches[1], block_tables=data.block_tables,
+                                      seq_lens=data.seq_lens, softmax_scale=data.softmax_scale, out=out,
+                                      k_scale=caches[2], v_scale=caches[3], num_splits=num_splits)
+    return out, caches
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
+@pytest.mark.parametrize("lens, group, num_kv_heads, block_size, num_splits", [
+    ([17, 0, 33], 4, 2, 16, 2),  # a length-0 row; the new token opens a tile (17, 33); task G (the write) on warp 0
+    ([1, 30], 16, 1, 32, "auto"),  # a length-1 row; 16 query heads per kv head: the write is warp 0's fifth task
+])
+def test_with_input_bit_for_bit_the_simulator(lens, group, num_kv_heads, block_size, num_splits):
+    """``decode_mma_with_input`` against ``fp8lab.simulators.splitkv_mma.decode_with_input``: out, both caches and
+    scales bit for bit (the new tokens' slots, poisoned before, written; every other slot untouched). The simulator
+    composes the simulators of the two launches the kernel replaces (each checked bit for bit against its kernel
+    elsewhere); on a GPU the kernel is checked against those launches themselves."""
+    rng = np.random.default_rng(len(lens) * 100 + group)
+    data, inputs, _ = with_input_problem(rng, lens, group, num_kv_heads, block_size)
+    got, caches = with_input(data, inputs, num_splits)
+    expected_caches = caches_of(data)
+    splits = num_splits if num_splits != "auto" else model.choose_num_splits(len(lens), num_kv_heads, int(max(lens)),
+                                                                              splitkv.device_num_sms())
+    expected = model.decode_with_input(**inputs, k_cache=expected_caches[0], v_cache=expected_caches[1],
+                                       block_tables=data.block_tables, seq_lens=data.seq_lens,
+                                       softmax_scale=data.softmax_scale, k_scale=expected_caches[2],
+                                       v_scale=expected_caches[3], num_splits=splits)
+    assert same_bits(got, expected) and not np.isnan(got).any()
+    assert all(same_bits(a, b) for a, b in zip(caches, expected_caches))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the CUDA simulator's argument checks")
+def test_with_input_refuses_inputs_of_the_wrong_shape():
+    data, inputs, _ = with_input_problem(np.random.default_rng(1), [5], 2, 1, 16)
+    out = np.zeros((1, 2, 128), np.float32)
+    for name, bad, message in (("k", inputs["q"], "k: expected"), ("positions", inputs["positions"][:0], "positions"),
+                               ("q_norm", np.zeros(64, np.float32), "q_norm")):
+        with pytest.raises(ValueError, match=message):
+            splitkv_mma.decode_mma_with_input(**(inputs | {name: bad}), k_cache=data.k_cache, v_cache=data.v_cache,
+                                              block_tables=data.block_tables, seq_lens=data.seq_lens,
+                                              softmax_scale=data.softmax_scale, out=out, k_scale=data.k_scale,
+                                              v_scale=data.v_scale)
+
+
 # ---------------------------------------------------------------------------- on a GPU
 
 
@@ -134,3 +226,19 @@ def test_on_the_gpu_within_the_bound_of_the_reference(heads, batch, context):
     f32 = run_kernel(data, "auto")
     rounded = ((f32.view(np.uint32) + 0x7FFF + ((f32.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16)
     assert np.array_equal(bf16, rounded)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="needs a GPU")
+@pytest.mark.parametrize("heads, lens", [((32, 8), [512]), ((32, 8), [4096, 17, 0, 2049, 1, 700, 33, 1000]),
+                                         ((16, 8), [531]), ((16, 8), [1000] * 16)])
+def test_with_input_on_the_gpu_is_the_two_launches_bit_for_bit(heads, lens):
+    """Qwen3-8B and Qwen3-0.6B heads: ``decode_mma_with_input`` bit for bit ``qk_norm_rope_cache_write`` then
+    ``paged_decode_mma`` on the GPU (out, caches, scales), at the split count "auto" and one shard; fresh random data."""
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    data, inputs, slot_mapping = with_input_problem(rng, lens, heads[0] // heads[1], heads[1], 16)
+    for num_splits in ("auto", 1):
+        got, caches = with_input(data, inputs, num_splits)
+        want, want_caches = two_launches(data, inputs, slot_mapping, num_splits)
+        assert same_bits(got, want) and not np.isnan(got).any()
+        assert all(same_bits(a, b) for a, b in zip(caches, want_caches))

@@ -212,8 +212,9 @@ def is_bf16(x) -> bool:
     return np.dtype(x.dtype) == np.uint16
 
 
-Attend = Callable[[object, DeviceLayerKVCache, object], Launch]
-"""``attend(q, layer_cache, out)``: the attention launch of one layer."""
+Attend = Callable[[object, DeviceLayerKVCache, tuple, object], list[Launch]]
+"""``attend(layer, layer_cache, (q, k, v), out)``: the launches from the q/k/v GEMM's output ``(q, k, v)`` to the
+attention output ``out`` of one layer (the attention input, then the attention; or both in one kernel)."""
 
 
 class Planner:
@@ -239,24 +240,26 @@ class Planner:
         else:
             splits = self.num_splits(bucket, max_context, cache.block_size)
         workspace = self.workspace(bucket, splits)
+        positions, slots = index.positions[:bucket], index.slots[:bucket]
+        options = dict(num_splits=splits, workspace=workspace, max_seq_len=max_context)
 
-        def attend(q, layer_cache, out):
-            if tensor_cores:
-                return Launch(splitkv_mma.paged_decode_mma,
-                              (q, layer_cache.k, layer_cache.v, tables, lens, self.softmax_scale, out,
-                               layer_cache.k_scale, layer_cache.v_scale),
-                              dict(num_splits=splits, workspace=workspace, max_seq_len=max_context,
-                                   kv_format=layer_cache.kv_format),
-                              kernels=1 + (splits > 1), label="attention")
-            return Launch(splitkv.paged_decode, (q, layer_cache.k, layer_cache.v, tables, lens, self.softmax_scale,
-                                                 out, layer_cache.k_scale, layer_cache.v_scale),
-                          dict(num_splits=splits, workspace=workspace, max_seq_len=max_context,
-                               kv_format=layer_cache.kv_format),
-                          kernels=1 + (splits > 1), label="attention")
+        def attend(layer, layer_cache, qkv, out):
+            if tensor_cores:  # the attention input inside the split kernel: one launch fewer per layer
+                return [Launch(splitkv_mma.decode_mma_with_input,
+                               (*qkv, layer.q_norm, layer.k_norm, self.config.rms_norm_eps, positions,
+                                self.weights.rope_cos_sin, layer_cache.k, layer_cache.v, tables, lens,
+                                self.softmax_scale, out, layer_cache.k_scale, layer_cache.v_scale),
+                               dict(options, kv_format=layer_cache.kv_format), kernels=1 + (splits > 1),
+                               label="attention (with q/k norm, rope, cache write)")]
+            q = self.activations.q[:bucket]
+            return [self.attention_input(layer, layer_cache, qkv, q, positions, slots),
+                    Launch(splitkv.paged_decode, (q, layer_cache.k, layer_cache.v, tables, lens, self.softmax_scale,
+                                                  out, layer_cache.k_scale, layer_cache.v_scale),
+                           dict(options, kv_format=layer_cache.kv_format), kernels=1 + (splits > 1), label="attention")]
 
         final = self.lm_head_input(a.x[:bucket])  # the final norm writes what the lm_head reads
         return Plan((Launch(layers.embedding, (w.embed_tokens, index.token_ids[:bucket], a.h[:bucket]), label="embedding"),
-                     *self.decoder_layers(bucket, index.positions[:bucket], index.slots[:bucket], cache, attend, final),
+                     *self.decoder_layers(bucket, cache, attend, final),
                      self.lm_head(final, bucket),
                      Launch(layers.argmax_rows, (a.logits[:bucket], index.token_ids[:bucket]),
                             dict(workspace=a.argmax_workspace), label="argmax")))
@@ -281,14 +284,26 @@ class Planner:
         rows = PrefillRows(cache.prefill_row_tables[: t * width].reshape(t, width), cache.prefill_row_lens[:t])
         workspace = self.workspace(t, self.num_splits(t, max_context, cache.block_size))
 
-        def attend(q, layer_cache, out):
-            return Launch(paged_prefill, (q, layer_cache.k, layer_cache.v, tables, context_lens, query_lens,
-                                          self.softmax_scale, out, layer_cache.k_scale, layer_cache.v_scale),
-                          dict(max_context_len=max_context, rows=rows, workspace=workspace, kv_format=layer_cache.kv_format),
-                          kernels=2 + (workspace is not None), label="attention")
+        positions, slots, q = index.positions[:t], index.slots[:t], self.activations.q[:t]
+
+        def attend(layer, layer_cache, qkv, out):
+            return [self.attention_input(layer, layer_cache, qkv, q, positions, slots),
+                    Launch(paged_prefill, (q, layer_cache.k, layer_cache.v, tables, context_lens, query_lens,
+                                           self.softmax_scale, out, layer_cache.k_scale, layer_cache.v_scale),
+                           dict(max_context_len=max_context, rows=rows, workspace=workspace,
+                                kv_format=layer_cache.kv_format),
+                           kernels=2 + (workspace is not None), label="attention")]
 
         return Plan((Launch(layers.embedding, (self.weights.embed_tokens, index.token_ids[:t], self.activations.h[:t])),
-                     *self.decoder_layers(t, index.positions[:t], index.slots[:t], cache, attend)))
+                     *self.decoder_layers(t, cache, attend)))
+
+    def attention_input(self, layer, layer_cache: DeviceLayerKVCache, qkv, q, positions, slots) -> Launch:
+        """q/k-norm, RoPE and the paged cache write of the new tokens' ``qkv = (q, k, v)`` (the q/k/v GEMM's output), the
+        normed, rotated q into ``q``: one ``qk_norm_rope_cache_write`` launch."""
+        return Launch(qk_norm_rope_cache_write, (*qkv, q, layer.q_norm, layer.k_norm, self.config.rms_norm_eps,
+                                                 positions, self.weights.rope_cos_sin, layer_cache.k, layer_cache.v,
+                                                 slots, layer_cache.k_scale, layer_cache.v_scale),
+                      dict(kv_format=layer_cache.kv_format), label="q/k norm, rope, cache write")
 
     def lm_head(self, x, rows: int) -> Launch:
         """``logits[:rows] = x @ lm_head^T`` (``x``: ``rows`` final-norm rows on the device, float32, or BF16 bits from
@@ -313,16 +328,14 @@ class Planner:
         m, k = x.shape
         return self.activations.bf16[: m * k].reshape(m, k) if self.lm_head_on_tensor_cores(m) else x
 
-    def decoder_layers(self, t: int, positions, slots, cache: DeviceKVCache, attend: Attend, final=None) -> list[Launch]:
+    def decoder_layers(self, t: int, cache: DeviceKVCache, attend: Attend, final=None) -> list[Launch]:
         """The decoder layers over ``t`` tokens whose embeddings are in ``h[:t]``, then the final norm of
         the residual stream into ``final`` (default ``x[:t]``, float32; a decode step's ``lm_head_input``)."""
         c, a, plan = self.config, self.activations, []
         eps = c.rms_norm_eps
         h, x, y = a.h[:t], a.x[:t], None  # y: the parts of the last residual block's output
         qd = c.num_attention_heads * c.head_dim
-        q = a.q[:t]  # the attention's input: normed and rotated
         attn, gate_up, act = a.attn[:t], a.gate_up[:t], a.act[:t]
-        rope = self.weights.rope_cos_sin
         for i, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache)):
             x_in = self.gemm_input(x, layer.qkv.parts)  # the input norm writes what the q/k/v GEMM reads
             if i == 0:
@@ -330,13 +343,9 @@ class Planner:
             else:  # the previous layer's MLP residual add, fused with this layer's input norm
                 plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.input_layernorm, eps, x_in),
                                    label="input norm"))
-            q_in, k_in, v_in = self.qkv_projections(layer.qkv, x_in, t, plan)
-            plan.append(Launch(qk_norm_rope_cache_write, (q_in, k_in, v_in, q, layer.q_norm, layer.k_norm, eps, positions,
-                                                          rope, layer_cache.k, layer_cache.v, slots,
-                                                          layer_cache.k_scale, layer_cache.v_scale),
-                               dict(kv_format=layer_cache.kv_format), label="q/k norm, rope, cache write"))
+            qkv = self.qkv_projections(layer.qkv, x_in, t, plan)
             attn_in = self.gemm_input(attn.reshape(t, qd), [layer.o_proj])  # attention writes o_proj's input
-            plan.append(attend(q, layer_cache, attn_in.reshape(attn.shape)))
+            plan.extend(attend(layer, layer_cache, qkv, attn_in.reshape(attn.shape)))
             y = self.residual_linear(layer.o_proj, attn_in, "o_proj", plan)
             x_in = self.gemm_input(x, [layer.gate_up])
             plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.post_attention_layernorm, eps, x_in),
