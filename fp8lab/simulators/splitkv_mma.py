@@ -83,10 +83,8 @@ state (the queries' 16 words, ``acc``'s 32 or 64 floats, a tile's 40 words) fits
 multiple of 32.)"""
 WARPS = 4
 """Warps per CTA: warp ``w`` takes the shard's tiles ``w, w + 4, ...``; the CTA merges their partials in warp order."""
-CTAS_PER_SM = 1
-"""``"auto"`` aims at this many CTAs per SM. One, measured on an H200 (``bench/attention_mma.py``, ``bench/RESULTS.md``,
-2026-12-04): the fastest split count made 64 to 256 CTAs in all, at batches 1 to 16 and contexts 512 to 16,384 (more
-shards cost more combine than they gain; a CTA of 4 warps at 215 registers a lane leaves room for 2 per SM)."""
+LONG_SHARD_TILES = 4 * WARPS
+"""``"auto"`` doubles its split count (to 2 CTAs per SM) where a shard would hold more tiles than this (4 per warp)."""
 MAX_SPLITS = 32
 """``"auto"`` cuts a sequence into at most this many shards."""
 LOG2E = math.log2(math.e)
@@ -105,12 +103,24 @@ def supports(head_dim: int, group: int, block_size: int, fp8: bool, alibi: bool)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = NUM_SMS) -> int:
-    """The ``"auto"`` split count: enough CTAs for ``CTAS_PER_SM`` per SM, at most one shard per ``WARPS`` tiles of
-    the longest sequence (a tile for every warp) and at most ``MAX_SPLITS``; at least 1."""
-    tiles = -(-int(max_seq_len) // (TILE * WARPS))
+    """The ``"auto"`` split count: the largest power of two whose CTAs fit one per SM (whole waves: a 17th shard that
+    puts 136 CTAs on 132 SMs cost 12 to 20%), doubled (2 CTAs per SM, which the registers allow) where a shard would
+    hold more than ``LONG_SHARD_TILES`` tiles of the longest sequence; then at most one shard per ``WARPS`` tiles (a
+    tile for every warp) and at most ``MAX_SPLITS``; at least 1.
+
+    From the split-count sweep of ``bench/attention_mma.py`` on an H200 (``bench/RESULTS.md``, 2026-12-04, Qwen3-8B and
+    Qwen3-0.6B heads, batches 1 to 16, 512 to 16,384 tokens): this rule picks the fastest timed count, or one within 5%
+    of it, in every cell."""
+    tiles = -(-int(max_seq_len) // TILE)
     grid = int(num_seqs) * int(num_kv_heads)
-    wanted = -(-CTAS_PER_SM * int(num_sms) // grid) if grid else 1
-    return max(1, min(wanted, tiles, MAX_SPLITS))
+    if grid == 0:
+        return 1
+    splits = 1
+    while 2 * splits * grid <= int(num_sms):
+        splits *= 2
+    if tiles > LONG_SHARD_TILES * splits and 2 * splits * grid <= 2 * int(num_sms):
+        splits *= 2
+    return max(1, min(splits, -(-tiles // WARPS), MAX_SPLITS))
 
 
 def shard_bounds(seq_len: int, num_splits: int) -> np.ndarray:

@@ -122,9 +122,10 @@ def with_input_problem(rng, lens, group, num_kv_heads, block_size):
     NaN codes and scales), and the step's q/k/v GEMM output as column slices of one fused buffer."""
     data = paged_fp8(rng, lens, group * num_kv_heads, num_kv_heads, 128, block_size)
     rows, slots = model.new_token_slots(data.block_tables, data.seq_lens, block_size)
+    blocks, offsets = slots // block_size, slots % block_size
     for cache, scales in ((data.k_cache, data.k_scale), (data.v_cache, data.v_scale)):
-        cache.reshape(-1, num_kv_heads, 128)[slots] = 0x7F
-        scales.reshape(-1, num_kv_heads)[slots] = np.nan
+        cache[blocks, :, offsets] = 0x7F
+        scales[blocks, :, offsets] = np.nan
     heads = group * num_kv_heads + 2 * num_kv_heads
     fused = spread_activations(rng, (len(lens), heads, 128)).reshape(len(lens), heads * 128)
     qd, kd = group * num_kv_heads * 128, num_kv_heads * 128

@@ -103,9 +103,11 @@ def test_shards_partition_each_sequence_in_whole_tiles():
 
 
 def test_split_rule():
-    assert splitkv_mma.choose_num_splits(1, 8, 16384, 132) == 17  # batch 1, Qwen3-8B, long: a CTA per SM
-    assert splitkv_mma.choose_num_splits(1, 8, 1024, 132) == 16  # a tile for each of a CTA's 4 warps: 64 tiles / 4
-    assert splitkv_mma.choose_num_splits(16, 8, 1024, 132) == 2  # 132 SMs / 128 CTAs
+    assert splitkv_mma.choose_num_splits(1, 8, 4096, 132) == 16  # batch 1, Qwen3-8B: 128 CTAs, one per SM
+    assert splitkv_mma.choose_num_splits(1, 8, 16384, 132) == 32  # 64 tiles a shard at 16: doubled, 2 per SM
+    assert splitkv_mma.choose_num_splits(1, 8, 512, 132) == 8  # a tile for each of a CTA's 4 warps: 32 tiles / 4
+    assert splitkv_mma.choose_num_splits(8, 8, 512, 132) == 2  # 128 CTAs; 16 tiles a shard: not doubled
+    assert splitkv_mma.choose_num_splits(16, 8, 1024, 132) == 2  # 128 CTAs at 1; 64 tiles a shard: doubled
     assert splitkv_mma.choose_num_splits(1, 8, 40, 132) == 1
     assert splitkv_mma.choose_num_splits(64, 8, 4096, 132) == 1
     assert splitkv_mma.choose_num_splits(1, 1, 2**20, 132) == splitkv_mma.MAX_SPLITS
