@@ -1,6 +1,7 @@
 """Split-kv paged decode attention over an FP8 cache on tensor cores (``mma.m16n8k16``, F16 in, float32 out).
 
-Computes ``fp8lab.reference.attention.paged_decode`` (FP8 cache, no ALiBi). Launch: ``split_kernel`` grid
+Computes ``fp8lab.reference.attention.paged_decode`` (FP8 cache, no ALiBi). Also ``decode_mma_with_input``: the same with the attention input (q/k-norm, RoPE, the new token's cache write) in
+the split kernel. Launch: ``split_kernel`` grid
 ``(num_seqs, num_kv_heads, num_splits)`` x 128 threads (4 warps), then, with more than one split, the combine
 kernel of ``fp8lab.numba_kernels.splitkv`` (grid ``(num_seqs, num_heads)`` x ``head_dim``), which reads the
 same workspace layout. Checked (``tests/numba_kernels/test_splitkv_mma_kernel.py``): bit for bit against
@@ -37,6 +38,17 @@ The schedule is the simulator's (read ``fp8lab.simulators.splitkv_mma`` first); 
   gathers byte ``s`` of two token rows into one pair (shifts and masks) before the conversion; n tile ``s``
   gives elements ``(D/8)(2t) + s`` and ``(D/8)(2t + 1) + s`` of the row: the lane ends with ``D / 4``
   elements of row ``g``'s output.
+
+**With its input** (``decode_mma_with_input``, what the engine's decode step runs): the same split kernel also does
+the attention input, bit for bit ``attention_input.qk_norm_rope_cache_write`` then the kernel above (checked
+against ``fp8lab.simulators.splitkv_mma.decode_with_input`` in the CUDA simulator and against the two launches on a
+GPU). Before it waits for the q/k/v GEMM (``pdl``), each CTA issues the block table's load and its first tile's,
+unless that tile holds the new token: the cache tiles are earlier steps', complete before this kernel launched.
+Then its warps take tasks ``w, w + 4, ...``: task ``i < G`` norms and rotates query head ``kv G + i`` into shared
+memory (``attention_input``'s warp functions); task ``G``, in the CTA whose shard holds position ``seq_len - 1``,
+norms, rotates and quantizes the new token's k and writes k and v into that position's slot of the block table.
+After a barrier the warps read the queries from shared memory and the tiles with coherent loads
+(``warp.load_u32x4_coherent``: this CTA wrote one of them). One launch fewer per layer (``bench/RESULTS.md``).
 
 Caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` uint8 E4M3 codes with float32 scales ``[num_blocks,
 num_kv_heads, block_size]``; ``head_dim`` 128; ``num_heads / num_kv_heads`` at most 16; ``block_size`` a

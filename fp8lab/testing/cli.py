@@ -63,6 +63,8 @@ HELP = {
     "fp8": "a float32 cache instead of E4M3 codes with scales",
     "alibi": "ALiBi slopes (passed as alibi_slopes=)",
     "head_dims": "only these head sizes, e.g. 64,128 (for kernels that support some)",
+    "block_sizes": "only these KV block sizes, e.g. 16,32 (for kernels that support some)",
+    "operands": "what a tensor-core decode kernel rounds its operands to: f32 (nothing), f16 or bf16",
     "max_examples": "how many Hypothesis examples (the environment variable FP8LAB_MAX_EXAMPLES overrides it)",
 }
 

@@ -8,7 +8,8 @@ Tolerances (``gamma(n) = n u / (1 - n u)``, ``u = 2^-24``):
 - ``paged_cache_write``: written entries as ``quantize_kv``'s, every other entry untouched (exact).
 - ``paged_decode`` and ``prefill``: ``attention_tolerance``, per (row, query head): a float32 score error
   (the dot product and the ALiBi term) moves the softmax weights, the float32 sums over the ``L`` keys add
-  ``gamma(2 L + 16)``; relative to the largest value the row averages.
+  ``gamma(2 L + 16)``; relative to the largest value the row averages. A decode kernel on tensor cores states
+  the format it rounds its operands to (``operands="f16"`` or ``"bf16"``), and the bound adds what that costs.
 """
 
 from __future__ import annotations
@@ -80,7 +81,13 @@ def check_kv_quantize(fn, max_examples: int = 40) -> None:
     run()
 
 
-def attention_tolerance(q, k, v, softmax_scale: float, positions, alibi_slopes=None) -> np.ndarray:
+OPERANDS = {"f32": (0.0, 0.0), "f16": (2.0**-11, 2.0**-25), "bf16": (2.0**-8, 0.0)}
+"""The formats a kernel may round its attention operands to (``operands=``): ``(u, s)``, the unit roundoff and the
+largest absolute rounding error of a weight in ``[0, 2]`` that underflows (F16's subnormals: half of ``2^-24``;
+BF16 reaches ``2^-126``). ``"f32"``: nothing is rounded below float32."""
+
+
+def attention_tolerance(q, k, v, softmax_scale: float, positions, alibi_slopes=None, operands: str = "f32") -> np.ndarray:
     """The float32 bound of causal softmax attention, per (query row, query head): float64 ``[R, num_heads]``.
 
     Query row ``r`` of ``q[R, num_heads, D]`` sits at position ``p = positions[r]`` and reads keys ``0 .. p`` of
@@ -89,7 +96,17 @@ def attention_tolerance(q, k, v, softmax_scale: float, positions, alibi_slopes=N
     keys and ``B = max_j |q_h| . |k_j| * softmax_scale + |slope_h| (p - j)`` over the keys read: a float32
     score (dot product, ALiBi term, log2-domain scaling) is off by at most ``gamma(D + 8) B``, which moves
     every softmax weight by a relative ``2 gamma(D + 8) B`` at most; the float32 sums over the ``L`` keys
-    (``l``, ``acc``, and the exp2 of a kernel) add ``gamma(2 L + 16)`` of the largest value averaged."""
+    (``l``, ``acc``, and the exp2 of a kernel) add ``gamma(2 L + 16)`` of the largest value averaged.
+
+    ``operands`` (``OPERANDS``): a tensor-core kernel that rounds the query and keys, the softmax weights and the
+    values to ``"f16"`` or ``"bf16"`` (unit roundoff ``u``) gets ``(expm1(2 (2 u + u^2) B) + 3 u + L s) max|v_j|``
+    more: the rounded query and key move a score by ``(2 u + u^2) B`` at most, hence a weight by ``expm1`` of
+    twice that; the weight (with any scale folded into it), the value and their product's scale add ``u`` each,
+    relative to the row's average; an underflowing weight is off by ``s`` at most (weights up to 2, relative to a
+    scale the kernel folds in), ``L s`` of the largest value in all."""
+    if operands not in OPERANDS:
+        raise ValueError(f"operands: expected one of {', '.join(OPERANDS)}, got {operands!r}")
+    u, s = OPERANDS[operands]
     q64, k64, v64 = (np.abs(np.asarray(x, np.float64)) for x in (q, k, v))
     num_heads, dim, num_keys = q64.shape[1], q64.shape[2], k64.shape[0]
     kv_head = np.arange(num_heads) // (num_heads // k64.shape[1])
@@ -100,14 +117,23 @@ def attention_tolerance(q, k, v, softmax_scale: float, positions, alibi_slopes=N
         bound = bound + np.abs(np.asarray(alibi_slopes, np.float64))[None, :, None] * behind[:, None, :]
     b = np.max(np.where((behind >= 0)[:, None, :], bound, 0.0), axis=2)
     v_max = np.maximum.accumulate(np.max(v64, axis=2), axis=0)[pos][:, kv_head]  # over the keys 0 .. p
-    return (2 * gamma(dim + 8) * b + gamma(2 * (pos[:, None] + 1) + 16)) * v_max + 2.0**-120
+    keys = pos[:, None] + 1
+    rounded = np.expm1(2 * (2 * u + u * u) * b) + 3 * u + keys * s
+    return (2 * gamma(dim + 8) * b + gamma(2 * keys + 16) + rounded) * v_max + 2.0**-120
 
 
 ATTENTION_TOLERANCE = ("(2 gamma(D + 8) B + gamma(2 L + 16)) max|v| + 2^-120 per (row, head), "
                        "B = max_j |q|.|k_j| scale + |slope| (p - j)")
 
 
-def decode_tolerance(data, alibi_slopes=None) -> np.ndarray:
+def tolerance_text(operands: str) -> str:
+    """``ATTENTION_TOLERANCE``, with what the operands' roundings add (a report's words)."""
+    if operands == "f32":
+        return ATTENTION_TOLERANCE
+    return ATTENTION_TOLERANCE + f"; {operands} operands add (expm1(2 (2u + u^2) B) + 3u + L s) max|v|"
+
+
+def decode_tolerance(data, alibi_slopes=None, operands: str = "f32") -> np.ndarray:
     """``attention_tolerance`` of every (sequence, query head) of ``data`` (a ``PagedKVData``): the query of a
     sequence of length ``L`` sits at position ``L - 1``; a sequence of length 0 (a zero row) gets ``2^-120``."""
     tol = np.full(data.q.shape[:2], 2.0**-120)
@@ -115,7 +141,8 @@ def decode_tolerance(data, alibi_slopes=None) -> np.ndarray:
         if length:
             k = kv_cache.gather(data.k_cache, data.k_scale, data.block_tables[i], length)
             v = kv_cache.gather(data.v_cache, data.v_scale, data.block_tables[i], length)
-            tol[i] = attention_tolerance(data.q[i][None], k, v, data.softmax_scale, [length - 1], alibi_slopes)[0]
+            tol[i] = attention_tolerance(data.q[i][None], k, v, data.softmax_scale, [length - 1], alibi_slopes,
+                                         operands)[0]
     return tol
 
 
@@ -153,8 +180,23 @@ def _checked_head_dims(head_dims) -> tuple[int, ...]:
     return dims
 
 
+BLOCK_SIZES = (1, 2, 4, 8, 16)
+"""The block sizes ``check_paged_decode`` draws unless told others."""
+
+
+def _checked_block_sizes(block_sizes) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(b) for b in block_sizes)
+    except (TypeError, ValueError):
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"block_sizes: expected positive block sizes, e.g. (16, 32), got {block_sizes!r}")
+    return sizes
+
+
 def check_paged_decode(fn, fp8: bool = True, alibi: bool = False, layout: str = "fp8lab",
-                       head_dims=HEAD_DIMS, max_examples: int = 30) -> None:
+                       head_dims=HEAD_DIMS, max_examples: int = 30, operands: str = "f32",
+                       block_sizes=BLOCK_SIZES) -> None:
     """``fn(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale)`` (with ``alibi``, also
     ``alibi_slopes=`` float32 ``[num_heads]`` as a keyword) must return decode attention ``[num_seqs, num_heads,
     head_dim]``: the query of a sequence of length ``L`` at position ``L - 1``, ALiBi bias ``slope_h * (j - (L -
@@ -164,14 +206,19 @@ def check_paged_decode(fn, fp8: bool = True, alibi: bool = False, layout: str = 
     ``[blocks, block_size, kv_heads]``); E4M3 codes with float32 scales when ``fp8``, float32 and scales None
     otherwise. Slots past a sequence's length (and unused blocks) hold NaN (NaN codes and NaN scales), in
     either layout: a kernel that reads one shows it. ``head_dims``: the head sizes drawn (a kernel that
-    supports only some passes those)."""
+    supports only some passes those); ``block_sizes``: the block sizes drawn (``BLOCK_SIZES``).
+    ``operands``: ``"f16"`` or ``"bf16"`` for a tensor-core kernel that rounds its query, keys, softmax weights and
+    values to that format (``attention_tolerance`` then adds what those roundings cost); ``"f32"`` otherwise."""
     if layout not in CACHE_LAYOUTS:
         raise ValueError(f"layout: expected one of {', '.join(CACHE_LAYOUTS)}, got {layout!r}")
+    if operands not in OPERANDS:
+        raise ValueError(f"operands: expected one of {', '.join(OPERANDS)}, got {operands!r}")
     head_dims = _checked_head_dims(head_dims)
+    layouts = fst.paged_kv_layouts(head_dims=head_dims, block_sizes=_checked_block_sizes(block_sizes))
     candidates = bugs.DECODE_ATTENTION_BUGS + (bugs.ALIBI_DECODE_BUGS if alibi else [])
 
     @hypothesis_settings(max_examples)
-    @given(fst.paged_kv_layouts(head_dims=head_dims), st.integers(0, 2**32 - 1))
+    @given(layouts, st.integers(0, 2**32 - 1))
     def run(paged, seed):
         rng = np.random.default_rng(seed)
         data = paged.random_data(rng, fp8=fp8)
@@ -180,7 +227,7 @@ def check_paged_decode(fn, fp8: bool = True, alibi: bool = False, layout: str = 
         expected = attention.paged_decode(*args, **slopes)
         got = fn(*_caches_in_layout(args, layout), **{name: a.copy() for name, a in slopes.items()})
         actual = as_output("out", got, expected.shape, "paged decode").astype(np.float64)
-        tol = decode_tolerance(data, slopes.get("alibi_slopes"))[..., None]
+        tol = decode_tolerance(data, slopes.get("alibi_slopes"), operands)[..., None]
         ok = np.abs(actual - expected) <= tol  # NaN is never within it
         if not ok.all():
             inputs = {"layout": f"{paged.num_heads} query heads over {paged.num_kv_heads} kv heads, head_dim "
@@ -188,7 +235,7 @@ def check_paged_decode(fn, fp8: bool = True, alibi: bool = False, layout: str = 
                       "seq_lens": data.seq_lens, "block_tables": data.block_tables, **slopes}
             diagnoses = _diagnose(candidates, args, slopes, actual, tol)
             raise KernelCheckFailed(report_of("paged decode", inputs, "out", ok, expected, actual,
-                                              ATTENTION_TOLERANCE, diagnoses))
+                                              tolerance_text(operands), diagnoses))
 
     run()
 

@@ -135,3 +135,24 @@ def test_head_dims_restrict_the_drawn_head_sizes():
     assert seen and seen <= {32, 128}
     with pytest.raises(ValueError, match="^head_dims: expected positive head sizes"):
         testing.check_prefill(spy_prefill, head_dims=())
+
+
+def test_the_tensor_core_decode_simulator_passes_with_f16_operands_and_fails_with_float32_ones():
+    """The bit-exact model of fp8lab's tensor-core decode kernel (F16 query and weights; head_dim 128, blocks of 16
+    and 32) passes the check that states its operands' format, and fails the float32 one: the F16 roundings are
+    what the added tolerance is for, not slack that hides a bug."""
+    from fp8lab.simulators import splitkv_mma
+
+    def tensor_cores(*args):
+        return splitkv_mma.paged_decode(*args, num_splits=2)
+
+    testing.check_paged_decode(tensor_cores, head_dims=(128,), block_sizes=(16, 32), operands="f16", max_examples=10)
+    with pytest.raises(testing.KernelCheckFailed, match="paged decode"):
+        testing.check_paged_decode(tensor_cores, head_dims=(128,), block_sizes=(16, 32), max_examples=10)
+
+
+def test_an_operand_format_the_kit_does_not_know_is_refused():
+    with pytest.raises(ValueError, match="operands: expected one of f32, f16, bf16"):
+        testing.check_paged_decode(lambda *a: my_decode(*a), operands="fp8")
+    with pytest.raises(ValueError, match="block_sizes"):
+        testing.check_paged_decode(lambda *a: my_decode(*a), block_sizes=(0,))

@@ -66,6 +66,17 @@ def test_the_split_kv_decode_kernel_passes(fp8, alibi):
     testing.check_paged_decode(decode, fp8=fp8, alibi=alibi, head_dims=HEAD_DIMS)
 
 
+def test_the_tensor_core_decode_kernel_passes_with_f16_operands():
+    """``splitkv_mma`` (F16 query and weights): head_dim 128, blocks of 16 and 32, the split count "auto"."""
+    from fp8lab.numba_kernels.splitkv_mma import paged_decode_mma
+
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale):
+        return paged_decode_mma(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, poisoned(q.shape), k_scale,
+                                v_scale)
+
+    testing.check_paged_decode(decode, head_dims=(128,), block_sizes=(16, 32), operands="f16")
+
+
 def prefill_over_a_paged_cache(q, k, v, softmax_scale, k_scale, v_scale, block_size: int = 16):
     """``check_prefill``'s dense K and V written into a paged cache whose blocks come in reverse order (the
     slots past the sequence NaN-poisoned), then ``fp8lab.numba_kernels.prefill.paged_prefill`` on one sequence."""
