@@ -6,12 +6,16 @@ In the CUDA simulator (``cudasim``; a simulated warp's ``mma`` pools the 32 lane
 4 and ``"auto"`` (empty shards included), GQA groups of 2, 4 and 16 (rows ``g + 8`` in use), block sizes 16 and
 32, lengths 0, 1 and tails of a tile, NaN-poisoned unused slots; BF16 output bit for bit ``layers.bf16_round``
 of the float32 output; a length-0 row after a call with data comes back zero; unsupported caches and bad
-workspaces are a ``ValueError`` before anything is launched.
+workspaces are a ``ValueError`` before anything is launched. With its input (``decode_mma_with_input``): out, both
+caches and scales bit for bit ``fp8lab.simulators.splitkv_mma.decode_with_input`` (a length-0 row, a new token
+opening a tile, 2 kv heads, 16 query heads per kv head; the new tokens' slots poisoned before); inputs of the wrong
+shape are a ``ValueError``.
 
 On a GPU (``gpu``, run by hand on an H200): Qwen3-8B heads (32 query, 8 kv, head_dim 128) and Qwen3-0.6B heads (16,
 8), batches 1 and 8, contexts up to 16k, split on and off, against ``fp8lab.reference.attention`` on fresh random
 data with ``out`` poisoned: elementwise within ``fp8lab.simulators.splitkv_mma.error_bound``; BF16 output bit for
-bit the float32 output rounded.
+bit the float32 output rounded. With its input: bit for bit ``qk_norm_rope_cache_write`` then ``paged_decode_mma`` on
+the GPU (out, caches, scales), batches 1 to 16 with lengths 0 to 4,096.
 """
 
 import os
