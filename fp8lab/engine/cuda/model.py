@@ -66,11 +66,14 @@ def _within(values: np.ndarray, low: int, high: int) -> bool:
     return values.size == 0 or (low <= values.min() and values.max() < high)
 
 
-def _last_token_slots(batch: ForwardBatch, block_size: int) -> np.ndarray:
-    """The cache slot of each sequence's position ``context_len - 1`` in its block table."""
+def _last_token_slots(batch: ForwardBatch, block_size: int) -> np.ndarray | None:
+    """The cache slot of each sequence's position ``context_len - 1`` in its block table (None where a table has no
+    block for it)."""
     last = np.asarray(batch.context_lens, np.int64) - 1
-    blocks = np.asarray(batch.block_tables)[np.arange(batch.num_seqs), last // block_size]
-    return blocks * block_size + last % block_size
+    tables = np.asarray(batch.block_tables)
+    if np.any(last // block_size >= tables.shape[1]):
+        return None
+    return tables[np.arange(batch.num_seqs), last // block_size] * block_size + last % block_size
 
 
 def _is_decode_step(batch: ForwardBatch) -> bool:
@@ -203,7 +206,8 @@ class CudaQwen3Model(CausalLM):
         if batch.block_tables.shape[1] > cache.width or not _within(batch.context_lens, 0, cache.capacity + 1):
             raise ValueError(f"block_tables: at most {cache.width} blocks ({cache.capacity} tokens) per sequence in "
                              "this cache")
-        if _is_decode_step(batch) and not np.array_equal(slots, _last_token_slots(batch, cache.block_size)):
+        last_slots = _last_token_slots(batch, cache.block_size) if _is_decode_step(batch) else slots
+        if last_slots is None or not np.array_equal(slots, last_slots):
             raise ValueError("slot_mapping: a decode step's new token must go to the slot of position context_len - 1 "
                              "in its block table (where its attention reads it, and the tensor-core attention writes it)")
 
