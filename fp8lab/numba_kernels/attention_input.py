@@ -30,6 +30,10 @@ layout "A" (any row stride; elements of a row adjacent). When ``D`` is a multipl
 pair ``(i, i + D/2)`` lies in one lane; otherwise the normed row is staged in shared memory (D
 floats, ``syncwarp``) and each lane reads its elements' partners.
 
+A warp's work on one head row is a set of device functions (``head_row_functions``): the tensor-core decode
+attention with its input (``splitkv_mma.decode_mma_with_input``) runs the same ones, so its queries and cache
+writes are this kernel's bits.
+
 Checked (``tests/numba_kernels/test_attention_input_kernel.py``): in the CUDA simulator, bit for bit
 against ``layers.rms_norm``, ``layers.rope`` and ``kv_cache.paged_cache_write`` run in sequence (q_out,
 both caches and scales; untouched slots keep their poison; q, k, v unchanged), every cache format,
