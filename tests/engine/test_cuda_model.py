@@ -199,8 +199,9 @@ def test_a_decode_batch_feeds_the_tensor_core_lm_head_bf16_from_the_final_norm(g
     monkeypatch.setattr(plan, "gemv_mma_bf16",
                         lambda a, *args, **kwargs: inputs.append((a.shape[0], a.dtype)) or lm_head_twin(a, *args, **kwargs))
     reference = Qwen3Model(config, tensors, ReferenceBackend(gemm_input="bf16"))
-    want_tokens, want, _ = run_greedy(reference, PROMPTS, 2, "bf16")
-    got_tokens, got, _ = run_greedy(model, PROMPTS, 2, "bf16")
+    # blocks of 8: one per sequence, one split (few simulated CTAs; the combine is the other tests')
+    want_tokens, want, _ = run_greedy(reference, PROMPTS, 2, "bf16", num_blocks=4, block_size=8)
+    got_tokens, got, _ = run_greedy(model, PROMPTS, 2, "bf16", num_blocks=4, block_size=8)
     assert got_tokens == want_tokens
     assert 0 < rel_err(got, want) <= MICRO_BF16_INPUT_BOUND, rel_err(got, want)
     assert inputs == [(3, np.float32), (4, np.uint16), (4, np.uint16)]
@@ -224,9 +225,9 @@ def test_bf16_gemm_inputs_and_all_logits(gemm_twins, monkeypatch, prompts, gemm)
     monkeypatch.setattr(plan.layers, "bf16_round", None)  # a rounding launch would fail: the producers round
     logits = []
     for m in (reference, model):
-        manager = KVCacheManager(8, 4)
-        cache = m.allocate_kv_cache(8, 4, "bf16")
-        for i in range(len(prompts)):  # at most 8 blocks of 4 tokens
+        manager = KVCacheManager(8, 8)
+        cache = m.allocate_kv_cache(8, 8, "bf16")
+        for i in range(len(prompts)):  # at most 8 blocks of 8 tokens (one each: one split, few simulated CTAs)
             manager.add_sequence(i)
         logits.append(m.forward(make_batch(manager, list(enumerate(prompts))), cache, all_logits=True))
     want, got = logits

@@ -69,8 +69,9 @@ def test_fed_steps_compute_what_steps_with_host_ids_compute(gemm_twins):
     config = micro_config()
     tensors = micro_tensors(config, seed=7)
     model = CudaQwen3Model(config, tensors, max_num_tokens=16, max_num_seqs=4, f32_max_rows=16)
-    want_ids, want_cache = greedy_steps(model, PROMPTS, 2, "fp8", fed=False)
-    got_ids, got_cache = greedy_steps(model, PROMPTS, 2, "fp8", fed=True)
+    # one block of 8 per sequence: a small cache, so the decode plan's split count (and the simulated CTAs) stay few
+    want_ids, want_cache = greedy_steps(model, PROMPTS, 2, "fp8", fed=False, num_blocks=3, block_size=8)
+    got_ids, got_cache = greedy_steps(model, PROMPTS, 2, "fp8", fed=True, num_blocks=3, block_size=8)
     assert got_ids == want_ids
     for got, want in zip(got_cache, want_cache):
         np.testing.assert_array_equal(got, want)
@@ -123,20 +124,21 @@ class Recording:
 def test_the_generator_pipelines_and_stops_where_the_reference_does(gemm_twins):
     """Two requests with their own lengths, one stopped by a stop token mid-way: the same tokens and finish
     reasons as the reference model's generation, with fed steps in between (the stopped sequence's extra
-    step dropped, the chain broken where a sequence reaches its length)."""
+    step dropped, the chain broken where a sequence reaches its length). Blocks of 16: a sequence's one block,
+    one attention split (few simulated CTAs)."""
     config = micro_config(max_position_embeddings=12)
     tensors = micro_tensors(config, seed=9)
     prompts = PROMPTS[:2]
     reference, model = Qwen3Model(config, tensors), CudaQwen3Model(config, tensors, max_num_tokens=16, max_num_seqs=2,
                                                                       f32_max_rows=16)
-    free_run = Generator(reference, None, kv_format="fp8", block_size=4, stop_token_ids=()).generate(
+    free_run = Generator(reference, None, kv_format="fp8", block_size=16, stop_token_ids=()).generate(
         prompts, max_new_tokens=5).results
     stop = free_run[0].token_ids[2]  # request 0 stops at its 3rd token (or earlier, where the token comes sooner)
     assert stop not in free_run[1].token_ids, "the micro model changed: pick another stop token"
     lengths = {0: 5, 1: 4}
     runs = []
     for m in (reference, model):
-        generator = Generator(m, None, kv_format="fp8", block_size=4, stop_token_ids=(stop,))
+        generator = Generator(m, None, kv_format="fp8", block_size=16, stop_token_ids=(stop,))
         batch = ContinuousBatch(generator, 16)
         for i, prompt in enumerate(prompts):
             batch.add(i, prompt, lengths[i])
@@ -158,8 +160,8 @@ def test_an_abort_while_a_step_is_enqueued_drops_its_row(gemm_twins):
     config = micro_config(max_position_embeddings=12)
     tensors = micro_tensors(config, seed=10)
     model = CudaQwen3Model(config, tensors, max_num_tokens=16, max_num_seqs=4, f32_max_rows=16)
-    generator = Generator(model, None, kv_format="fp8", block_size=4, stop_token_ids=())
-    alone = Generator(Qwen3Model(config, tensors), None, kv_format="fp8", block_size=4, stop_token_ids=()).generate(
+    generator = Generator(model, None, kv_format="fp8", block_size=16, stop_token_ids=())
+    alone = Generator(Qwen3Model(config, tensors), None, kv_format="fp8", block_size=16, stop_token_ids=()).generate(
         [PROMPTS[0]], max_new_tokens=6).results[0]
     batch = ContinuousBatch(generator, 16)
     batch.add(0, PROMPTS[0], 6)

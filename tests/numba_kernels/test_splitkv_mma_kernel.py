@@ -176,7 +176,7 @@ def with_input(data, inputs, num_splits):
 
 @pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
 @pytest.mark.parametrize("lens, group, num_kv_heads, block_size, num_splits", [
-    ([17, 0, 33], 4, 2, 16, 2),  # a length-0 row; the new token opens a tile (17, 33); task G (the write) on warp 0
+    ([0, 17], 4, 2, 16, 2),  # a length-0 row; the new token opens a tile (17); task G (the write) on warp 0
     ([1, 30], 16, 1, 32, "auto"),  # a length-1 row; 16 query heads per kv head: the write is warp 0's fifth task
 ])
 def test_with_input_bit_for_bit_the_simulator(lens, group, num_kv_heads, block_size, num_splits):
