@@ -384,8 +384,9 @@ def test_fp8_weight_kernels_compile_to_sm90_ptx(compiled):
 
 
 def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
-    """Every variant: 9 cache writes (input x cache format), 22 split kernels (3 cache formats x 4 head sizes
-    with 4 heads per CTA, every format at 128 with 1 to 3 heads, FP8 at 128 with 4 heads and BF16 output),
+    """Every variant: 9 cache writes (input x cache format), 10 split kernels (3 cache formats at head size 128
+    and FP8 at 32, 64 and 256, with 4 heads per CTA; FP8 at 128 with 1 to 3 heads; FP8 at 128 with 4 heads and BF16
+    output),
     the combine for float32 and BF16 output, 2 tensor-core split kernels (``splitkv_mma``: head_dim 128 with
     4 query heads per kv head and float32 output, 16 with BF16 output and the attention input): no local memory,
     no float64, the expected load widths (the attention with its input reads its cache with coherent 128-bit loads:
@@ -419,7 +420,7 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
 
 
 def test_attention_input_kernels_compile_to_sm90_ptx(compiled):
-    """q/k-norm, RoPE and the cache write in one kernel (head sizes 16, 64, 128 x every cache format): the
+    """q/k-norm, RoPE and the cache write in one kernel (the FP8 cache at head sizes 16, 64 and 128, the float caches at 128): the
     norm's butterfly, fmas, correctly rounded sqrt and division; no local memory, no float64, no spills."""
     def check(c):
         assert ".target sm_90" in c.ptx and ".local" not in c.ptx and ".f64" not in c.ptx
