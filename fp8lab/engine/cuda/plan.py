@@ -10,10 +10,11 @@ Launches per layer: ``add_parts_rms_norm`` (the previous residual add fused with
 layer 0), the q/k/v GEMM (one launch on the fused weight, whose output row ``t`` is ``[q | k | v]``),
 ``attention_input.qk_norm_rope_cache_write`` (q-norm, k-norm, RoPE and the paged cache write in one
 launch; it reads q, k and v as column slices of that output and writes q, contiguous, for attention),
-attention (decode: over an FP8 cache of head size 128 and blocks of whole 16-token tiles, ``paged_decode_mma`` on
-tensor cores (``Planner.decode_attention_on_tensor_cores``), else ``paged_decode``: the split kernel and, with more
-than one split, the combine kernel;
-prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the combine), o_proj,
+attention (decode: over an FP8 cache of head size 128 and blocks of whole 16-token tiles,
+``splitkv_mma.decode_mma_with_input`` on tensor cores (``Planner.decode_attention_on_tensor_cores``), whose split
+kernel also does the attention input, so that launch goes; else ``paged_decode``: the split kernel and, with more
+than one split, the combine kernel; prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the
+combine), o_proj,
 ``add_parts_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch, on
 ``gemv_mma``'s one ``gemv_mma_swiglu``; beyond, the GEMM then ``silu_mul``), down_proj. An FP8 GEMM of more than
 ``f32_max_rows`` rows reads BF16 activations, which the kernel before it (the norm, attention, SwiGLU) writes
@@ -22,7 +23,8 @@ Around the layers: the embedding, the final ``add_parts_rms_norm`` and the lm_he
 rows, at most ``f32_max_rows`` of them; beyond, ``gemv_mma_bf16`` on tensor cores, which a decode step's final
 norm feeds BF16 bits and a prefill's float32 rows it rounds on load: ``Planner.lm_head``); a decode step ends with the greedy argmax (``layers.argmax_rows``, one multi-CTA
 launch, for ``greedy_tokens``), which writes the ids where the next step's embedding reads its tokens.
-A decode step of batch 1 is 8 or 9 launches per layer plus 4, e.g. 9 * 36 + 4 = 328 for Qwen3-8B (8 splits at the benchmark's context). Every launch has a ``label`` (what it is in the forward), which
+A decode step of batch 1 is 7 or 8 launches per layer plus 4 over an FP8 cache of head size 128 (e.g. 8 * 36 + 4 = 292
+for Qwen3-8B at the benchmark's context), 8 or 9 otherwise. Every launch has a ``label`` (what it is in the forward), which
 ``bench/decode_profile.py`` uses to attribute kernel times.
 
 The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` rows (at most 16) runs
