@@ -170,28 +170,19 @@ HEAD_DIMS = (4, 8, 16, 64)
 """The head sizes the attention checks draw unless told otherwise: small ones shrink well, 64 is a real one."""
 
 
-def _checked_head_dims(head_dims) -> tuple[int, ...]:
+def _positive_sizes(name: str, sizes, what: str, example: str) -> tuple[int, ...]:
+    """``sizes`` as a tuple of positive ints, or a ``ValueError`` naming the option ``name`` and ``what`` it holds."""
     try:
-        dims = tuple(int(d) for d in head_dims)
+        checked = tuple(int(x) for x in sizes)
     except (TypeError, ValueError):
-        dims = ()
-    if not dims or min(dims) < 1:
-        raise ValueError(f"head_dims: expected positive head sizes, e.g. (64, 128), got {head_dims!r}")
-    return dims
+        checked = ()
+    if not checked or min(checked) < 1:
+        raise ValueError(f"{name}: expected positive {what}, e.g. {example}, got {sizes!r}")
+    return checked
 
 
 BLOCK_SIZES = (1, 2, 4, 8, 16)
 """The block sizes ``check_paged_decode`` draws unless told others."""
-
-
-def _checked_block_sizes(block_sizes) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(b) for b in block_sizes)
-    except (TypeError, ValueError):
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"block_sizes: expected positive block sizes, e.g. (16, 32), got {block_sizes!r}")
-    return sizes
 
 
 def check_paged_decode(fn, fp8: bool = True, alibi: bool = False, layout: str = "fp8lab",
@@ -213,8 +204,8 @@ def check_paged_decode(fn, fp8: bool = True, alibi: bool = False, layout: str = 
         raise ValueError(f"layout: expected one of {', '.join(CACHE_LAYOUTS)}, got {layout!r}")
     if operands not in OPERANDS:
         raise ValueError(f"operands: expected one of {', '.join(OPERANDS)}, got {operands!r}")
-    head_dims = _checked_head_dims(head_dims)
-    layouts = fst.paged_kv_layouts(head_dims=head_dims, block_sizes=_checked_block_sizes(block_sizes))
+    head_dims = _positive_sizes("head_dims", head_dims, "head sizes", "(64, 128)")
+    layouts = fst.paged_kv_layouts(head_dims=head_dims, block_sizes=_positive_sizes("block_sizes", block_sizes, "block sizes", "(16, 32)"))
     candidates = bugs.DECODE_ATTENTION_BUGS + (bugs.ALIBI_DECODE_BUGS if alibi else [])
 
     @hypothesis_settings(max_examples)
@@ -257,7 +248,7 @@ def check_prefill(fn, fp8: bool = True, alibi: bool = False, head_dims=HEAD_DIMS
     and a kernel that reads a key after a query's position is caught by value (that key changes the row by
     far more than the tolerance). A NaN key would test a kernel's NaN hygiene instead (a tiled kernel's
     masked ``0 * NaN`` in ``P @ V``), which no real prompt asks of it. ``head_dims``: the head sizes drawn."""
-    head_dims = _checked_head_dims(head_dims)
+    head_dims = _positive_sizes("head_dims", head_dims, "head sizes", "(64, 128)")
     candidates = bugs.PREFILL_BUGS + (bugs.ALIBI_PREFILL_BUGS if alibi else [])
 
     @hypothesis_settings(max_examples)
