@@ -67,8 +67,8 @@ def _within(values: np.ndarray, low: int, high: int) -> bool:
 
 
 def _last_token_slots(batch: ForwardBatch, block_size: int) -> np.ndarray | None:
-    """The cache slot of each sequence's position ``context_len - 1`` in its block table (None where a table has no
-    block for it)."""
+    """The cache slot of each sequence's position ``context_len - 1`` in its block table (None, equal to no slots,
+    where a table has no block for it)."""
     last = np.asarray(batch.context_lens, np.int64) - 1
     tables = np.asarray(batch.block_tables)
     if np.any(last // block_size >= tables.shape[1]):
@@ -206,8 +206,7 @@ class CudaQwen3Model(CausalLM):
         if batch.block_tables.shape[1] > cache.width or not _within(batch.context_lens, 0, cache.capacity + 1):
             raise ValueError(f"block_tables: at most {cache.width} blocks ({cache.capacity} tokens) per sequence in "
                              "this cache")
-        last_slots = _last_token_slots(batch, cache.block_size) if _is_decode_step(batch) else slots
-        if last_slots is None or not np.array_equal(slots, last_slots):
+        if _is_decode_step(batch) and not np.array_equal(slots, _last_token_slots(batch, cache.block_size)):
             raise ValueError("slot_mapping: a decode step's new token must go to the slot of position context_len - 1 "
                              "in its block table (where its attention reads it, and the tensor-core attention writes it)")
 
