@@ -62,6 +62,7 @@ import numpy as np
 
 from fp8lab.reference import e4m3, kv_cache
 
+from .common import WARP_SIZE
 from .dense import rms_norm, rope
 from .fma import fma_f32
 from .mma import MMA_K, MMA_N, k16_sum
@@ -110,7 +111,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
     From the split-count sweep of ``bench/attention_mma.py`` on an H200 (``bench/RESULTS.md``, 2026-12-04, Qwen3-8B and
     Qwen3-0.6B heads, batches 1 to 16, 512 to 16,384 tokens): this rule picks the fastest timed count, or one within 5%
-    of it, in every cell."""
+    of it, in every cell but one (0.6B heads, batch 8 over 512 tokens: 2 shards, 10% over the 4 that were fastest)."""
     tiles = -(-int(max_seq_len) // TILE)
     grid = int(num_seqs) * int(num_kv_heads)
     if grid == 0:
@@ -312,11 +313,9 @@ def decode_with_input(q, k, v, q_norm, k_norm, eps: float, positions, cos_sin, k
     ``q [S, Hq D]``, ``k``, ``v [S, Hkv D]``; the caches and scales are updated in place; returns the attention."""
     num_kv_heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_seqs = len(seq_lens)
-    warp = 32  # attention_input's norm: a warp per head row
-
     def normed_rotated(x, weight):
         heads = np.asarray(x, np.float32).reshape(num_seqs, -1, head_dim)
-        return rope(rms_norm(heads, weight, eps, warp), positions, cos_sin)
+        return rope(rms_norm(heads, weight, eps, WARP_SIZE), positions, cos_sin)  # a warp per head row
 
     rows, slots = new_token_slots(block_tables, seq_lens, block_size)
     new_v = np.asarray(v, np.float32).reshape(num_seqs, num_kv_heads, head_dim)
