@@ -44,6 +44,7 @@ from fp8lab.numba_kernels.gemv_simt import (
 )
 from fp8lab.reference import blockwise, dense, e4m3
 from fp8lab.simulators import bit_placement
+from fp8lab.simulators import dense as dense_sim
 from fp8lab.simulators import gemv_simt as simulator
 
 OUTPUT_UNIT = {"f32": 0.0, "f16": 2.0**-11, "bf16": 2.0**-8}
@@ -654,3 +655,108 @@ def test_gpu_split_k_against_simulator_and_reference(m, n, k):
     parts = cuda.to_device(np.full((splits, m, n), np.nan, np.float32))
     kernel_module.gemv_simt_split_k(cuda.to_device(a), cuda.to_device(q), cuda.to_device(scale_inv), parts, block)
     check_split_k(a, q, scale_inv, block, parts.copy_to_host(), f"seed {seed}, M={m} N={n} K={k} S={splits}")
+
+
+# ---------------------------------------------------------------------------- split-K with the norm in its last CTA
+
+
+def norm_problem(rng, m, n, k, block):
+    """A split-K GEMV problem and the norm's residual and weight (random, the residual about the product's size)."""
+    a, q, scale_inv = random_problem(rng, m, n, k, block)
+    residual = (rng.standard_normal((m, n)) * rng.uniform(0.01, 1.0)).astype(np.float32)
+    weight = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    return a, q, scale_inv, residual, weight
+
+
+def check_fused_norm(a32, q, scale_inv, block, residual_in, weight, parts, residual, out, counter, label):
+    """Parts bit for bit ``simulators.gemv_simt.gemv_simt_split_k``; the residual and ``out`` bit for bit
+    ``simulators.dense.add_parts_rms_norm`` of those parts (in the norm launch's order); the counter back at 0."""
+    n = parts.shape[2]
+    check_split_k(a32, q, scale_inv, block, parts, label)
+    expected, total = dense_sim.add_parts_rms_norm(parts, residual_in, weight, 1e-6, layers.rms_norm_threads_per_row(n))
+    assert np.array_equal(residual.view(np.uint32), total.view(np.uint32)), f"{label}: the residual differs"
+    if out.dtype == np.uint16:
+        expected = bit_placement.float32_to_bf16_bits(expected)
+        assert np.array_equal(out, expected), f"{label}: the BF16 normed rows differ"
+    else:
+        assert np.all(np.isfinite(out)), f"{label}: unwritten (poisoned) normed rows"
+        assert np.array_equal(out.view(np.uint32), expected.view(np.uint32)), f"{label}: the normed rows differ"
+    assert int(counter[0]) == 0, f"{label}: the finish counter was left at {int(counter[0])}"
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("m, n, k, splits, warps, out_fmt", [
+    (1, 40, 384, 3, 4, "f32"),   # the norm's warp per row (n <= 256) on a 4-warp CTA: one warp works; 3 parts
+    (2, 260, 256, 1, 1, "bf16"),  # the norm's 64 threads on a 1-warp CTA: each lane plays two, 5 elements each
+])
+def test_simulated_split_k_rms_norm_equals_the_two_launches(rng, m, n, k, splits, warps, out_fmt):
+    """The last CTA's norm is the norm launch's: parts, residual and normed rows bit for bit the simulators'."""
+    block = (64, 128)
+    a, q, scale_inv, residual_in, weight = norm_problem(rng, m, n, k, block)
+    parts = np.full((splits, m, n), np.nan, np.float32)
+    residual, out, counter = residual_in.copy(), poisoned_output((m, n), out_fmt), kernel_module.finish_counter()
+    kernel_module.gemv_simt_split_k_rms_norm(a, q, scale_inv, parts, residual, weight, 1e-6, out, block,
+                                             counter=counter, warps_per_cta=warps)
+    check_fused_norm(a, q, scale_inv, block, residual_in, weight, parts, residual, out, counter,
+                     f"M={m} N={n} K={k} S={splits} warps={warps}")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda args: {**args, "out": args["residual"]}, "out: must not share memory with residual"),
+    (lambda args: {**args, "out": args["parts"][0]}, "out: must not share memory with parts"),
+    (lambda args: {**args, "counter": np.zeros(1, np.int64)}, "counter: expected int32 \\[1\\]"),
+    (lambda args: {**args, "weight": np.ones(5, np.float32)}, "weight: expected float32 \\[4\\]"),
+    (lambda args: {**args, "residual": np.zeros((2, 4), np.float64)}, "residual: expected float32"),
+    (lambda args: {**args, "parts": np.full((3, 2, 4), np.nan, np.float32)}, "K / 3 is not a multiple of 128"),
+])
+def test_bad_split_k_rms_norm_arguments_raise_before_launch(rng, no_launch, change, message):
+    a, q, scale_inv, _ = good_arguments(rng)
+    parts = np.full((2, 2, 4), np.nan, np.float32)
+    args = change({"parts": parts, "residual": np.zeros((2, 4), np.float32), "weight": np.ones(4, np.float32),
+                   "out": poisoned_output((2, 4), "f32"), "counter": np.zeros(1, np.int32)})
+    with pytest.raises(ValueError, match=message):
+        kernel_module.gemv_simt_split_k_rms_norm(a, q, scale_inv, eps=1e-6, **args)
+    assert np.all(np.isnan(parts))  # untouched
+
+
+def test_a_row_too_long_for_the_norm_registers_is_refused(rng, no_launch):
+    """Rows past 8192 take the norm's generic loop kernel, which the tail does not play."""
+    n = 8192 + 128
+    a, q, scale_inv = random_problem(rng, 1, n, 256, (128, 128))
+    with pytest.raises(ValueError, match=f"residual: rows of {n} are too long for the norm in the GEMV's last CTA"):
+        kernel_module.gemv_simt_split_k_rms_norm(a, q, scale_inv, np.zeros((1, 1, n), np.float32),
+                                                 np.zeros((1, n), np.float32), np.ones(n, np.float32), 1e-6,
+                                                 np.zeros((1, n), np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, out_fmt", [(1, 4096, 4096, "f32"), (1, 4096, 12288, "f32"), (1, 1024, 2048, "f32"),
+                                              (1, 1024, 3072, "f32"), (3, 4096, 12288, "bf16")])
+def test_gpu_split_k_rms_norm_equals_the_two_launches(m, n, k, out_fmt):
+    """At the Qwen3-8B and Qwen3-0.6B o_proj / down_proj shapes and the engine's split counts: parts, residual and
+    normed rows bit for bit ``gemv_simt_split_k`` then ``layers.add_parts_rms_norm``, and the simulators'; twice
+    on one counter (the last CTA resets it, as a CUDA-graph replay needs)."""
+    from numba import cuda
+
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    block = (128, 128)
+    a, q, scale_inv, residual_in, weight = norm_problem(rng, m, n, k, block)
+    splits = simulator.choose_k_splits(n, k, 128, cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    a_d, q_d, s_d, w_d = (cuda.to_device(x) for x in (a, q, scale_inv, weight))
+    counter = kernel_module.finish_counter()
+    for attempt in range(2):
+        label = f"seed {seed}, M={m} N={n} K={k} S={splits}, call {attempt}"
+        parts, residual = cuda.to_device(np.full((splits, m, n), np.nan, np.float32)), cuda.to_device(residual_in)
+        out = cuda.to_device(poisoned_output((m, n), out_fmt))
+        kernel_module.gemv_simt_split_k_rms_norm(a_d, q_d, s_d, parts, residual, w_d, 1e-6, out, block, counter=counter)
+        parts_h, residual_h, out_h = parts.copy_to_host(), residual.copy_to_host(), out.copy_to_host()
+        check_fused_norm(a, q, scale_inv, block, residual_in, weight, parts_h, residual_h, out_h,
+                         counter.copy_to_host(), label)
+        two_parts, two_residual = cuda.to_device(np.full((splits, m, n), np.nan, np.float32)), cuda.to_device(residual_in)
+        two_out = cuda.to_device(poisoned_output((m, n), out_fmt))
+        kernel_module.gemv_simt_split_k(a_d, q_d, s_d, two_parts, block)
+        layers.add_parts_rms_norm(two_parts, two_residual, w_d, 1e-6, two_out)
+        for name, fused, two in (("parts", parts_h, two_parts), ("residual", residual_h, two_residual),
+                                 ("out", out_h, two_out)):
+            assert np.array_equal(fused.view(np.uint8), two.copy_to_host().view(np.uint8)), f"{label}: {name} differs"
