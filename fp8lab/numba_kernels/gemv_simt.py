@@ -106,12 +106,10 @@ from .dequantize import F16_PLACEMENT_SCALE, STORE, output_bits_view, placed_cod
 from .layers import (
     MAX_THREADS_PER_CTA,
     NORM_MAX_REGISTER_ELEMENTS,
-    add_warp_totals,
+    add_parts_rms_norm_in_cta_function,
     check_norm,
     norm_elements_per_thread,
-    rms_norm_threads_per_row,
     silu_times,
-    sqrt_f32,
 )
 from .warp import (
     WARP_SIZE,
@@ -238,113 +236,6 @@ def _call_then(body, i: int, rest):
 
 
 
-# ---------------------------------------------------------------------------- the norm in the last CTA
-
-
-def add_parts_rms_norm_in_cta_function(n: int, cta_threads: int, splits: int, bf16_out: bool = False):
-    """The device function ``add_parts_rms_norm_rows(parts, residual, weight, eps, out, rows, warp_totals)``: one CTA
-    of ``cta_threads`` threads computes ``add_parts_rms_norm`` of ``rows`` rows of length ``n`` from ``splits`` parts,
-    bit for bit what its launch computes (the tail of ``gemv_simt_split_k_rms_norm``, where the last CTA
-    of a GEMV does the norm that would otherwise be a launch of its own).
-
-    The norm's summation order is that of ``B = layers.rms_norm_threads_per_row(n)`` threads (``fp8lab.simulators.dense``),
-    and this CTA may have fewer (or more) threads than that: thread ``t`` plays the norm's threads ``t + cta_threads
-    v`` (``v < ceil(B / cta_threads)``, those below ``B``), each exactly as in the register kernels: its elements
-    ``k = t' + B j``, ``residual + sum of parts`` (the parts in part order, then one addition), the squares chained
-    by ``fma`` in ``j`` order, the butterfly of its warp (a warp of ``B`` is a warp of this CTA: both are multiples
-    of 32); then the warp totals added in warp order from 0 and the row normalized.
-
-    Why this shape: one CTA does a whole norm, so its time is a chain of memory round trips. A load the compiler
-    cannot move above a store that may alias it is issued only once that store's value is there, so per norm
-    thread played all loads (its parts, residual elements and weights) are written out before its stores: one
-    round trip per norm thread played. The thread keeps the new residual and the weights in registers
-    (``2 ceil(B / cta_threads) * elements`` of them: 64 at hidden 4096 on 128 threads) for the normalization,
-    which reads nothing more. ``parts``: the parts as rows ``[splits * rows, n]`` (part ``s``'s row ``r`` at ``s * rows +
-    r``, as the split-K GEMV writes them); ``warp_totals``: float32 shared memory of at least ``B / 32`` elements.
-    Every thread of the CTA must call it (it synchronizes the CTA). Rows of at most 8192
-    (``layers.norm_elements_per_thread(n)`` not None: the register kernels' order).
-    """
-    elements = norm_elements_per_thread(n)
-    if elements is None or cta_threads % WARP_SIZE or cta_threads <= 0 or splits < 1:
-        raise ValueError(f"n: no norm of rows of length {n} from {splits} parts in a CTA of {cta_threads} threads")
-    threads = rms_norm_threads_per_row(n)
-    played = -(-threads // cta_threads)  # norm threads per thread of this CTA (the last ones may be idle)
-    held = played * elements
-    warps = threads // WARP_SIZE
-    store = STORE["bf16" if bf16_out else "f32"]
-
-    whole = n == threads * elements and threads % cta_threads == 0  # every slot of every thread is an element
-
-    @cuda.jit(device=True, inline=True)
-    def element(t, i):
-        """The row index of the thread's slot ``i``: norm thread ``t + cta_threads (i // elements)``, its element
-        ``i % elements`` (``t + constant``, so that a load's address is a base and an immediate offset)."""
-        return t + cta_threads * (i // elements) + threads * (i % elements)
-
-    @cuda.jit(device=True, inline=True)
-    def is_element(t, i):
-        """Whether slot ``i`` is an element of the row (always, when ``whole``: no test compiled)."""
-        return whole or (t + cta_threads * (i // elements) < threads and element(t, i) < n)
-
-    @cuda.jit(device=True, inline=True)
-    def add_and_sum(v, args):
-        """Norm thread ``t + cta_threads v`` (``v`` a compile-time constant, so that the slots stay registers): the
-        loads of its elements' parts, residual and weights, all at once; ``values = residual + sum of parts``
-        stored into the residual; the ``fma`` chain of the squares, its warp's butterfly and total."""
-        parts, residual, weight, row, rows, t, values, weights, warp_totals = args
-        extra = cuda.local.array(elements, float32)
-        for j in range(elements):
-            i = v * elements + j
-            if is_element(t, i):
-                extra[j] = parts[row, element(t, i)]
-                values[i] = residual[row, element(t, i)]
-                weights[i] = weight[element(t, i)]
-        for s in range(1, splits):  # the further parts of a split-K product, in part order
-            for j in range(elements):
-                i = v * elements + j
-                if is_element(t, i):
-                    extra[j] = extra[j] + parts[s * rows + row, element(t, i)]
-        acc = float32(0)
-        for j in range(elements):
-            i = v * elements + j
-            if is_element(t, i):
-                values[i] = values[i] + extra[j]  # residual + x, one float32 addition
-                residual[row, element(t, i)] = values[i]
-                acc = cuda.fma(values[i], values[i], acc)
-        if t + cta_threads * v < threads:  # whole warps: cta_threads and B are multiples of 32
-            acc = warp_sum(acc)
-            if t % WARP_SIZE == 0:
-                warp_totals[(t + cta_threads * v) // WARP_SIZE] = acc
-
-    @cuda.jit(device=True, inline=True)
-    def normalize(v, args):
-        """Norm thread ``t + cta_threads v``'s elements normalized from its registers into ``out``."""
-        out, row, t, values, weights, denom = args
-        for j in range(elements):
-            i = v * elements + j
-            if is_element(t, i):
-                store(out, row, element(t, i), weights[i] * (values[i] / denom))
-
-    add_and_sum_all, normalize_all = unrolled(add_and_sum, played), unrolled(normalize, played)
-
-    @cuda.jit(device=True, inline=True)
-    def add_parts_rms_norm_rows(parts, residual, weight, eps, out, rows, warp_totals):
-        t = cuda.threadIdx.x
-        values = cuda.local.array(held, float32)
-        weights = cuda.local.array(held, float32)
-        for row in range(rows):
-            add_and_sum_all((parts, residual, weight, row, rows, t, values, weights, warp_totals))
-            cuda.syncthreads()
-            # one warp: 0 + its total is the warp kernel's total, bit for bit (a sum of squares is not -0)
-            total = add_warp_totals(warp_totals, warps)
-            denom = sqrt_f32(total / float32(residual.shape[1]) + eps)
-            normalize_all((out, row, t, values, weights, denom))
-            cuda.syncthreads()  # the next row reuses warp_totals
-
-    return add_parts_rms_norm_rows
-
-
-
 # ---------------------------------------------------------------------------- the two epilogues
 
 
@@ -400,15 +291,14 @@ def swiglu_columns(columns: int, m_tile: int):
 @functools.lru_cache(maxsize=None)
 def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, block_k: int,
                      warps_per_cta: int = WARPS_PER_CTA, chunks_per_iteration: int = 1, columns_per_warp: int = 1,
-                     swiglu: bool = False, norm_n: int = 0, norm_output: str = "f32", norm_parts: int = 1):
+                     swiglu: bool = False, norm_n: int = 0, norm_output: str = "f32"):
     """The compiled GEMV kernel for one row tile, activation format, output format, block size,
     CTA size, group size and columns per warp; ``swiglu``: the SwiGLU variant (``output`` "f32",
     ``columns_per_warp`` 2 or 4), which differs from the plain kernel only in which weight rows a
     warp's columns are and in the epilogue (``plain_columns``, ``swiglu_columns``).
 
     ``norm_n``: the split-K kernel with the residual add and norm of rows of length ``norm_n`` in its last CTA
-    (``gemv_simt_split_k_rms_norm``) from ``norm_parts`` K slices, writing the normed rows as ``norm_output`` ("f32"
-    or "bf16" bits).
+    (``gemv_simt_split_k_rms_norm``), writing the normed rows as ``norm_output`` ("f32" or "bf16" bits).
 
     All are compile-time constants: the row, column, chunk and element loops unroll, the
     accumulators and the loaded codes live in registers, and the block divisions become shifts.
@@ -558,7 +448,7 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         return kernel
 
     threads = warps_per_cta * WARP_SIZE
-    norm_rows = add_parts_rms_norm_in_cta_function(norm_n, threads, norm_parts, norm_output == "bf16")
+    norm_rows = add_parts_rms_norm_in_cta_function(norm_n, threads, norm_output == "bf16")
     # The tail must not take CTAs per SM (and with them loads in flight) from the GEMV: ptxas is held to
     # TAIL_MAX_REGISTERS, what 4 CTAs of 128 threads per SM leave (the default GEMV alone takes 120).
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, max(1, REGISTERS_PER_SM // (TAIL_MAX_REGISTERS * threads)))}
@@ -785,15 +675,15 @@ def gemv_simt_split_k_rms_norm(a, q, scale_inv, parts, residual, weight, eps, ou
                          f"{NORM_MAX_REGISTER_ELEMENTS * MAX_THREADS_PER_CTA})")
     output = "bf16" if np.dtype(out.dtype) == np.uint16 else "f32"
     _launch(dataclasses.replace(problem, out=parts.reshape(splits * problem.m, problem.n)), launch, stream,
-            norm=(n, output, splits, residual, weight, np.float32(eps), out, counter))
+            norm=(n, output, residual, weight, np.float32(eps), out, counter))
     return out
 
 
 def _launch(problem: arguments.GemmProblem, launch: GemvLaunch, stream, swiglu: bool = False, norm: tuple = ()):
     """The checks that need the knobs and the device pointers, then the launch (``gemv_simt_kernel``'s
     arguments: flat uint32 views of ``a`` and ``q``, the flat ``scale_inv``, ``out``'s bits view; with
-    K slices, ``out`` is the parts viewed as ``[S * M, N]``). ``norm``: ``(N, output format, S, residual, weight,
-    eps, out, counter)`` of the norm in the last CTA (``gemv_simt_split_k_rms_norm``)."""
+    K slices, ``out`` is the parts viewed as ``[S * M, N]``). ``norm``: ``(N, output format, residual, weight, eps,
+    out, counter)`` of the norm in the last CTA (``gemv_simt_split_k_rms_norm``)."""
     for name in ("a", "q"):
         arguments.require_load_alignment(name, getattr(problem, name), "the SIMT GEMV")
     if problem.n * problem.k // 4 >= MAX_WORDS:
@@ -801,12 +691,12 @@ def _launch(problem: arguments.GemmProblem, launch: GemvLaunch, stream, swiglu: 
                          f"got {problem.n} x {problem.k}")
     bn, bk = problem.block
     kernel = gemv_simt_kernel(launch.m_tile, problem.activation, problem.output, bn, bk, launch.warps_per_cta,
-                              launch.chunks_per_iteration, launch.columns_per_warp, swiglu, *norm[:3])
+                              launch.chunks_per_iteration, launch.columns_per_warp, swiglu, *norm[:2])
     pdl.launch(
         kernel, launch.grid, launch.block, stream,
         problem.a.view(np.uint32).reshape(-1), problem.q.view(np.uint32).reshape(-1), problem.scale_inv.reshape(-1),
         output_bits_view(problem.out, problem.output), problem.m, problem.n, problem.k, problem.k // launch.k_splits,
-        *norm[3:])
+        *norm[2:])
 
 
 def gemv_simt_swiglu(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta=None,

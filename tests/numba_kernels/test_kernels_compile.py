@@ -129,8 +129,8 @@ def variants():
                           "words_per_chunk": WORDS_PER_CHUNK[activation]})
             for m_tile, activation, output, warps, group, columns, swiglu in cases] + [
         # the engine's o_proj / down_proj at batch 1 with the next norm in the last CTA (Qwen3-0.6B's hidden 1024)
-        Variant("gemv_simt_split_k_rms_norm M_TILE=1 f32->f32 warps=4 G=1 NC=4 S=4 norm=1024->f32",
-                gemv_simt_kernel(1, "f32", "f32", 128, 128, 4, 1, 4, False, 1024, "f32", 4).py_func,
+        Variant("gemv_simt_split_k_rms_norm M_TILE=1 f32->f32 warps=4 G=1 NC=4 norm=1024->f32",
+                gemv_simt_kernel(1, "f32", "f32", 128, 128, 4, 1, 4, False, 1024, "f32").py_func,
                 "void(uint32[::1], uint32[::1], float32[::1], float32[:, ::1], int64, int64, int64, int64, "
                 "float32[:, ::1], float32[::1], float32, float32[:, ::1], int32[::1])",
                 launch_bounds=(128, REGISTERS_PER_SM // (TAIL_MAX_REGISTERS * 128)), info={"norm": True})]
