@@ -97,20 +97,12 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, uint32
 
 from . import arguments, pdl
-from .arguments import overlaps
-from .bits import SIMULATOR, bf16_bits_to_f32, f16_bits_to_f32, u32_as_f32
+from .bits import bf16_bits_to_f32, f16_bits_to_f32, u32_as_f32
 from .dequantize import F16_PLACEMENT_SCALE, STORE, output_bits_view, placed_codes
-from .layers import (
-    MAX_THREADS_PER_CTA,
-    NORM_MAX_REGISTER_ELEMENTS,
-    add_parts_rms_norm_in_cta_function,
-    check_norm,
-    norm_elements_per_thread,
-    silu_times,
-)
+from .layers import silu_times
 from .warp import (
     WARP_SIZE,
     WORDS_PER_LOAD,
@@ -134,10 +126,6 @@ MAX_GROUP_SLOTS = 8
 (more spills registers)."""
 MAX_ACCUMULATORS = 32
 """``columns_per_warp * m_tile`` at most: one float32 accumulator each per lane (more spills)."""
-TAIL_MAX_REGISTERS = 128
-"""``gemv_simt_split_k_rms_norm``'s kernel is compiled for at most this many registers per thread (4 CTAs of 128
-threads per SM: as many as the GEMV without the tail has)."""
-REGISTERS_PER_SM = 65536
 MAX_WORDS = 2**32
 """Arrays are indexed with 32-bit words: fewer than this many uint32 words (16 GiB of codes)."""
 WORDS_PER_CHUNK = {"bf16": 8, "f16": 8, "f32": 16}
@@ -291,14 +279,11 @@ def swiglu_columns(columns: int, m_tile: int):
 @functools.lru_cache(maxsize=None)
 def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, block_k: int,
                      warps_per_cta: int = WARPS_PER_CTA, chunks_per_iteration: int = 1, columns_per_warp: int = 1,
-                     swiglu: bool = False, norm_n: int = 0, norm_output: str = "f32"):
+                     swiglu: bool = False):
     """The compiled GEMV kernel for one row tile, activation format, output format, block size,
     CTA size, group size and columns per warp; ``swiglu``: the SwiGLU variant (``output`` "f32",
     ``columns_per_warp`` 2 or 4), which differs from the plain kernel only in which weight rows a
     warp's columns are and in the epilogue (``plain_columns``, ``swiglu_columns``).
-
-    ``norm_n``: the split-K kernel with the residual add and norm of rows of length ``norm_n`` in its last CTA
-    (``gemv_simt_split_k_rms_norm``), writing the normed rows as ``norm_output`` ("f32" or "bf16" bits).
 
     All are compile-time constants: the row, column, chunk and element loops unroll, the
     accumulators and the loaded codes live in registers, and the block divisions become shifts.
@@ -368,9 +353,8 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
     load_group = unrolled(load_chunk, group)
     compute_group = unrolled(compute_chunk, group)
 
-    @cuda.jit(device=True, inline=True)
-    def warp_columns(a_words, q_words, scales_flat, out, m, n, k, slice_k):
-        """The kernel's work: this warp's columns of this CTA's row tile and K slice, written by lane 0."""
+    @cuda.jit
+    def kernel(a_words, q_words, scales_flat, out, m, n, k, slice_k):
         lane = uint32(cuda.threadIdx.x) % u_warp
         warp = uint32(cuda.blockIdx.x) * uint32(warps_per_cta) + uint32(cuda.threadIdx.x) // u_warp
         width = uint32(n) // uint32(rows_per_output)  # output columns: N, or I = N / 2 for SwiGLU
@@ -440,42 +424,7 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         if lane == 0:
             write(out, acc, row0, split * m, first, m, width)
 
-    if not norm_n:
-        @cuda.jit
-        def kernel(a_words, q_words, scales_flat, out, m, n, k, slice_k):
-            warp_columns(a_words, q_words, scales_flat, out, m, n, k, slice_k)
-
-        return kernel
-
-    threads = warps_per_cta * WARP_SIZE
-    norm_rows = add_parts_rms_norm_in_cta_function(norm_n, threads, norm_output == "bf16")
-    # The tail must not take CTAs per SM (and with them loads in flight) from the GEMV: ptxas is held to
-    # TAIL_MAX_REGISTERS, what 4 CTAs of 128 threads per SM leave (the default GEMV alone takes 120).
-    bounds = {} if SIMULATOR else {"launch_bounds": (threads, max(1, REGISTERS_PER_SM // (TAIL_MAX_REGISTERS * threads)))}
-
-    @cuda.jit(**bounds)
-    def kernel_with_norm(a_words, q_words, scales_flat, out, m, n, k, slice_k, residual, weight, eps, normed, counter):
-        warp_columns(a_words, q_words, scales_flat, out, m, n, k, slice_k)
-        # The last CTA to finish adds the parts to the residual and norms it (argmax_kernel's pattern): every
-        # CTA's parts are stored before its count (the barrier, then a fence), the last reads them after it.
-        finished = cuda.shared.array(1, int32)
-        warp_totals = cuda.shared.array(MAX_WARPS_PER_CTA, float32)
-        cuda.syncthreads()
-        if cuda.threadIdx.x == 0:
-            cuda.threadfence()
-            ctas = cuda.gridDim.x * cuda.gridDim.y * cuda.gridDim.z
-            finished[0] = int32(cuda.atomic.add(counter, 0, 1) == ctas - 1)
-            cuda.threadfence()
-        cuda.syncthreads()
-        if finished[0] == 0:
-            return
-        # The residual is the earlier kernels' (griddepcontrol.wait makes their writes visible to this whole grid):
-        # thread 0 of every CTA has waited (warp 0 always has columns), and the barrier orders the rest after it.
-        norm_rows(out, residual, weight, eps, normed, m, warp_totals)  # the parts, as this kernel wrote them
-        if cuda.threadIdx.x == 0:
-            counter[0] = 0  # for the next launch (or CUDA-graph replay)
-
-    return kernel_with_norm
+    return kernel
 
 
 # ---------------------------------------------------------------------------- launch shape and entry point
@@ -612,15 +561,6 @@ def gemv_simt_split_k(a, q, scale_inv, parts, block=(128, 128), m_tile=None, war
     slice whole K blocks); ``a``, ``q``, ``scale_inv``, ``block``, the knobs and ``stream`` as in ``gemv_simt``.
     """
     a, q, parts = (arguments.as_kernel_array(name, x) for name, x in (("a", a), ("q", q), ("parts", parts)))
-    splits, launch, problem = _split_k_launch(a, q, scale_inv, parts, block, m_tile, warps_per_cta,
-                                              chunks_per_iteration, columns_per_warp)
-    _launch(dataclasses.replace(problem, out=parts.reshape(splits * problem.m, problem.n)), launch, stream)
-    return parts
-
-
-def _split_k_launch(a, q, scale_inv, parts, block, m_tile, warps_per_cta, chunks_per_iteration, columns_per_warp):
-    """The split-K checks (``parts`` float32 ``[S, M, N]``, each slice whole K blocks) and ``check_gemm``'s; returns
-    ``(S, launch, problem)``."""
     m, n = (a.shape[0] if a.ndim == 2 else 0), (q.shape[0] if q.ndim == 2 else 0)
     arguments.require("parts", parts, f"float32 [S, {m}, {n}] (the K slices' partial products)",
                       parts.ndim == 3 and tuple(parts.shape[1:]) == (m, n) and parts.shape[0] >= 1
@@ -633,57 +573,14 @@ def _split_k_launch(a, q, scale_inv, parts, block, m_tile, warps_per_cta, chunks
                          f"{problem.block[1]}, but K / {splits} is not a multiple of {problem.block[1]}")
     launch = gemv_simt_launch_info(problem.m, problem.n, problem.k, m_tile, warps_per_cta, chunks_per_iteration,
                                    columns_per_warp, k_splits=splits)
-    return splits, launch, problem
+    _launch(dataclasses.replace(problem, out=parts.reshape(splits * problem.m, problem.n)), launch, stream)
+    return parts
 
 
-def finish_counter():
-    """A zeroed int32 ``[1]`` device array (a NumPy array in the CUDA simulator): the count of finished CTAs that
-    ``gemv_simt_split_k_rms_norm`` uses to find its last CTA, which sets it back to 0. Allocate one and pass it to
-    every call (a CUDA-graph capture allows no allocation); calls sharing one must not run concurrently."""
-    counter = np.zeros(1, np.int32)
-    return counter if SIMULATOR else cuda.to_device(counter)
-
-
-def gemv_simt_split_k_rms_norm(a, q, scale_inv, parts, residual, weight, eps, out, block=(128, 128), counter=None,
-                               m_tile=None, warps_per_cta=None, chunks_per_iteration=None, columns_per_warp=None,
-                               stream=0):
-    """``gemv_simt_split_k`` then ``layers.add_parts_rms_norm(parts, residual, weight, eps, out)`` in one launch:
-    ``residual += parts[0] + parts[1] + ...`` (in part order), ``out = rms_norm(residual)``; returns ``out``.
-
-    A decode step's residual block (o_proj, down_proj) ends in the norm that feeds the next GEMV. As a launch
-    of its own that norm costs about 3 us at batch 1, most of it starting and draining a kernel; here the last
-    CTA of the GEMV to finish does it (``layers.add_parts_rms_norm_in_cta_function``, in the norm launch's
-    summation order), so parts, residual and ``out`` are bit for bit those of the two launches.
-
-    ``parts``, ``a``, ``q``, ``scale_inv``, ``block`` and the knobs as in ``gemv_simt_split_k``; ``residual``: float32
-    ``[M, N]``; ``weight``: float32 ``[N]``; ``out``: float32 or uint16 (BF16 bits) ``[M, N]``, sharing no memory
-    with ``parts`` or ``residual``; ``counter``: from ``finish_counter()``, holding 0 (None: one for this call).
-    Rows of at most 8192 (every Qwen3 hidden size): the norm's register order (``layers.norm_elements_per_thread``).
-    """
-    a, q, parts = (arguments.as_kernel_array(name, x) for name, x in (("a", a), ("q", q), ("parts", parts)))
-    splits, launch, problem = _split_k_launch(a, q, scale_inv, parts, block, m_tile, warps_per_cta,
-                                              chunks_per_iteration, columns_per_warp)
-    (_, residual, out), weight, _, n = check_norm(parts[0], weight, out, residual)
-    for name, other in (("parts", parts), ("residual", residual)):
-        if overlaps(out, other):
-            raise ValueError(f"out: must not share memory with {name} (the last CTA reads it while it writes out)")
-    counter = finish_counter() if counter is None else arguments.as_kernel_array("counter", counter)
-    arguments.require("counter", counter, "int32 [1] (finish_counter())",
-                      tuple(counter.shape) == (1,) and np.dtype(counter.dtype) == np.int32)
-    if norm_elements_per_thread(n) is None:
-        raise ValueError(f"residual: rows of {n} are too long for the norm in the GEMV's last CTA (at most "
-                         f"{NORM_MAX_REGISTER_ELEMENTS * MAX_THREADS_PER_CTA})")
-    output = "bf16" if np.dtype(out.dtype) == np.uint16 else "f32"
-    _launch(dataclasses.replace(problem, out=parts.reshape(splits * problem.m, problem.n)), launch, stream,
-            norm=(n, output, residual, weight, np.float32(eps), out, counter))
-    return out
-
-
-def _launch(problem: arguments.GemmProblem, launch: GemvLaunch, stream, swiglu: bool = False, norm: tuple = ()):
+def _launch(problem: arguments.GemmProblem, launch: GemvLaunch, stream, swiglu: bool = False):
     """The checks that need the knobs and the device pointers, then the launch (``gemv_simt_kernel``'s
     arguments: flat uint32 views of ``a`` and ``q``, the flat ``scale_inv``, ``out``'s bits view; with
-    K slices, ``out`` is the parts viewed as ``[S * M, N]``). ``norm``: ``(N, output format, residual, weight, eps,
-    out, counter)`` of the norm in the last CTA (``gemv_simt_split_k_rms_norm``)."""
+    K slices, ``out`` is the parts viewed as ``[S * M, N]``)."""
     for name in ("a", "q"):
         arguments.require_load_alignment(name, getattr(problem, name), "the SIMT GEMV")
     if problem.n * problem.k // 4 >= MAX_WORDS:
@@ -691,12 +588,11 @@ def _launch(problem: arguments.GemmProblem, launch: GemvLaunch, stream, swiglu: 
                          f"got {problem.n} x {problem.k}")
     bn, bk = problem.block
     kernel = gemv_simt_kernel(launch.m_tile, problem.activation, problem.output, bn, bk, launch.warps_per_cta,
-                              launch.chunks_per_iteration, launch.columns_per_warp, swiglu, *norm[:2])
+                              launch.chunks_per_iteration, launch.columns_per_warp, swiglu)
     pdl.launch(
         kernel, launch.grid, launch.block, stream,
         problem.a.view(np.uint32).reshape(-1), problem.q.view(np.uint32).reshape(-1), problem.scale_inv.reshape(-1),
-        output_bits_view(problem.out, problem.output), problem.m, problem.n, problem.k, problem.k // launch.k_splits,
-        *norm[2:])
+        output_bits_view(problem.out, problem.output), problem.m, problem.n, problem.k, problem.k // launch.k_splits)
 
 
 def gemv_simt_swiglu(a, q, scale_inv, out, block=(128, 128), m_tile=None, warps_per_cta=None,

@@ -345,82 +345,6 @@ def rms_norm_loop_function(fused: bool, bf16_out: bool = False):
     return rms_norm_loop_kernel
 
 
-def add_parts_rms_norm_in_cta_function(n: int, cta_threads: int, bf16_out: bool = False):
-    """The device function ``add_parts_rms_norm_rows(parts, residual, weight, eps, out, rows, warp_totals)``: one CTA
-    of ``cta_threads`` threads computes ``add_parts_rms_norm`` of ``rows`` rows of length ``n``, bit for bit what its
-    launch computes (the tail of ``gemv_simt.gemv_simt_split_k_rms_norm``, where the last CTA of a GEMV does the
-    norm that would otherwise be a launch of its own).
-
-    The norm's summation order is that of ``B = rms_norm_threads_per_row(n)`` threads (``fp8lab.simulators.dense``),
-    and this CTA may have fewer (or more) threads than that: thread ``t`` plays the norm's threads ``t + cta_threads
-    v`` (``v < ceil(B / cta_threads)``, those below ``B``) one after another, each exactly as in the register
-    kernels: its elements ``k = t' + B j`` loaded at once (all parts, the residual), ``residual + sum of parts``
-    stored, the squares chained by ``fma`` in ``j`` order, the butterfly of its warp (a warp of ``B`` is a warp of
-    this CTA: both are multiples of 32); then the warp totals added in warp order from 0 and the row normalized,
-    rereading the residual the thread stored. One norm thread's elements at a time keeps the registers few: the
-    GEMV before the tail needs its registers for its loads. ``parts``: the ``S`` parts as rows ``[S * rows, n]``
-    (part ``s``'s row ``r`` at ``s * rows + r``, as the split-K GEMV writes them); ``warp_totals``: float32 shared
-    memory of at least ``B / 32`` elements. Every thread of the CTA must call it (it synchronizes the CTA).
-    Rows of at most 8192 (``norm_elements_per_thread(n)`` not None: the register kernels' order).
-    """
-    elements = norm_elements_per_thread(n)
-    if elements is None or cta_threads % WARP_SIZE or cta_threads <= 0:
-        raise ValueError(f"n: no norm of rows of length {n} in a CTA of {cta_threads} threads")
-    threads = rms_norm_threads_per_row(n)
-    played = -(-threads // cta_threads)  # norm threads per thread of this CTA (the last ones may be idle)
-    warps = threads // WARP_SIZE
-    store = STORE["bf16" if bf16_out else "f32"]
-
-    @cuda.jit(device=True, inline=True)
-    def add_parts_sum_of_squares(parts, residual, row, rows, splits, played_thread, values, extra):
-        """Norm thread ``played_thread``'s first pass: ``residual += sum of parts`` for its elements, stored, and
-        the ``fma`` chain of their squares."""
-        for j in range(elements):  # a part's loads all in flight before the first addition
-            k = played_thread + threads * j
-            if k < n:
-                extra[j] = parts[row, k]
-        for s in range(1, splits):  # the further parts of a split-K product, in part order
-            for j in range(elements):
-                k = played_thread + threads * j
-                if k < n:
-                    extra[j] = extra[j] + parts[s * rows + row, k]
-        acc = float32(0)
-        for j in range(elements):
-            k = played_thread + threads * j
-            if k < n:
-                values[j] = residual[row, k] + extra[j]  # residual + x, one float32 addition
-                residual[row, k] = values[j]
-                acc = cuda.fma(values[j], values[j], acc)
-        return acc
-
-    def add_parts_rms_norm_rows(parts, residual, weight, eps, out, rows, warp_totals):
-        t = cuda.threadIdx.x
-        splits = parts.shape[0] // rows
-        values = cuda.local.array(elements, float32)
-        extra = cuda.local.array(elements, float32)
-        for row in range(rows):
-            for v in range(played):
-                played_thread = t + cta_threads * v
-                if played_thread < threads:  # whole warps: cta_threads and B are multiples of 32
-                    acc = warp_sum(add_parts_sum_of_squares(parts, residual, row, rows, splits, played_thread,
-                                                            values, extra))
-                    if t % WARP_SIZE == 0:
-                        warp_totals[played_thread // WARP_SIZE] = acc
-            cuda.syncthreads()
-            # one warp: 0 + its total is the warp kernel's total, bit for bit (a sum of squares is not -0)
-            total = add_warp_totals(warp_totals, warps)
-            denom = sqrt_f32(total / float32(residual.shape[1]) + eps)
-            for v in range(played):
-                played_thread = t + cta_threads * v
-                for j in range(elements):
-                    k = played_thread + threads * j
-                    if played_thread < threads and k < n:  # the residual as this thread stored it
-                        store(out, row, k, weight[k] * (residual[row, k] / denom))
-            cuda.syncthreads()  # the next row reuses warp_totals
-
-    return cuda.jit(device=True, inline=True)(add_parts_rms_norm_rows)
-
-
 @functools.cache
 def _rms_norm_kernel(fused: bool, n: int, bf16_out: bool):
     """The norm kernel for rows of length ``n`` writing float32 or (``bf16_out``) BF16 bits (compiled once
@@ -434,7 +358,7 @@ def _rms_norm_kernel(fused: bool, n: int, bf16_out: bool):
     return cuda.jit(rms_norm_register_function(fused, warp_per_row, n, bf16_out), **options)
 
 
-def check_norm(x, weight, out, residual=None):
+def _check_norm(x, weight, out, residual=None):
     """Check the norm arguments; return them as kernel arrays viewed as ``[rows, n]``. ``out``: float32 or
     uint16 (BF16 bits); ``x`` and ``residual``: float32."""
     x, weight, out = (as_kernel_array(n, a) for n, a in (("x", x), ("weight", weight), ("out", out)))
@@ -489,7 +413,7 @@ def rms_norm(x, weight, eps, out, stream=0):
     per row for ``n <= 256`` (q/k-norm over ``[T * heads, head_dim]``), a CTA per row otherwise (the
     hidden size).
     """
-    (x2, out2), weight, rows, n = check_norm(x, weight, out)
+    (x2, out2), weight, rows, n = _check_norm(x, weight, out)
     _launch_norm(False, x2, x2, weight, eps, out2, rows, n, stream)
     return out
 
@@ -505,7 +429,7 @@ def add_rms_norm(x, residual, weight, eps, out, stream=0):
     memory with ``x`` or ``residual``); the residual is float32 and updated the same way for both.
     Bit for bit equal to ``add_into(residual, x)`` then ``rms_norm(residual)``.
     """
-    (x2, residual2, out2), weight, rows, n = check_norm(x, weight, out, residual)
+    (x2, residual2, out2), weight, rows, n = _check_norm(x, weight, out, residual)
     _launch_norm(True, x2.reshape(1, rows, n), residual2, weight, eps, out2, rows, n, stream)
     return out
 
@@ -526,7 +450,7 @@ def add_parts_rms_norm(parts, residual, weight, eps, out, stream=0):
         reject("parts", f"float32 [S, {', '.join(map(str, residual.shape))}] (S >= 1 parts of residual's shape)",
                parts)
     require_c_contiguous("parts", parts)
-    (_, residual2, out2), weight, rows, n = check_norm(parts[0], weight, out, residual)
+    (_, residual2, out2), weight, rows, n = _check_norm(parts[0], weight, out, residual)
     _launch_norm(True, parts.reshape(parts.shape[0], rows, n), residual2, weight, eps, out2, rows, n, stream)
     return out
 

@@ -15,7 +15,6 @@ from fp8lab.engine.cuda import plan
 from fp8lab.numba_kernels import arguments
 from fp8lab.numba_kernels.fp8_gemm import choose_path
 from fp8lab.numba_kernels.gemv_mma import default_k_slices
-from fp8lab.numba_kernels.layers import rms_norm_threads_per_row
 from fp8lab.reference.dense import round_to_bf16
 from fp8lab.simulators import bit_placement
 from fp8lab.simulators import dense as sim_dense
@@ -45,19 +44,6 @@ def gemv_simt_split_k_twin(a, q, scale_inv, parts, block=(128, 128), stream=0, *
     assert p.output == "f32" and 1 <= p.m <= 16 and p.activation == "f32"
     parts[...] = sim_gemv.gemv_simt_split_k(np.asarray(p.a, np.float32), p.q, p.scale_inv, parts.shape[0], p.block)
     return parts
-
-
-def gemv_simt_split_k_rms_norm_twin(a, q, scale_inv, parts, residual, weight, eps, out, block=(128, 128), counter=None,
-                                    stream=0, **knobs):
-    """``fp8lab.numba_kernels.gemv_simt.gemv_simt_split_k_rms_norm`` as the simulators compute it (bit for bit): the
-    parts of ``gemv_simt_split_k_twin``, then ``fp8lab.simulators.dense.add_parts_rms_norm`` in the norm launch's
-    order into ``residual`` and ``out`` (BF16 bits for a uint16 ``out``)."""
-    gemv_simt_split_k_twin(a, q, scale_inv, parts, block)
-    normed, total = sim_dense.add_parts_rms_norm(parts, residual, weight, eps,
-                                                 rms_norm_threads_per_row(parts.shape[-1]))
-    residual[...] = total
-    out[...] = bit_placement.float32_to_bf16_bits(normed) if np.dtype(out.dtype) == np.uint16 else normed
-    return out
 
 
 def gemv_simt_swiglu_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **knobs):
@@ -120,7 +106,7 @@ def install_gemm_twins(monkeypatch) -> None:
     ``fp8lab.engine.cuda.plan``, whose plans name the kernels every forward launches."""
     monkeypatch.setattr(plan, "gemv_simt", gemv_simt_twin)
     monkeypatch.setattr(plan, "gemv_simt_swiglu", gemv_simt_swiglu_twin)
-    monkeypatch.setattr(plan, "gemv_simt_split_k_rms_norm", gemv_simt_split_k_rms_norm_twin)
+    monkeypatch.setattr(plan, "gemv_simt_split_k", gemv_simt_split_k_twin)
     monkeypatch.setattr(plan, "fp8_gemm", fp8_gemm_twin)
     monkeypatch.setattr(plan, "gemv_mma_swiglu", gemv_mma_swiglu_twin)
     monkeypatch.setattr(plan, "bf16_linear", bf16_linear_twin)
@@ -130,8 +116,8 @@ def install_gemm_twins(monkeypatch) -> None:
 def micro_config(layers: int = 1, **overrides):
     """hidden 128 (the GEMMs' K must be a multiple of 128), 2 query heads / 1 kv head of 64, I = 256;
     FP8 blocks 48 x 128: fused q/k/v (128 + 64 + 64 rows) and gate/up re-block to 16 rows, o/down have a
-    partial edge block, and down_proj (K = 256) is a split-K GEMV of 2 slices on the SIMT path (its last CTA adds
-    the two parts to the residual and norms it); 8 positions, so that with blocks of 4 a sequence has 2
+    partial edge block, and down_proj (K = 256) is a split-K GEMV of 2 slices on the SIMT path (its two
+    parts go through ``add_parts_rms_norm``); 8 positions, so that with blocks of 4 a sequence has 2
     blocks and a decode step 2 splits (the combine kernel runs)."""
     fields = dict(block=(48, 128), hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=8)

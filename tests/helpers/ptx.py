@@ -72,8 +72,8 @@ class Variant:
     """One kernel to compile for sm_90: a Python function and its Numba signature.
 
     ``lto``: compile to LTO-IR and link with link-time optimization through ``cuda.core`` as numba-cuda
-    does on a GPU (needed where CUDA C++ is linked in, e.g. the mma helper); otherwise
-    ``numba.cuda.compile_ptx``; both with ``launch_bounds``. ``resources``: run ptxas for the report (False for PTX that
+    does on a GPU (needed where CUDA C++ is linked in, e.g. the mma helper), with ``launch_bounds``;
+    otherwise ``numba.cuda.compile_ptx``. ``resources``: run ptxas for the report (False for PTX that
     calls functions linked in later, which ptxas cannot resolve). ``info``: JSON-able facts the checks
     need (a tiling's stages, ...).
     """
@@ -121,7 +121,7 @@ def _compile(variant: Variant) -> tuple[str | None, str | None]:
     if not variant.lto:
         from numba import cuda
 
-        ptx, _ = cuda.compile_ptx(variant.function, variant.signature, cc=(9, 0), launch_bounds=variant.launch_bounds)
+        ptx, _ = cuda.compile_ptx(variant.function, variant.signature, cc=(9, 0))
         return ptx, ptxas_report(ptx) if variant.resources else None
     from numba.cuda import compiler
 

@@ -61,7 +61,7 @@ graph replays of its (bucket, bound) run the same kernels on the same arguments 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 
@@ -70,9 +70,8 @@ from fp8lab.numba_kernels.attention_input import qk_norm_rope_cache_write
 from fp8lab.numba_kernels.fp8_gemm import choose_path, fp8_gemm
 from fp8lab.numba_kernels.gemv_mma import gemv_mma_bf16, gemv_mma_swiglu
 from fp8lab.numba_kernels.gemv_simt import (
-    finish_counter,
     gemv_simt,
-    gemv_simt_split_k_rms_norm,
+    gemv_simt_split_k,
     gemv_simt_swiglu,
 )
 from fp8lab.numba_kernels.layers import bf16_linear
@@ -164,7 +163,6 @@ class Activations:
     logits_host: np.ndarray
     argmax_workspace: object
     workspace: object
-    finish_counter: object
 
 
 def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_tokens: int, max_num_seqs: int,
@@ -200,7 +198,6 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
         logits_host=mem.pinned((smax, c.vocab_size), np.float32),
         argmax_workspace=layers.argmax_workspace(smax, c.vocab_size),  # small: a few KB
         workspace=mem.empty("attention split-kv workspace", (max(most, 1),), np.float32),
-        finish_counter=finish_counter(),  # 4 bytes: the residual GEMVs' count of finished CTAs
     )
 
 
@@ -215,14 +212,6 @@ def tensor_core_lm_head(x, w_bits, out, stream=0):
 def is_bf16(x) -> bool:
     """Whether activations ``x`` are BF16 bit patterns (uint16) rather than float32."""
     return np.dtype(x.dtype) == np.uint16
-
-
-class NextNorm(NamedTuple):
-    """The norm that follows a residual block: its ``weight``, where it writes (``out``) and its launch ``label``."""
-
-    weight: object
-    out: object
-    label: str
 
 
 Attend = Callable[[object, DeviceLayerKVCache, tuple, object], list[Launch]]
@@ -345,27 +334,29 @@ class Planner:
         """The decoder layers over ``t`` tokens whose embeddings are in ``h[:t]``, then the final norm of
         the residual stream into ``final`` (default ``x[:t]``, float32; a decode step's ``lm_head_input``)."""
         c, a, plan = self.config, self.activations, []
-        x, decoder = a.x[:t], self.weights.layers
+        eps = c.rms_norm_eps
+        h, x, y = a.h[:t], a.x[:t], None  # y: the parts of the last residual block's output
         qd = c.num_attention_heads * c.head_dim
         attn, gate_up, act = a.attn[:t], a.gate_up[:t], a.act[:t]
-        x_in = self.gemm_input(x, decoder[0].qkv.parts)  # the input norm writes what the q/k/v GEMM reads
-        plan.append(Launch(layers.rms_norm, (a.h[:t], decoder[0].input_layernorm, c.rms_norm_eps, x_in),
-                           label="input norm"))
-        for i, (layer, layer_cache) in enumerate(zip(decoder, cache)):
+        for i, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache)):
+            x_in = self.gemm_input(x, layer.qkv.parts)  # the input norm writes what the q/k/v GEMM reads
+            if i == 0:
+                plan.append(Launch(layers.rms_norm, (h, layer.input_layernorm, eps, x_in), label="input norm"))
+            else:  # the previous layer's MLP residual add, fused with this layer's input norm
+                plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.input_layernorm, eps, x_in),
+                                   label="input norm"))
             qkv = self.qkv_projections(layer.qkv, x_in, t, plan)
             attn_in = self.gemm_input(attn.reshape(t, qd), [layer.o_proj])  # attention writes o_proj's input
             plan.extend(attend(layer, layer_cache, qkv, attn_in.reshape(attn.shape)))
+            y = self.residual_linear(layer.o_proj, attn_in, "o_proj", plan)
             x_in = self.gemm_input(x, [layer.gate_up])
-            self.residual_linear(layer.o_proj, attn_in, "o_proj", plan,
-                                 NextNorm(layer.post_attention_layernorm, x_in, "post-attention norm"))
+            plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.post_attention_layernorm, eps, x_in),
+                               label="post-attention norm"))
             act_in = self.gemm_input(act, [layer.down_proj], a.act_bf16)  # SwiGLU writes down_proj's input
             self.gate_up_swiglu(layer.gate_up, x_in, gate_up, act_in, plan)
-            if i + 1 < len(decoder):  # the MLP's residual add, then the next layer's input norm
-                x_in = self.gemm_input(x, decoder[i + 1].qkv.parts)
-                norm = NextNorm(decoder[i + 1].input_layernorm, x_in, "input norm")
-            else:
-                norm = NextNorm(self.weights.norm, x if final is None else final, "final norm")
-            self.residual_linear(layer.down_proj, act_in, "down_proj", plan, norm)
+            y = self.residual_linear(layer.down_proj, act_in, "down_proj", plan)
+        final = x if final is None else final
+        plan.append(Launch(layers.add_parts_rms_norm, (y, h, self.weights.norm, eps, final), label="final norm"))
         return plan
 
     def gemm_input(self, x, consumers: list[DeviceLinear], bf16_buffer=None):
@@ -382,25 +373,22 @@ class Planner:
         buffer = self.activations.bf16 if bf16_buffer is None else bf16_buffer
         return buffer[: m * k].reshape(m, k)
 
-    def residual_linear(self, linear: DeviceLinear, x, label: str, plan: list[Launch], norm: NextNorm) -> None:
-        """A residual block's output ``x [t, K] @ W^T`` (o_proj, down_proj) added to the residual ``h`` and the next
-        norm of ``h`` written to ``norm.out``, the launches appended to ``plan``. On the SIMT path (float32 ``x``
-        into FP8 weights) one launch, ``gemv_simt_split_k_rms_norm``: a split-K GEMV of ``S = choose_k_splits``
-        slices (a narrow weight keeps the memory busy only with more warps than columns) whose last CTA adds the
-        parts to ``h`` and norms it. On any other path the GEMM writes one part into ``activations.y`` and
-        ``layers.add_parts_rms_norm`` follows (bit for bit what that tail computes)."""
-        a, eps = self.activations, self.config.rms_norm_eps
+    def residual_linear(self, linear: DeviceLinear, x, label: str, plan: list[Launch]):
+        """``x [t, K] @ W^T`` for the residual stream (o_proj, down_proj), its launches appended to ``plan``;
+        returns it as the parts ``[S, t, N]`` in ``activations.y`` that the next norm adds
+        (``layers.add_parts_rms_norm``). On the SIMT path (float32 ``x`` into FP8 weights) a split-K GEMV of ``S =
+        choose_k_splits`` slices (a narrow weight keeps the memory busy only with more warps than columns); any
+        other path writes one part."""
         t, n = x.shape[0], linear.n
         if linear.kind == "fp8" and self.simt_path(x):
             splits = choose_k_splits(n, linear.k, linear.block[1], splitkv.device_num_sms())
-            parts = a.y[: splits * t * n].reshape(splits, t, n)
-            plan.append(Launch(gemv_simt_split_k_rms_norm, (x, linear.weight, linear.scale_inv, parts, a.h[:t],
-                                                            norm.weight, eps, norm.out, linear.block),
-                               dict(counter=a.finish_counter), label=f"{label} gemv + {norm.label}"))
-            return
-        parts = a.y[: t * n].reshape(1, t, n)
+            parts = self.activations.y[: splits * t * n].reshape(splits, t, n)
+            plan.append(Launch(gemv_simt_split_k, (x, linear.weight, linear.scale_inv, parts, linear.block),
+                               label=f"{label} gemv"))
+            return parts
+        parts = self.activations.y[: t * n].reshape(1, t, n)
         self.linear(linear, x, parts.reshape(t, n), label, plan)
-        plan.append(Launch(layers.add_parts_rms_norm, (parts, a.h[:t], norm.weight, eps, norm.out), label=norm.label))
+        return parts
 
     def qkv_projections(self, group, x, t: int, plan: list[Launch]):
         """The q, k and v projections of ``x [t, hidden]`` (float32, or BF16 bits from ``gemm_input``), their

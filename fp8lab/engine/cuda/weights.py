@@ -126,9 +126,6 @@ def unsupported_reason(config: Qwen3Config) -> str | None:
             return f"{name} = {k} (the FP8 GEMM kernels need K to be a multiple of {K_MULTIPLE})"
         if k % 8:
             return f"{name} = {k} (the BF16 linear kernel needs K to be a multiple of 8)"
-    if layers.norm_elements_per_thread(c.hidden_size) is None:
-        return (f"hidden_size = {c.hidden_size} (a decode step's residual GEMV does the next norm in its last CTA, "
-                f"for rows of at most {layers.NORM_MAX_REGISTER_ELEMENTS * layers.MAX_THREADS_PER_CTA})")
     if c.quantization is not None:
         bn, bk = c.quantization.weight_block_size
         if bk % K_MULTIPLE or bn % BLOCK_N_MULTIPLE:
