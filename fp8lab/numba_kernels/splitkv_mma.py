@@ -13,8 +13,10 @@ Why: the SIMT kernel (``splitkv``) spends a lane's instructions on 16-element fm
 token and query head, and is bound by that chain, not by bytes (``bench/RESULTS.md``: at Qwen3-8B batch 16 its
 25 us per layer read 16 x 1.1 MB). Here a warp serves all ``G`` query heads of a kv head (the rows of an mma
 tile) and 16 tokens per step: ``D / 16 * 2`` mma for the scores, ``D / 8`` for ``P V``. A CTA's 4 warps take every
-fourth tile of the shard each, so that 4 tiles' loads are in flight at once, and each warp issues its next tile's
-loads before its current tile's arithmetic (a warp alone waits for each tile's loads: 1.3 us a tile); the block
+fourth tile of the shard each, so that 4 tiles' loads are in flight at once, and each warp keeps the loads of its
+next two tiles in flight during its current tile's arithmetic (one for groups of more than 8 query heads, which
+need the registers; a warp alone waits for each tile's loads: 1.3 us a tile, and one tile ahead left the kernel at
+about a quarter of the copy bandwidth at 16,384 tokens); the block
 table is read 32 tiles at a time, one entry per lane, and passed round by ``shfl``. At the end the warps' states
 meet in shared memory and the CTA merges them in warp order (``splitkv.merge_weight``, the merge of the shards).
 
@@ -158,6 +160,7 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
     ROW_WORDS = uint64(D // 4)
     WIDE = G > 8  # rows g + 8 hold query heads too
     ROWS = 2 if WIDE else 1  # accumulator rows g (and g + 8) a lane works on
+    AHEAD = 1 if WIDE else 2  # tiles a warp has loading while it computes one (a wide group has no registers for 2)
     QUERY_WORDS, ACC_SIZE = 4 * STEPS, 4 * NTILES  # local array sizes must be plain constants
     KEY_WORDS, VALUE_WORDS = 2 * K_WORDS, 4 * V_WORDS
     store = output_store(bf16_out)
@@ -324,25 +327,39 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
         for i in range(8):
             weights[i] = uint32(0)  # rows g + 8 stay 0 unless G > 8
 
-        next_kw = cuda.local.array(KEY_WORDS, uint32)  # the next tile, loading while this one computes
+        # The warp's next AHEAD tiles load while this one computes: the next one's registers, then the one after.
+        next_kw = cuda.local.array(KEY_WORDS, uint32)
         next_vw = cuda.local.array(VALUE_WORDS, uint32)
         next_k_scale = cuda.local.array(4, float32)
         next_v_scale = cuda.local.array(4, float32)
         next_valid = cuda.local.array(4, types.int32)
+        after_kw = cuda.local.array(KEY_WORDS, uint32)
+        after_vw = cuda.local.array(VALUE_WORDS, uint32)
+        after_k_scale = cuda.local.array(4, float32)
+        after_v_scale = cuda.local.array(4, float32)
+        after_valid = cuda.local.array(4, types.int32)
         p = cuda.local.array(4, float32)
         scores = cuda.local.array(8, float32)  # [row r][u]
 
         rows_per_block = num_kv_heads * block_size
         kv_row = kv * block_size
         tiles = (end - start + TILE - 1) // TILE
+        if AHEAD == 2 and warp + WARPS < tiles:  # the warp's second tile (in the first 32: lane_block has its block)
+            load_tile(k_words, v_words, k_scales, v_scales,
+                      tile_row(lane_block, warp + WARPS, start, block_size, rows_per_block, kv_row),
+                      start + TILE * (warp + WARPS), end, g, t, next_kw, next_vw, next_k_scale, next_v_scale, next_valid)
         for tile in range(warp, tiles, WARPS):  # this warp's tiles: warp, warp + 4, ...
-            upcoming = tile + WARPS
-            if upcoming < tiles:  # the next tile's loads go out before this tile's arithmetic
-                if upcoming // WARP_SIZE != tile // WARP_SIZE:
-                    lane_block = table_chunk(table, start, end, block_size, upcoming - upcoming % WARP_SIZE, lane)
-                load_tile(k_words, v_words, k_scales, v_scales,
-                          tile_row(lane_block, upcoming, start, block_size, rows_per_block, kv_row),
-                          start + TILE * upcoming, end, g, t, next_kw, next_vw, next_k_scale, next_v_scale, next_valid)
+            ahead = tile + AHEAD * WARPS
+            if ahead < tiles:  # the loads of the tile AHEAD steps ahead go out before this tile's arithmetic
+                if ahead // WARP_SIZE != (ahead - WARPS) // WARP_SIZE:
+                    lane_block = table_chunk(table, start, end, block_size, ahead - ahead % WARP_SIZE, lane)
+                row = tile_row(lane_block, ahead, start, block_size, rows_per_block, kv_row)
+                if AHEAD == 2:
+                    load_tile(k_words, v_words, k_scales, v_scales, row, start + TILE * ahead, end, g, t,
+                              after_kw, after_vw, after_k_scale, after_v_scale, after_valid)
+                else:
+                    load_tile(k_words, v_words, k_scales, v_scales, row, start + TILE * ahead, end, g, t,
+                              next_kw, next_vw, next_k_scale, next_v_scale, next_valid)
 
             # scores: two 8-token n tiles, D / 16 k-steps each
             for half in range(2):
@@ -369,14 +386,22 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
             pa2 = weights[2] | (weights[3] << uint32(16))
             pa3 = weights[6] | (weights[7] << uint32(16))
             value_tiles((vw, pa0, pa1, pa2, pa3, corr, pow_, acc))
-            for i in range(KEY_WORDS):  # the next tile becomes this one (register moves)
+            for i in range(KEY_WORDS):  # the next tile becomes this one, the one after the next (register moves)
                 kw[i] = next_kw[i]
+                if AHEAD == 2:
+                    next_kw[i] = after_kw[i]
             for i in range(VALUE_WORDS):
                 vw[i] = next_vw[i]
+                if AHEAD == 2:
+                    next_vw[i] = after_vw[i]
             for u in range(4):
                 k_scale[u] = next_k_scale[u]
                 v_scale[u] = next_v_scale[u]
                 valid[u] = next_valid[u]
+                if AHEAD == 2:
+                    next_k_scale[u] = after_k_scale[u]
+                    next_v_scale[u] = after_v_scale[u]
+                    next_valid[u] = after_valid[u]
 
         stash_m = cuda.shared.array((WARPS, G), float32)
         stash_l = cuda.shared.array((WARPS, G), float32)
