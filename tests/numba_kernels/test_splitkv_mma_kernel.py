@@ -4,7 +4,8 @@ fp8lab.reference.attention.
 In the CUDA simulator (``cudasim``; a simulated warp's ``mma`` pools the 32 lanes' registers into the model of
 ``fp8lab.simulators.mma``): outputs bit for bit equal to ``fp8lab.simulators.splitkv_mma`` for split counts 1 to
 4 and ``"auto"`` (empty shards included), GQA groups of 2, 4 and 16 (rows ``g + 8`` in use), block sizes 16 and
-32, lengths 0, 1 and tails of a tile, NaN-poisoned unused slots; BF16 output bit for bit ``layers.bf16_round``
+32, lengths 0, 1 and tails of a tile, NaN-poisoned unused slots, one shard of 35 tiles (each warp's loads two tiles
+ahead, the block table's second chunk) and of 6 tiles for a group of 16 (one tile ahead); BF16 output bit for bit ``layers.bf16_round``
 of the float32 output; a length-0 row after a call with data comes back zero; unsupported caches and bad
 workspaces are a ``ValueError`` before anything is launched. With its input (``decode_mma_with_input``): out, both
 caches and scales bit for bit ``fp8lab.simulators.splitkv_mma.decode_with_input`` (a length-0 row, a new token
@@ -64,6 +65,18 @@ def test_bit_for_bit_the_simulator(seed, lens, group, block_size, num_splits):
     expected = simulated(data, num_splits if num_splits != "auto" else
                          model.choose_num_splits(len(lens), 1, int(max(lens)), splitkv.device_num_sms()))
     assert np.array_equal(out, expected), np.argwhere(out != expected)[:5]
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
+@pytest.mark.parametrize("length, group", [
+    (555, 4),  # 35 tiles in one shard: each warp's tiles two ahead, the block table's second chunk of 32 tiles, a tail
+    (90, 16),  # 6 tiles: a wide group keeps one tile ahead
+])
+def test_long_shards_bit_for_bit_the_simulator(length, group):
+    """A shard of many tiles per warp: the loads issued ahead of the arithmetic (two tiles, or one for a group over 8)
+    and the block table read 32 tiles at a time change no bit."""
+    data = paged_fp8(np.random.default_rng(length), [length], group, 1, 128, 16)
+    assert np.array_equal(run_kernel(data, 1), simulated(data, 1))
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
