@@ -11,7 +11,7 @@ the tensor-core kernel at split counts 1 to 64 (the fastest, to check the rule),
 BF16 cache of the same tokens' K/V with its ``"auto"`` plan (issue 16 asks the FP8 tensor-core kernel for at most 0.6
 of that time from 4,096 tokens on) and torch's ``scaled_dot_product_attention`` in BF16 over contiguous K/V of the
 same shape (``enable_gqa``; issue 16 asks for no slower than it at 16,384 tokens), timed by replaying a torch CUDA
-graph of 20 calls over enough copies of K/V to leave the L2 (``sdpa_time_us``). Before timing, each variant's
+graph of 20 calls over enough copies of K/V to leave the L2 (``sdpa_time_us``, ``timing.torch_graph_time_us``). Before timing, each variant's
 output (NaN-poisoned first) must be finite and within 2e-2 of the SIMT output relative to the row's largest
 element (the tensor-core kernel's F16 query and weights; ``tests/numba_kernels/test_splitkv_mma_kernel.py`` checks
 it against the reference within its derived bound).
@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from attention import L2_BYTES  # noqa: E402
 from attention_plan import BLOCK_SIZE, COPIES, HEAD_DIM, POOL_BYTES, cache_pool  # noqa: E402
 
 
@@ -49,35 +50,18 @@ def bf16_cache_pool(num_kv_heads: int, torch, cuda):
     cuda.synchronize()
     return num_blocks, splitkv.flat_cache(k, None)[0], splitkv.flat_cache(v, None)[0]
 
-def sdpa_time_us(torch, num_heads: int, num_kv_heads: int, context: int, reps: int = 20, replays: int = 9) -> float:
-    """Median device time in microseconds of one batch-1 decode ``scaled_dot_product_attention`` (BF16, GQA) over
-    ``context`` tokens: a torch CUDA graph of ``reps`` calls, each over another copy of K and V (3 times the L2
-    in all, so they come from HBM), replayed ``replays`` times."""
-    copies = max(1, int(np.ceil(3 * 60e6 / (2 * num_kv_heads * context * HEAD_DIM * 2))))
+def sdpa_time_us(torch, num_heads: int, num_kv_heads: int, context: int) -> float:
+    """Device time in microseconds of one batch-1 decode ``scaled_dot_product_attention`` (BF16, GQA) over ``context``
+    tokens (``timing.torch_graph_time_us``), each call over another copy of K and V (3 times the L2 in all, so they
+    come from HBM)."""
+    from timing import torch_graph_time_us
+
+    copies = max(1, int(np.ceil(3 * L2_BYTES / (2 * num_kv_heads * context * HEAD_DIM * 2))))
     q = torch.randn(1, num_heads, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     kv = [(torch.randn(1, num_kv_heads, context, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
            torch.randn(1, num_kv_heads, context, HEAD_DIM, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
-
-    def calls():
-        for i in range(reps):
-            torch.nn.functional.scaled_dot_product_attention(q, *kv[i % copies], enable_gqa=True)
-
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):  # warm up (and pick the backend) outside the capture
-        calls()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000 / reps)
-    return float(np.median(samples))
+    return torch_graph_time_us(
+        lambda i: torch.nn.functional.scaled_dot_product_attention(q, *kv[i % copies], enable_gqa=True))
 
 
 HEAD_SHAPES = ((32, 8), (16, 8))

@@ -62,6 +62,31 @@ def torch_time_us(fn, iters: int = 100, repeats: int = 7) -> float:
     return statistics.median(samples)
 
 
+def torch_graph_time_us(fn, reps: int = 20, replays: int = 9) -> float:
+    """Median device time in microseconds of ``fn(i)`` (torch work), by replaying a torch CUDA graph of ``fn(0)`` to
+    ``fn(reps - 1)``: no host time per call, for work shorter than a Python call (``torch_time_us`` times those)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # warm up (torch picks its kernels) outside the capture
+        for i in range(reps):
+            fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i)
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / reps)
+    return statistics.median(samples)
+
+
 def copy_bandwidth_tb_s(gigabytes: float = 2.0) -> float:
     """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
     import torch

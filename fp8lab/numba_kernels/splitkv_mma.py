@@ -300,11 +300,11 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
                 qa[4 * s + 3] = uint32(0)
 
     @cuda.jit(device=True, inline=True)
-    def first_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size, rows_per_block, kv_row,
-                   warp, g, t, kw, vw, k_scale, v_scale, valid):
-        """The loads of this warp's first tile (tile ``warp`` of the shard)."""
+    def load_shard_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size, rows_per_block, kv_row,
+                        tile, g, t, kw, vw, k_scale, v_scale, valid):
+        """The loads of tile ``tile`` of the shard (its block from ``lane_block``, which must hold its 32-tile chunk)."""
         load_tile(k_words, v_words, k_scales, v_scales,
-                  tile_row(lane_block, warp, start, block_size, rows_per_block, kv_row), start + TILE * warp, end,
+                  tile_row(lane_block, tile, start, block_size, rows_per_block, kv_row), start + TILE * tile, end,
                   g, t, kw, vw, k_scale, v_scale, valid)
 
     @cuda.jit(device=True, inline=True)
@@ -345,21 +345,21 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
         kv_row = kv * block_size
         tiles = (end - start + TILE - 1) // TILE
         if AHEAD == 2 and warp + WARPS < tiles:  # the warp's second tile (in the first 32: lane_block has its block)
-            load_tile(k_words, v_words, k_scales, v_scales,
-                      tile_row(lane_block, warp + WARPS, start, block_size, rows_per_block, kv_row),
-                      start + TILE * (warp + WARPS), end, g, t, next_kw, next_vw, next_k_scale, next_v_scale, next_valid)
+            load_shard_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size, rows_per_block,
+                            kv_row, warp + WARPS, g, t, next_kw, next_vw, next_k_scale, next_v_scale, next_valid)
         for tile in range(warp, tiles, WARPS):  # this warp's tiles: warp, warp + 4, ...
             ahead = tile + AHEAD * WARPS
             if ahead < tiles:  # the loads of the tile AHEAD steps ahead go out before this tile's arithmetic
                 if ahead // WARP_SIZE != (ahead - WARPS) // WARP_SIZE:
                     lane_block = table_chunk(table, start, end, block_size, ahead - ahead % WARP_SIZE, lane)
-                row = tile_row(lane_block, ahead, start, block_size, rows_per_block, kv_row)
                 if AHEAD == 2:
-                    load_tile(k_words, v_words, k_scales, v_scales, row, start + TILE * ahead, end, g, t,
-                              after_kw, after_vw, after_k_scale, after_v_scale, after_valid)
+                    load_shard_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size,
+                                    rows_per_block, kv_row, ahead, g, t, after_kw, after_vw, after_k_scale,
+                                    after_v_scale, after_valid)
                 else:
-                    load_tile(k_words, v_words, k_scales, v_scales, row, start + TILE * ahead, end, g, t,
-                              next_kw, next_vw, next_k_scale, next_v_scale, next_valid)
+                    load_shard_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size,
+                                    rows_per_block, kv_row, ahead, g, t, next_kw, next_vw, next_k_scale,
+                                    next_v_scale, next_valid)
 
             # scores: two 8-token n tiles, D / 16 k-steps each
             for half in range(2):
@@ -447,8 +447,8 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
         table = block_tables[seq]
         lane_block = table_chunk(table, start, end, block_size, 0, lane)
         if warp < (end - start + TILE - 1) // TILE:
-            first_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size,
-                       num_kv_heads * block_size, kv * block_size, warp, g, t, kw, vw, k_scale, v_scale, valid)
+            load_shard_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size,
+                            num_kv_heads * block_size, kv * block_size, warp, g, t, kw, vw, k_scale, v_scale, valid)
         attend_shard(qa, k_words, v_words, k_scales, v_scales, table, lane_block, start, end, block_size, num_kv_heads,
                      kv, seq, shard, num_splits, workspace, out, warp, lane, g, t, kw, vw, k_scale, v_scale, valid)
 
@@ -475,8 +475,8 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
         lane_block = table_chunk(table, start, end, block_size, 0, lane)
         early = warp < tiles and not (writer and warp == tiles - 1)
         if early:
-            first_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size, rows_per_block, kv_row,
-                       warp, g, t, kw, vw, k_scale, v_scale, valid)
+            load_shard_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size, rows_per_block,
+                            kv_row, warp, g, t, kw, vw, k_scale, v_scale, valid)
         pdl.prologue()  # q, k and v come from the GEMM before: wait for it
 
         # The attention input (attention_input's warp functions, bit for bit): task i < G is query head kv G + i, normed
@@ -501,8 +501,8 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
         cuda.syncthreads()  # the queries and the new token's K/V are visible to the CTA
 
         if warp < tiles and not early:
-            first_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size, rows_per_block, kv_row,
-                       warp, g, t, kw, vw, k_scale, v_scale, valid)
+            load_shard_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size, rows_per_block,
+                            kv_row, warp, g, t, kw, vw, k_scale, v_scale, valid)
         qa = cuda.local.array(QUERY_WORDS, uint32)
         query_registers(q_rows[0], 0, g, t, scale_log2, qa)
         attend_shard(qa, k_words, v_words, k_scales, v_scales, table, lane_block, start, end, block_size, num_kv_heads,
