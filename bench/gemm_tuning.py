@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gemm import SHAPES, device_problem, relative_error  # noqa: E402
 
 VARIANTS = {
-    "mma": [dict(warps_per_cta=4, n8_tiles_per_warp=1, stages=st) for st in (2, 4, 6, 8)]
-    + [dict(warps_per_cta=4, n8_tiles_per_warp=2, stages=st) for st in (3, 5)]
-    + [dict(warps_per_cta=2, n8_tiles_per_warp=t, stages=8) for t in (1, 2)]
-    + [dict(warps_per_cta=1, n8_tiles_per_warp=1, stages=8)],
+    "mma": [dict(warps_n=4, n8_tiles_per_warp=1, stages=st) for st in (2, 4, 6, 8)]
+    + [dict(warps_n=4, n8_tiles_per_warp=2, stages=st) for st in (3, 5)]
+    + [dict(warps_n=2, n8_tiles_per_warp=t, stages=8) for t in (1, 2)]
+    + [dict(warps_n=1, n8_tiles_per_warp=1, stages=8)],
 }
 BATCHES = {"simt": (1, 4, 8), "mma": (16, 32)}
 

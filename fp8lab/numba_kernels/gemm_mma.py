@@ -1,7 +1,7 @@
 """Tensor-core W8A16 GEMM for FP8 (E4M3) blockwise weights: ``mma.m16n8k16`` fed by bit placement.
 
 Computes ``fp8lab.reference.blockwise.gemm``. Launch: grid ``(ceil(N / CTA_N), ceil(M / M_TILE))`` x
-``32 warps_per_cta`` threads, ``stages`` stages of dynamic shared memory (``launch_info``). Checked
+``32 warps_m warps_n`` threads, ``stages`` stages of dynamic shared memory (``launch_info``). Checked
 (``tests/numba_kernels/test_gemm_mma_kernel.py``): bit for bit against ``fp8lab.simulators.gemm_mma.gemm_mma``
 in the CUDA simulator for every tiling, against the oracle within its GPU error budget on a GPU.
 
@@ -19,13 +19,15 @@ fixed is the order *per output tile* (m16 x n8): every chunk of 128 in ascending
 changing a bit is how tiles are grouped into warps and CTAs and how many chunks are in flight:
 those are the tuning knobs (``Tiling``; ``choose_tiling`` picks defaults).
 
-- **Tiles**: a warp owns ``m_blocks`` (1 or 2) m16 tiles times ``n8_tiles_per_warp`` (1 or 2) n8
-  tiles; a CTA has ``warps_per_cta`` (1, 2 or 4) warps side by side in N. So a CTA owns
-  ``out[M_TILE rows, CTA_N columns]``, ``M_TILE = 16 m_blocks``, ``CTA_N = 8 warps_per_cta
-  n8_tiles_per_warp``; grid ``(ceil(N / CTA_N), ceil(M / M_TILE))``, block ``32 warps_per_cta``.
+- **Tiles**: a warp owns ``m_blocks`` (1, 2 or 4) m16 tiles times ``n8_tiles_per_warp`` (1, 2 or
+  4) n8 tiles; a CTA has ``warps_m x warps_n`` warps (each 1, 2 or 4), ``warps_n`` side by side in
+  N, ``warps_m`` stacked in M (warp ``w`` sits at ``(w // warps_n, w % warps_n)``). So a CTA owns
+  ``out[M_TILE rows, CTA_N columns]``, ``M_TILE = 16 m_blocks warps_m``, ``CTA_N = 8 warps_n
+  n8_tiles_per_warp``; grid ``(ceil(N / CTA_N), ceil(M / M_TILE))``, block ``32 warps_m warps_n``.
   More m16 tiles per warp reuse each B fragment, more n8 tiles reuse each A fragment (fewer shared
   reads, and independent mma chains the warp interleaves); narrower CTAs make more of them (better
-  for small N). Rows/columns past the end of ``a``/``q`` read as zero; outputs past the end are not
+  for small N); taller and wider CTAs read each weight and each activation from global memory
+  fewer times (large M: prefill). Rows/columns past the end of ``a``/``q`` read as zero; outputs past the end are not
   stored.
 - **K loop, ``stages``-deep**: chunk ``c`` lives in shared-memory stage ``c % stages`` (its A rows,
   its weight rows and the CTA's block scales), copied there by ``cp.async`` (global -> shared
@@ -112,10 +114,13 @@ from .warp import WARP_SIZE
 # (the same numbers as fp8lab.simulators.gemm_mma; tests check that they agree)
 
 MMA_M, MMA_N, MMA_K = 16, 8, 16
-M_BLOCKS_CHOICES = (1, 2)
-"""m16 tiles per warp: M tile 16 or 32."""
-WARPS_PER_CTA_CHOICES = (1, 2, 4)
-N8_TILES_PER_WARP_CHOICES = (1, 2)
+M_BLOCKS_CHOICES = (1, 2, 4)
+"""m16 tiles per warp: 16, 32 or 64 rows."""
+WARPS_N_CHOICES = (1, 2, 4)
+"""Warps side by side in N."""
+WARPS_M_CHOICES = (1, 2, 4)
+"""Warps stacked in M."""
+N8_TILES_PER_WARP_CHOICES = (1, 2, 4)
 STAGES_CHOICES = tuple(range(2, 9))
 """Shared-memory stages (chunks resident at once): 2 (double buffering) to 8."""
 K_CHUNK = 128
@@ -174,22 +179,29 @@ class Tiling(NamedTuple):
     """The kernel's compile-time shape knobs; none of them changes a bit of the result."""
 
     m_blocks: int
-    """m16 tiles per warp (and per CTA): 1 or 2."""
-    warps_per_cta: int
-    """Warps per CTA, side by side in N: 1, 2 or 4."""
+    """m16 tiles per warp: 1, 2 or 4."""
+    warps_n: int
+    """Warps side by side in N: 1, 2 or 4."""
     n8_tiles_per_warp: int
-    """n8 tiles per warp: 1 or 2."""
+    """n8 tiles per warp: 1, 2 or 4."""
     stages: int
     """Shared-memory stages: chunks resident at once (``stages - 1`` in flight while one is used)."""
+    warps_m: int = 1
+    """Warps stacked in M: 1, 2 or 4."""
+
+    @property
+    def warp_rows(self) -> int:
+        """Rows of ``out`` one warp owns: ``16 m_blocks``."""
+        return MMA_M * self.m_blocks
 
     @property
     def m_tile(self) -> int:
-        return MMA_M * self.m_blocks
+        return self.warp_rows * self.warps_m
 
     @property
     def n8_tiles(self) -> int:
         """n8 tiles per CTA."""
-        return self.warps_per_cta * self.n8_tiles_per_warp
+        return self.warps_n * self.n8_tiles_per_warp
 
     @property
     def cta_n(self) -> int:
@@ -197,7 +209,7 @@ class Tiling(NamedTuple):
 
     @property
     def threads(self) -> int:
-        return WARP_SIZE * self.warps_per_cta
+        return WARP_SIZE * self.warps_m * self.warps_n
 
     @property
     def a_bytes(self) -> int:
@@ -218,11 +230,16 @@ class Tiling(NamedTuple):
 
     def check(self) -> Tiling:
         for name, value, choices in (("m_blocks", self.m_blocks, M_BLOCKS_CHOICES),
-                                     ("warps_per_cta", self.warps_per_cta, WARPS_PER_CTA_CHOICES),
+                                     ("warps_n", self.warps_n, WARPS_N_CHOICES),
                                      ("n8_tiles_per_warp", self.n8_tiles_per_warp, N8_TILES_PER_WARP_CHOICES),
-                                     ("stages", self.stages, STAGES_CHOICES)):
+                                     ("stages", self.stages, STAGES_CHOICES),
+                                     ("warps_m", self.warps_m, WARPS_M_CHOICES)):
             if value not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+        for name, pieces in (("a", self.m_tile * A_COPIES_PER_ROW), ("q", self.cta_n * B_COPIES_PER_ROW)):
+            if pieces % self.threads:
+                raise ValueError(f"warps_m, warps_n: {self} splits the {pieces} 16-byte copies of {name}'s chunk "
+                                 f"unevenly over {self.threads} threads")
         if self.shared_bytes > MAX_SHARED_PER_CTA:
             raise ValueError(f"stages: {self} needs {self.shared_bytes} bytes of shared memory, more than the "
                              f"{MAX_SHARED_PER_CTA} a CTA may have")
@@ -230,7 +247,7 @@ class Tiling(NamedTuple):
 
 
 CTA_SHAPES = ((4, 2), (4, 1), (2, 2), (2, 1), (1, 2), (1, 1))
-"""``(warps_per_cta, n8_tiles_per_warp)``, widest CTA first; at equal width, more warps first
+"""``(warps_n, n8_tiles_per_warp)``, widest CTA first; at equal width, more warps first
 (spread over more of the SM's four schedulers)."""
 
 
@@ -244,8 +261,8 @@ def grid_size(m: int, n: int, tiling: Tiling) -> tuple[int, int]:
     return -(-n // tiling.cta_n), -(-m // tiling.m_tile)
 
 
-def choose_tiling(m: int, n: int, k: int, m_blocks: int | None = None, warps_per_cta: int | None = None,
-                  n8_tiles_per_warp: int | None = None, stages: int | None = None) -> Tiling:
+def choose_tiling(m: int, n: int, k: int, m_blocks: int | None = None, warps_n: int | None = None,
+                  n8_tiles_per_warp: int | None = None, stages: int | None = None, warps_m: int = 1) -> Tiling:
     """The given knobs, and defaults for those left ``None``, tuned for a 132-SM H100/H200:
 
     - ``m_blocks``: ``choose_m_blocks(M)``;
@@ -258,11 +275,11 @@ def choose_tiling(m: int, n: int, k: int, m_blocks: int | None = None, warps_per
       never more than the chunks need.
     """
     m_blocks = choose_m_blocks(m) if m_blocks is None else m_blocks
-    shapes = [(w, t) for w, t in CTA_SHAPES if warps_per_cta in (None, w) and n8_tiles_per_warp in (None, t)]
+    shapes = [(w, t) for w, t in CTA_SHAPES if warps_n in (None, w) and n8_tiles_per_warp in (None, t)]
     if not shapes:  # a value outside the choices: let check() name it
-        shapes = [(warps_per_cta or 4, n8_tiles_per_warp or 1)]
+        shapes = [(warps_n or 4, n8_tiles_per_warp or 1)]
     for w, t in shapes:
-        tiling = Tiling(m_blocks, w, t, 2 if stages is None else stages)
+        tiling = Tiling(m_blocks, w, t, 2 if stages is None else stages, warps_m)
         x, y = grid_size(m, n, tiling)
         if x * y >= MIN_CTAS:
             break
@@ -286,7 +303,7 @@ class LaunchInfo(NamedTuple):
     grid: tuple[int, int]
     """``(ceil(N / CTA_N), ceil(M / M_TILE))``: x over N tiles, y over M tiles."""
     block: tuple[int]
-    """``(32 * warps_per_cta,)``."""
+    """``(32 * warps_m * warps_n,)``."""
     shared_bytes: int
     """Dynamic shared memory per CTA: ``stages * stage_bytes``."""
     tiling: Tiling
@@ -295,13 +312,13 @@ class LaunchInfo(NamedTuple):
 MAX_GRID_Y = 65535
 
 
-def launch_info(m: int, n: int, k: int, m_blocks: int | None = None, *, warps_per_cta: int | None = None,
-                n8_tiles_per_warp: int | None = None, stages: int | None = None) -> LaunchInfo:
+def launch_info(m: int, n: int, k: int, m_blocks: int | None = None, *, warps_n: int | None = None,
+                n8_tiles_per_warp: int | None = None, stages: int | None = None, warps_m: int = 1) -> LaunchInfo:
     """Grid, block, dynamic shared memory bytes and tiling of the kernel for ``out[m, n]`` with
     reduction ``k``; knobs left ``None`` take ``choose_tiling``'s defaults."""
     if m < 1 or n < 1 or k < K_CHUNK or k % K_CHUNK:
         raise ValueError(f"shape: expected M, N >= 1 and K a positive multiple of {K_CHUNK}, got {(m, n, k)}")
-    tiling = choose_tiling(m, n, k, m_blocks, warps_per_cta, n8_tiles_per_warp, stages)
+    tiling = choose_tiling(m, n, k, m_blocks, warps_n, n8_tiles_per_warp, stages, warps_m)
     grid = grid_size(m, n, tiling)
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"a: M = {m} needs {grid[1]} M tiles, more than the grid's {MAX_GRID_Y}")
@@ -361,7 +378,8 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
     if activation not in PLACEMENT_EXPONENT or output not in ("f32", "f16", "bf16"):
         raise ValueError(f"no kernel variant for activation={activation!r}, output={output!r}")
     tiling = Tiling(*tiling).check()
-    m_blocks, n8_per_warp, stages = tiling.m_blocks, tiling.n8_tiles_per_warp, tiling.stages
+    m_blocks, n8_per_warp, stages, warps_n = tiling.m_blocks, tiling.n8_tiles_per_warp, tiling.stages, tiling.warps_n
+    warp_rows = tiling.warp_rows
     threads, m_tile, n8_tiles = tiling.threads, tiling.m_tile, tiling.n8_tiles
     stage_bytes, b_offset, scale_offset = tiling.stage_bytes, tiling.a_bytes, tiling.a_bytes + tiling.b_bytes
     a_copies = m_tile * A_COPIES_PER_ROW // threads  # 16-byte copies per thread and chunk
@@ -414,7 +432,7 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
         return place_code_pair(at(smem16, pair), shift), place_code_pair(at(smem16, pair + 4), shift)
 
     @inlined_device_function
-    def multiply_chunk(smem32, smem16, stage, c_part, b_regs, warp, g, t):
+    def multiply_chunk(smem32, smem16, stage, c_part, b_regs, warp_m, warp_n, g, t):
         """``c_part = 0``, then 8 k16 steps of one mma per (m16, n8) tile of the warp: each B fragment
         feeds ``m_blocks`` mma, each A fragment ``n8_tiles_per_warp``. Accumulator tile
         ``mt * n8_tiles_per_warp + nt`` is ``c_part[4 * tile .. 4 * tile + 3]``."""
@@ -422,8 +440,8 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
             c_part[i] = float32(0.0)
         # lane (g, t)'s first A word (row g, k = 2t) and first B code pair (weight row g of the
         # warp's first n8 tile, k = 2t) in this stage; each k16 step moves 16 activations / codes on
-        a_first = (stage * stage_bytes + g * A_ROW_BYTES) // 4 + t
-        b_first = (stage * stage_bytes + b_offset + (warp * n8_per_warp * MMA_N + g) * B_ROW_BYTES) // 2 + t
+        a_first = (stage * stage_bytes + (warp_m * warp_rows + g) * A_ROW_BYTES) // 4 + t
+        b_first = (stage * stage_bytes + b_offset + (warp_n * n8_per_warp * MMA_N + g) * B_ROW_BYTES) // 2 + t
         for step in range(K_STEPS_PER_CHUNK):
             for nt in range(n8_per_warp):
                 pair = b_first + nt * (MMA_N * B_ROW_BYTES // 2) + step * (MMA_K // 2)
@@ -437,23 +455,23 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
                     c_part[c], c_part[c + 1], c_part[c + 2], c_part[c + 3] = d[0], d[1], d[2], d[3]
 
     @inlined_device_function
-    def promote(smemf, stage, c_part, c_fin, warp):
+    def promote(smemf, stage, c_part, c_fin, warp_n):
         """``c_fin = fma(s, c_part * 2^offset, c_fin)`` per accumulator, ``s`` the n8 tile's block scale."""
         for nt in range(n8_per_warp):
-            s = at(smemf, (stage * stage_bytes + scale_offset) // 4 + warp * n8_per_warp + nt)
+            s = at(smemf, (stage * stage_bytes + scale_offset) // 4 + warp_n * n8_per_warp + nt)
             for mt in range(m_blocks):
                 for i in range(4):
                     c = 4 * (mt * n8_per_warp + nt) + i
                     c_fin[c] = cuda.fma(s, c_part[c] * unplace, c_fin[c])  # * 2^offset: exact
 
     @inlined_device_function
-    def store_tiles(out, c_fin, row0, col0, warp, g, t):
+    def store_tiles(out, c_fin, row0, col0, warp_m, warp_n, g, t):
         """Each lane's c0..c3 of each tile: (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1); only inside ``out``."""
         for mt in range(m_blocks):
             for nt in range(n8_per_warp):
                 for i in range(4):
-                    row = row0 + mt * MMA_M + g + 8 * (i >> 1)
-                    col = col0 + (warp * n8_per_warp + nt) * MMA_N + 2 * t + (i & 1)
+                    row = row0 + warp_m * warp_rows + mt * MMA_M + g + 8 * (i >> 1)
+                    col = col0 + (warp_n * n8_per_warp + nt) * MMA_N + 2 * t + (i & 1)
                     if row < out.shape[0] and col < out.shape[1]:
                         value = c_fin[4 * (mt * n8_per_warp + nt) + i]
                         if bf16_output:
@@ -467,6 +485,7 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
         pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         thread = uint32(cuda.threadIdx.x)
         warp, lane = thread // WARP_SIZE, thread % WARP_SIZE
+        warp_m, warp_n = warp // uint32(warps_n), warp % uint32(warps_n)
         g, t = lane >> 2, lane & 3
         cta_row0 = uint32(cuda.blockIdx.y) * m_tile
         cta_col0 = uint32(cuda.blockIdx.x) * (n8_tiles * MMA_N)
@@ -508,10 +527,10 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
                            scale_row, scale_bytes, block_k)
             commit_group()  # one group per iteration, empty or not: the wait above counts on it
 
-            multiply_chunk(smem32, smem16, stage, c_part, b_regs, warp, g, t)
-            promote(smemf, stage, c_part, c_fin, warp)  # one rounding per chunk
+            multiply_chunk(smem32, smem16, stage, c_part, b_regs, warp_m, warp_n, g, t)
+            promote(smemf, stage, c_part, c_fin, warp_n)  # one rounding per chunk
 
-        store_tiles(out, c_fin, cta_row0, cta_col0, warp, g, t)
+        store_tiles(out, c_fin, cta_row0, cta_col0, warp_m, warp_n, g, t)
 
     return gemm_mma_kernel
 
@@ -565,8 +584,8 @@ def _allow_shared_memory(kernel, args, shared_bytes: int) -> None:
     _shared_opt_ins[id(function)] = (function, shared_bytes)
 
 
-def gemm_mma(a, q, scale_inv, out, block=(128, 128), m_blocks=None, stream=0, *, warps_per_cta=None,
-             n8_tiles_per_warp=None, stages=None):
+def gemm_mma(a, q, scale_inv, out, block=(128, 128), m_blocks=None, stream=0, *, warps_n=None,
+             n8_tiles_per_warp=None, stages=None, warps_m=1):
     """``out[M, N] = a[M, K] @ (decode(q) * scale_inv)^T`` on tensor cores; returns ``out``.
 
     ``a``: BF16 bits (``uint16``/``int16``) or ``float16`` ``[M, K]``, any M >= 1; ``q``: ``uint8
@@ -575,14 +594,14 @@ def gemm_mma(a, q, scale_inv, out, block=(128, 128), m_blocks=None, stream=0, *,
     or ``__cuda_array_interface__`` arrays (device data 16-byte aligned). ``block = (BN, BK)``:
     ``BN`` a multiple of 8, ``BK`` a multiple of 128; ``K`` a multiple of 128. Tiling knobs
     (``Tiling``; ``None`` takes ``choose_tiling``'s default), none of which changes a bit of the
-    result: ``m_blocks`` (1 or 2), ``warps_per_cta`` (1, 2, 4), ``n8_tiles_per_warp`` (1, 2),
+    result: ``m_blocks`` (1, 2, 4), ``warps_n`` (1, 2, 4), ``n8_tiles_per_warp`` (1, 2, 4), ``warps_m`` (1, 2, 4),
     ``stages`` (2 to 8). ``stream``: where to enqueue the launch (a Numba stream, or a ``cuda.core``
     GraphBuilder to capture it into a CUDA graph; 0 is the default stream). Every problem is a
     ``ValueError`` raised before anything is launched.
     """
     problem = check_gemm(a, q, scale_inv, out, block, kernel="gemm_mma", activations=("bf16", "f16"),
                          block_n_multiple=BLOCK_N_MULTIPLE)
-    launch = launch_info(problem.m, problem.n, problem.k, m_blocks, warps_per_cta=warps_per_cta,
+    launch = launch_info(problem.m, problem.n, problem.k, m_blocks, warps_n=warps_n, warps_m=warps_m,
                          n8_tiles_per_warp=n8_tiles_per_warp, stages=stages)
     a_words = _as_words("a", problem.a, np.uint64)
     q_words = _as_words("q", problem.q, np.uint64)

@@ -15,7 +15,7 @@ kernel (in the CUDA simulator) can be checked against it bit for bit:
    once to that format (round to nearest, ties to even), ``uint16`` inputs are taken as bit
    patterns (``bit_placement.activation_bits``).
 2. **Grid**: a CTA owns an ``M_TILE x 32`` block of ``out``, ``M_TILE = 16 * m_blocks``
-   (``m_blocks`` in {1, 2}); its 4 warps own one n8 column strip each, and each warp owns
+   (``m_blocks`` in {1, 2, 4}); its 4 warps own one n8 column strip each, and each warp owns
    ``m_blocks`` m16 x n8 accumulator tiles. Rows and columns past the end of ``a`` / ``q`` read
    as zero; outputs past the end are not stored. Tile ``(mt, nt)`` below is m16 tile
    ``mt = cta_y * m_blocks + m_block`` and n8 tile ``nt = cta_x * 4 + warp``.
@@ -72,8 +72,8 @@ from .fma import fma_f32
 WARPS_PER_CTA = 4
 CTA_N = WARPS_PER_CTA * mma.MMA_N
 """32: each CTA covers 32 output columns, one n8 strip per warp."""
-M_BLOCKS_CHOICES = (1, 2)
-"""m16 tiles per warp (and per CTA): M tile 16 or 32."""
+M_BLOCKS_CHOICES = (1, 2, 4)
+"""m16 tiles per warp (and per CTA): M tile 16, 32 or 64 (the kernel may also stack warps in M)."""
 K_CHUNK = 128
 """Width of the K chunks staged through shared memory and promoted with one block scale."""
 K_STEPS_PER_CHUNK = K_CHUNK // mma.MMA_K
@@ -143,7 +143,7 @@ def _check_arguments(a, q, scale_inv, block, m_blocks: int, activation: str):
     """Validate and normalise the arguments; returns ``(a_bits [M, K], lead shape, q, scales, (BN, BK))``."""
     bit_placement.check_format(activation)
     if m_blocks not in M_BLOCKS_CHOICES:
-        raise ValueError(f"m_blocks: expected one of {M_BLOCKS_CHOICES} (M tile 16 or 32), got {m_blocks!r}")
+        raise ValueError(f"m_blocks: expected one of {M_BLOCKS_CHOICES} (M tile 16, 32 or 64), got {m_blocks!r}")
     codes = np.asarray(q)
     if codes.dtype != np.uint8 or codes.ndim != 2:
         raise ValueError(f"q: expected E4M3 codes uint8 [N, K], got dtype {codes.dtype}, shape {codes.shape}")

@@ -231,15 +231,15 @@ def test_gpu_model_decode_buckets_after_a_larger_batch(gemm_twins):
 
 def test_gemm_mma_more_chunks_than_stages_and_partial_tiles(rng):
     m, n, k, block = 17, 13, 512, (8, 384)
-    tiling = mma_kernel.choose_tiling(m, n, k, m_blocks=1, warps_per_cta=1, n8_tiles_per_warp=1, stages=2)
+    tiling = mma_kernel.choose_tiling(m, n, k, m_blocks=1, warps_n=1, n8_tiles_per_warp=1, stages=2)
     chunks = k // sim_mma.K_CHUNK
     assert chunks >= 2 * tiling.stages and m % 16 and n % 8 and k % block[1] and n % block[0]
-    assert mma_kernel.launch_info(m, n, k, 1, warps_per_cta=1, n8_tiles_per_warp=1, stages=2).grid == (2, 2)  # 2 N tiles x 2 M tiles, both last ones partial
+    assert mma_kernel.launch_info(m, n, k, 1, warps_n=1, n8_tiles_per_warp=1, stages=2).grid == (2, 2)  # 2 N tiles x 2 M tiles, both last ones partial
     a = bp.activation_bits(rng.standard_normal((m, k)).astype(np.float32), "bf16")
     q = rng.choice(np.array(fst.NON_NAN_CODES, np.uint8), size=(n, k))
     scale_inv = (rng.uniform(0.5, 2.0, blockwise.scale_shape((n, k), block)) * 1e-2).astype(np.float32)
     out = np.full((m, n), np.nan, np.float32)
-    mma_kernel.gemm_mma(a, q, scale_inv, out, block, m_blocks=1, warps_per_cta=1, n8_tiles_per_warp=1, stages=2)
+    mma_kernel.gemm_mma(a, q, scale_inv, out, block, m_blocks=1, warps_n=1, n8_tiles_per_warp=1, stages=2)
     want = sim_mma.gemm_mma(a, q, scale_inv, block, m_blocks=1, activation="bf16")
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
     # the simulator's stated float32 bound against the oracle on the same (BF16) activations

@@ -68,10 +68,10 @@ from fp8lab.numba_kernels import gemm_mma as G
 from helpers.ptx import Variant
 
 def variants():
-    # every (m_blocks, warps_per_cta, n8_tiles_per_warp) with stages 2, 3, 4 in turn (so every
-    # (warps, stages) pair too), BF16 -> float32; the deepest pipelines; the other formats once
-    shapes = [(mb, w, t) for mb in G.M_BLOCKS_CHOICES for w in G.WARPS_PER_CTA_CHOICES
-              for t in G.N8_TILES_PER_WARP_CHOICES]
+    # every small-M (m_blocks, warps_n, n8_tiles_per_warp) with stages 2, 3, 4 in turn (so every
+    # (warps, stages) pair too), BF16 -> float32; the deepest pipelines; the large-M tilings; the
+    # other formats once
+    shapes = [(mb, w, t) for mb in (1, 2) for w in G.WARPS_N_CHOICES for t in (1, 2)]
     tilings = [G.Tiling(*shape, (2, 3, 4)[i % 3]) for i, shape in enumerate(shapes)]
     tilings += [G.Tiling(1, 4, 1, 8), G.Tiling(2, 4, 2, 8)]
     formats = [(a, o) for a in ("bf16", "f16") for o in ("f32", "f16", "bf16")]

@@ -1,0 +1,143 @@
+"""The FP8 GEMM at prefill sizes (large M) on the GPU: TFLOP/s against cuBLAS BF16, and a tiling sweep.
+
+    python bench/gemm_large_m.py [--batches 512,1024,4096] [--sweep] [--out DIR]
+
+For each Qwen3-8B projection shape (N, K) and each M it
+
+1. runs ``gemm_mma`` with its default tiling on fresh random data (the output poisoned with NaN
+   first) and checks 64 random rows against ``fp8lab.reference.blockwise.gemm`` (relative error);
+2. with ``--sweep``, runs every tiling of ``SWEEP`` too and requires its output to be *bit for bit*
+   the default's: the tiling never changes the float32 order (``gemm_mma``'s docstring), and the
+   GPU's HMMA is deterministic, so any difference is a bug;
+3. times each with CUDA-graph replay (``bench/timing.py``) and cuBLAS BF16
+   (``torch.nn.functional.linear``, BF16 weights of the same shape) with CUDA events;
+4. prints and writes ``gemm_large_m.md``: microseconds, TFLOP/s, and our throughput as a share
+   of cuBLAS BF16's (issue 16's target: at least 60% from M = 512 on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gemm import SHAPES  # noqa: E402
+
+BATCHES = (512, 1024, 4096)
+CHECKED_ROWS = 64
+SWEEP = [
+    # (m_blocks, warps_n, n8_tiles_per_warp, stages, warps_m): CTA M x N, warps
+    (4, 4, 4, 3, 2),  # 128 x 128, 8 warps of 64 x 32
+    (4, 4, 4, 2, 2),
+    (4, 4, 4, 4, 2),
+    (2, 4, 4, 3, 4),  # 128 x 128, 16 warps of 32 x 32
+    (2, 4, 4, 2, 4),
+    (2, 4, 4, 4, 2),  # 64 x 128, 8 warps of 32 x 32
+    (4, 4, 2, 3, 2),  # 128 x 64, 8 warps of 64 x 16
+    (4, 4, 2, 2, 2),
+    (4, 2, 4, 4, 2),  # 128 x 64, 4 warps of 64 x 32
+    (2, 2, 4, 4, 2),  # 64 x 64, 4 warps of 32 x 32
+    (2, 4, 2, 3, 2),  # 64 x 64, 8 warps of 32 x 16
+]
+
+
+def knobs_of(tiling) -> dict:
+    m_blocks, warps_n, n8_tiles, stages, warps_m = tiling
+    return dict(m_blocks=m_blocks, warps_n=warps_n, n8_tiles_per_warp=n8_tiles, stages=stages, warps_m=warps_m)
+
+
+def problem(rng, m, n, k, torch):
+    """Random FP8 weights (quantized from floats), BF16 activations; device copies and a float32 output."""
+    from numba import cuda
+
+    from fp8lab.reference import blockwise
+
+    q, s = blockwise.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+    a_bf16 = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to("cuda", torch.bfloat16)
+    rows = np.sort(rng.choice(m, size=min(CHECKED_ROWS, m), replace=False))
+    ref = blockwise.gemm(a_bf16.float().cpu().numpy()[rows], q, s)
+    a_dev = cuda.as_cuda_array(a_bf16.view(torch.int16))
+    return a_bf16, a_dev, cuda.to_device(q), cuda.to_device(s), cuda.device_array((m, n), np.float32), rows, ref
+
+
+def run_once(gemm, a_dev, q_dev, s_dev, out, knobs) -> np.ndarray:
+    from numba import cuda
+
+    out.copy_to_device(np.full(out.shape, np.nan, np.float32))
+    gemm(a_dev, q_dev, s_dev, out, **knobs)
+    cuda.synchronize()
+    return out.copy_to_host()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "bench")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated M values")
+    parser.add_argument("--sweep", action="store_true", help="also time (and check bit for bit) the SWEEP tilings")
+    args = parser.parse_args(argv)
+    import torch
+    from timing import graph_time_us, torch_time_us
+
+    from fp8lab.numba_kernels.gemm_mma import gemm_mma, launch_info
+
+    rng = np.random.default_rng(2026)
+    lines = [
+        f"### FP8 GEMM at large M, {datetime.date.today()}, {torch.cuda.get_device_name()}",
+        "",
+        f"Command: `python bench/gemm_large_m.py {' '.join(argv if argv is not None else sys.argv[1:])}`. "
+        "Ours: CUDA-graph replays; cuBLAS BF16 (torch `linear`): CUDA events; medians. "
+        f"rel. err: {CHECKED_ROWS} random rows against the float64 oracle.",
+        "",
+        "| N x K | M | tiling (m_blocks, warps_n, n8_tiles, stages, warps_m) | us | TFLOP/s | rel. err | "
+        "cuBLAS BF16 us | cuBLAS TFLOP/s | ours / cuBLAS throughput |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    failures = 0
+    for n, k in SHAPES:
+        for m in [int(b) for b in args.batches.split(",")]:
+            a_bf16, a_dev, q_dev, s_dev, out, rows, ref = problem(rng, m, n, k, torch)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            cublas_us = torch_time_us(lambda i: torch.nn.functional.linear(a_bf16, w), iters=20, repeats=5)
+            flops = 2.0 * m * n * k
+            default = tuple(launch_info(m, n, k).tiling)
+            tilings = [default] + ([t for t in SWEEP if t != default] if args.sweep else [])
+            first = None
+            for tiling in tilings:
+                knobs = knobs_of(tiling)
+                try:
+                    result = run_once(gemm_mma, a_dev, q_dev, s_dev, out, knobs)
+                except ValueError as error:  # a tiling that does not fit (shared memory)
+                    print(f"skipped {tiling}: {error}", flush=True)
+                    continue
+                if first is None:
+                    first = result
+                    err = float(np.linalg.norm(result[rows] - ref) / np.linalg.norm(ref))
+                    bad = not (np.all(np.isfinite(result)) and err < 1e-5)
+                    note = f"{err:.1e}"
+                else:
+                    bad = not np.array_equal(result.view(np.uint32), first.view(np.uint32))
+                    note = "= default" if not bad else "DIFFERS"
+                failures += bad
+                us = graph_time_us(lambda i, stream: gemm_mma(a_dev, q_dev, s_dev, out, stream=stream, **knobs),
+                                   reps=8, replays=5)
+                lines.append(f"| {n} x {k} | {m} | {tiling}{' default' if tiling == default else ''} | {us:.1f} | "
+                             f"{flops / us / 1e6:.0f} | {note} | {cublas_us:.1f} | {flops / cublas_us / 1e6:.0f} | "
+                             f"{cublas_us / us:.2f} |")
+                print(lines[-1], flush=True)
+    table = "\n".join(lines) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gemm_large_m.md").write_text(table)
+    if failures:
+        print(f"FAILED: {failures} outputs wrong or not bit for bit the default tiling's")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
