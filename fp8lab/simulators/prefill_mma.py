@@ -1,0 +1,194 @@
+"""How tensor-core flash prefill attention over an FP8 cache computes, modelled in vectorized NumPy.
+
+Models ``fp8lab.numba_kernels.prefill_mma`` (grid ``(query blocks, num_kv_heads, num_seqs)`` of 4-warp CTAs) bit
+for bit. Checked (``tests/simulators/test_prefill_mma.py``): against ``fp8lab.reference.attention.prefill`` over
+``fp8lab.reference.kv_cache.gather`` within ``fp8lab.simulators.splitkv_mma.error_bound`` per query (each query is a
+decode over its causal prefix, with the same roundings), and exactly against ``fp8lab.simulators.splitkv_mma``'s tile
+functions, which it reuses.
+
+What it computes: the contract of ``fp8lab.reference.attention.prefill`` (causal softmax attention of each
+sequence's new tokens over its cached prefix and themselves, GQA) for an FP8 cache (E4M3 codes, one float32 scale
+per token and kv head), head size 128, ``G = num_heads / num_kv_heads`` query heads per kv head with ``G`` dividing
+16, without ALiBi. The batch is laid out as ``fp8lab.numba_kernels.prefill`` takes it: ``q [sum(query_lens),
+num_heads, D]``, sequence ``s``'s ``query_lens[s]`` new tokens back to back, its query ``i`` at position
+``context_lens[s] - query_lens[s] + i``, attending keys ``0 ..`` that position.
+
+How (the kernel's schedule, operation by operation). It is the tile math of the tensor-core decode
+(``fp8lab.simulators.splitkv_mma``: F16 queries times ``scale_log2``, scores by ``D / 16`` chained mma k-steps,
+scores times ``k_scale``, the log2-domain online softmax with a lane's four partial sums, the weights ``p * v_scale``
+relative to the tile's largest V scale in F16, ``P V`` by one mma per 8 head elements) with the *query tokens* in
+the rows:
+
+- **Rows**: a warp owns ``TOKENS = 16 / G`` consecutive query tokens of one sequence and one kv head; row ``r`` of its
+  mma tiles is query token ``i0 + r // G`` and query head ``kv G + r % G``. So the ``G`` heads that share the kv head
+  share each K/V tile, and every row of the tile is used. Rows of tokens past ``query_lens[s]`` are zero queries and
+  are not stored.
+- **Keys**: the warp walks key tiles of 16 (``TILE``) from position 0 in ascending order, up to its last token's
+  position, alone (no split, no merge: the rows are whole when the walk ends). Its loads stop at ``end = start +
+  min(i0 + TOKENS, query_lens[s])`` (the last row's position + 1): codes past it read as 0, ``k_scale`` as 1,
+  ``v_scale`` as 0, as the decode's past its shard.
+- **Causal mask per row**: key ``j`` counts for row ``r`` when it was loaded and ``j <= position(r)``; otherwise its
+  score is ``-inf`` and its weight ``p`` 0, exactly as the decode's tokens past the end. Only the rows differ now.
+  The V scale of the tile is the largest over the *loaded* keys, so it is one for all rows (the ``P V`` mma is one
+  for all rows).
+- **End**: ``l = (l_0 + l_1) + (l_2 + l_3)`` per row, ``out = acc / l`` (0 where ``l = 0``; ``splitkv.normalized``).
+
+One difference from the reference, stated: a key *after* a query's position but inside its warp's last tile (at most
+``TOKENS - 1`` keys) enters the ``P V`` mma with weight exactly 0, so a NaN value code or a non-finite V scale of that
+key reaches the query's output (``0 * NaN``), where the reference says a later key is never part of a query's math.
+Keys past the warp's last query are not loaded at all. Finite caches (what quantization writes) are unaffected.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fp8lab.reference import e4m3, kv_cache
+from fp8lab.reference.checks import (
+    as_float,
+    as_index,
+    check_block_tables,
+    require_ndim,
+    require_shape,
+)
+
+from .fma import fma_f32
+from .splitkv_mma import (
+    HEAD_DIMS,
+    LOG2E,
+    MAX_GROUP,
+    TILE,
+    WARPS,
+    _exp2,
+    f16,
+    lane_sums,
+    power_of_two_below,
+    tile_scores,
+    tile_values,
+)
+
+ROWS = 16
+"""Rows of an mma tile: ``TOKENS`` query tokens times ``G`` query heads."""
+
+
+def supports(head_dim: int, group: int, block_size: int, fp8: bool, alibi: bool) -> bool:
+    """Whether the flash prefill kernel computes an attention: an FP8 cache, no ALiBi, ``head_dim`` in ``HEAD_DIMS``,
+    ``G`` query heads per kv head with ``G`` dividing 16, and KV blocks of whole tiles."""
+    return (fp8 and not alibi and head_dim in HEAD_DIMS and 1 <= group <= MAX_GROUP and MAX_GROUP % group == 0
+            and block_size % TILE == 0)
+
+
+def tokens_per_warp(group: int) -> int:
+    """Query tokens a warp owns: ``16 / G``."""
+    return ROWS // group
+
+
+def tokens_per_cta(group: int) -> int:
+    """Query tokens a CTA (``WARPS`` warps) owns: the grid's x extent is ``ceil(query_len / this)``."""
+    return WARPS * tokens_per_warp(group)
+
+
+def _checked(q, k_cache, v_cache, block_tables, context_lens, query_lens, k_scale, v_scale):
+    q32 = as_float("q", q, np.float32)
+    require_ndim("q", q32, 3, "[num_query_tokens, num_heads, head_dim]")
+    kv_cache.check_cache(k_cache, k_scale, "k_cache")
+    kv_cache.check_cache(v_cache, v_scale, "v_cache")
+    require_shape("v_cache", v_cache, k_cache.shape)
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    num_heads = q32.shape[1]
+    if q32.shape[2] != head_dim:
+        raise ValueError(f"k_cache: head_dim {head_dim} does not match q's head_dim {q32.shape[2]}")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) for GQA")
+    group = num_heads // num_kv_heads
+    if not supports(head_dim, group, block_size, kv_cache.is_fp8(k_cache), False):
+        raise ValueError(f"the tensor-core prefill attention takes an FP8 cache, head_dim in {HEAD_DIMS}, a number of "
+                         f"query heads per kv head that divides {MAX_GROUP} and a block size that is a multiple of "
+                         f"{TILE}; got {k_cache.dtype}, head_dim {head_dim}, {group} heads per kv head, block size "
+                         f"{block_size}")
+    tables = as_index("block_tables", block_tables)
+    require_ndim("block_tables", tables, 2, "[num_seqs, max_blocks_per_seq]")
+    context = as_index("context_lens", context_lens)
+    queries = as_index("query_lens", query_lens)
+    require_shape("context_lens", context, (tables.shape[0],))
+    require_shape("query_lens", queries, (tables.shape[0],))
+    if np.any(queries < 0) or np.any(queries > context):
+        raise ValueError("query_lens: expected 0 <= query_lens <= context_lens for every sequence")
+    if int(queries.sum()) != q32.shape[0]:
+        raise ValueError(f"query_lens: sum(query_lens) = {int(queries.sum())} does not match q's {q32.shape[0]} tokens")
+    check_block_tables(tables, np.where(queries > 0, context, 0), block_size, num_blocks)
+    if tables.shape[1] == 0:
+        tables = np.zeros((tables.shape[0], 1), np.int64)
+    return q32, tables, context, queries
+
+
+def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, softmax_scale: float, k_scale,
+                  v_scale) -> np.ndarray:
+    """Causal prefill attention as the tensor-core kernel computes it: float32 ``[sum(query_lens), num_heads, D]``.
+
+    Arguments as ``fp8lab.numba_kernels.prefill.paged_prefill`` with an FP8 cache (uint8 codes, float32 ``k_scale``,
+    ``v_scale`` ``[num_blocks, num_kv_heads, block_size]``); the new tokens' K/V already in the cache. Every warp
+    advances one tile per step, all at once; a warp past its last tile sees no key (``corr = 1``, ``p = 0``: its
+    state stays as it is, as if it had stopped).
+    """
+    q32, tables, context, queries = _checked(q, k_cache, v_cache, block_tables, context_lens, query_lens, k_scale,
+                                             v_scale)
+    num_tokens, num_heads, head_dim = q32.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    tokens = tokens_per_warp(group)
+    out = np.zeros((num_tokens, num_heads, head_dim), np.float32)
+
+    # the warps: (sequence, first query token); every warp runs for every kv head
+    seq = np.concatenate([np.full(-(-int(n) // tokens), s) for s, n in enumerate(queries)] + [np.zeros(0, np.int64)])
+    if seq.size == 0:
+        return out
+    first_row = np.cumsum(queries) - queries  # q's row of each sequence's query 0
+    i0 = np.concatenate([np.arange(0, int(n), tokens) for n in queries] + [np.zeros(0, np.int64)])
+    start = (context - queries)[seq]  # position of query 0
+    row_token = i0[:, None] + np.arange(ROWS) // group  # [W, 16]
+    real = row_token < queries[seq][:, None]
+    position = np.where(real, start[:, None] + row_token, -1)  # -1: nothing counts for a row past the queries
+    end = start + np.minimum(i0 + tokens, queries[seq])  # keys loaded: up to the last row's position
+
+    # queries: [W, kv, 16, D], F16 of q * scale_log2, rows past the queries 0
+    scale_log2 = np.float32(float(softmax_scale) * LOG2E)
+    q_index = np.where(real, first_row[seq][:, None] + row_token, 0)
+    heads = np.arange(num_kv_heads)[:, None] * group + np.arange(ROWS) % group  # [kv, 16]
+    qh = f16(q32[q_index[:, None, :], heads[None]] * scale_log2)
+    qh = np.where(real[:, None, :, None], qh, 0.0)
+
+    shape = (len(seq), num_kv_heads, ROWS)
+    m = np.full(shape, -np.inf, np.float32)
+    l = np.zeros(shape + (4,), np.float32)
+    acc = np.zeros(shape + (head_dim,), np.float32)
+    values = e4m3.VALUES.astype(np.float64)
+    for step in range(int(np.max(-(-end // TILE)))):
+        key = TILE * step + np.arange(TILE)  # [16]
+        loaded = key[None, :] < end[:, None]  # [W, 16]
+        block = np.where(loaded, tables[seq[:, None], np.minimum(key // block_size, tables.shape[1] - 1)], 0)
+        offset = key % block_size
+        k = np.where(loaded[..., None, None], values[k_cache[block, :, offset]], 0.0).transpose(0, 2, 1, 3)
+        v = np.where(loaded[..., None, None], values[v_cache[block, :, offset]], 0.0).transpose(0, 2, 1, 3)
+        ks = np.where(loaded[..., None], k_scale[block, :, offset], np.float32(1)).transpose(0, 2, 1)  # [W, kv, 16]
+        vs = np.where(loaded[..., None], v_scale[block, :, offset], np.float32(0)).transpose(0, 2, 1)
+        counts = (loaded[:, None, :] & (key[None, None, :] <= position[:, :, None]))[:, None]  # [W, 1, rows, keys]
+        with np.errstate(invalid="ignore", over="ignore"):
+            s = np.where(counts, tile_scores(qh, k) * ks[..., None, :], np.float32(-np.inf))
+            m_new = np.maximum(m, np.max(s, axis=-1))  # NaN-propagating, as the kernel's nan_max
+            corr = np.where(m_new == m, np.float32(1), _exp2(m - m_new))
+            p = np.where(counts, _exp2(s - m_new[..., None]), np.float32(0))
+        l = fma_f32(l, corr[..., None], lane_sums(p))
+        pow_, inv = power_of_two_below(np.max(vs, axis=-1))
+        with np.errstate(invalid="ignore", over="ignore"):
+            weights = f16(p * (vs * inv[..., None])[..., None, :])
+            o = tile_values(weights, v)  # [W, kv, 16, D]
+            acc = fma_f32(acc, corr[..., None], o * pow_[..., None, None])
+        m = m_new
+
+    l_row = (l[..., 0] + l[..., 1]) + (l[..., 2] + l[..., 3])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        result = np.where(l_row[..., None] == 0, np.float32(0), acc / l_row[..., None])
+    w_index, kv_index, row_index = np.nonzero(np.broadcast_to(real[:, None, :], shape))
+    out[q_index[w_index, row_index], heads[kv_index, row_index]] = result[w_index, kv_index, row_index]
+    return out

@@ -1,0 +1,107 @@
+"""The tensor-core flash prefill model (``fp8lab.simulators.prefill_mma``) against the float64 oracle.
+
+Each query of a causal prefill is a decode over its prefix with the tensor-core decode's roundings (F16 queries and
+weights, float32 chains), so ``fp8lab.simulators.splitkv_mma.error_bound`` over that prefix bounds its error; the
+oracle is ``fp8lab.reference.attention.prefill`` over ``fp8lab.reference.kv_cache.gather``. Caches are random FP8
+with NaN-poisoned unused slots; chunked prefill (a cached prefix before the new tokens), sequences without new
+tokens, every group size that divides 16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers.attention import paged_fp8, reference_prefill
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fp8lab.reference import e4m3
+from fp8lab.simulators import prefill_mma, splitkv_mma
+
+
+def prefill_batch(rng, context_lens, query_lens, group, num_kv_heads, block_size):
+    """A paged FP8 batch holding ``context_lens`` tokens per sequence, and fresh queries for the last ``query_lens``."""
+    data = paged_fp8(rng, context_lens, group * num_kv_heads, num_kv_heads, 128, block_size)
+    q = rng.standard_normal((int(np.sum(query_lens)), group * num_kv_heads, 128)).astype(np.float32)
+    return data, q, np.asarray(query_lens, np.int64)
+
+
+def run_model(data, q, query_lens):
+    return prefill_mma.paged_prefill(q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens, query_lens,
+                                     data.softmax_scale, data.k_scale, data.v_scale)
+
+
+def assert_within_bound(data, q, query_lens, out):
+    """Every query within the decode bound over its causal prefix; no NaN."""
+    assert out.shape == q.shape and not np.isnan(out).any()
+    ref = reference_prefill(q, data.k_cache, data.v_cache, data.k_scale, data.v_scale, data.block_tables,
+                            data.seq_lens, query_lens, data.softmax_scale)
+    block_size = data.k_cache.shape[2]
+    row = 0
+    for seq, (context, n) in enumerate(zip(data.seq_lens, query_lens)):
+        if n == 0:
+            continue
+        slots = [(data.block_tables[seq, j // block_size], j % block_size) for j in range(int(context))]
+        k = np.stack([e4m3.VALUES[data.k_cache[b, :, o]] for b, o in slots], axis=1)
+        v = np.stack([e4m3.VALUES[data.v_cache[b, :, o]] for b, o in slots], axis=1)
+        ks = np.stack([data.k_scale[b, :, o] for b, o in slots], axis=1)
+        vs = np.stack([data.v_scale[b, :, o] for b, o in slots], axis=1)
+        for i in range(int(n)):
+            keys = int(context) - int(n) + i + 1
+            bound = splitkv_mma.error_bound(q[row], k[:, :keys], v[:, :keys], ks[:, :keys], vs[:, :keys],
+                                            data.softmax_scale)
+            err = np.abs(out[row].astype(np.float64) - ref[row])
+            assert (err <= bound).all(), f"sequence {seq}, query {i}: error / bound up to {np.max(err / bound):.3g}"
+            row += 1
+
+
+@settings(deadline=None, max_examples=25)
+@given(seed=st.integers(0, 2**32 - 1), lens=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), min_size=1,
+                                                     max_size=3),
+       group=st.sampled_from([1, 2, 4, 8, 16]), num_kv_heads=st.sampled_from([1, 2]), block_size=st.sampled_from([16, 32]))
+def test_within_the_error_bound_of_the_reference(seed, lens, group, num_kv_heads, block_size):
+    rng = np.random.default_rng(seed)
+    context_lens = [max(a, b) for a, b in lens]
+    query_lens = [min(a, b) for a, b in lens]  # a cached prefix of the difference (chunked prefill), or none
+    data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, num_kv_heads, block_size)
+    assert_within_bound(data, q, query_lens, run_model(data, q, query_lens))
+
+
+def test_long_prompt_over_many_tiles():
+    """A 150-token prompt after a 40-token prefix, Qwen3-8B's group of 4: 12 key tiles, 38 warps of 4 tokens."""
+    rng = np.random.default_rng(3)
+    data, q, query_lens = prefill_batch(rng, [190, 17], [150, 17], 4, 2, 32)
+    assert_within_bound(data, q, query_lens, run_model(data, q, query_lens))
+
+
+def test_a_nan_value_code_reaches_the_rows_that_see_it_and_its_warps_earlier_rows():
+    """The documented difference: a NaN value code of key ``j`` reaches every query at or after ``j`` (as in the
+    reference) and the queries before ``j`` in the same warp tile (weight 0 times NaN in the ``P V`` mma); no other."""
+    rng = np.random.default_rng(11)
+    group, block_size = 4, 16  # a warp owns 4 query tokens: queries 0-3, 4-7, ...
+    data, q, query_lens = prefill_batch(rng, [30], [30], group, 2, block_size)
+    j = 10  # in the warp of queries 8-11
+    data.v_cache[data.block_tables[0, j // block_size], 1, j % block_size, 5] = 0x7F
+    out = run_model(data, q, query_lens)
+    nan_rows = np.isnan(out[:, group:]).any(axis=-1).any(axis=-1)  # kv head 1's query heads
+    assert nan_rows.tolist() == [i >= 8 for i in range(30)]
+    assert not np.isnan(out[:, :group]).any()  # kv head 0 never reads it
+
+
+def test_a_sequence_without_new_tokens_and_an_empty_batch():
+    rng = np.random.default_rng(5)
+    data, q, query_lens = prefill_batch(rng, [20, 9, 33], [0, 9, 1], 2, 1, 16)
+    assert_within_bound(data, q, query_lens, run_model(data, q, query_lens))
+    empty = run_model(data, q[:0], np.zeros(3, np.int64))
+    assert empty.shape == (0, 2, 128)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(group=3), "divides"), (dict(block_size=8), "block size"), (dict(query_lens=[5, 9]), "query_lens"),
+])
+def test_unsupported_or_wrong_calls_are_refused(change, message):
+    shape = dict(group=2, block_size=16, query_lens=[5, 8]) | change
+    rng = np.random.default_rng(0)
+    data, q, _ = prefill_batch(rng, [5, 8], [5, 8], shape["group"], 1, shape["block_size"])
+    with pytest.raises(ValueError, match=message):
+        run_model(data, q, np.asarray(shape["query_lens"]))
