@@ -63,6 +63,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from types import SimpleNamespace
 
 import numpy as np
 from numba import cuda, float32, types, uint32, uint64
@@ -140,36 +141,20 @@ def row_max(x):
     return mathops.nan_max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
 
 
-def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, with_input: bool = False):
-    """The Python source of the split kernel for one head size, query heads per kv head and output format.
-
-    Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, scale_log2, num_kv_heads,
-    block_size, num_splits, workspace, out``: the caches flat as uint32 words and their scales flat
-    (``splitkv.flat_cache``: row ``(block * num_kv_heads + kv_head) * block_size + offset``). Launch
-    ``[(num_seqs, num_kv_heads, num_splits), THREADS]`` (4 warps). ``out`` is written only when ``num_splits == 1``.
-
-    ``with_input``: the kernel of ``decode_mma_with_input``, whose arguments begin ``q_in, k_in, v_in, q_norm, k_norm,
-    eps, positions, cos_sin, k_cache, v_cache, k_scale, v_scale`` (the attention input, as
-    ``attention_input.qk_norm_rope_cache_write`` takes it, and the caches it writes) in place of ``q``.
-    """
-    D, G = head_dim, group
+def tile_functions(head_dim: int, wide: bool, load_words, causal: bool = False):
+    """The device functions of one key tile, shared by the decode split kernel and the flash prefill
+    (``fp8lab.numba_kernels.prefill_mma``): ``load_tile`` (a lane's key and value words, scales and which tokens are
+    loaded), ``tile_row`` and ``table_chunk`` (the block table, 32 tiles per load), and ``attend_tile`` (the scores'
+    mma chain, the online softmax, ``P V``). ``wide``: rows ``g + 8`` hold queries too; ``load_words``: the 128-bit
+    load; ``causal``: a key counts for row ``r`` only at or before position ``limit[r]`` (the prefill's mask; the
+    decode's rows all count every loaded token). Returned as a namespace of ``cuda.jit`` device functions."""
+    D = head_dim
     STEPS = D // 16  # k-steps of the scores; the lane's key words per token
     K_WORDS = D // 16
     V_WORDS = D // 32  # the lane's value words per token
-    NTILES = D // 8  # n tiles of P V
     ROW_WORDS = uint64(D // 4)
-    WIDE = G > 8  # rows g + 8 hold query heads too
-    ROWS = 2 if WIDE else 1  # accumulator rows g (and g + 8) a lane works on
-    AHEAD = 1 if WIDE else 2  # tiles a warp has loading while it computes one (a wide group has no registers for 2)
-    QUERY_WORDS, ACC_SIZE = 4 * STEPS, 4 * NTILES  # local array sizes must be plain constants
-    KEY_WORDS, VALUE_WORDS = 2 * K_WORDS, 4 * V_WORDS
-    store = output_store(bf16_out)
-    # a CTA that writes the new token reads it back: the coherent load (the non-coherent path may hold a stale line)
-    load_words = load_u32x4_coherent if with_input else load_u32x4
-    head_rows = head_row_functions(D, "fp8")  # the attention input's warp functions (with_input)
-    HEAD_ELEMENTS, load_row, norm_rope, store_row, write_row = (head_rows.elements, head_rows.load_row,
-                                                                head_rows.norm_rope, head_rows.store_row,
-                                                                head_rows.write_row)
+    ROWS = 2 if wide else 1  # accumulator rows g (and g + 8) a lane works on
+    CAUSAL = causal
 
     @cuda.jit(device=True, inline=True)
     def value_word(w, args):
@@ -184,55 +169,35 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
             o0, o1, o2, o3 = mma_f16(pa0, pa1, pa2, pa3, b0, b1, float32(0), float32(0), float32(0), float32(0))
             acc[4 * s] = cuda.fma(acc[4 * s], corr[0], o0 * pow_)
             acc[4 * s + 1] = cuda.fma(acc[4 * s + 1], corr[0], o1 * pow_)
-            if WIDE:
+            if wide:
                 acc[4 * s + 2] = cuda.fma(acc[4 * s + 2], corr[1], o2 * pow_)
                 acc[4 * s + 3] = cuda.fma(acc[4 * s + 3], corr[1], o3 * pow_)
 
     @cuda.jit(device=True, inline=True)
-    def stash_word(w, args):
-        """Row ``r``'s elements of n tiles ``4 w .. 4 w + 3`` of this warp's ``acc`` into the CTA's shared ``stash``."""
-        stash, warp, row, t, r, acc = args
-        for k in range(4):
-            for e in range(2):
-                s = 4 * w + k
-                stash[warp, row, (D // 8) * (2 * t + e) + s] = acc[4 * s + 2 * r + e]
-
-    @cuda.jit(device=True, inline=True)
     def softmax_row(r, args):
-        """One tile's online-softmax step of row ``g + 8 r``: scores times ``k_scale`` (``-inf`` past the end), the
-        row max, ``corr``, ``p``, this lane's ``l``; the F16 weights ``p * (v_scale * inv)`` into ``weights[4 r ..]``."""
-        scores, k_scale, v_scale, valid, inv, m, lsum, corr, p, weights = args
+        """One tile's online-softmax step of row ``g + 8 r``: scores times ``k_scale`` (``-inf`` past the end and, causal,
+        after the row's position ``limit[r]``), the row max, ``corr``, ``p``, this lane's ``l``; the F16 weights ``p *
+        (v_scale * inv)`` into ``weights[4 r ..]``."""
+        scores, k_scale, v_scale, valid, inv, m, lsum, corr, p, weights, limit, tile0, t = args
+        counts = cuda.local.array(4, types.int32)
+        for u in range(4):  # the key counts for this row: loaded, and (causal) at or before the row's position
+            j = 2 * t + (u & 1) + 8 * (u >> 1)
+            counts[u] = valid[u] if not CAUSAL else (1 if valid[u] and tile0 + j <= limit[r] else 0)
         tile_max = float32(-math.inf)
         for u in range(4):
-            s_u = scores[4 * r + u] * k_scale[u] if valid[u] else float32(-math.inf)
+            s_u = scores[4 * r + u] * k_scale[u] if counts[u] else float32(-math.inf)
             scores[4 * r + u] = s_u
             tile_max = mathops.nan_max(tile_max, s_u)
         m_new = mathops.nan_max(m[r], row_max(tile_max))
         corr[r] = float32(1) if m_new == m[r] else mathops.exp2(m[r] - m_new)
         for u in range(4):
-            p[u] = mathops.exp2(scores[4 * r + u] - m_new) if valid[u] else float32(0)
+            p[u] = mathops.exp2(scores[4 * r + u] - m_new) if counts[u] else float32(0)
             weights[4 * r + u] = f32_to_f16_bits(p[u] * (v_scale[u] * inv))
         lsum[r] = cuda.fma(lsum[r], corr[r], (p[0] + p[1]) + (p[2] + p[3]))
         m[r] = m_new
 
-    @cuda.jit(device=True, inline=True)
-    def finish_row(r, args):
-        """Row ``g + 8 r`` of this warp: ``l`` over its four lanes, ``(l_0 + l_1) + (l_2 + l_3)``; the warp's ``(m, l,
-        acc)`` into the CTA's shared arrays, where the merge reads them."""
-        stash_m, stash_l, stash, warp, g, t, m, lsum, acc = args
-        l = lsum[r] + cuda.shfl_xor_sync(FULL_MASK, lsum[r], 1)
-        l += cuda.shfl_xor_sync(FULL_MASK, l, 2)
-        row = g + 8 * r
-        if row < G:
-            stash_words((stash, warp, row, t, r, acc))
-            if t == 0:
-                stash_m[warp, row] = m[r]
-                stash_l[warp, row] = l
-
     value_tiles = unrolled(value_word, V_WORDS)  # straight-line code: acc stays in registers
-    stash_words = unrolled(stash_word, V_WORDS)
     softmax_rows = unrolled(softmax_row, ROWS)
-    finish_rows = unrolled(finish_row, ROWS)
 
     @cuda.jit(device=True, inline=True)
     def load_tile(k_words, v_words, k_scales, v_scales, row0, tile0, end, g, t, kw, vw, k_scale, v_scale, valid):
@@ -283,6 +248,96 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
         """Lane ``i`` reads the block of tile ``first_tile + i`` (0 past the shard): 32 tiles' blocks in one load."""
         tile0 = start + TILE * (first_tile + lane)
         return table[tile0 // block_size] if tile0 < end else 0
+
+    @cuda.jit(device=True, inline=True)
+    def attend_tile(qa, kw, vw, k_scale, v_scale, valid, limit, tile0, t, m, lsum, corr, p, scores, weights, acc):
+        """One loaded tile: the scores (two 8-token n tiles, ``D / 16`` k-steps each), the online softmax of each row
+        with the V scales relative to the tile's largest, then ``P V`` into ``acc``."""
+        for half in range(2):
+            c0 = c1 = c2 = c3 = float32(0)
+            for s in range(STEPS):
+                word = kw[half * K_WORDS + s]
+                b0 = e4m3x2_to_f16x2(word & uint32(0xFFFF))
+                b1 = e4m3x2_to_f16x2(word >> uint32(16))
+                c0, c1, c2, c3 = mma_f16(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3], b0, b1, c0, c1, c2, c3)
+            scores[2 * half] = c0
+            scores[2 * half + 1] = c1
+            scores[4 + 2 * half] = c2
+            scores[4 + 2 * half + 1] = c3
+
+        vmax = mathops.nan_max(mathops.nan_max(v_scale[0], v_scale[1]), mathops.nan_max(v_scale[2], v_scale[3]))
+        pow_, inv = power_of_two_below(row_max(vmax))
+        softmax_rows((scores, k_scale, v_scale, valid, inv, m, lsum, corr, p, weights, limit, tile0, t))
+
+        # P V: one mma per n tile s (head elements (D/8) n + s of the lane group n)
+        pa0 = weights[0] | (weights[1] << uint32(16))
+        pa1 = weights[4] | (weights[5] << uint32(16))
+        pa2 = weights[2] | (weights[3] << uint32(16))
+        pa3 = weights[6] | (weights[7] << uint32(16))
+        value_tiles((vw, pa0, pa1, pa2, pa3, corr, pow_, acc))
+
+    return SimpleNamespace(load_tile=load_tile, tile_row=tile_row, table_chunk=table_chunk, attend_tile=attend_tile)
+
+
+def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, with_input: bool = False):
+    """The Python source of the split kernel for one head size, query heads per kv head and output format.
+
+    Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, scale_log2, num_kv_heads,
+    block_size, num_splits, workspace, out``: the caches flat as uint32 words and their scales flat
+    (``splitkv.flat_cache``: row ``(block * num_kv_heads + kv_head) * block_size + offset``). Launch
+    ``[(num_seqs, num_kv_heads, num_splits), THREADS]`` (4 warps). ``out`` is written only when ``num_splits == 1``.
+
+    ``with_input``: the kernel of ``decode_mma_with_input``, whose arguments begin ``q_in, k_in, v_in, q_norm, k_norm,
+    eps, positions, cos_sin, k_cache, v_cache, k_scale, v_scale`` (the attention input, as
+    ``attention_input.qk_norm_rope_cache_write`` takes it, and the caches it writes) in place of ``q``.
+    """
+    D, G = head_dim, group
+    STEPS = D // 16  # k-steps of the scores; the lane's key words per token
+    K_WORDS = D // 16
+    V_WORDS = D // 32  # the lane's value words per token
+    NTILES = D // 8  # n tiles of P V
+    WIDE = G > 8  # rows g + 8 hold query heads too
+    ROWS = 2 if WIDE else 1  # accumulator rows g (and g + 8) a lane works on
+    AHEAD = 1 if WIDE else 2  # tiles a warp has loading while it computes one (a wide group has no registers for 2)
+    QUERY_WORDS, ACC_SIZE = 4 * STEPS, 4 * NTILES  # local array sizes must be plain constants
+    KEY_WORDS, VALUE_WORDS = 2 * K_WORDS, 4 * V_WORDS
+    store = output_store(bf16_out)
+    # a CTA that writes the new token reads it back: the coherent load (the non-coherent path may hold a stale line)
+    load_words = load_u32x4_coherent if with_input else load_u32x4
+    head_rows = head_row_functions(D, "fp8")  # the attention input's warp functions (with_input)
+    HEAD_ELEMENTS, load_row, norm_rope, store_row, write_row = (head_rows.elements, head_rows.load_row,
+                                                                head_rows.norm_rope, head_rows.store_row,
+                                                                head_rows.write_row)
+    tiles_of = tile_functions(D, WIDE, load_words)
+    load_tile, tile_row, table_chunk, attend_tile = (tiles_of.load_tile, tiles_of.tile_row, tiles_of.table_chunk,
+                                                     tiles_of.attend_tile)
+
+    @cuda.jit(device=True, inline=True)
+    def stash_word(w, args):
+        """Row ``r``'s elements of n tiles ``4 w .. 4 w + 3`` of this warp's ``acc`` into the CTA's shared ``stash``."""
+        stash, warp, row, t, r, acc = args
+        for k in range(4):
+            for e in range(2):
+                s = 4 * w + k
+                stash[warp, row, (D // 8) * (2 * t + e) + s] = acc[4 * s + 2 * r + e]
+
+    @cuda.jit(device=True, inline=True)
+    def finish_row(r, args):
+        """Row ``g + 8 r`` of this warp: ``l`` over its four lanes, ``(l_0 + l_1) + (l_2 + l_3)``; the warp's ``(m, l,
+        acc)`` into the CTA's shared arrays, where the merge reads them."""
+        stash_m, stash_l, stash, warp, g, t, m, lsum, acc = args
+        l = lsum[r] + cuda.shfl_xor_sync(FULL_MASK, lsum[r], 1)
+        l += cuda.shfl_xor_sync(FULL_MASK, l, 2)
+        row = g + 8 * r
+        if row < G:
+            stash_words((stash, warp, row, t, r, acc))
+            if t == 0:
+                stash_m[warp, row] = m[r]
+                stash_l[warp, row] = l
+
+    stash_words = unrolled(stash_word, V_WORDS)
+    finish_rows = unrolled(finish_row, ROWS)
+
 
     @cuda.jit(device=True, inline=True)
     def query_registers(q_rows, row0, g, t, scale_log2, qa):
@@ -340,6 +395,7 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
         after_valid = cuda.local.array(4, types.int32)
         p = cuda.local.array(4, float32)
         scores = cuda.local.array(8, float32)  # [row r][u]
+        limit = cuda.local.array(2, types.int64)  # unused: every loaded token counts for every row (not causal)
 
         rows_per_block = num_kv_heads * block_size
         kv_row = kv * block_size
@@ -361,31 +417,8 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
                                     rows_per_block, kv_row, ahead, g, t, next_kw, next_vw, next_k_scale,
                                     next_v_scale, next_valid)
 
-            # scores: two 8-token n tiles, D / 16 k-steps each
-            for half in range(2):
-                c0 = c1 = c2 = c3 = float32(0)
-                for s in range(STEPS):
-                    word = kw[half * K_WORDS + s]
-                    b0 = e4m3x2_to_f16x2(word & uint32(0xFFFF))
-                    b1 = e4m3x2_to_f16x2(word >> uint32(16))
-                    c0, c1, c2, c3 = mma_f16(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3], b0, b1,
-                                             c0, c1, c2, c3)
-                scores[2 * half] = c0
-                scores[2 * half + 1] = c1
-                scores[4 + 2 * half] = c2
-                scores[4 + 2 * half + 1] = c3
-
-            # the online softmax of each row, and the V scales relative to the tile's largest
-            vmax = mathops.nan_max(mathops.nan_max(v_scale[0], v_scale[1]), mathops.nan_max(v_scale[2], v_scale[3]))
-            pow_, inv = power_of_two_below(row_max(vmax))
-            softmax_rows((scores, k_scale, v_scale, valid, inv, m, lsum, corr, p, weights))
-
-            # P V: one mma per n tile s (head elements (D/8) n + s of the lane group n)
-            pa0 = weights[0] | (weights[1] << uint32(16))
-            pa1 = weights[4] | (weights[5] << uint32(16))
-            pa2 = weights[2] | (weights[3] << uint32(16))
-            pa3 = weights[6] | (weights[7] << uint32(16))
-            value_tiles((vw, pa0, pa1, pa2, pa3, corr, pow_, acc))
+            attend_tile(qa, kw, vw, k_scale, v_scale, valid, limit, start + TILE * tile, t, m, lsum, corr, p, scores,
+                        weights, acc)
             for i in range(KEY_WORDS):  # the next tile becomes this one, the one after the next (register moves)
                 kw[i] = next_kw[i]
                 if AHEAD == 2:

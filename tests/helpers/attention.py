@@ -1,6 +1,7 @@
 """Shared by the split-kv and prefill tests: the simulator's error bound, ALiBi slopes, filled paged caches,
 BF16 rounding of an output, prefill as decode rows and its reference; random paged FP8 batches and the error
-bound of the tensor-core decode attention (``paged_fp8``, ``assert_within_mma_bound``).
+bound of the tensor-core decode attention (``paged_fp8``, ``assert_within_mma_bound``); prefill batches over them and
+the tensor-core prefill's bound (``prefill_batch``, ``assert_within_prefill_mma_bound``).
 
 ``tolerance`` is the bound stated (and derived) in ``tests/simulators/test_splitkv.py``'s docstring.
 """
@@ -166,3 +167,35 @@ def assert_within_mma_bound(data, out):
         bound = splitkv_mma.error_bound(data.q[seq], *dense_tokens(data, seq), data.softmax_scale)
         err = np.abs(out[seq].astype(np.float64) - ref[seq])
         assert (err <= bound).all(), f"sequence {seq}: error / bound up to {np.max(err / bound):.3g}"
+
+
+def prefill_batch(rng, context_lens, query_lens, group, num_kv_heads, block_size):
+    """A paged FP8 batch holding ``context_lens`` tokens per sequence, and fresh queries for the last ``query_lens``."""
+    data = paged_fp8(rng, context_lens, group * num_kv_heads, num_kv_heads, 128, block_size)
+    q = rng.standard_normal((int(np.sum(query_lens)), group * num_kv_heads, 128)).astype(np.float32)
+    return data, q, np.asarray(query_lens, np.int64)
+
+
+def assert_within_prefill_mma_bound(data, q, query_lens, out):
+    """``out`` (the tensor-core flash prefill) with every query within ``fp8lab.simulators.splitkv_mma.error_bound``
+    over its causal prefix of the float64 reference; no NaN."""
+    assert out.shape == q.shape and not np.isnan(out).any()
+    ref = reference_prefill(q, data.k_cache, data.v_cache, data.k_scale, data.v_scale, data.block_tables,
+                            data.seq_lens, query_lens, data.softmax_scale)
+    block_size = data.k_cache.shape[2]
+    row = 0
+    for seq, (context, n) in enumerate(zip(data.seq_lens, query_lens)):
+        if n == 0:
+            continue
+        slots = [(data.block_tables[seq, j // block_size], j % block_size) for j in range(int(context))]
+        k = np.stack([e4m3.VALUES[data.k_cache[b, :, o]] for b, o in slots], axis=1)
+        v = np.stack([e4m3.VALUES[data.v_cache[b, :, o]] for b, o in slots], axis=1)
+        ks = np.stack([data.k_scale[b, :, o] for b, o in slots], axis=1)
+        vs = np.stack([data.v_scale[b, :, o] for b, o in slots], axis=1)
+        for i in range(int(n)):
+            keys = int(context) - int(n) + i + 1
+            bound = splitkv_mma.error_bound(q[row], k[:, :keys], v[:, :keys], ks[:, :keys], vs[:, :keys],
+                                            data.softmax_scale)
+            err = np.abs(out[row].astype(np.float64) - ref[row])
+            assert (err <= bound).all(), f"sequence {seq}, query {i}: error / bound up to {np.max(err / bound):.3g}"
+            row += 1

@@ -141,11 +141,12 @@ def variants():
 '''
 
 KV_CACHE_AND_SPLITKV = r'''
-from fp8lab.numba_kernels import kv_cache, splitkv, splitkv_mma
+from fp8lab.numba_kernels import kv_cache, prefill_mma, splitkv, splitkv_mma
 from helpers.ptx import Variant
 
 def variants():
-    return [Variant(*v) for v in kv_cache.kernel_variants() + splitkv.kernel_variants() + splitkv_mma.kernel_variants()]
+    return [Variant(*v) for v in kv_cache.kernel_variants() + splitkv.kernel_variants() + splitkv_mma.kernel_variants()
+            + prefill_mma.kernel_variants()]
 '''
 
 ATTENTION_INPUT = r'''
@@ -388,7 +389,8 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
     and FP8 at 32, 64 and 256, with 4 heads per CTA; FP8 at 128 with 1 to 3 heads; FP8 at 128 with 4 heads and BF16
     output),
     the combine for float32 and BF16 output, 2 tensor-core split kernels (``splitkv_mma``: head_dim 128 with
-    4 query heads per kv head and float32 output, 16 with BF16 output and the attention input): no local memory,
+    4 query heads per kv head and float32 output, 16 with BF16 output and the attention input), 3 tensor-core
+    prefill kernels (``prefill_mma``: groups of 4 and 16 with float32 output, 2 with BF16): no local memory,
     no float64, the expected load widths (the attention with its input reads its cache with coherent 128-bit loads:
     it writes the new token there), 16-bit stores for BF16 output, the F16 ``mma`` and the E4M3 pair conversion in
     the tensor-core ones, the norm's square root in the one with its input; no spills where nvJitLink can run
@@ -406,7 +408,10 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
             assert re.search(load, ptx)  # a lane reads its 16 elements in 128-bit loads
             assert not (with_input and "ld.global.nc.v4" in ptx)  # what a CTA writes, it reads back coherently
             assert not with_input or "sqrt.rn.f32" in ptx
-        if name.startswith("split_mma"):
+        if name.startswith("prefill_mma"):
+            assert "shfl.sync.bfly.b32" in ptx and "ex2.approx.f32" in ptx and "fma.rn.f32" in ptx
+            assert re.search(r"ld\.global\.nc\.v4\.[uf]32\b", ptx)  # the tiles in 128-bit loads
+        if name.startswith(("split_mma", "prefill_mma")):
             assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
             assert "cvt.rn.f16.f32" in ptx  # the query and the weights rounded to F16
         if name.startswith("combine"):

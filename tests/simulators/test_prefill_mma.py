@@ -11,48 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.attention import paged_fp8, reference_prefill
+from helpers.attention import assert_within_prefill_mma_bound as assert_within_bound
+from helpers.attention import prefill_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp8lab.reference import e4m3
-from fp8lab.simulators import prefill_mma, splitkv_mma
-
-
-def prefill_batch(rng, context_lens, query_lens, group, num_kv_heads, block_size):
-    """A paged FP8 batch holding ``context_lens`` tokens per sequence, and fresh queries for the last ``query_lens``."""
-    data = paged_fp8(rng, context_lens, group * num_kv_heads, num_kv_heads, 128, block_size)
-    q = rng.standard_normal((int(np.sum(query_lens)), group * num_kv_heads, 128)).astype(np.float32)
-    return data, q, np.asarray(query_lens, np.int64)
+from fp8lab.simulators import prefill_mma
 
 
 def run_model(data, q, query_lens):
     return prefill_mma.paged_prefill(q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens, query_lens,
                                      data.softmax_scale, data.k_scale, data.v_scale)
-
-
-def assert_within_bound(data, q, query_lens, out):
-    """Every query within the decode bound over its causal prefix; no NaN."""
-    assert out.shape == q.shape and not np.isnan(out).any()
-    ref = reference_prefill(q, data.k_cache, data.v_cache, data.k_scale, data.v_scale, data.block_tables,
-                            data.seq_lens, query_lens, data.softmax_scale)
-    block_size = data.k_cache.shape[2]
-    row = 0
-    for seq, (context, n) in enumerate(zip(data.seq_lens, query_lens)):
-        if n == 0:
-            continue
-        slots = [(data.block_tables[seq, j // block_size], j % block_size) for j in range(int(context))]
-        k = np.stack([e4m3.VALUES[data.k_cache[b, :, o]] for b, o in slots], axis=1)
-        v = np.stack([e4m3.VALUES[data.v_cache[b, :, o]] for b, o in slots], axis=1)
-        ks = np.stack([data.k_scale[b, :, o] for b, o in slots], axis=1)
-        vs = np.stack([data.v_scale[b, :, o] for b, o in slots], axis=1)
-        for i in range(int(n)):
-            keys = int(context) - int(n) + i + 1
-            bound = splitkv_mma.error_bound(q[row], k[:, :keys], v[:, :keys], ks[:, :keys], vs[:, :keys],
-                                            data.softmax_scale)
-            err = np.abs(out[row].astype(np.float64) - ref[row])
-            assert (err <= bound).all(), f"sequence {seq}, query {i}: error / bound up to {np.max(err / bound):.3g}"
-            row += 1
 
 
 @settings(deadline=None, max_examples=25)

@@ -1,0 +1,131 @@
+"""fp8lab.numba_kernels.prefill_mma (tensor-core flash prefill attention) against fp8lab.simulators.prefill_mma and
+fp8lab.reference.attention.
+
+In the CUDA simulator (``cudasim``; a simulated warp's ``mma`` pools the 32 lanes' registers into the model of
+``fp8lab.simulators.mma``): outputs bit for bit equal to ``fp8lab.simulators.prefill_mma`` for GQA groups of 1, 2, 4
+and 16 (16, 8, 4 and 1 query tokens per warp), block sizes 16 and 32, pure prefill and chunked prefill (a cached
+prefix before the new tokens), query counts that end inside a warp, a sequence without new tokens, a walk over more
+than 32 key tiles (the block table's second chunk), NaN-poisoned unused cache slots and a NaN-poisoned ``out``; device
+index arrays with ``max_context_len`` (nothing read back: the grid covers ``len(q)`` tokens per sequence); BF16 output
+bit for bit ``layers.bf16_round`` of the float32 output; caches the kernel does not take are a ``ValueError``.
+
+On a GPU (``gpu``, run by hand on an H200): Qwen3-8B heads (32 query, 8 kv) over a 1,000-token prompt and 4 x 512
+tokens, Qwen3-0.6B heads (16, 8) over 2,048 tokens after a 100-token prefix, against ``fp8lab.reference.attention``
+on fresh random data, ``out`` poisoned: every query within ``fp8lab.simulators.splitkv_mma.error_bound`` over its
+causal prefix; BF16 output bit for bit the float32 output rounded.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from helpers.attention import assert_within_prefill_mma_bound as assert_within_bound
+from helpers.attention import paged_fp8, prefill_batch
+from numba import cuda
+
+import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from fp8lab.numba_kernels import layers, prefill_mma
+from fp8lab.numba_kernels.bits import SIMULATOR
+from fp8lab.simulators import prefill_mma as model
+
+
+def run_kernel(data, q, query_lens, out=None, **kwargs):
+    if out is None:
+        out = np.full(q.shape, np.nan, np.float32)  # poisoned: every element must be written
+    returned = prefill_mma.paged_prefill_mma(q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens,
+                                             query_lens, data.softmax_scale, out, data.k_scale, data.v_scale, **kwargs)
+    assert returned is out
+    return out
+
+
+def simulated(data, q, query_lens):
+    return model.paged_prefill(q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens, query_lens,
+                               data.softmax_scale, data.k_scale, data.v_scale)
+
+
+def same_bits(a, b) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
+@pytest.mark.parametrize("context_lens, query_lens, group, num_kv_heads, block_size", [
+    ([21], [21], 4, 2, 16),  # pure prefill, 6 warps of 4 tokens, the last one with one query; 2 kv heads
+    ([50, 9, 21], [19, 0, 21], 2, 1, 32),  # chunked prefill after 31 cached tokens; a sequence without new tokens
+    ([23], [23], 1, 1, 16),  # 16 tokens per warp
+    ([19, 6], [6, 6], 16, 1, 16),  # one token per warp, rows g + 8 are heads 8..15
+])
+def test_bit_for_bit_the_simulator(context_lens, query_lens, group, num_kv_heads, block_size):
+    rng = np.random.default_rng(sum(context_lens) * group + block_size)
+    data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, num_kv_heads, block_size)
+    out = run_kernel(data, q, query_lens)
+    assert not np.isnan(out).any(), "an output was not written (still NaN)"
+    assert same_bits(out, simulated(data, q, query_lens))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
+def test_a_walk_past_32_tiles_bit_for_bit_the_simulator():
+    """Two queries at positions 527 and 528 after a cached prefix: 34 key tiles, the block table's second chunk
+    (tiles 32 and 33) read by the lanes; group 8 (2 tokens per warp)."""
+    rng = np.random.default_rng(4)
+    data, q, query_lens = prefill_batch(rng, [529], [2], 8, 1, 16)
+    out = run_kernel(data, q, query_lens)
+    assert same_bits(out, simulated(data, q, query_lens))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
+def test_device_indices_without_a_read_back_and_bf16_out():
+    """Device index arrays with ``max_context_len``: the grid covers ``len(q)`` tokens per sequence (most CTAs
+    return at once), the same bits; then BF16 out is the float32 out rounded by ``layers.bf16_round``."""
+    rng = np.random.default_rng(8)
+    data, q, query_lens = prefill_batch(rng, [20, 9], [5, 9], 4, 1, 16)
+    f32 = run_kernel(data, q, query_lens)
+    on_device = [cuda.to_device(np.asarray(x, np.int32)) for x in (data.block_tables, data.seq_lens, query_lens)]
+    out = np.full(q.shape, np.nan, np.float32)
+    prefill_mma.paged_prefill_mma(q, data.k_cache, data.v_cache, on_device[0], on_device[1], on_device[2],
+                                  data.softmax_scale, out, data.k_scale, data.v_scale, max_context_len=20)
+    assert same_bits(out, f32) and same_bits(f32, simulated(data, q, query_lens))
+    bf16 = run_kernel(data, q, query_lens, out=np.full(q.shape, 0xFFFF, np.uint16))
+    expected = np.empty(f32.size, np.uint16)
+    layers.bf16_round(f32.reshape(-1), expected)
+    assert np.array_equal(bf16.reshape(-1), expected)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the CUDA simulator's argument checks")
+@pytest.mark.parametrize("change, message", [
+    (dict(block_size=8), "block size"), (dict(group=3), "divides"), (dict(head_dim=64), "head_dim"),
+])
+def test_unsupported_caches_are_refused(change, message):
+    shape = dict(block_size=16, head_dim=128, group=2) | change
+    rng = np.random.default_rng(0)
+    data = paged_fp8(rng, [5], shape["group"], 1, shape["head_dim"], shape["block_size"])
+    q = rng.standard_normal((5, shape["group"], shape["head_dim"])).astype(np.float32)
+    with pytest.raises(ValueError, match=message):
+        run_kernel(data, q, np.array([5]))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the CUDA simulator's argument checks")
+def test_a_float_cache_and_wrong_lengths_are_refused():
+    rng = np.random.default_rng(1)
+    data, q, query_lens = prefill_batch(rng, [9], [9], 2, 1, 16)
+    floats = np.zeros(data.k_cache.shape, np.float32)
+    with pytest.raises(ValueError, match="FP8 cache"):
+        prefill_mma.paged_prefill_mma(q, floats, floats, data.block_tables, data.seq_lens, query_lens,
+                                      data.softmax_scale, np.zeros_like(q))
+    with pytest.raises(ValueError, match="query_lens"):
+        run_kernel(data, q, np.array([8]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="needs a GPU")
+@pytest.mark.parametrize("heads, context_lens, query_lens", [
+    ((32, 8), [1000], [1000]), ((32, 8), [512] * 4, [512] * 4), ((16, 8), [2148], [2048]),
+])
+def test_on_the_gpu_within_the_bound_of_the_reference(heads, context_lens, query_lens):
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    group = heads[0] // heads[1]
+    data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, heads[1], 16)
+    f32 = run_kernel(data, q, query_lens)
+    assert_within_bound(data, q, query_lens, f32)
+    bf16 = run_kernel(data, q, query_lens, out=np.full(q.shape, 0xFFFF, np.uint16))
+    rounded = ((f32.view(np.uint32) + 0x7FFF + ((f32.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16)
+    assert np.array_equal(bf16, rounded)
