@@ -14,9 +14,10 @@ Qwen3-8B heads (32 query heads, 8 KV heads, head_dim 128), block size 16, batch 
    (``enable_gqa=True``) with CUDA events, both rotating among copies of the K/V past the L2.
 
 Then it sweeps the decode kernel's ``tokens_in_flight`` (same results, different load depth) and
-times causal prefill (``fp8lab.numba_kernels.prefill.paged_prefill``: decode of every query token) of one
-prompt of 512 and 2048 tokens against SDPA ``is_causal=True``, validated against
-``fp8lab.reference.attention.prefill`` first.
+times causal prefill (``fp8lab.numba_kernels.prefill.paged_prefill``: decode of every query token; and
+``fp8lab.numba_kernels.prefill_mma.paged_prefill_mma``, the flash prefill on tensor cores over the FP8 cache) of
+one prompt of 512 and 2048 tokens against SDPA ``is_causal=True``, validated against
+``fp8lab.reference.attention.prefill`` first (``--prefill-only``: that table alone).
 
 Writes ``attention_results.md`` and ``attention.png`` into the output folder.
 """
@@ -86,9 +87,16 @@ def reference_first_sequence(q, caches, tables, context):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
+    parser.add_argument("--prefill-only", action="store_true", help="only the causal prefill table")
     args = parser.parse_args(argv)
     import torch
     from numba import cuda
+
+    if args.prefill_only:
+        table = "\n".join(prefill_table(torch, cuda)) + "\n"
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "attention_prefill_results.md").write_text(table)
+        return 0
 
     from fp8lab.numba_kernels.splitkv import choose_num_splits, decode_workspace, device_num_sms, paged_decode
     from timing import graph_time_us, torch_time_us
@@ -203,13 +211,16 @@ def prefill_table(torch, cuda):
     """Causal prefill of one prompt, FP8 and BF16 caches, against SDPA BF16 ``is_causal=True`` (contiguous)."""
     from fp8lab.numba_kernels.kv_cache import paged_cache_write
     from fp8lab.numba_kernels.prefill import paged_prefill, prefill_rows_workspace
+    from fp8lab.numba_kernels.prefill_mma import paged_prefill_mma
     from fp8lab.numba_kernels.splitkv import decode_workspace
     from fp8lab.reference import attention, kv_cache
     from timing import graph_time_us, torch_time_us
 
-    lines = ["", "Causal prefill of one prompt (ours: decode of every query token over its prefix; one graph "
-             "replay = expansion + split kernel (+ combine)):", "",
-             "| prompt | FP8 us | BF16 us | SDPA BF16 causal us | FP8 / SDPA | rel. err FP8 / BF16 |", "|---|---|---|---|---|---|"]
+    lines = ["", "Causal prefill of one prompt (ours: decode of every query token over its prefix, one graph "
+             "replay = expansion + split kernel (+ combine); and the flash prefill on tensor cores, `prefill_mma`, "
+             "FP8 cache only):", "",
+             "| prompt | FP8 us | FP8 tensor cores us | BF16 us | SDPA BF16 causal us | FP8 / SDPA | FP8 tensor cores / SDPA "
+             "| rel. err FP8 / tensor cores / BF16 |", "|---|---|---|---|---|---|---|---|"]
     scale = HEAD_DIM**-0.5
     for length in PREFILL_LENGTHS:
         rng = np.random.default_rng(length)
@@ -244,6 +255,16 @@ def prefill_table(torch, cuda):
             got = out.copy_to_host()
             assert np.all(np.isfinite(got)), name
             errors[name] = float(np.linalg.norm(got[-checked:] - ref) / np.linalg.norm(ref))
+            if name == "fp8":  # the flash prefill on tensor cores, same cache
+                out.copy_to_device(np.full(q.shape, np.nan, np.float32))
+                paged_prefill_mma(q_dev, c[0], c[1], table_dev, lens_dev, lens_dev, scale, out, c[2], c[3],
+                                  max_context_len=length)
+                got = out.copy_to_host()
+                assert np.all(np.isfinite(got)), "tensor cores"
+                errors["mma"] = float(np.linalg.norm(got[-checked:] - ref) / np.linalg.norm(ref))
+                times["mma"] = graph_time_us(lambda i, stream, c=c: paged_prefill_mma(
+                    q_dev, c[0], c[1], table_dev, lens_dev, lens_dev, scale, out, c[2], c[3], max_context_len=length,
+                    stream=stream), reps=5, replays=7)
 
             def launch(i, stream, c=c):
                 paged_prefill(q_dev, c[0], c[1], table_dev, lens_dev, lens_dev, scale, out, c[2], c[3],
@@ -255,8 +276,9 @@ def prefill_table(torch, cuda):
         v_t = torch.from_numpy(v).to("cuda", torch.bfloat16).transpose(0, 1)[None]
         sdpa = torch_time_us(lambda i: torch.nn.functional.scaled_dot_product_attention(
             q_t, k_t, v_t, is_causal=True, enable_gqa=True), iters=20)
-        lines.append(f"| {length} | {times['fp8']:.1f} | {times['bf16']:.1f} | {sdpa:.1f} | {times['fp8'] / sdpa:.1f} "
-                     f"| {errors['fp8']:.1e} / {errors['bf16']:.1e} |")
+        lines.append(f"| {length} | {times['fp8']:.1f} | {times['mma']:.1f} | {times['bf16']:.1f} | {sdpa:.1f} "
+                     f"| {times['fp8'] / sdpa:.1f} | {times['mma'] / sdpa:.2f} "
+                     f"| {errors['fp8']:.1e} / {errors['mma']:.1e} / {errors['bf16']:.1e} |")
         print(lines[-1], flush=True)
     return lines
 

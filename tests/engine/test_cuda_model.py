@@ -57,7 +57,7 @@ from fp8lab.engine.generate import Generator
 from fp8lab.engine.kv_manager import KVCacheExhausted, KVCacheManager
 from fp8lab.engine.loading import get_backend, load_model, resolve_backend
 from fp8lab.engine.model import Qwen3Model, make_batch
-from fp8lab.numba_kernels import splitkv, splitkv_mma
+from fp8lab.numba_kernels import prefill_mma, splitkv, splitkv_mma
 from fp8lab.numba_kernels.bits import SIMULATOR
 from fp8lab.reference import blockwise
 
@@ -151,9 +151,20 @@ def test_decode_attention_over_an_fp8_cache_of_whole_tiles_runs_on_tensor_cores(
     output and cache writes are bit for bit ``fp8lab.simulators.splitkv_mma.decode_with_input`` on the very arrays
     the engine passed it (the step's q/k/v GEMM output, tables and the cache as it was before); the greedy tokens are
     the reference's and the logits within this micro model's FP8-cache error of it; a BF16 cache keeps the SIMT
-    kernel and its separate attention input."""
+    kernel and its separate attention input. The prompts' prefill runs the tensor-core flash prefill, bit for bit
+    ``fp8lab.simulators.prefill_mma`` on the arrays the engine passed it."""
+    from fp8lab.simulators import prefill_mma as prefill_model
     from fp8lab.simulators import splitkv_mma as model
 
+    prefill_calls = []
+    real_prefill = prefill_mma.paged_prefill_mma
+
+    def recorded_prefill(*args, **kwargs):
+        out = real_prefill(*args, **kwargs)
+        prefill_calls.append(([np.array(x, copy=True) for x in args[:6] + args[8:10]], args[6], np.array(out, copy=True)))
+        return out
+
+    monkeypatch.setattr(prefill_mma, "paged_prefill_mma", recorded_prefill)
     calls = []
     real = splitkv_mma.decode_mma_with_input
     cache_arguments = (8, 9, 14, 15)  # k_cache, v_cache, k_scale, v_scale
@@ -175,6 +186,10 @@ def test_decode_attention_over_an_fp8_cache_of_whole_tiles_runs_on_tensor_cores(
     assert splitkv_mma.decode_mma_with_input not in [launch.kernel for launch in bf16_plan.launches]
     got_tokens, got, _ = run_greedy(model_, PROMPTS[:2], 1, "fp8", num_blocks=4, block_size=16)
     assert len(calls) == config.num_hidden_layers and got_tokens == want_tokens  # one decode step, every layer
+    assert len(prefill_calls) == config.num_hidden_layers  # one prefill forward, every layer
+    (q_, k_cache, v_cache, tables_, context_lens, query_lens, k_scale, v_scale), scale_, out_ = prefill_calls[0]
+    assert np.array_equal(out_, prefill_model.paged_prefill(q_, k_cache, v_cache, tables_, context_lens, query_lens,
+                                                            scale_, k_scale, v_scale))
     args, (q, k, v), kwargs, before, after, out = calls[0]
     q_norm, k_norm, eps, positions, cos_sin, tables, lens, scale = args[3:8] + args[10:13]
     expected = model.decode_with_input(q, k, v, q_norm, k_norm, eps, np.asarray(positions), np.asarray(cos_sin),

@@ -13,8 +13,10 @@ launch; it reads q, k and v as column slices of that output and writes q, contig
 attention (decode: over an FP8 cache of head size 128 and blocks of whole 16-token tiles,
 ``splitkv_mma.decode_mma_with_input`` on tensor cores (``Planner.decode_attention_on_tensor_cores``), whose split
 kernel also does the attention input, so that launch goes; else ``paged_decode``: the split kernel and, with more
-than one split, the combine kernel; prefill: ``paged_prefill``, the row expansion, the split kernel and maybe the
-combine), o_proj,
+than one split, the combine kernel; prefill: over an FP8 cache of head size 128, blocks of whole tiles and a GQA
+group that divides 16, ``prefill_mma.paged_prefill_mma``, one flash-attention launch on tensor cores
+(``Planner.prefill_attention_on_tensor_cores``); else ``paged_prefill``, the row expansion, the split kernel and
+maybe the combine), o_proj,
 ``add_parts_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch, on
 ``gemv_mma``'s one ``gemv_mma_swiglu``; beyond, the GEMM then ``silu_mul``), down_proj. An FP8 GEMM of more than
 ``f32_max_rows`` rows reads BF16 activations, which the kernel before it (the norm, attention, SwiGLU) writes
@@ -65,7 +67,7 @@ from typing import Callable
 
 import numpy as np
 
-from fp8lab.numba_kernels import layers, splitkv, splitkv_mma
+from fp8lab.numba_kernels import layers, prefill_mma, splitkv, splitkv_mma
 from fp8lab.numba_kernels.attention_input import qk_norm_rope_cache_write
 from fp8lab.numba_kernels.fp8_gemm import choose_path, fp8_gemm
 from fp8lab.numba_kernels.gemv_mma import gemv_mma_bf16, gemv_mma_swiglu
@@ -76,6 +78,7 @@ from fp8lab.numba_kernels.gemv_simt import (
 )
 from fp8lab.numba_kernels.layers import bf16_linear
 from fp8lab.numba_kernels.prefill import PrefillRows, paged_prefill
+from fp8lab.simulators import prefill_mma as tensor_core_prefill
 from fp8lab.simulators import splitkv_mma as tensor_core_attention
 from fp8lab.simulators.gemv_mma import K_CHUNK, MAX_ROWS, ROWS_PER_WARP
 from fp8lab.simulators.gemv_simt import K_SPLITS, choose_k_splits
@@ -275,6 +278,14 @@ class Planner:
         return tensor_core_attention.supports(c.head_dim, c.num_attention_heads // c.num_key_value_heads,
                                               cache.block_size, cache.kv_format.name == "fp8", False)
 
+    def prefill_attention_on_tensor_cores(self, cache: DeviceKVCache) -> bool:
+        """Whether a prefill's attention runs as one flash-attention launch on tensor cores (``prefill_mma``): an FP8
+        cache of a shape that kernel takes (``fp8lab.simulators.prefill_mma.supports``), with the tensor-core decode's
+        roundings (F16 queries and weights); else every query is a decode row of the float32 SIMT kernel."""
+        c = self.config
+        return tensor_core_prefill.supports(c.head_dim, c.num_attention_heads // c.num_key_value_heads,
+                                            cache.block_size, cache.kv_format.name == "fp8", False)
+
     def prefill(self, num_tokens: int, num_seqs: int, width: int, max_context: int, cache: DeviceKVCache) -> Plan:
         """Any forward that is not a decode step, over ``num_tokens`` tokens of ``num_seqs`` sequences whose
         block tables (``width`` columns) are in the cache's eager index; leaves the final norm of every
@@ -284,11 +295,18 @@ class Planner:
         tables = index.block_tables[: s * width].reshape(s, width)
         context_lens, query_lens = index.context_lens[:s], index.query_lens[:s]
         rows = PrefillRows(cache.prefill_row_tables[: t * width].reshape(t, width), cache.prefill_row_lens[:t])
-        workspace = self.workspace(t, self.num_splits(t, max_context, cache.block_size))
+        tensor_cores = self.prefill_attention_on_tensor_cores(cache)
+        workspace = None if tensor_cores else self.workspace(t, self.num_splits(t, max_context, cache.block_size))
 
         positions, slots, q = index.positions[:t], index.slots[:t], self.activations.q[:t]
 
         def attend(layer, layer_cache, qkv, out):
+            if tensor_cores:
+                return [self.attention_input(layer, layer_cache, qkv, q, positions, slots),
+                        Launch(prefill_mma.paged_prefill_mma, (q, layer_cache.k, layer_cache.v, tables, context_lens,
+                                                               query_lens, self.softmax_scale, out, layer_cache.k_scale,
+                                                               layer_cache.v_scale),
+                               dict(max_context_len=max_context, kv_format=layer_cache.kv_format), label="attention")]
             return [self.attention_input(layer, layer_cache, qkv, q, positions, slots),
                     Launch(paged_prefill, (q, layer_cache.k, layer_cache.v, tables, context_lens, query_lens,
                                            self.softmax_scale, out, layer_cache.k_scale, layer_cache.v_scale),
