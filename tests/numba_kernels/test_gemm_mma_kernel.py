@@ -9,7 +9,8 @@
 - On a GPU (``gpu``): real sizes against ``fp8lab.reference.blockwise.gemm`` by relative error, with the
   bound built from the GPU error budget in ``fp8lab.simulators.gemm_mma``'s docstring, on fresh random
   inputs each run; integer-valued inputs with power-of-two scales bit for bit the simulator; both
-  over several tilings, including stage counts past the 48 KiB shared-memory default.
+  over several tilings, including stage counts past the 48 KiB shared-memory default, and the large-M tilings
+  (``warps_m``, 4 m16 / 4 n8 tiles per warp) at M = 300.
 """
 
 from __future__ import annotations
@@ -503,6 +504,21 @@ TILING_SHAPES = [(16, 4096, 12288, 1, "bf16", "f32", (128, 128)), (33, 12290, 20
 )
 def test_gpu_tilings_against_the_oracle(m, n, k, m_blocks, fmt, output, block, knobs):
     check_gpu_against_the_oracle(m, n, k, m_blocks, fmt, output, block, **knobs)
+
+
+LARGE_M_TILINGS = [
+    # (m_blocks, warps_n, n8_tiles_per_warp, stages, warps_m): CTAs of 128 x 128 (8 warps of 64 x 32, 16 of 32 x 32)
+    # and 128 x 64, past the 48 KiB shared-memory default; M and N tails inside the tiles
+    (4, 4, 4, 3, 2), (2, 4, 4, 3, 4), (4, 2, 4, 4, 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", LARGE_M_TILINGS, ids=str)
+def test_gpu_large_m_tilings_against_the_oracle(tiling):
+    m_blocks, warps_n, n8_tiles, stages, warps_m = tiling
+    check_gpu_against_the_oracle(300, 1000, 1024, m_blocks, "bf16", "bf16", (128, 128), warps_n=warps_n,
+                                 n8_tiles_per_warp=n8_tiles, stages=stages, warps_m=warps_m)
 
 
 def check_gpu_against_the_oracle(m, n, k, m_blocks, fmt, output, block, **knobs):

@@ -74,6 +74,7 @@ def variants():
     shapes = [(mb, w, t) for mb in (1, 2) for w in G.WARPS_N_CHOICES for t in (1, 2)]
     tilings = [G.Tiling(*shape, (2, 3, 4)[i % 3]) for i, shape in enumerate(shapes)]
     tilings += [G.Tiling(1, 4, 1, 8), G.Tiling(2, 4, 2, 8)]
+    tilings += [G.Tiling(4, 4, 4, 3, 2), G.Tiling(2, 4, 4, 3, 4), G.Tiling(4, 2, 4, 4, 2)]  # 128-row CTAs
     formats = [(a, o) for a in ("bf16", "f16") for o in ("f32", "f16", "bf16")]
     cases = [(t, "bf16", "f32") for t in tilings] + [(G.Tiling(1, 4, 1, 4), a, o) for a, o in formats[1:]]
     return [Variant(f"{tuple(t)} {a} -> {o}", G.kernel_function(t, a, o), G.kernel_signature(o), lto=True,
@@ -242,7 +243,8 @@ def test_mma_helper_calls_compile_to_sm90_ptx(compiled):
 
 
 def test_gemm_mma_kernels_compile_to_sm90_ptx(compiled):
-    """Variants of fp8lab.numba_kernels.gemm_mma (every CTA shape, stages 2 to 8, every format pair):
+    """Variants of fp8lab.numba_kernels.gemm_mma (every small-M CTA shape, stages 2 to 8, every format pair, three
+    large-M CTAs of 128 rows):
     typed and compiled for sm_90; after link-time optimization (as on a GPU) the mma helper inlined,
     cp.async copies of the right widths, no local memory, no float64, no spills (registers
     printed). Without cuda.core only the compile to LTO-IR is checked."""
