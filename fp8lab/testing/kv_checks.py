@@ -234,7 +234,8 @@ def check_paged_decode(fn, fp8: bool = True, alibi: bool = False, layout: str = 
 # ---------------------------------------------------------------------------- causal prefill
 
 
-def check_prefill(fn, fp8: bool = True, alibi: bool = False, head_dims=HEAD_DIMS, max_examples: int = 30) -> None:
+def check_prefill(fn, fp8: bool = True, alibi: bool = False, head_dims=HEAD_DIMS, max_examples: int = 30,
+                  operands: str = "f32") -> None:
     """``fn(q, k, v, softmax_scale, k_scale, v_scale)`` (with ``alibi``, also ``alibi_slopes=`` float32
     ``[num_heads]`` as a keyword) must return causal attention ``[T, num_heads, head_dim]`` of ``T`` new tokens,
     ``q[T, num_heads, head_dim]``, over ``S >= T`` keys ``k, v[S, num_kv_heads, head_dim]`` whose first ``S - T``
@@ -247,7 +248,10 @@ def check_prefill(fn, fp8: bool = True, alibi: bool = False, head_dims=HEAD_DIMS
     K and V are finite: every key is read by the last query, so prefill has no never-read slot to poison,
     and a kernel that reads a key after a query's position is caught by value (that key changes the row by
     far more than the tolerance). A NaN key would test a kernel's NaN hygiene instead (a tiled kernel's
-    masked ``0 * NaN`` in ``P @ V``), which no real prompt asks of it. ``head_dims``: the head sizes drawn."""
+    masked ``0 * NaN`` in ``P @ V``), which no real prompt asks of it. ``head_dims``: the head sizes drawn.
+    ``operands``: as ``check_paged_decode``'s (``"f16"`` or ``"bf16"`` for a tensor-core kernel)."""
+    if operands not in OPERANDS:
+        raise ValueError(f"operands: expected one of {', '.join(OPERANDS)}, got {operands!r}")
     head_dims = _positive_sizes("head_dims", head_dims, "head sizes", "(64, 128)")
     candidates = bugs.PREFILL_BUGS + (bugs.ALIBI_PREFILL_BUGS if alibi else [])
 
@@ -274,7 +278,7 @@ def check_prefill(fn, fp8: bool = True, alibi: bool = False, head_dims=HEAD_DIMS
                  **{name: a.copy() for name, a in slopes.items()})
         actual = as_output("out", got, expected.shape, "prefill").astype(np.float64)
         tol = attention_tolerance(q, k_dense, v_dense, softmax_scale, prefix + np.arange(t),
-                                  slopes.get("alibi_slopes"))[..., None]
+                                  slopes.get("alibi_slopes"), operands)[..., None]
         ok = np.abs(actual - expected) <= tol  # NaN is never within it
         if not ok.all():
             inputs = {"shape": f"T = {t} new tokens over S = {s} keys (a prefix of {prefix}), {heads} query heads "
@@ -283,8 +287,8 @@ def check_prefill(fn, fp8: bool = True, alibi: bool = False, head_dims=HEAD_DIMS
             if fp8:
                 inputs.update(k_scale=k_scale, v_scale=v_scale)
             diagnoses = _diagnose(candidates, args, slopes, actual, tol)
-            raise KernelCheckFailed(report_of("prefill", inputs, "out", ok, expected, actual, ATTENTION_TOLERANCE,
-                                              diagnoses))
+            raise KernelCheckFailed(report_of("prefill", inputs, "out", ok, expected, actual,
+                                              tolerance_text(operands), diagnoses))
 
     run()
 

@@ -199,3 +199,28 @@ def assert_within_prefill_mma_bound(data, q, query_lens, out):
             err = np.abs(out[row].astype(np.float64) - ref[row])
             assert (err <= bound).all(), f"sequence {seq}, query {i}: error / bound up to {np.max(err / bound):.3g}"
             row += 1
+
+
+def paged_prefill_arguments(q, k, v, softmax_scale, k_scale, v_scale, block_size: int = 16):
+    """``fp8lab.testing.check_prefill``'s dense K and V (one sequence) written into a paged cache whose blocks come in
+    reverse order, the slots past the sequence NaN-poisoned: ``(q, k_cache, v_cache, block_tables, context_lens,
+    query_lens, softmax_scale, k_scale, v_scale)`` as ``prefill.paged_prefill`` takes them (``out`` goes between
+    ``softmax_scale`` and the scales) and ``fp8lab.simulators.prefill_mma.paged_prefill``."""
+    s, kv_heads, head_dim = k.shape
+    num_blocks = -(-s // block_size)
+    table = np.arange(num_blocks, dtype=np.int32)[::-1].copy()
+    slots = table[np.arange(s) // block_size] * block_size + np.arange(s) % block_size
+    caches = []
+    for x, scale in ((k, k_scale), (v, v_scale)):
+        cache = np.full((num_blocks * block_size, kv_heads, head_dim), 0x7F if scale is not None else np.nan, x.dtype)
+        cache[slots] = x
+        cache = np.ascontiguousarray(cache.reshape(num_blocks, block_size, kv_heads, head_dim).transpose(0, 2, 1, 3))
+        scales = None
+        if scale is not None:
+            flat = np.full((num_blocks * block_size, kv_heads), np.nan, np.float32)
+            flat[slots] = scale
+            scales = np.ascontiguousarray(flat.reshape(num_blocks, block_size, kv_heads).transpose(0, 2, 1))
+        caches.append((cache, scales))
+    (k_cache, k_scales), (v_cache, v_scales) = caches
+    return (q, k_cache, v_cache, table[None], np.array([s], np.int32), np.array([q.shape[0]], np.int32), softmax_scale,
+            k_scales, v_scales)

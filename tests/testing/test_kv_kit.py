@@ -151,8 +151,25 @@ def test_the_tensor_core_decode_simulator_passes_with_f16_operands_and_fails_wit
         testing.check_paged_decode(tensor_cores, head_dims=(128,), block_sizes=(16, 32), max_examples=10)
 
 
+def test_the_tensor_core_prefill_simulator_passes_with_f16_operands_and_fails_with_float32_ones():
+    """The bit-exact model of fp8lab's tensor-core flash prefill (F16 query and weights, head_dim 128, blocks of 16)
+    passes the prefill check that states its operands' format, and fails the float32 one."""
+    from helpers.attention import paged_prefill_arguments
+
+    from fp8lab.simulators import prefill_mma
+
+    def tensor_cores(q, k, v, softmax_scale, k_scale, v_scale):
+        return prefill_mma.paged_prefill(*paged_prefill_arguments(q, k, v, softmax_scale, k_scale, v_scale))
+
+    testing.check_prefill(tensor_cores, head_dims=(128,), operands="f16", max_examples=10)
+    with pytest.raises(testing.KernelCheckFailed, match="prefill"):
+        testing.check_prefill(tensor_cores, head_dims=(128,), max_examples=10)
+
+
 def test_an_operand_format_the_kit_does_not_know_is_refused():
     with pytest.raises(ValueError, match="operands: expected one of f32, f16, bf16"):
         testing.check_paged_decode(lambda *a: my_decode(*a), operands="fp8")
+    with pytest.raises(ValueError, match="operands: expected one of f32, f16, bf16"):
+        testing.check_prefill(lambda *a: my_prefill(*a), operands="fp8")
     with pytest.raises(ValueError, match="block_sizes"):
         testing.check_paged_decode(lambda *a: my_decode(*a), block_sizes=(0,))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.attention import paged_prefill_arguments
 
 from fp8lab import testing
 
@@ -77,29 +78,12 @@ def test_the_tensor_core_decode_kernel_passes_with_f16_operands():
     testing.check_paged_decode(decode, head_dims=(128,), block_sizes=(16, 32), operands="f16")
 
 
-def prefill_over_a_paged_cache(q, k, v, softmax_scale, k_scale, v_scale, block_size: int = 16):
-    """``check_prefill``'s dense K and V written into a paged cache whose blocks come in reverse order (the
-    slots past the sequence NaN-poisoned), then ``fp8lab.numba_kernels.prefill.paged_prefill`` on one sequence."""
+def prefill_over_a_paged_cache(q, k, v, softmax_scale, k_scale, v_scale):
+    """``fp8lab.numba_kernels.prefill.paged_prefill`` on ``check_prefill``'s arguments (``paged_prefill_arguments``)."""
     from fp8lab.numba_kernels.prefill import paged_prefill
 
-    s, kv_heads, head_dim = k.shape
-    num_blocks = -(-s // block_size)
-    table = np.arange(num_blocks, dtype=np.int32)[::-1].copy()
-    slots = table[np.arange(s) // block_size] * block_size + np.arange(s) % block_size
-    caches = []
-    for x, scale in ((k, k_scale), (v, v_scale)):
-        cache = np.full((num_blocks * block_size, kv_heads, head_dim), 0x7F if scale is not None else np.nan, x.dtype)
-        cache[slots] = x
-        cache = np.ascontiguousarray(cache.reshape(num_blocks, block_size, kv_heads, head_dim).transpose(0, 2, 1, 3))
-        scales = None
-        if scale is not None:
-            flat = np.full((num_blocks * block_size, kv_heads), np.nan, np.float32)
-            flat[slots] = scale
-            scales = np.ascontiguousarray(flat.reshape(num_blocks, block_size, kv_heads).transpose(0, 2, 1))
-        caches.append((cache, scales))
-    (k_cache, k_scales), (v_cache, v_scales) = caches
-    lens = np.array([s], np.int32), np.array([q.shape[0]], np.int32)
-    return paged_prefill(q, k_cache, v_cache, table[None], *lens, softmax_scale, poisoned(q.shape), k_scales, v_scales)
+    args = paged_prefill_arguments(q, k, v, softmax_scale, k_scale, v_scale)
+    return paged_prefill(*args[:7], poisoned(q.shape), *args[7:])
 
 
 @pytest.mark.parametrize("fp8", [True, False])
@@ -107,3 +91,14 @@ def test_the_prefill_kernel_passes(fp8):
     from fp8lab.numba_kernels.splitkv import HEAD_DIMS
 
     testing.check_prefill(prefill_over_a_paged_cache, fp8=fp8, head_dims=HEAD_DIMS)
+
+
+def test_the_tensor_core_prefill_kernel_passes_with_f16_operands():
+    """``prefill_mma`` (F16 query and weights): head_dim 128, blocks of 16, GQA groups of 1, 2 and 4."""
+    from fp8lab.numba_kernels.prefill_mma import paged_prefill_mma
+
+    def prefill(q, k, v, softmax_scale, k_scale, v_scale):
+        args = paged_prefill_arguments(q, k, v, softmax_scale, k_scale, v_scale)
+        return paged_prefill_mma(*args[:7], poisoned(q.shape), *args[7:])
+
+    testing.check_prefill(prefill, head_dims=(128,), operands="f16")
