@@ -1,8 +1,9 @@
-"""Where a decode step's time goes: per-kernel times of CUDA-graph replayed decode steps, from CUPTI.
+"""Where a decode step's (or a prefill forward's) time goes: per-kernel times from CUPTI.
 
-    from decode_profile import profile_decode_steps, breakdown_table
+    from decode_profile import profile_decode_steps, profile_prefill, breakdown_table
     profile = profile_decode_steps(model, step, cache, steps=20)   # after the step's graph is captured
     print(breakdown_table(profile))
+    print(breakdown_table(profile_prefill(model, prompt_batch, cache, repeats=3)))
 
 ``profile_decode_steps`` replays the captured decode step ``steps`` times under ``torch.profiler``
 (CUDA activities: CUPTI records every kernel of a graph replay, Numba's included) and attributes each
@@ -17,6 +18,11 @@ programmatic dependent launch (``fp8lab.numba_kernels.pdl``) a kernel starts whi
 runs and its duration includes its wait, so durations overlap, their sum exceeds the span and the
 "gap" is negative (the overlap); the added times stay a partition of the span. Nothing here is
 imported by the engine (torch is a benchmark dependency only).
+
+``profile_prefill`` does the same for a prefill forward (eager launches: a prefill is not captured in a graph,
+so its gaps include the host's launch time), against the labels of the prefill plan and the lm_head of the
+prompts' last rows (``model.planner.prefill``, ``model.planner.lm_head``). ``attribute`` is the attribution
+itself, on ``(name, start_us, duration_us)`` events, with no profiler.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class DecodeProfile:
     span_us: float  # first kernel start to last kernel end
     by_label: dict = field(default_factory=dict)  # label -> {"launches": n, "us": duration, "added_us": t}
     attributed: bool = True  # False: the kernel sequence did not match the plan (labels are kernel names)
+    kind: str = "decode"  # "decode": replayed steps of a bucket; "prefill": eager forwards of `bucket` tokens
 
     @property
     def gap_us(self) -> float:
@@ -45,14 +52,19 @@ class DecodeProfile:
     def as_dict(self) -> dict:
         return {"bucket": self.bucket, "steps": self.steps, "kernels_per_step": self.kernels_per_step,
                 "kernel_us": self.kernel_us, "span_us": self.span_us, "gap_us": self.gap_us,
-                "attributed": self.attributed, "by_label": self.by_label}
+                "attributed": self.attributed, "by_label": self.by_label, "kind": self.kind}
 
 
 def plan_labels(plan) -> list[str]:
-    """One label per kernel the plan launches, in launch order (a launch of ``k`` kernels gives ``k``:
-    the split-kv attention's second kernel is its combine)."""
+    """One label per kernel the plan launches, in launch order (``launch_labels``)."""
+    return launch_labels(plan.launches)
+
+
+def launch_labels(launches) -> list[str]:
+    """One label per kernel the launches make, in launch order (a launch of ``k`` kernels gives ``k``: the split-kv
+    attention's second kernel is its combine)."""
     labels = []
-    for launch in plan.launches:
+    for launch in launches:
         name = launch.label or getattr(launch.kernel, "__name__", "kernel")
         labels.extend([name] if launch.kernels == 1 else [f"{name} [{i + 1}/{launch.kernels}]" for i in range(launch.kernels)])
     return labels
@@ -89,7 +101,33 @@ def profile_decode_steps(model, step_batch, cache, steps: int = 20) -> DecodePro
         for _ in range(steps):
             model.greedy_tokens(step_batch, cache)
         torch.cuda.synchronize()
-    events = _kernel_events(prof)
+    return attribute(_kernel_events(prof), labels, steps, bucket)
+
+
+def profile_prefill(model, batch, cache, repeats: int = 3) -> DecodeProfile:
+    """Run the prefill forward of ``batch`` (a ``ForwardBatch`` of prompts, its K/V written to the same slots each
+    time) once to warm up and ``repeats`` times under the profiler; its kernels attributed to the prefill plan's
+    launches and the lm_head's (see the module docstring)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens, seqs = len(batch.token_ids), batch.num_seqs
+    plan = model.planner.prefill(tokens, seqs, batch.block_tables.shape[1], int(max(batch.context_lens)), cache)
+    labels = plan_labels(plan) + launch_labels([model.planner.lm_head(model.activations.selected[:seqs], seqs)])
+    model.forward(batch, cache)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            model.forward(batch, cache)
+        torch.cuda.synchronize()
+    return attribute(_kernel_events(prof), labels, repeats, tokens, kind="prefill")
+
+
+def attribute(events, labels: list[str], steps: int, bucket: int, kind: str = "decode") -> DecodeProfile:
+    """``events`` (``(name, start_us, duration_us)`` in start order) of ``steps`` runs of the same launches, one
+    ``labels`` entry per kernel of a run: per label the launches, summed CUPTI durations and the time each kernel adds
+    to its run (from the previous kernel's end to its own), averaged over the runs. When the events are not ``steps``
+    times ``len(labels)`` kernels, the labels are the kernels' short names instead (``attributed`` False)."""
     per_step = len(events) // steps if steps else 0
     attributed = per_step == len(labels) and len(events) == per_step * steps
     totals: dict = defaultdict(lambda: {"launches": 0, "us": 0.0, "added_us": 0.0})
@@ -110,7 +148,7 @@ def profile_decode_steps(model, step_batch, cache, steps: int = 20) -> DecodePro
             previous_end = max(previous_end, end)
     by_label = {k: {key: value / steps for key, value in v.items()} for k, v in totals.items()}
     return DecodeProfile(bucket, steps, per_step, statistics.fmean(busy) if busy else 0.0,
-                         statistics.fmean(spans) if spans else 0.0, by_label, attributed)
+                         statistics.fmean(spans) if spans else 0.0, by_label, attributed, kind)
 
 
 def short_kernel_name(name: str) -> str:
@@ -135,6 +173,8 @@ def breakdown_table(profile: DecodeProfile, title: str = "") -> str:
     lines.append(f"Per step: {profile.kernels_per_step} kernels, {profile.kernel_us:,.1f} us of kernel time, span "
                  f"{profile.span_us:,.1f} us (first kernel start to last end), gaps between kernels "
                  f"{profile.gap_us:,.1f} us ({profile.gap_us / max(profile.kernels_per_step - 1, 1):.2f} us per gap); "
-                 f"mean of {profile.steps} replayed steps of bucket {profile.bucket}"
+                 + (f"mean of {profile.steps} replayed steps of bucket {profile.bucket}" if profile.kind == "decode" else
+                    f"mean of {profile.steps} eager prefill forwards of {profile.bucket} tokens (gaps include the host's "
+                    "launches)")
                  + ("" if profile.attributed else "; kernels could not be matched to the plan, labels are kernel names") + ".")
     return "\n".join(lines) + "\n"

@@ -33,7 +33,9 @@ architectures, built in memory, seeded) and each batch size it measures, in one 
    replays of that step under ``torch.profiler`` (CUPTI kernel times), each
    kernel attributed to the labelled launch of the model's plan that made it
    (``bench/decode_profile.py``): microseconds and launches per label, kernels per step, kernel
-   time, and the gaps between kernels, as a table per (shape, batch) in ``engine_results.md``.
+   time, and the gaps between kernels, as a table per (shape, batch) in ``engine_results.md``; and the same
+   for the batch's prefill forward (``PREFILL_PROFILE_REPEATS`` eager forwards of its prompts under the
+   profiler, ``decode_profile.profile_prefill``).
 
 It also reports the model's ``stats`` (launches per decode step, host time per step). Results go
 to ``engine_results.md`` (a Markdown table with the command, date and GPU), ``engine_results.json``
@@ -67,6 +69,8 @@ T0 = time.perf_counter()
 
 DEFAULT_SHAPES = ("qwen3-0.6b", "qwen3-8b")
 DEFAULT_BATCHES = (1, 4, 16)
+PREFILL_PROFILE_REPEATS = 3
+"""Eager prefill forwards profiled per batch for the prefill breakdown (after one unprofiled warm-up)."""
 
 
 def _shape_list(text: str) -> list[str]:
@@ -150,6 +154,7 @@ class Row:
     hf_prefill_tok_s: float | None = None
     hf_decode_tok_s: float | None = None
     decode_profile: dict | None = None
+    prefill_profile: dict | None = None
     errors: list[str] = field(default_factory=list)
 
 
@@ -227,7 +232,8 @@ def random_prompts(vocab: int, batch: int, length: int, seed: int) -> np.ndarray
 def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: int, kv_cache_dtype: str,
              profile_steps: int = 0) -> dict:
     """Prefill ``prompts`` ``[B, P]`` in one forward, then ``warmup + steps`` greedy decode steps; then, with
-    ``profile_steps``, that many more replays of the last step under the profiler (``decode_profile``)."""
+    ``profile_steps``, that many more replays of the last step under the profiler and ``PREFILL_PROFILE_REPEATS``
+    prefill forwards of the prompts (``decode_profile``)."""
     from fp8lab.engine.kv_manager import KVCacheManager, blocks_for
     from fp8lab.engine.model import make_batch
 
@@ -238,8 +244,9 @@ def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: in
     for i in range(batch):
         manager.add_sequence(i)
     cache = model.allocate_kv_cache(batch * per_seq, block_size, kv_cache_dtype)
+    prefill = make_batch(manager, [(i, prompts[i].tolist()) for i in range(batch)])
     start = time.perf_counter()
-    logits = model.forward(make_batch(manager, [(i, prompts[i].tolist()) for i in range(batch)]), cache)
+    logits = model.forward(prefill, cache)
     prefill_s = time.perf_counter() - start
     check_logits(logits, batch, vocab, f"prefill, batch {batch}")
     tokens = np.argmax(logits, axis=-1)
@@ -266,15 +273,18 @@ def run_once(model, prompts: np.ndarray, warmup: int, steps: int, block_size: in
     check_logits(logits, batch, vocab, f"decode, batch {batch}")
     if not np.array_equal(np.asarray(tokens), np.argmax(logits, axis=-1)):
         raise RuntimeError(f"decode, batch {batch}: the greedy tokens are not the argmax of the logits")
-    profile = None
+    profile = prefill_profile = None
     if profile_steps:
-        from decode_profile import profile_decode_steps
+        from decode_profile import profile_decode_steps, profile_prefill
 
         profile = profile_decode_steps(model, step, cache, profile_steps).as_dict()
+        # the prompts' forward again: the same slots, the same K/V written, the same work
+        prefill_profile = profile_prefill(model, prefill, cache, PREFILL_PROFILE_REPEATS).as_dict()
     del cache
     stats = getattr(model, "stats", None)
     stats = stats.as_dict() if hasattr(stats, "as_dict") else dict(stats or {})  # CudaModelStats, or a test's dict
-    return {"prefill_s": prefill_s, "step_s": step_s[warmup:], "stats": stats, "profile": profile}
+    return {"prefill_s": prefill_s, "step_s": step_s[warmup:], "stats": stats, "profile": profile,
+            "prefill_profile": prefill_profile}
 
 
 def bench_ours(checkpoint, prompts: np.ndarray, rows: dict, args):
@@ -327,6 +337,7 @@ def profile_ours(model, prompts: np.ndarray, rows: dict, args) -> None:
             try:
                 r = run_once(model, prompts[:batch], 0, 1, args.block_size, args.kv_cache_dtype, args.profile_steps)
                 row.decode_profile = r["profile"]
+                row.prefill_profile = r["prefill_profile"]
             except Exception as e:  # noqa: BLE001 - keep the other batches' breakdowns
                 traceback.print_exc()
                 row.errors.append(f"ours, profile: {type(e).__name__}: {e}")
@@ -469,6 +480,14 @@ def report(rows: list[Row], meta: dict, breakdowns: dict) -> str:
             p.pop("gap_us", None)
             lines.append("")
             lines.append(breakdown_table(DecodeProfile(**p), f"#### Decode step breakdown, {r.shape}, batch {r.batch}"))
+        if r.prefill_profile:
+            from decode_profile import DecodeProfile, breakdown_table
+
+            p = dict(r.prefill_profile)
+            p.pop("gap_us", None)
+            lines.append("")
+            lines.append(breakdown_table(DecodeProfile(**p), f"#### Prefill forward breakdown, {r.shape}, batch {r.batch} "
+                                                            f"({r.batch} x {r.prompt_len} tokens)"))
     for r in rows:
         if r.model_stats:
             lines.append(f"- {r.shape} batch {r.batch}, model stats: `{json.dumps(r.model_stats)}`")

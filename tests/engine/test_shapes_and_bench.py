@@ -322,3 +322,28 @@ def test_transformers_peer_runs_on_the_cpu(bench_script):
     prompts = bench_script.random_prompts(config.vocab_size, 1, 5, seed=0)
     bench_script.bench_transformers(config, prompts, {1: row}, [1], 2, device="cpu")
     assert not row.errors and row.hf_prefill_tok_s > 0 and row.hf_decode_tok_s > 0
+
+
+def test_kernel_attribution_of_profiled_runs():
+    """``bench/decode_profile.attribute`` on hand-made CUPTI events: two runs of three kernels, each attributed to
+    its plan label (the time it adds from the previous kernel's end, its duration), averaged per run; the span and
+    gaps; events that do not match the labels fall back to the kernels' names; a prefill table says so."""
+    profile_module = load_script(ROOT / "bench" / "decode_profile.py", "fp8lab_bench_decode_profile")
+    try:
+        kernel = "cudapy::fp8lab::numba_kernels::layers::rms_norm_kernel[abi:v1](Array<float>)"
+        run = [(kernel, 0.0, 2.0), ("gemm", 3.0, 10.0), ("attention", 12.0, 4.0)]  # attention overlaps gemm by 1
+        events = run + [(name, start + 100.0, duration) for name, start, duration in run]
+        labels = ["input norm", "q/k/v gemm", "attention"]
+        p = profile_module.attribute(events, labels, 2, 5, kind="prefill")
+        assert p.attributed and p.kernels_per_step == 3 and p.kind == "prefill"
+        assert p.by_label["q/k/v gemm"] == {"launches": 1, "us": 10.0, "added_us": 11.0}  # 1 us gap + 10
+        assert p.by_label["attention"]["added_us"] == 3.0  # ends at 16, the gemm at 13
+        assert (p.span_us, p.kernel_us) == (16.0, 16.0) and p.gap_us == 0.0
+        assert sum(v["added_us"] for v in p.by_label.values()) == p.span_us  # the added times partition the span
+        table = profile_module.breakdown_table(p, "#### Prefill")
+        assert "| q/k/v gemm | 1 | 11.0 | 68.8% | 10.0 |" in table and "eager prefill forwards of 5 tokens" in table
+        unmatched = profile_module.attribute(events, labels[:2], 2, 5)
+        assert not unmatched.attributed and "layers.rms_norm_kernel" in unmatched.by_label
+        assert profile_module.DecodeProfile(**{k: v for k, v in p.as_dict().items() if k != "gap_us"}) == p
+    finally:
+        sys.modules.pop("fp8lab_bench_decode_profile", None)
