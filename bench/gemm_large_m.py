@@ -45,6 +45,8 @@ SWEEP = [
     (4, 2, 4, 4, 2),  # 128 x 64, 4 warps of 64 x 32
     (2, 2, 4, 4, 2),  # 64 x 64, 4 warps of 32 x 32
     (2, 4, 2, 3, 2),  # 64 x 64, 8 warps of 32 x 16
+    (4, 8, 4, 3, 1),  # 64 x 256, 8 warps of 64 x 32 side by side (each weight code placed by one warp only)
+    (4, 8, 2, 3, 1),  # 64 x 128, 8 warps of 64 x 16
 ]
 
 

@@ -20,7 +20,7 @@ changing a bit is how tiles are grouped into warps and CTAs and how many chunks 
 those are the tuning knobs (``Tiling``; ``choose_tiling`` picks defaults).
 
 - **Tiles**: a warp owns ``m_blocks`` (1, 2 or 4) m16 tiles times ``n8_tiles_per_warp`` (1, 2 or
-  4) n8 tiles; a CTA has ``warps_m x warps_n`` warps (each 1, 2 or 4), ``warps_n`` side by side in
+  4) n8 tiles; a CTA has ``warps_m x warps_n`` warps (``warps_m`` 1, 2 or 4, ``warps_n`` 1, 2, 4 or 8), ``warps_n`` side by side in
   N, ``warps_m`` stacked in M (warp ``w`` sits at ``(w // warps_n, w % warps_n)``). So a CTA owns
   ``out[M_TILE rows, CTA_N columns]``, ``M_TILE = 16 m_blocks warps_m``, ``CTA_N = 8 warps_n
   n8_tiles_per_warp``; grid ``(ceil(N / CTA_N), ceil(M / M_TILE))``, block ``32 warps_m warps_n``.
@@ -116,7 +116,7 @@ from .warp import WARP_SIZE
 MMA_M, MMA_N, MMA_K = 16, 8, 16
 M_BLOCKS_CHOICES = (1, 2, 4)
 """m16 tiles per warp: 16, 32 or 64 rows."""
-WARPS_N_CHOICES = (1, 2, 4)
+WARPS_N_CHOICES = (1, 2, 4, 8)
 """Warps side by side in N."""
 WARPS_M_CHOICES = (1, 2, 4)
 """Warps stacked in M."""
@@ -181,7 +181,7 @@ class Tiling(NamedTuple):
     m_blocks: int
     """m16 tiles per warp: 1, 2 or 4."""
     warps_n: int
-    """Warps side by side in N: 1, 2 or 4."""
+    """Warps side by side in N: 1, 2, 4 or 8."""
     n8_tiles_per_warp: int
     """n8 tiles per warp: 1, 2 or 4."""
     stages: int
@@ -594,7 +594,7 @@ def gemm_mma(a, q, scale_inv, out, block=(128, 128), m_blocks=None, stream=0, *,
     or ``__cuda_array_interface__`` arrays (device data 16-byte aligned). ``block = (BN, BK)``:
     ``BN`` a multiple of 8, ``BK`` a multiple of 128; ``K`` a multiple of 128. Tiling knobs
     (``Tiling``; ``None`` takes ``choose_tiling``'s default), none of which changes a bit of the
-    result: ``m_blocks`` (1, 2, 4), ``warps_n`` (1, 2, 4), ``n8_tiles_per_warp`` (1, 2, 4), ``warps_m`` (1, 2, 4),
+    result: ``m_blocks`` (1, 2, 4), ``warps_n`` (1, 2, 4, 8), ``n8_tiles_per_warp`` (1, 2, 4), ``warps_m`` (1, 2, 4),
     ``stages`` (2 to 8). ``stream``: where to enqueue the launch (a Numba stream, or a ``cuda.core``
     GraphBuilder to capture it into a CUDA graph; 0 is the default stream). Every problem is a
     ``ValueError`` raised before anything is launched.

@@ -217,7 +217,7 @@ def test_padded_rows_make_fragment_loads_conflict_free():
 
 def test_choose_m_blocks_and_launch_limits():
     assert [kernel.choose_m_blocks(m) for m in (1, 16, 17, 4096)] == [1, 1, 2, 2]
-    for knob, value in [("m_blocks", 3), ("warps_n", 3), ("warps_n", 8), ("n8_tiles_per_warp", 8),
+    for knob, value in [("m_blocks", 3), ("warps_n", 3), ("warps_n", 16), ("n8_tiles_per_warp", 8),
                         ("stages", 1), ("stages", 9), ("warps_m", 3)]:
         with pytest.raises(ValueError, match=knob):
             kernel.launch_info(4, 8, 128, **{knob: value})
@@ -266,7 +266,7 @@ TILING_CASES = [
     # every (warps_n, stages) pair and every (warps_n, n8_tiles_per_warp) pair of the small-M
     # knobs (n8 tiles 1 and 2), both their m_blocks; then each large-M value once: 4 n8 tiles
     # per warp, 4 m16 tiles per warp, warps stacked in M (2 and 4; M tails inside the lower
-    # warps). K = 128 (stages + 1), so the ring wraps around and the last iterations commit
+    # warps), 8 warps side by side in N. K = 128 (stages + 1), so the ring wraps around and the last iterations commit
     # empty groups; M tails (rows zero-filled), N tails (a partial n8 tile; tiles wholly past N,
     # whose scale copy is a zero fill, in a second CTA); scale blocks of one and two chunks.
     # Sizes kept small: the simulator runs ~0.4 s per n8 tile, chunk and m16 tile.
@@ -283,6 +283,7 @@ TILING_CASES = [
     ((1, 1, 2, 4), 50, 7, "f16", "bf16", (8, 128)),
     ((2, 1, 2, 1, 2), 20, 13, "bf16", "f32", (8, 128)),
     ((1, 2, 2, 1, 4), 60, 13, "bf16", "f16", (8, 256)),
+    ((8, 1, 2, 1), 3, 70, "f16", "f32", (8, 128)),
 ]
 
 
@@ -303,9 +304,10 @@ def test_bit_for_bit_the_simulator_for_every_tiling(knobs, m, n, fmt, output, bl
 
 def test_tiling_cases_cover_every_pair():
     knobs = [(*case[0], 1)[:5] for case in TILING_CASES]
-    small_m = [k for k in knobs if k[1] <= 2 and k[3] <= 2 and k[4] == 1]
-    assert {(w, s) for w, _, s, _, _ in small_m} == set(itertools.product(kernel.WARPS_N_CHOICES, (2, 3, 4)))
-    assert {(w, t) for w, t, _, _, _ in small_m} == set(itertools.product(kernel.WARPS_N_CHOICES, (1, 2)))
+    small_m = [k for k in knobs if k[0] <= 4 and k[1] <= 2 and k[3] <= 2 and k[4] == 1]
+    assert {(w, s) for w, _, s, _, _ in small_m} == set(itertools.product((1, 2, 4), (2, 3, 4)))
+    assert {(w, t) for w, t, _, _, _ in small_m} == set(itertools.product((1, 2, 4), (1, 2)))
+    assert {k[0] for k in knobs} == set(kernel.WARPS_N_CHOICES)
     assert {k[1] for k in knobs} == set(kernel.N8_TILES_PER_WARP_CHOICES)
     assert {k[3] for k in knobs} == set(kernel.M_BLOCKS_CHOICES)
     assert {k[4] for k in knobs} == set(kernel.WARPS_M_CHOICES)
@@ -509,7 +511,7 @@ def test_gpu_tilings_against_the_oracle(m, n, k, m_blocks, fmt, output, block, k
 LARGE_M_TILINGS = [
     # (m_blocks, warps_n, n8_tiles_per_warp, stages, warps_m): CTAs of 128 x 128 (8 warps of 64 x 32, 16 of 32 x 32)
     # and 128 x 64, past the 48 KiB shared-memory default; M and N tails inside the tiles
-    (4, 4, 4, 3, 2), (2, 4, 4, 3, 4), (4, 2, 4, 4, 2),
+    (4, 4, 4, 3, 2), (2, 4, 4, 3, 4), (4, 2, 4, 4, 2), (4, 8, 4, 3, 1),
 ]
 
 
