@@ -33,7 +33,7 @@ from gemm import SHAPES  # noqa: E402
 BATCHES = (512, 1024, 4096)
 CHECKED_ROWS = 64
 SWEEP = [
-    # (m_blocks, warps_n, n8_tiles_per_warp, stages, warps_m): CTA M x N, warps
+    # (m_blocks, warps_n, n8_tiles_per_warp, stages, warps_m[, place_once]): CTA M x N, warps
     (4, 4, 4, 3, 2),  # 128 x 128, 8 warps of 64 x 32
     (4, 4, 4, 2, 2),
     (4, 4, 4, 4, 2),
@@ -47,12 +47,19 @@ SWEEP = [
     (2, 4, 2, 3, 2),  # 64 x 64, 8 warps of 32 x 16
     (4, 8, 4, 3, 1),  # 64 x 256, 8 warps of 64 x 32 side by side (each weight code placed by one warp only)
     (4, 8, 2, 3, 1),  # 64 x 128, 8 warps of 64 x 16
+    # the same with the codes placed once per CTA (place_once): one more barrier per chunk, no code placed twice
+    (4, 4, 4, 3, 2, True),
+    (4, 4, 4, 2, 2, True),
+    (2, 4, 4, 3, 4, True),
+    (4, 4, 2, 3, 2, True),
 ]
 
 
 def knobs_of(tiling) -> dict:
-    m_blocks, warps_n, n8_tiles, stages, warps_m = tiling
-    return dict(m_blocks=m_blocks, warps_n=warps_n, n8_tiles_per_warp=n8_tiles, stages=stages, warps_m=warps_m)
+    """``gemm_mma``'s keyword knobs of a ``Tiling`` tuple (``place_once`` False where it is left out)."""
+    m_blocks, warps_n, n8_tiles, stages, warps_m, place_once = (*tiling, False)[:6]
+    return dict(m_blocks=m_blocks, warps_n=warps_n, n8_tiles_per_warp=n8_tiles, stages=stages, warps_m=warps_m,
+                place_once=bool(place_once))
 
 
 def problem(rng, m, n, k, torch):
@@ -97,7 +104,7 @@ def main(argv=None) -> int:
         "Ours: CUDA-graph replays; cuBLAS BF16 (torch `linear`): CUDA events; medians. "
         f"rel. err: {CHECKED_ROWS} random rows against the float64 oracle.",
         "",
-        "| N x K | M | tiling (m_blocks, warps_n, n8_tiles, stages, warps_m) | us | TFLOP/s | rel. err | "
+        "| N x K | M | tiling (m_blocks, warps_n, n8_tiles, stages, warps_m[, place_once]) | us | TFLOP/s | rel. err | "
         "cuBLAS BF16 us | cuBLAS TFLOP/s | ours / cuBLAS throughput |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

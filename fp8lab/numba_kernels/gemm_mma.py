@@ -40,13 +40,19 @@ those are the tuning knobs (``Tiling``; ``choose_tiling`` picks defaults).
   3. issue the copies of chunk ``c + stages - 1`` into stage ``(c - 1) % stages`` (free: step 2
      says its last readers are done), and commit (an empty group past the last chunk, so that the
      count in step 1 stays right);
-  4. multiply chunk ``c`` from stage ``c % stages``, then promote with its scales.
+  4. with ``place_once``: every thread places a share of the stage's weight codes into the CTA's placed buffer
+     (``place_chunk``), then a second ``syncthreads`` (the buffer's last readers, chunk ``c - 1``'s warps, passed
+     the first one);
+  5. multiply chunk ``c`` from stage ``c % stages`` (the B fragments from the placed buffer with ``place_once``),
+     then promote with its scales.
 
   One barrier per chunk suffices: a stage is written only after the barrier that follows its
   last read, and read only after the wait + barrier that follow its write. ``stages - 1`` chunks
   are in flight while one is multiplied (``stages = 2`` is classic double buffering).
 - **Per chunk** (per warp): ``c_part = 0``; 8 k16 steps: B fragments of each n8 tile (two codes
-  read as one ``uint16``, placed into two BF16/F16 patterns in one register, ``place_code_pair``),
+  read as one ``uint16``, placed into two BF16/F16 patterns in one register, ``place_code_pair``; with
+  ``place_once`` the two patterns read as one word of the placed buffer, placed there once for the CTA where
+  ``warps_m`` warps would each place them),
   then per m16 tile its A fragment (32-bit words of shared memory) and one ``mma`` per n8 tile.
   Then per tile ``c_fin = fma(s, c_part * 2^120, c_fin)`` (BF16; ``2^8`` for F16: the power of two
   bit placement took away, restored exactly on the partial sum) with the tile's block scale
@@ -54,7 +60,8 @@ those are the tuning knobs (``Tiling``; ``choose_tiling`` picks defaults).
   overflow float32 for ``scale_inv >= 2^8`` with BF16; on the partial sum it cannot, as ``|c_part| * 2^120``
   is a sum of products of BF16 activations and E4M3 values.)
 
-Shared memory: ``stages`` stages of ``stage_bytes`` each (``Tiling.stage_bytes``), one dynamic
+Shared memory: ``stages`` stages of ``stage_bytes`` each (``Tiling.stage_bytes``), with ``place_once`` then the
+placed buffer (``CTA_N`` rows of 128 placed 16-bit patterns padded to 272 bytes, A's row layout), one dynamic
 allocation read through aliased views (``uint64`` for the copies, ``uint32`` A words, ``uint16`` B
 code pairs, ``float32`` scales). One stage::
 
@@ -150,6 +157,11 @@ A_COPIES_PER_ROW = 2 * K_CHUNK // COPY_BYTES
 """16 pieces of 16 bytes per activation row and chunk."""
 B_COPIES_PER_ROW = K_CHUNK // COPY_BYTES
 """8 pieces of 16 bytes per weight row and chunk."""
+PLACED_ROW_BYTES = 2 * K_CHUNK + 16
+"""272: a weight row's 128 placed 16-bit patterns + 16 bytes of padding (``place_once``; the A rows' layout, so the
+B fragment loads are as conflict-free as A's)."""
+CODE_WORDS_PER_ROW = K_CHUNK // 4
+"""32 words of 4 codes per weight row and chunk: what ``place_once``'s threads each take one of at a time."""
 A_WORDS64_PER_CHUNK = 2 * K_CHUNK // WORD64
 B_WORDS64_PER_CHUNK = K_CHUNK // WORD64
 
@@ -188,6 +200,10 @@ class Tiling(NamedTuple):
     """Shared-memory stages: chunks resident at once (``stages - 1`` in flight while one is used)."""
     warps_m: int = 1
     """Warps stacked in M: 1, 2 or 4."""
+    place_once: bool = False
+    """Place each chunk's weight codes into BF16/F16 patterns once per CTA, into a shared buffer the warps read
+    their B fragments from (one more barrier per chunk), instead of once per warp that reads them (``warps_m``
+    times per CTA)."""
 
     @property
     def warp_rows(self) -> int:
@@ -225,8 +241,13 @@ class Tiling(NamedTuple):
         return self.a_bytes + self.b_bytes + COPY_BYTES * -(-4 * self.n8_tiles // COPY_BYTES)
 
     @property
+    def placed_bytes(self) -> int:
+        """The placed-weights buffer of ``place_once``: CTA_N rows of ``PLACED_ROW_BYTES`` (0 without it)."""
+        return self.cta_n * PLACED_ROW_BYTES if self.place_once else 0
+
+    @property
     def shared_bytes(self) -> int:
-        return self.stages * self.stage_bytes
+        return self.stages * self.stage_bytes + self.placed_bytes
 
     def check(self) -> Tiling:
         for name, value, choices in (("m_blocks", self.m_blocks, M_BLOCKS_CHOICES),
@@ -236,7 +257,10 @@ class Tiling(NamedTuple):
                                      ("warps_m", self.warps_m, WARPS_M_CHOICES)):
             if value not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
-        for name, pieces in (("a", self.m_tile * A_COPIES_PER_ROW), ("q", self.cta_n * B_COPIES_PER_ROW)):
+        if self.place_once not in (False, True):
+            raise ValueError(f"place_once: expected True or False, got {self.place_once!r}")
+        for name, pieces in (("a", self.m_tile * A_COPIES_PER_ROW), ("q", self.cta_n * B_COPIES_PER_ROW),
+                             ("q (placed)", self.cta_n * CODE_WORDS_PER_ROW if self.place_once else 0)):
             if pieces % self.threads:
                 raise ValueError(f"warps_m, warps_n: {self} splits the {pieces} 16-byte copies of {name}'s chunk "
                                  f"unevenly over {self.threads} threads")
@@ -262,7 +286,8 @@ def grid_size(m: int, n: int, tiling: Tiling) -> tuple[int, int]:
 
 
 def choose_tiling(m: int, n: int, k: int, m_blocks: int | None = None, warps_n: int | None = None,
-                  n8_tiles_per_warp: int | None = None, stages: int | None = None, warps_m: int = 1) -> Tiling:
+                  n8_tiles_per_warp: int | None = None, stages: int | None = None, warps_m: int = 1,
+                  place_once: bool = False) -> Tiling:
     """The given knobs, and defaults for those left ``None``, tuned for a 132-SM H100/H200:
 
     - ``m_blocks``: ``choose_m_blocks(M)``;
@@ -279,7 +304,7 @@ def choose_tiling(m: int, n: int, k: int, m_blocks: int | None = None, warps_n: 
     if not shapes:  # a value outside the choices: let check() name it
         shapes = [(warps_n or 4, n8_tiles_per_warp or 1)]
     for w, t in shapes:
-        tiling = Tiling(m_blocks, w, t, 2 if stages is None else stages, warps_m)
+        tiling = Tiling(m_blocks, w, t, 2 if stages is None else stages, warps_m, place_once)
         x, y = grid_size(m, n, tiling)
         if x * y >= MIN_CTAS:
             break
@@ -290,7 +315,7 @@ def choose_tiling(m: int, n: int, k: int, m_blocks: int | None = None, warps_n: 
         needed = 1 + math.ceil(IN_FLIGHT_WEIGHT_BYTES / weight_bytes)
         chunks = max(1, k // K_CHUNK)
         for s in range(min(needed, STAGES_CHOICES[-1], chunks + 1), 2, -1):
-            bytes_per_cta = s * tiling.stage_bytes
+            bytes_per_cta = s * tiling.stage_bytes + tiling.placed_bytes
             if bytes_per_cta <= MAX_SHARED_PER_CTA and ctas_per_sm * (bytes_per_cta + 1024) <= SHARED_PER_SM:
                 break
         else:
@@ -305,7 +330,7 @@ class LaunchInfo(NamedTuple):
     block: tuple[int]
     """``(32 * warps_m * warps_n,)``."""
     shared_bytes: int
-    """Dynamic shared memory per CTA: ``stages * stage_bytes``."""
+    """Dynamic shared memory per CTA: ``stages * stage_bytes`` (+ ``placed_bytes``)."""
     tiling: Tiling
 
 
@@ -313,12 +338,13 @@ MAX_GRID_Y = 65535
 
 
 def launch_info(m: int, n: int, k: int, m_blocks: int | None = None, *, warps_n: int | None = None,
-                n8_tiles_per_warp: int | None = None, stages: int | None = None, warps_m: int = 1) -> LaunchInfo:
+                n8_tiles_per_warp: int | None = None, stages: int | None = None, warps_m: int = 1,
+                place_once: bool = False) -> LaunchInfo:
     """Grid, block, dynamic shared memory bytes and tiling of the kernel for ``out[m, n]`` with
     reduction ``k``; knobs left ``None`` take ``choose_tiling``'s defaults."""
     if m < 1 or n < 1 or k < K_CHUNK or k % K_CHUNK:
         raise ValueError(f"shape: expected M, N >= 1 and K a positive multiple of {K_CHUNK}, got {(m, n, k)}")
-    tiling = choose_tiling(m, n, k, m_blocks, warps_n, n8_tiles_per_warp, stages, warps_m)
+    tiling = choose_tiling(m, n, k, m_blocks, warps_n, n8_tiles_per_warp, stages, warps_m, place_once)
     grid = grid_size(m, n, tiling)
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"a: M = {m} needs {grid[1]} M tiles, more than the grid's {MAX_GRID_Y}")
@@ -379,7 +405,9 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
         raise ValueError(f"no kernel variant for activation={activation!r}, output={output!r}")
     tiling = Tiling(*tiling).check()
     m_blocks, n8_per_warp, stages, warps_n = tiling.m_blocks, tiling.n8_tiles_per_warp, tiling.stages, tiling.warps_n
-    warp_rows = tiling.warp_rows
+    warp_rows, place_once = tiling.warp_rows, tiling.place_once
+    placed_offset = stages * tiling.stage_bytes  # the placed-weights buffer, after the stages
+    placed_words = tiling.cta_n * CODE_WORDS_PER_ROW // tiling.threads  # code words each thread places per chunk
     threads, m_tile, n8_tiles = tiling.threads, tiling.m_tile, tiling.n8_tiles
     stage_bytes, b_offset, scale_offset = tiling.stage_bytes, tiling.a_bytes, tiling.a_bytes + tiling.b_bytes
     a_copies = m_tile * A_COPIES_PER_ROW // threads  # 16-byte copies per thread and chunk
@@ -432,6 +460,25 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
         return place_code_pair(at(smem16, pair), shift), place_code_pair(at(smem16, pair + 4), shift)
 
     @inlined_device_function
+    def place_chunk(smem32, smem64, stage, thread):
+        """``place_once``: every code of the stage's weight rows into the placed buffer, 4 codes (one word in, two
+        ``place_code_pair`` out as one 8-byte store) at a time; thread ``i`` takes words ``j * THREADS + i`` (a warp:
+        one row's 32 words, conflict-free)."""
+        for j in range(placed_words):
+            piece = uint32(j * threads) + thread
+            row, word = piece // CODE_WORDS_PER_ROW, piece % CODE_WORDS_PER_ROW
+            codes = at(smem32, (stage * stage_bytes + b_offset + row * B_ROW_BYTES) // 4 + word)
+            low = uint64(place_code_pair(codes & uint32(0xFFFF), shift))
+            high = uint64(place_code_pair(codes >> uint32(16), shift))
+            smem64[uint64((placed_offset + row * PLACED_ROW_BYTES) // WORD64 + word)] = low | (high << uint64(32))
+
+    @inlined_device_function
+    def b_fragment_placed(smem32, word):
+        """The 2 B registers of one n8 tile and k16 step from the placed buffer: the patterns of (k = 2t, 2t+1) and
+        (2t+8, 2t+9) of weight row n = g, ``word`` the index of the first."""
+        return at(smem32, word), at(smem32, word + 4)
+
+    @inlined_device_function
     def multiply_chunk(smem32, smem16, stage, c_part, b_regs, warp_m, warp_n, g, t):
         """``c_part = 0``, then 8 k16 steps of one mma per (m16, n8) tile of the warp: each B fragment
         feeds ``m_blocks`` mma, each A fragment ``n8_tiles_per_warp``. Accumulator tile
@@ -442,10 +489,15 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
         # warp's first n8 tile, k = 2t) in this stage; each k16 step moves 16 activations / codes on
         a_first = (stage * stage_bytes + (warp_m * warp_rows + g) * A_ROW_BYTES) // 4 + t
         b_first = (stage * stage_bytes + b_offset + (warp_n * n8_per_warp * MMA_N + g) * B_ROW_BYTES) // 2 + t
+        placed_first = (placed_offset + (warp_n * n8_per_warp * MMA_N + g) * PLACED_ROW_BYTES) // 4 + t
         for step in range(K_STEPS_PER_CHUNK):
             for nt in range(n8_per_warp):
-                pair = b_first + nt * (MMA_N * B_ROW_BYTES // 2) + step * (MMA_K // 2)
-                b_regs[2 * nt], b_regs[2 * nt + 1] = b_fragment(smem16, pair)
+                if place_once:
+                    word = placed_first + nt * (MMA_N * PLACED_ROW_BYTES // 4) + step * (MMA_K // 2)
+                    b_regs[2 * nt], b_regs[2 * nt + 1] = b_fragment_placed(smem32, word)
+                else:
+                    pair = b_first + nt * (MMA_N * B_ROW_BYTES // 2) + step * (MMA_K // 2)
+                    b_regs[2 * nt], b_regs[2 * nt + 1] = b_fragment(smem16, pair)
             for mt in range(m_blocks):
                 a0, a1, a2, a3 = a_fragment(smem32, a_first + mt * (MMA_M * A_ROW_BYTES // 4) + step * (MMA_K // 2))
                 for nt in range(n8_per_warp):
@@ -527,6 +579,9 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
                            scale_row, scale_bytes, block_k)
             commit_group()  # one group per iteration, empty or not: the wait above counts on it
 
+            if place_once:  # the placed buffer's last readers passed the barrier above; its writers pass this one
+                place_chunk(smem32, smem64, stage, thread)
+                cuda.syncthreads()
             multiply_chunk(smem32, smem16, stage, c_part, b_regs, warp_m, warp_n, g, t)
             promote(smemf, stage, c_part, c_fin, warp_n)  # one rounding per chunk
 
@@ -585,7 +640,7 @@ def _allow_shared_memory(kernel, args, shared_bytes: int) -> None:
 
 
 def gemm_mma(a, q, scale_inv, out, block=(128, 128), m_blocks=None, stream=0, *, warps_n=None,
-             n8_tiles_per_warp=None, stages=None, warps_m=1):
+             n8_tiles_per_warp=None, stages=None, warps_m=1, place_once=False):
     """``out[M, N] = a[M, K] @ (decode(q) * scale_inv)^T`` on tensor cores; returns ``out``.
 
     ``a``: BF16 bits (``uint16``/``int16``) or ``float16`` ``[M, K]``, any M >= 1; ``q``: ``uint8
@@ -595,13 +650,14 @@ def gemm_mma(a, q, scale_inv, out, block=(128, 128), m_blocks=None, stream=0, *,
     ``BN`` a multiple of 8, ``BK`` a multiple of 128; ``K`` a multiple of 128. Tiling knobs
     (``Tiling``; ``None`` takes ``choose_tiling``'s default), none of which changes a bit of the
     result: ``m_blocks`` (1, 2, 4), ``warps_n`` (1, 2, 4, 8), ``n8_tiles_per_warp`` (1, 2, 4), ``warps_m`` (1, 2, 4),
+    ``place_once`` (bool),
     ``stages`` (2 to 8). ``stream``: where to enqueue the launch (a Numba stream, or a ``cuda.core``
     GraphBuilder to capture it into a CUDA graph; 0 is the default stream). Every problem is a
     ``ValueError`` raised before anything is launched.
     """
     problem = check_gemm(a, q, scale_inv, out, block, kernel="gemm_mma", activations=("bf16", "f16"),
                          block_n_multiple=BLOCK_N_MULTIPLE)
-    launch = launch_info(problem.m, problem.n, problem.k, m_blocks, warps_n=warps_n, warps_m=warps_m,
+    launch = launch_info(problem.m, problem.n, problem.k, m_blocks, warps_n=warps_n, warps_m=warps_m, place_once=place_once,
                          n8_tiles_per_warp=n8_tiles_per_warp, stages=stages)
     a_words = _as_words("a", problem.a, np.uint64)
     q_words = _as_words("q", problem.q, np.uint64)

@@ -166,6 +166,8 @@ def test_launch_info_for_every_tiling():
         assert launch.shared_bytes == t.stages * stage
         assert stage % 16 == 0  # every stage, row and copy 16-byte aligned
     assert accepted > len(TILINGS) // 2
+    placed = kernel.launch_info(m, n, k, 4, warps_n=4, n8_tiles_per_warp=4, stages=3, warps_m=2, place_once=True)
+    assert placed.shared_bytes == 3 * placed.tiling.stage_bytes + 128 * 272  # + the placed rows: 128 of 272 bytes
     assert kernel.A_ROW_BYTES % 16 == 0 and kernel.B_ROW_BYTES % 16 == 0
 
 
@@ -262,11 +264,11 @@ def test_bit_for_bit_the_simulator(m, n, k, m_blocks, fmt, output, block, rng):
 
 
 TILING_CASES = [
-    # (warps_n, n8_tiles_per_warp, stages, m_blocks[, warps_m]), m, n, activation, output, block:
+    # (warps_n, n8_tiles_per_warp, stages, m_blocks[, warps_m[, place_once]]), m, n, activation, output, block:
     # every (warps_n, stages) pair and every (warps_n, n8_tiles_per_warp) pair of the small-M
     # knobs (n8 tiles 1 and 2), both their m_blocks; then each large-M value once: 4 n8 tiles
     # per warp, 4 m16 tiles per warp, warps stacked in M (2 and 4; M tails inside the lower
-    # warps), 8 warps side by side in N. K = 128 (stages + 1), so the ring wraps around and the last iterations commit
+    # warps), 8 warps side by side in N, the codes placed once per CTA. K = 128 (stages + 1), so the ring wraps around and the last iterations commit
     # empty groups; M tails (rows zero-filled), N tails (a partial n8 tile; tiles wholly past N,
     # whose scale copy is a zero fill, in a second CTA); scale blocks of one and two chunks.
     # Sizes kept small: the simulator runs ~0.4 s per n8 tile, chunk and m16 tile.
@@ -284,33 +286,42 @@ TILING_CASES = [
     ((2, 1, 2, 1, 2), 20, 13, "bf16", "f32", (8, 128)),
     ((1, 2, 2, 1, 4), 60, 13, "bf16", "f16", (8, 256)),
     ((8, 1, 2, 1), 3, 70, "f16", "f32", (8, 128)),
+    ((2, 2, 2, 1, 2, True), 20, 29, "bf16", "f32", (8, 128)),  # codes placed once per CTA, BF16 and F16 patterns
+    ((1, 1, 3, 2, 1, True), 17, 5, "f16", "bf16", (8, 256)),
 ]
+
+
+def full_knobs(knobs) -> tuple:
+    """A case's knobs with the defaults of those it leaves out: ``warps_m`` 1, ``place_once`` False."""
+    return tuple(knobs) + (1, False)[len(knobs) - 4:]
 
 
 @pytest.mark.cudasim
 @pytest.mark.parametrize("knobs, m, n, fmt, output, block", TILING_CASES)
 def test_bit_for_bit_the_simulator_for_every_tiling(knobs, m, n, fmt, output, block, rng):
-    warps, n8_tiles, stages, m_blocks, warps_m = (*knobs, 1)[:5]
+    warps, n8_tiles, stages, m_blocks, warps_m, place_once = full_knobs(knobs)
     k = 128 * (stages + 1)
     a = activations(rng.standard_normal((m, k)).astype(np.float32), fmt, int16=output == "bf16-int16")
     q, scale_inv = random_weights(rng, n, k, block)
     out = poisoned_output(m, n, output)
     kernel.gemm_mma(a, q, scale_inv, out, block, m_blocks=m_blocks, warps_n=warps, n8_tiles_per_warp=n8_tiles,
-                    stages=stages, warps_m=warps_m)
+                    stages=stages, warps_m=warps_m, place_once=place_once)
     modelled = model.gemm_mma(a.view(np.uint16), q, scale_inv, block, m_blocks=m_blocks, activation=fmt)
     assert np.all(np.isfinite(output_values(out, output))), "an output was not written (still NaN)"
     assert np.array_equal(out.view(np.uint8), expected_bits(modelled, base_format(output)).view(np.uint8))
 
 
 def test_tiling_cases_cover_every_pair():
-    knobs = [(*case[0], 1)[:5] for case in TILING_CASES]
-    small_m = [k for k in knobs if k[0] <= 4 and k[1] <= 2 and k[3] <= 2 and k[4] == 1]
-    assert {(w, s) for w, _, s, _, _ in small_m} == set(itertools.product((1, 2, 4), (2, 3, 4)))
-    assert {(w, t) for w, t, _, _, _ in small_m} == set(itertools.product((1, 2, 4), (1, 2)))
+    knobs = [full_knobs(case[0]) for case in TILING_CASES]
+    small_m = [k for k in knobs if k[0] <= 4 and k[1] <= 2 and k[3] <= 2 and k[4] == 1 and not k[5]]
+    assert {(w, s) for w, _, s, _, _, _ in small_m} == set(itertools.product((1, 2, 4), (2, 3, 4)))
+    assert {(w, t) for w, t, _, _, _, _ in small_m} == set(itertools.product((1, 2, 4), (1, 2)))
     assert {k[0] for k in knobs} == set(kernel.WARPS_N_CHOICES)
     assert {k[1] for k in knobs} == set(kernel.N8_TILES_PER_WARP_CHOICES)
     assert {k[3] for k in knobs} == set(kernel.M_BLOCKS_CHOICES)
     assert {k[4] for k in knobs} == set(kernel.WARPS_M_CHOICES)
+    assert {(k[5], fmt) for k, fmt in zip(knobs, [case[3] for case in TILING_CASES]) if k[5]} == {(True, "bf16"),
+                                                                                                  (True, "f16")}
 
 
 @pytest.mark.cudasim
@@ -509,18 +520,19 @@ def test_gpu_tilings_against_the_oracle(m, n, k, m_blocks, fmt, output, block, k
 
 
 LARGE_M_TILINGS = [
-    # (m_blocks, warps_n, n8_tiles_per_warp, stages, warps_m): CTAs of 128 x 128 (8 warps of 64 x 32, 16 of 32 x 32)
-    # and 128 x 64, past the 48 KiB shared-memory default; M and N tails inside the tiles
-    (4, 4, 4, 3, 2), (2, 4, 4, 3, 4), (4, 2, 4, 4, 2), (4, 8, 4, 3, 1),
+    # (m_blocks, warps_n, n8_tiles_per_warp, stages, warps_m[, place_once]): CTAs of 128 x 128 (8 warps of 64 x 32,
+    # 16 of 32 x 32), 128 x 64 and 64 x 256, the codes placed once per CTA, past the 48 KiB shared-memory default; M and
+    # N tails inside the tiles
+    (4, 4, 4, 3, 2), (2, 4, 4, 3, 4), (4, 2, 4, 4, 2), (4, 8, 4, 3, 1), (4, 4, 4, 3, 2, True),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiling", LARGE_M_TILINGS, ids=str)
 def test_gpu_large_m_tilings_against_the_oracle(tiling):
-    m_blocks, warps_n, n8_tiles, stages, warps_m = tiling
+    m_blocks, warps_n, n8_tiles, stages, warps_m, place_once = (*tiling, False)[:6]
     check_gpu_against_the_oracle(300, 1000, 1024, m_blocks, "bf16", "bf16", (128, 128), warps_n=warps_n,
-                                 n8_tiles_per_warp=n8_tiles, stages=stages, warps_m=warps_m)
+                                 n8_tiles_per_warp=n8_tiles, stages=stages, warps_m=warps_m, place_once=place_once)
 
 
 def check_gpu_against_the_oracle(m, n, k, m_blocks, fmt, output, block, **knobs):

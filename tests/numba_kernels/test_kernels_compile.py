@@ -75,6 +75,7 @@ def variants():
     tilings = [G.Tiling(*shape, (2, 3, 4)[i % 3]) for i, shape in enumerate(shapes)]
     tilings += [G.Tiling(1, 4, 1, 8), G.Tiling(2, 4, 2, 8)]
     tilings += [G.Tiling(4, 4, 4, 3, 2), G.Tiling(2, 4, 4, 3, 4), G.Tiling(4, 2, 4, 4, 2)]  # 128-row CTAs
+    tilings += [G.Tiling(4, 4, 4, 3, 2, True)]  # the codes placed once per CTA
     formats = [(a, o) for a in ("bf16", "f16") for o in ("f32", "f16", "bf16")]
     cases = [(t, "bf16", "f32") for t in tilings] + [(G.Tiling(1, 4, 1, 4), a, o) for a, o in formats[1:]]
     return [Variant(f"{tuple(t)} {a} -> {o}", G.kernel_function(t, a, o), G.kernel_signature(o), lto=True,
