@@ -45,6 +45,8 @@ from .splitkv_mma import query_pair, tile_functions
 from .warp import FULL_MASK, WARP_SIZE, load_u32x4
 
 THREADS = WARPS * WARP_SIZE
+MAX_GRID_Z = 65535
+"""The grid's z extent at most: the sequences of one call."""
 
 
 def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False):
@@ -204,6 +206,9 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
                          f"block size {call.block_size}")
     if not np.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale!r}")
+    if call.block_tables.shape[0] > MAX_GRID_Z:
+        raise ValueError(f"block_tables: at most {MAX_GRID_Z} sequences per call (the grid's z), got "
+                         f"{call.block_tables.shape[0]}")
     if num_tokens == 0 or num_heads == 0:
         return out
     longest = int(to_host(call.query_lens).max(initial=0)) if call.host_indices else num_tokens

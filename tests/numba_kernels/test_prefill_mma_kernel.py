@@ -113,6 +113,9 @@ def test_a_float_cache_and_wrong_lengths_are_refused():
                                       data.softmax_scale, np.zeros_like(q))
     with pytest.raises(ValueError, match="query_lens"):
         run_kernel(data, q, np.array([8]))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        prefill_mma.paged_prefill_mma(q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens, query_lens,
+                                      float("nan"), np.zeros_like(q), data.k_scale, data.v_scale)
 
 
 @pytest.mark.gpu
