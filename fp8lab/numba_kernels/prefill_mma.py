@@ -204,8 +204,6 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
                          f"number of query heads per kv head that divides {MAX_GROUP} and a block size that is a "
                          f"multiple of {TILE}; got {k_cache.dtype}, head_dim {head_dim}, {group} heads per kv head, "
                          f"block size {call.block_size}")
-    if not np.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale!r}")
     if call.block_tables.shape[0] > MAX_GRID_Z:
         raise ValueError(f"block_tables: at most {MAX_GRID_Z} sequences per call (the grid's z), got "
                          f"{call.block_tables.shape[0]}")
