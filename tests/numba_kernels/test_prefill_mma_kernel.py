@@ -104,7 +104,7 @@ def test_unsupported_caches_are_refused(change, message):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the CUDA simulator's argument checks")
-def test_a_float_cache_and_wrong_lengths_are_refused():
+def test_a_float_cache_and_wrong_lengths_are_refused_a_nan_scale_propagates():
     rng = np.random.default_rng(1)
     data, q, query_lens = prefill_batch(rng, [9], [9], 2, 1, 16)
     floats = np.zeros(data.k_cache.shape, np.float32)
