@@ -24,6 +24,9 @@ Measured (``bench/attention_mma.py``, ``bench/RESULTS.md``, H200): against the S
 split counts, 1.0 times its time at batch 1 and 512 tokens, 1.2 at batches 4 to 16, 1.3 at 16,384 tokens and
 at batches 8 and 16 over 2,048.
 
+The device functions of one tile (``tile_functions``: its loads, the scores, the online softmax, ``P V``) are shared
+with the flash prefill (``fp8lab.numba_kernels.prefill_mma``), which adds a causal mask per row.
+
 The schedule is the simulator's (read ``fp8lab.simulators.splitkv_mma`` first); per lane ``L`` of a warp, ``g = L >> 2``,
 ``t = L & 3``, tile ``[tile0, tile0 + 16)`` (one KV block holds it: the block size is a multiple of 16):
 
