@@ -113,6 +113,11 @@ def test_a_float_cache_and_wrong_lengths_are_refused_a_nan_scale_propagates():
                                       data.softmax_scale, np.zeros_like(q))
     with pytest.raises(ValueError, match="query_lens"):
         run_kernel(data, q, np.array([8]))
+    many = prefill_mma.MAX_GRID_Z + 1  # sequences, each without new tokens: refused before the launch
+    with pytest.raises(ValueError, match="block_tables: at most 65535 sequences"):
+        prefill_mma.paged_prefill_mma(q[:0], data.k_cache, data.v_cache, np.zeros((many, 1), np.int32),
+                                      np.zeros(many, np.int32), np.zeros(many, np.int32), data.softmax_scale,
+                                      np.zeros_like(q[:0]), data.k_scale, data.v_scale)
     nan_scale = prefill_mma.paged_prefill_mma(q[:1], data.k_cache, data.v_cache, data.block_tables, np.array([1]),
                                               np.array([1]), float("nan"), np.zeros_like(q[:1]), data.k_scale,
                                               data.v_scale)

@@ -301,18 +301,15 @@ class Planner:
         positions, slots, q = index.positions[:t], index.slots[:t], self.activations.q[:t]
 
         def attend(layer, layer_cache, qkv, out):
+            args = (q, layer_cache.k, layer_cache.v, tables, context_lens, query_lens, self.softmax_scale, out,
+                    layer_cache.k_scale, layer_cache.v_scale)  # both prefill attentions take these
+            options = dict(max_context_len=max_context, kv_format=layer_cache.kv_format)
             if tensor_cores:
-                return [self.attention_input(layer, layer_cache, qkv, q, positions, slots),
-                        Launch(prefill_mma.paged_prefill_mma, (q, layer_cache.k, layer_cache.v, tables, context_lens,
-                                                               query_lens, self.softmax_scale, out, layer_cache.k_scale,
-                                                               layer_cache.v_scale),
-                               dict(max_context_len=max_context, kv_format=layer_cache.kv_format), label="attention")]
-            return [self.attention_input(layer, layer_cache, qkv, q, positions, slots),
-                    Launch(paged_prefill, (q, layer_cache.k, layer_cache.v, tables, context_lens, query_lens,
-                                           self.softmax_scale, out, layer_cache.k_scale, layer_cache.v_scale),
-                           dict(max_context_len=max_context, rows=rows, workspace=workspace,
-                                kv_format=layer_cache.kv_format),
-                           kernels=2 + (workspace is not None), label="attention")]
+                attention = Launch(prefill_mma.paged_prefill_mma, args, options, label="attention")
+            else:
+                attention = Launch(paged_prefill, args, dict(options, rows=rows, workspace=workspace),
+                                   kernels=2 + (workspace is not None), label="attention")
+            return [self.attention_input(layer, layer_cache, qkv, q, positions, slots), attention]
 
         return Plan((Launch(layers.embedding, (self.weights.embed_tokens, index.token_ids[:t], self.activations.h[:t])),
                      *self.decoder_layers(t, cache, attend)))
