@@ -11,7 +11,7 @@ What it computes (``fp8lab.reference.blockwise.gemm``, float32 accumulation)::
 
 with ``a`` BF16 (``uint16``/``int16`` bit patterns) or F16 (``float16``) ``[M, K]``, ``q`` E4M3
 codes ``uint8 [N, K]``, ``scale_inv`` ``float32 [ceil(N/BN), ceil(K/BK)]`` and ``out`` float32,
-float16 or BF16 bits (``uint16``/``int16``), rounded once from the float32 result.
+float16 or BF16 bits (``uint16``/``int16``), rounded once from the float32 result (a NaN stays a NaN).
 
 How: the float32 operations of ``fp8lab.simulators.gemm_mma`` (read that first), tile by tile. What is
 fixed is the order *per output tile* (m16 x n8): every chunk of 128 in ascending K, per chunk
@@ -114,6 +114,7 @@ from .cp_async import (
     copy_16_cg,
     wait_group_function,
 )
+from .mathops import f32_to_bf16_bits_rne
 from .mma import mma_bf16, mma_f16
 from .warp import WARP_SIZE
 
@@ -527,7 +528,7 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
                     if row < out.shape[0] and col < out.shape[1]:
                         value = c_fin[4 * (mt * n8_per_warp + nt) + i]
                         if bf16_output:
-                            out[row, col] = bits.f32_to_bf16_bits(value)
+                            out[row, col] = f32_to_bf16_bits_rne(value)  # a NaN stays NaN
                         else:
                             out[row, col] = value  # float32, or float16 rounded once (nearest even)
 

@@ -368,6 +368,33 @@ def test_bit_for_bit_where_the_k16_sums_are_not_exact(rng):
     assert np.array_equal(out, model.gemm_mma(a, q, scale_inv, (8, 128), activation="bf16"))
 
 
+
+CANONICAL_NAN = np.uint32(0x7FFFFFFF).view(np.float32)
+"""The NaN a GPU's float32 arithmetic produces. The add-and-shift BF16 rounding carries it into the sign bit
+(``0x8000``, -0.0): a NaN would become a number."""
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("output", ["f32", "f16", "bf16"])
+def test_a_nan_scale_or_activation_reaches_exactly_its_outputs(output, rng):
+    """A NaN block scale (with the GPU's canonical payload) makes its block's columns NaN in every row; a NaN
+    activation makes its row NaN in every column; every other output is finite. For each output format."""
+    m, n, k, block = 5, 16, 256, (8, 128)
+    a = activations(rng.standard_normal((m, k)).astype(np.float32), "bf16")
+    a[2, 130] = 0x7FFF  # a BF16 NaN in row 2
+    q, scale_inv = random_weights(rng, n, k, block)
+    scale_inv[1, 0] = CANONICAL_NAN  # columns 8..15, first chunk
+    out = poisoned_output(m, n, output)
+    if out.dtype == np.uint16:
+        out[:] = 0x1234  # a finite poison here: only the kernel may write a NaN
+    else:
+        out[:] = 7.0
+    kernel.gemm_mma(a, q, scale_inv, out, block)
+    expected_nan = np.zeros((m, n), bool)
+    expected_nan[2, :] = True
+    expected_nan[:, 8:] = True
+    assert np.array_equal(np.isnan(output_values(out, output)), expected_nan)
+
 @pytest.mark.cudasim
 @pytest.mark.parametrize("fmt", bp.FORMATS)
 def test_place_code_pair_is_the_simulators(fmt, rng):
