@@ -55,6 +55,7 @@ import numpy as np
 from numba import cuda, types
 
 from fp8lab.reference.checks import check_block_tables
+from fp8lab.reference.kv_cache import KVCacheFormat
 
 from . import pdl
 from .arguments import as_kernel_array, reject, require_c_contiguous
@@ -149,6 +150,7 @@ class PrefillCall:
     host_indices: bool
     max_seq_len: int
     block_size: int
+    kv_format: KVCacheFormat
 
 
 def _is_host(x) -> bool:
@@ -156,7 +158,7 @@ def _is_host(x) -> bool:
 
 
 def _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale, v_scale, kv_format):
-    """Shapes and dtypes of every array (values are checked by ``_check_values``)."""
+    """Shapes and dtypes of every array (values are checked by ``_check_values``); returns the caches' format."""
     if q.ndim != 3 or np.dtype(q.dtype) != np.float32:
         reject("q", "float32 [num_query_tokens, num_heads, head_dim]", q)
     num_tokens, num_heads, head_dim = q.shape
@@ -180,6 +182,7 @@ def _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_lens, o
     if tuple(out.shape) != tuple(q.shape) or np.dtype(out.dtype) not in OUT_DTYPES:
         reject("out", f"float32 or uint16 (BF16 bits) [{num_tokens}, {num_heads}, {head_dim}] like q", out)
     require_c_contiguous("out", out)
+    return kv_format
 
 
 def _check_values(tables, context, queries, num_tokens: int, block_size: int, num_blocks: int) -> None:
@@ -224,7 +227,8 @@ def check_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, o
         as_kernel_array(n, x) for n, x in zip(names, arrays))
     k_scale = None if k_scale is None else as_kernel_array("k_scale", k_scale)
     v_scale = None if v_scale is None else as_kernel_array("v_scale", v_scale)
-    _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale, v_scale, kv_format)
+    kv_format = _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale, v_scale,
+                              kv_format)
     num_tokens = q.shape[0]
     num_blocks, _, block_size, _ = k_cache.shape
     if rows is not None:
@@ -245,7 +249,8 @@ def check_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, o
             raise ValueError(f"max_context_len: {longest} tokens need {-(-longest // block_size)} blocks of "
                              f"{block_size}, block_tables has {block_tables.shape[1]} columns")
     max_seq_len = longest if max_context_len is None else int(max_context_len)
-    return PrefillCall(q, out, block_tables, context_lens, query_lens, rows, host_indices, max_seq_len, block_size)
+    return PrefillCall(q, out, block_tables, context_lens, query_lens, rows, host_indices, max_seq_len, block_size,
+                       kv_format)
 
 
 # ---------------------------------------------------------------------------- the expansion, then decode

@@ -1,4 +1,4 @@
-"""How tensor-core flash prefill attention over an FP8 cache computes, modelled in vectorized NumPy.
+"""How tensor-core flash prefill attention over an FP8 or BF16 cache computes, modelled in vectorized NumPy.
 
 Models ``fp8lab.numba_kernels.prefill_mma`` (grid ``(query blocks, num_kv_heads, num_seqs)`` of 4-warp CTAs) bit
 for bit. Checked (``tests/simulators/test_prefill_mma.py``): against ``fp8lab.reference.attention.prefill`` over
@@ -8,8 +8,8 @@ functions, which it reuses.
 
 What it computes: the contract of ``fp8lab.reference.attention.prefill`` (causal softmax attention of each
 sequence's new tokens over its cached prefix and themselves, GQA) for an FP8 cache (E4M3 codes, one float32 scale
-per token and kv head), head size 128, ``G = num_heads / num_kv_heads`` query heads per kv head with ``G`` dividing
-16, without ALiBi. The batch is laid out as ``fp8lab.numba_kernels.prefill`` takes it: ``q [sum(query_lens),
+per token and kv head) or a BF16 cache (BF16 patterns, no scales), head size 128, ``G = num_heads / num_kv_heads``
+query heads per kv head with ``G`` dividing 16, without ALiBi. The batch is laid out as ``fp8lab.numba_kernels.prefill`` takes it: ``q [sum(query_lens),
 num_heads, D]``, sequence ``s``'s ``query_lens[s]`` new tokens back to back, its query ``i`` at position
 ``context_lens[s] - query_lens[s] + i``, attending keys ``0 ..`` that position.
 
@@ -32,10 +32,16 @@ the rows:
   The V scale of the tile is the largest over the *loaded* keys, so it is one for all rows (the ``P V`` mma is one
   for all rows).
 - **End**: ``l = (l_0 + l_1) + (l_2 + l_3)`` per row, ``out = acc / l`` (0 where ``l = 0``; ``splitkv.normalized``).
+- **A BF16 cache** (``OPERANDS``): the same schedule in BF16 operands, since a BF16 key is no F16 value (F16's range
+  ends at 65504): the queries ``bf16(fl32(q * scale_log2))``, the keys and values as stored (exact), the weights
+  ``bf16(p)``, BF16 ``mma``. There are no scales: the model multiplies by ``k_scale = 1`` and ``v_scale = 1`` (``pow =
+  inv = 1``), each multiply exact, which the kernel leaves out. BF16 keeps 8 significant bits where F16 keeps 11, so
+  the error bound is the decode's at ``2^-8`` (``splitkv_mma.error_bound(..., operand="bf16")``): the rounding every
+  BF16 model's attention makes, of the order of the rounding the cache already gave K and V.
 
 One difference from the reference, stated: a key *after* a query's position but inside its warp's last tile (at most
-``TOKENS - 1`` keys) enters the ``P V`` mma with weight exactly 0, so a NaN value code or a non-finite V scale of that
-key reaches the query's output (``0 * NaN``), where the reference says a later key is never part of a query's math.
+``TOKENS - 1`` keys) enters the ``P V`` mma with weight exactly 0, so a NaN value (an E4M3 code, a BF16 element) or a
+non-finite V scale of that key reaches the query's output (``0 * NaN``), where the reference says a later key is never part of a query's math.
 Keys past the warp's last query are not loaded at all. Finite caches (what quantization writes) are unaffected.
 """
 
@@ -43,7 +49,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fp8lab.reference import e4m3, kv_cache
+from fp8lab.reference import dense, e4m3, kv_cache
 from fp8lab.reference.checks import (
     as_float,
     as_index,
@@ -69,13 +75,18 @@ from .splitkv_mma import (
 
 ROWS = 16
 """Rows of an mma tile: ``TOKENS`` query tokens times ``G`` query heads."""
+OPERANDS = {"fp8": "f16", "bf16": "bf16"}
+"""The 16-bit format of the mma operands (queries, keys, weights, values) per cache format: every E4M3 value is an
+F16 value (11 significant bits for the query and the weights); a BF16 key is not (F16's range ends at 65504), so a
+BF16 cache multiplies in BF16."""
 
 
-def supports(head_dim: int, group: int, block_size: int, fp8: bool, alibi: bool) -> bool:
-    """Whether the flash prefill kernel computes an attention: an FP8 cache, no ALiBi, ``head_dim`` in ``HEAD_DIMS``,
-    ``G`` query heads per kv head with ``G`` dividing 16, and KV blocks of whole tiles."""
-    return (fp8 and not alibi and head_dim in HEAD_DIMS and 1 <= group <= MAX_GROUP and MAX_GROUP % group == 0
-            and block_size % TILE == 0)
+def supports(head_dim: int, group: int, block_size: int, kv_format: str, alibi: bool) -> bool:
+    """Whether the flash prefill kernel computes an attention: a cache in one of ``OPERANDS``' formats (``kv_format``,
+    the name of ``fp8lab.reference.kv_cache``'s format), no ALiBi, ``head_dim`` in ``HEAD_DIMS``, ``G`` query heads
+    per kv head with ``G`` dividing 16, and KV blocks of whole tiles."""
+    return (kv_format in OPERANDS and not alibi and head_dim in HEAD_DIMS and 1 <= group <= MAX_GROUP
+            and MAX_GROUP % group == 0 and block_size % TILE == 0)
 
 
 def tokens_per_warp(group: int) -> int:
@@ -88,12 +99,29 @@ def tokens_per_cta(group: int) -> int:
     return WARPS * tokens_per_warp(group)
 
 
+def cache_format(k_cache, v_cache, k_scale, v_scale) -> str:
+    """``"fp8"`` for E4M3 codes (uint8) with float32 scales, ``"bf16"`` for BF16 patterns (uint16, the kernel's BF16
+    storage) without scales; a ``ValueError`` naming the cache otherwise."""
+    for name, cache, scales in (("k_cache", k_cache, k_scale), ("v_cache", v_cache, v_scale)):
+        if not isinstance(cache, np.ndarray) or cache.dtype not in (np.uint8, np.uint16):
+            raise ValueError(f"{name}: the tensor-core prefill attention takes an FP8 cache (uint8 E4M3 codes) or a "
+                             f"BF16 cache (uint16 patterns), got {getattr(cache, 'dtype', type(cache).__name__)}")
+        if cache.dtype == np.uint8:
+            kv_cache.check_cache(cache, scales, name)
+        else:
+            require_ndim(name, cache, 4, "[num_blocks, num_kv_heads, block_size, head_dim]")
+            if scales is not None:
+                raise ValueError(f"{name}: a BF16 cache (uint16 patterns) takes no scales, got an array")
+    require_shape("v_cache", v_cache, k_cache.shape)
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache: expected {k_cache.dtype} like k_cache, got {v_cache.dtype}")
+    return "fp8" if k_cache.dtype == np.uint8 else "bf16"
+
+
 def _checked(q, k_cache, v_cache, block_tables, context_lens, query_lens, k_scale, v_scale):
     q32 = as_float("q", q, np.float32)
     require_ndim("q", q32, 3, "[num_query_tokens, num_heads, head_dim]")
-    kv_cache.check_cache(k_cache, k_scale, "k_cache")
-    kv_cache.check_cache(v_cache, v_scale, "v_cache")
-    require_shape("v_cache", v_cache, k_cache.shape)
+    kv_format = cache_format(k_cache, v_cache, k_scale, v_scale)
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     num_heads = q32.shape[1]
     if q32.shape[2] != head_dim:
@@ -101,11 +129,10 @@ def _checked(q, k_cache, v_cache, block_tables, context_lens, query_lens, k_scal
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) for GQA")
     group = num_heads // num_kv_heads
-    if not supports(head_dim, group, block_size, kv_cache.is_fp8(k_cache), False):
-        raise ValueError(f"the tensor-core prefill attention takes an FP8 cache, head_dim in {HEAD_DIMS}, a number of "
-                         f"query heads per kv head that divides {MAX_GROUP} and a block size that is a multiple of "
-                         f"{TILE}; got {k_cache.dtype}, head_dim {head_dim}, {group} heads per kv head, block size "
-                         f"{block_size}")
+    if not supports(head_dim, group, block_size, kv_format, False):
+        raise ValueError(f"the tensor-core prefill attention takes head_dim in {HEAD_DIMS}, a number of query heads "
+                         f"per kv head that divides {MAX_GROUP} and a block size that is a multiple of {TILE}; got "
+                         f"head_dim {head_dim}, {group} heads per kv head, block size {block_size}")
     tables = as_index("block_tables", block_tables)
     require_ndim("block_tables", tables, 2, "[num_seqs, max_blocks_per_seq]")
     context = as_index("context_lens", context_lens)
@@ -119,7 +146,20 @@ def _checked(q, k_cache, v_cache, block_tables, context_lens, query_lens, k_scal
     check_block_tables(tables, np.where(queries > 0, context, 0), block_size, num_blocks)
     if tables.shape[1] == 0:
         tables = np.zeros((tables.shape[0], 1), np.int64)
-    return q32, tables, context, queries
+    return q32, tables, context, queries, kv_format
+
+
+def bf16(x) -> np.ndarray:
+    """float32 ``x`` rounded to BF16 (nearest, ties to even; NaN stays NaN), as float64 values."""
+    return dense.round_to_bf16(np.asarray(x, np.float32)).astype(np.float64)
+
+
+def cache_values(entries) -> np.ndarray:
+    """The values (float64, exact) of cache entries: E4M3 codes (uint8) decoded, BF16 patterns (uint16) widened;
+    the per-token scales are not applied."""
+    if entries.dtype == np.uint8:
+        return e4m3.VALUES.astype(np.float64)[entries]
+    return dense.bf16_bits_to_float32(entries).astype(np.float64)
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, softmax_scale: float, k_scale,
@@ -127,12 +167,15 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
     """Causal prefill attention as the tensor-core kernel computes it: float32 ``[sum(query_lens), num_heads, D]``.
 
     Arguments as ``fp8lab.numba_kernels.prefill.paged_prefill`` with an FP8 cache (uint8 codes, float32 ``k_scale``,
-    ``v_scale`` ``[num_blocks, num_kv_heads, block_size]``); the new tokens' K/V already in the cache. Every warp
+    ``v_scale`` ``[num_blocks, num_kv_heads, block_size]``) or a BF16 cache (uint16 patterns, the kernel's storage;
+    no scales); the new tokens' K/V already in the cache. Every warp
     advances one tile per step, all at once; a warp past its last tile sees no key (``corr = 1``, ``p = 0``: its
     state stays as it is, as if it had stopped).
     """
-    q32, tables, context, queries = _checked(q, k_cache, v_cache, block_tables, context_lens, query_lens, k_scale,
-                                             v_scale)
+    q32, tables, context, queries, kv_format = _checked(q, k_cache, v_cache, block_tables, context_lens, query_lens,
+                                                        k_scale, v_scale)
+    operand = f16 if OPERANDS[kv_format] == "f16" else bf16
+    fp8 = kv_format == "fp8"
     num_tokens, num_heads, head_dim = q32.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -151,27 +194,30 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
     position = np.where(real, start[:, None] + row_token, -1)  # -1: nothing counts for a row past the queries
     end = start + np.minimum(i0 + tokens, queries[seq])  # keys loaded: up to the last row's position
 
-    # queries: [W, kv, 16, D], F16 of q * scale_log2, rows past the queries 0
+    # queries: [W, kv, 16, D], the operand format's q * scale_log2, rows past the queries 0
     scale_log2 = np.float32(float(softmax_scale) * LOG2E)
     q_index = np.where(real, first_row[seq][:, None] + row_token, 0)
     heads = np.arange(num_kv_heads)[:, None] * group + np.arange(ROWS) % group  # [kv, 16]
-    qh = f16(q32[q_index[:, None, :], heads[None]] * scale_log2)
+    qh = operand(q32[q_index[:, None, :], heads[None]] * scale_log2)
     qh = np.where(real[:, None, :, None], qh, 0.0)
 
     shape = (len(seq), num_kv_heads, ROWS)
     m = np.full(shape, -np.inf, np.float32)
     l = np.zeros(shape + (4,), np.float32)
     acc = np.zeros(shape + (head_dim,), np.float32)
-    values = e4m3.VALUES.astype(np.float64)
     for step in range(int(np.max(-(-end // TILE)))):
         key = TILE * step + np.arange(TILE)  # [16]
         loaded = key[None, :] < end[:, None]  # [W, 16]
         block = np.where(loaded, tables[seq[:, None], np.minimum(key // block_size, tables.shape[1] - 1)], 0)
         offset = key % block_size
-        k = np.where(loaded[..., None, None], values[k_cache[block, :, offset]], 0.0).transpose(0, 2, 1, 3)
-        v = np.where(loaded[..., None, None], values[v_cache[block, :, offset]], 0.0).transpose(0, 2, 1, 3)
-        ks = np.where(loaded[..., None], k_scale[block, :, offset], np.float32(1)).transpose(0, 2, 1)  # [W, kv, 16]
-        vs = np.where(loaded[..., None], v_scale[block, :, offset], np.float32(0)).transpose(0, 2, 1)
+        k = np.where(loaded[..., None, None], cache_values(k_cache[block, :, offset]), 0.0).transpose(0, 2, 1, 3)
+        v = np.where(loaded[..., None, None], cache_values(v_cache[block, :, offset]), 0.0).transpose(0, 2, 1, 3)
+        if fp8:
+            ks = np.where(loaded[..., None], k_scale[block, :, offset], np.float32(1)).transpose(0, 2, 1)  # [W, kv, 16]
+            vs = np.where(loaded[..., None], v_scale[block, :, offset], np.float32(0)).transpose(0, 2, 1)
+        else:  # no scales: 1 for a loaded key (each multiply below is then exact, and the kernel skips it)
+            ks = np.ones(loaded.shape, np.float32)[:, None, :]
+            vs = loaded.astype(np.float32)[:, None, :]
         counts = (loaded[:, None, :] & (key[None, None, :] <= position[:, :, None]))[:, None]  # [W, 1, rows, keys]
         with np.errstate(invalid="ignore", over="ignore"):
             s = np.where(counts, tile_scores(qh, k) * ks[..., None, :], np.float32(-np.inf))
@@ -181,7 +227,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
         l = fma_f32(l, corr[..., None], lane_sums(p))
         pow_, inv = power_of_two_below(np.max(vs, axis=-1))
         with np.errstate(invalid="ignore", over="ignore"):
-            weights = f16(p * (vs * inv[..., None])[..., None, :])
+            weights = operand(p * (vs * inv[..., None])[..., None, :])
             o = tile_values(weights, v)  # [W, kv, 16, D]
             acc = fma_f32(acc, corr[..., None], o * pow_[..., None, None])
         m = m_new

@@ -338,21 +338,31 @@ def _resolve(num_splits, num_seqs: int, num_kv_heads: int, lens) -> int:
 # ---------------------------------------------------------------------------- the error bound
 
 
-def error_bound(q, k_values, v_values, k_scale, v_scale, softmax_scale: float) -> np.ndarray:
+ROUNDING = {"f16": (2.0**-11, 2.0**-25), "bf16": (2.0**-8, 2.0**-134)}
+"""``(relative, absolute)`` error of rounding a float32 to the mma's operand format: half an ulp of 11 (F16) or 8
+(BF16) significant bits, and half the subnormal spacing (``2^-24``, ``2^-133``)."""
+
+
+def error_bound(q, k_values, v_values, k_scale, v_scale, softmax_scale: float, operand: str = "f16") -> np.ndarray:
     """A bound ``[num_heads, D]`` on ``|this kernel's output - exact attention|`` for one sequence: ``q [num_heads, D]``,
     the exact decoded codes ``k_values``, ``v_values`` ``[num_kv_heads, L, D]`` of its ``L >= 1`` tokens and their
-    scales ``k_scale``, ``v_scale`` ``[num_kv_heads, L]``. Valid while ``|q * scale_log2|`` stays inside F16's range.
+    scales ``k_scale``, ``v_scale`` ``[num_kv_heads, L]`` (ones for a BF16 cache). Valid while ``|q * scale_log2|``
+    stays inside the operand format's range. ``operand``: the format of the mma's operands, ``"f16"`` (an FP8 cache)
+    or ``"bf16"`` (the flash prefill over a BF16 cache, ``fp8lab.simulators.prefill_mma``), whose rounding ``(u,
+    a)`` is ``ROUNDING[operand]``: ``(2^-11, 2^-25)`` for F16.
 
     With ``w_j`` the exact softmax weights and ``v_j = v_scale_j * v_values_j``, twice the sum of:
 
-    - the scores' error ``ds_j`` (log2 units): the query's F16 rounding, ``2^-11 |q_d|`` or ``2^-25`` in F16's
-      subnormal range, times ``|k_d| k_scale_j`` summed over ``d``, plus ``2^-20`` of ``sum_d |q_d k_d| k_scale_j``
+    - the scores' error ``ds_j`` (log2 units): the query's rounding, ``u |q_d|`` or ``a`` in the subnormal range,
+      times ``|k_d| k_scale_j`` summed over ``d``, plus ``2^-20`` of ``sum_d |q_d k_d| k_scale_j``
       for the float32 chain and ``scale_log2``, plus ``2^-20`` for ``exp2``; it moves the output by at most
-      ``ln 2 * sum_j w_j ds_j |v_j - out|``;
-    - the weights' F16 rounding: ``2^-11 sum_j w_j |v_j|`` and ``2^-25 * max_j v_scale_j * sum_j |v_values_j|``
-      (F16's subnormal spacing, relative to the tile's largest scale; ``l >= 1``);
+      ``ln 2 * sum_j w_j ds_j |v_j - out|`` to first order (the factor 2 covers the higher orders while ``ln 2 ds_j``
+      stays below about 1/4, as it does for the tests' data: ``ds_j`` at most about 0.2 with BF16 operands);
+    - the weights' rounding: ``u sum_j w_j |v_j|`` and ``a * max_j v_scale_j * sum_j |v_values_j|``
+      (the subnormal spacing, relative to the tile's largest scale; ``l >= 1``);
     - the float32 sums (tiles, shards, the ``acc`` chain): ``2^-18 sum_j w_j |v_j|``.
     """
+    unit, floor = ROUNDING[operand]
     q64 = np.asarray(q, np.float64) * float(np.float32(float(softmax_scale) * LOG2E))
     k64, v64 = np.asarray(k_values, np.float64), np.asarray(v_values, np.float64)
     ks, vs = np.asarray(k_scale, np.float64), np.asarray(v_scale, np.float64)
@@ -361,7 +371,7 @@ def error_bound(q, k_values, v_values, k_scale, v_scale, softmax_scale: float) -
     qg = q64.reshape(num_kv_heads, num_heads // num_kv_heads, head_dim)  # [kv, g, D]
     scores = np.einsum("kgd,kld->kgl", qg, k64) * ks[:, None]
     magnitude = np.einsum("kgd,kld->kgl", np.abs(qg), np.abs(k64)) * ks[:, None]
-    q_rounding = np.maximum(2.0**-11 * np.abs(qg), 2.0**-25)
+    q_rounding = np.maximum(unit * np.abs(qg), floor)
     ds = np.einsum("kgd,kld->kgl", q_rounding, np.abs(k64)) * ks[:, None] + 2.0**-20 * (magnitude + 1)
     w = np.exp2(scores - scores.max(-1, keepdims=True))
     w /= w.sum(-1, keepdims=True)
@@ -370,5 +380,5 @@ def error_bound(q, k_values, v_values, k_scale, v_scale, softmax_scale: float) -
     spread = np.abs(v[:, None] - out[:, :, None])  # [kv, g, L, D]
     from_scores = math.log(2) * np.einsum("kgl,kgld->kgd", w * ds, spread)
     weighted = np.einsum("kgl,kld->kgd", w, np.abs(v))
-    subnormal = 2.0**-25 * vs.max(-1)[:, None, None] * np.abs(v64).sum(1)[:, None]
-    return (2 * (from_scores + (2.0**-11 + 2.0**-18) * weighted + subnormal)).reshape(num_heads, head_dim)
+    subnormal = floor * vs.max(-1)[:, None, None] * np.abs(v64).sum(1)[:, None]
+    return (2 * (from_scores + (unit + 2.0**-18) * weighted + subnormal)).reshape(num_heads, head_dim)

@@ -201,6 +201,35 @@ def test_decode_attention_over_an_fp8_cache_of_whole_tiles_runs_on_tensor_cores(
 
 
 @pytest.mark.cudasim
+def test_prefill_over_a_bf16_cache_of_whole_tiles_runs_the_flash_prefill(gemm_twins, monkeypatch):
+    """head_dim 128, a BF16 cache of 16-token blocks: the prompts' prefill runs the tensor-core flash prefill in every
+    layer (BF16 operands), bit for bit ``fp8lab.simulators.prefill_mma`` on the arrays the engine passed it; the
+    greedy tokens are the reference's and the logits within 5e-3 of it (the BF16 query and weights; measured 4e-4)."""
+    from fp8lab.simulators import prefill_mma as prefill_model
+
+    calls = []
+    real_prefill = prefill_mma.paged_prefill_mma
+
+    def recorded_prefill(*args, **kwargs):
+        out = real_prefill(*args, **kwargs)
+        calls.append(([np.array(x, copy=True) for x in args[:6]], args[6], args[8:10], np.array(out, copy=True)))
+        return out
+
+    monkeypatch.setattr(prefill_mma, "paged_prefill_mma", recorded_prefill)
+    config = micro_config(head_dim=128)
+    tensors = micro_tensors(config, seed=7)
+    want_tokens, want, _ = run_greedy(Qwen3Model(config, tensors), PROMPTS[:2], 0, "bf16", num_blocks=4, block_size=16)
+    model = CudaQwen3Model(config, tensors, max_num_tokens=8, max_num_seqs=2, f32_max_rows=16)
+    got_tokens, got, _ = run_greedy(model, PROMPTS[:2], 0, "bf16", num_blocks=4, block_size=16)
+    assert len(calls) == config.num_hidden_layers and got_tokens == want_tokens
+    (q, k_cache, v_cache, tables, context_lens, query_lens), scale, scales, out = calls[0]
+    assert k_cache.dtype == np.uint16 and scales == (None, None)
+    assert np.array_equal(out, prefill_model.paged_prefill(q, k_cache, v_cache, tables, context_lens, query_lens,
+                                                           scale, None, None))
+    assert rel_err(got, want) <= 5e-3, rel_err(got, want)
+
+
+@pytest.mark.cudasim
 def test_a_decode_batch_feeds_the_tensor_core_lm_head_bf16_from_the_final_norm(gemm_twins, monkeypatch):
     """The default ``f32_max_rows`` (1) on a batch of three: the prefill's lm_head takes its 3 float32 last-token rows
     (rounded to BF16 on load), each decode step's (bucket 4) the final norm's BF16 bits, on ``gemv_mma_bf16``; the

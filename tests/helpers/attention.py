@@ -8,6 +8,7 @@ the tensor-core prefill's bound (``prefill_batch``, ``assert_within_prefill_mma_
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import ml_dtypes
@@ -169,33 +170,54 @@ def assert_within_mma_bound(data, out):
         assert (err <= bound).all(), f"sequence {seq}: error / bound up to {np.max(err / bound):.3g}"
 
 
-def prefill_batch(rng, context_lens, query_lens, group, num_kv_heads, block_size):
-    """A paged FP8 batch holding ``context_lens`` tokens per sequence, and fresh queries for the last ``query_lens``."""
-    data = paged_fp8(rng, context_lens, group * num_kv_heads, num_kv_heads, 128, block_size)
+def prefill_batch(rng, context_lens, query_lens, group, num_kv_heads, block_size, cache="fp8"):
+    """A paged batch holding ``context_lens`` tokens per sequence, and fresh queries for the last ``query_lens``: an
+    FP8 cache (``cache="fp8"``) or, ``"bf16"``, the same random K/V rounded to BF16 (uint16 patterns, no scales);
+    NaN-poisoned unused slots either way."""
+    lens = np.asarray(context_lens)
+    data = paged_layout(rng, lens, group * num_kv_heads, num_kv_heads, 128, block_size).random_data(
+        rng, fp8=cache == "fp8")
+    if cache == "bf16":
+        data = dataclasses.replace(data, k_cache=bf16_cache(data.k_cache), v_cache=bf16_cache(data.v_cache))
     q = rng.standard_normal((int(np.sum(query_lens)), group * num_kv_heads, 128)).astype(np.float32)
     return data, q, np.asarray(query_lens, np.int64)
 
 
-def assert_within_prefill_mma_bound(data, q, query_lens, out):
+def exact_tokens(data, seq, length):
+    """``(k_values, v_values, k_scale, v_scale)`` of a sequence's first ``length`` tokens, ``[kv, L, D]`` and ``[kv,
+    L]``: FP8 codes decoded with their scales apart, BF16 patterns widened with scales of 1."""
+    block_size = data.k_cache.shape[2]
+    slots = [(data.block_tables[seq, j // block_size], j % block_size) for j in range(int(length))]
+
+    def values(cache):
+        entries = np.stack([cache[b, :, o] for b, o in slots], axis=1)
+        return e4m3.VALUES[entries] if cache.dtype == np.uint8 else as_float32(entries)
+
+    if data.k_cache.dtype != np.uint8:
+        ones = np.ones((data.k_cache.shape[1], int(length)), np.float32)
+        return values(data.k_cache), values(data.v_cache), ones, ones
+    ks = np.stack([data.k_scale[b, :, o] for b, o in slots], axis=1)
+    vs = np.stack([data.v_scale[b, :, o] for b, o in slots], axis=1)
+    return values(data.k_cache), values(data.v_cache), ks, vs
+
+
+def assert_within_prefill_mma_bound(data, q, query_lens, out, operand=None):
     """``out`` (the tensor-core flash prefill) with every query within ``fp8lab.simulators.splitkv_mma.error_bound``
-    over its causal prefix of the float64 reference; no NaN."""
+    over its causal prefix of the float64 reference, for the operand format (default: F16 for an FP8 cache, BF16 for
+    a BF16 one); no NaN."""
     assert out.shape == q.shape and not np.isnan(out).any()
     ref = reference_prefill(q, data.k_cache, data.v_cache, data.k_scale, data.v_scale, data.block_tables,
                             data.seq_lens, query_lens, data.softmax_scale)
-    block_size = data.k_cache.shape[2]
+    operand = operand or ("f16" if data.k_cache.dtype == np.uint8 else "bf16")
     row = 0
     for seq, (context, n) in enumerate(zip(data.seq_lens, query_lens)):
         if n == 0:
             continue
-        slots = [(data.block_tables[seq, j // block_size], j % block_size) for j in range(int(context))]
-        k = np.stack([e4m3.VALUES[data.k_cache[b, :, o]] for b, o in slots], axis=1)
-        v = np.stack([e4m3.VALUES[data.v_cache[b, :, o]] for b, o in slots], axis=1)
-        ks = np.stack([data.k_scale[b, :, o] for b, o in slots], axis=1)
-        vs = np.stack([data.v_scale[b, :, o] for b, o in slots], axis=1)
+        k, v, ks, vs = exact_tokens(data, seq, context)
         for i in range(int(n)):
             keys = int(context) - int(n) + i + 1
             bound = splitkv_mma.error_bound(q[row], k[:, :keys], v[:, :keys], ks[:, :keys], vs[:, :keys],
-                                            data.softmax_scale)
+                                            data.softmax_scale, operand)
             err = np.abs(out[row].astype(np.float64) - ref[row])
             assert (err <= bound).all(), f"sequence {seq}, query {i}: error / bound up to {np.max(err / bound):.3g}"
             row += 1

@@ -7,12 +7,14 @@ and 16 (16, 8, 4 and 1 query tokens per warp), block sizes 16 and 32, pure prefi
 prefix before the new tokens), query counts that end inside a warp, a sequence without new tokens, a walk over more
 than 32 key tiles (the block table's second chunk), NaN-poisoned unused cache slots and a NaN-poisoned ``out``; device
 index arrays with ``max_context_len`` (nothing read back: the grid covers ``len(q)`` tokens per sequence); BF16 output
-bit for bit ``layers.bf16_round`` of the float32 output; caches the kernel does not take are a ``ValueError``.
+bit for bit ``layers.bf16_round`` of the float32 output; caches the kernel does not take are a ``ValueError``. Over a
+BF16 cache (the variant that loads a tile, then computes it): groups 2 and 16, chunked prefill, the 34-tile walk.
 
 On a GPU (``gpu``, run by hand on an H200): Qwen3-8B heads (32 query, 8 kv) over a 1,000-token prompt and 4 x 512
 tokens, Qwen3-0.6B heads (16, 8) over 2,048 tokens after a 100-token prefix, against ``fp8lab.reference.attention``
 on fresh random data, ``out`` poisoned: every query within ``fp8lab.simulators.splitkv_mma.error_bound`` over its
-causal prefix; BF16 output bit for bit the float32 output rounded.
+causal prefix (in BF16 operands over a BF16 cache: the 8B prompt once more); BF16 output bit for bit the float32 output
+rounded.
 """
 
 import os
@@ -48,26 +50,29 @@ def same_bits(a, b) -> bool:
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
-@pytest.mark.parametrize("context_lens, query_lens, group, num_kv_heads, block_size", [
-    ([21], [21], 4, 2, 16),  # pure prefill, 6 warps of 4 tokens, the last one with one query; 2 kv heads
-    ([50, 9, 21], [19, 0, 21], 2, 1, 32),  # chunked prefill after 31 cached tokens; a sequence without new tokens
-    ([23], [23], 1, 1, 16),  # 16 tokens per warp
-    ([19, 6], [3, 2], 16, 1, 16),  # one token per warp, rows g + 8 are heads 8..15
+@pytest.mark.parametrize("context_lens, query_lens, group, num_kv_heads, block_size, cache", [
+    ([21], [21], 4, 2, 16, "fp8"),  # pure prefill, 6 warps of 4 tokens, the last one with one query; 2 kv heads
+    ([50, 9, 21], [19, 0, 21], 2, 1, 32, "fp8"),  # chunked prefill after 31 cached tokens; a sequence without new tokens
+    ([23], [23], 1, 1, 16, "fp8"),  # 16 tokens per warp
+    ([19, 6], [3, 2], 16, 1, 16, "fp8"),  # one token per warp, rows g + 8 are heads 8..15
+    ([50, 9, 21], [19, 0, 21], 2, 1, 32, "bf16"),
+    ([19, 6], [3, 2], 16, 1, 16, "bf16"),
 ])
-def test_bit_for_bit_the_simulator(context_lens, query_lens, group, num_kv_heads, block_size):
+def test_bit_for_bit_the_simulator(context_lens, query_lens, group, num_kv_heads, block_size, cache):
     rng = np.random.default_rng(sum(context_lens) * group + block_size)
-    data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, num_kv_heads, block_size)
+    data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, num_kv_heads, block_size, cache)
     out = run_kernel(data, q, query_lens)
     assert not np.isnan(out).any(), "an output was not written (still NaN)"
     assert same_bits(out, simulated(data, q, query_lens))
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
-def test_a_walk_past_32_tiles_bit_for_bit_the_simulator():
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+def test_a_walk_past_32_tiles_bit_for_bit_the_simulator(cache):
     """Two queries at positions 527 and 528 after a cached prefix: 34 key tiles, the block table's second chunk
     (tiles 32 and 33) read by the lanes; group 8 (2 tokens per warp)."""
     rng = np.random.default_rng(4)
-    data, q, query_lens = prefill_batch(rng, [529], [2], 8, 1, 16)
+    data, q, query_lens = prefill_batch(rng, [529], [2], 8, 1, 16, cache)
     out = run_kernel(data, q, query_lens)
     assert same_bits(out, simulated(data, q, query_lens))
 
@@ -108,7 +113,7 @@ def test_a_float_cache_and_wrong_lengths_are_refused_a_nan_scale_propagates():
     rng = np.random.default_rng(1)
     data, q, query_lens = prefill_batch(rng, [9], [9], 2, 1, 16)
     floats = np.zeros(data.k_cache.shape, np.float32)
-    with pytest.raises(ValueError, match="FP8 cache"):
+    with pytest.raises(ValueError, match="an FP8 or a BF16 cache"):
         prefill_mma.paged_prefill_mma(q, floats, floats, data.block_tables, data.seq_lens, query_lens,
                                       data.softmax_scale, np.zeros_like(q))
     with pytest.raises(ValueError, match="query_lens"):
@@ -126,13 +131,14 @@ def test_a_float_cache_and_wrong_lengths_are_refused_a_nan_scale_propagates():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="needs a GPU")
-@pytest.mark.parametrize("heads, context_lens, query_lens", [
-    ((32, 8), [1000], [1000]), ((32, 8), [512] * 4, [512] * 4), ((16, 8), [2148], [2048]),
+@pytest.mark.parametrize("heads, context_lens, query_lens, cache", [
+    ((32, 8), [1000], [1000], "fp8"), ((32, 8), [512] * 4, [512] * 4, "fp8"), ((16, 8), [2148], [2048], "fp8"),
+    ((32, 8), [1000], [1000], "bf16"),
 ])
-def test_on_the_gpu_within_the_bound_of_the_reference(heads, context_lens, query_lens):
+def test_on_the_gpu_within_the_bound_of_the_reference(heads, context_lens, query_lens, cache):
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     group = heads[0] // heads[1]
-    data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, heads[1], 16)
+    data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, heads[1], 16, cache)
     f32 = run_kernel(data, q, query_lens)
     assert_within_bound(data, q, query_lens, f32)
     bf16 = run_kernel(data, q, query_lens, out=np.full(q.shape, 0xFFFF, np.uint16))

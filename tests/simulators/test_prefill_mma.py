@@ -1,10 +1,10 @@
 """The tensor-core flash prefill model (``fp8lab.simulators.prefill_mma``) against the float64 oracle.
 
 Each query of a causal prefill is a decode over its prefix with the tensor-core decode's roundings (F16 queries and
-weights, float32 chains), so ``fp8lab.simulators.splitkv_mma.error_bound`` over that prefix bounds its error; the
-oracle is ``fp8lab.reference.attention.prefill`` over ``fp8lab.reference.kv_cache.gather``. Caches are random FP8
-with NaN-poisoned unused slots; chunked prefill (a cached prefix before the new tokens), sequences without new
-tokens, every group size that divides 16.
+weights over an FP8 cache, BF16 ones over a BF16 cache; float32 chains), so ``fp8lab.simulators.splitkv_mma.error_bound``
+over that prefix, in the operand format, bounds its error; the oracle is ``fp8lab.reference.attention.prefill`` over
+``fp8lab.reference.kv_cache.gather``. Caches are random FP8 or BF16 with NaN-poisoned unused slots; chunked prefill (a
+cached prefix before the new tokens), sequences without new tokens, every group size that divides 16.
 """
 
 from __future__ import annotations
@@ -27,30 +27,34 @@ def run_model(data, q, query_lens):
 @settings(deadline=None, max_examples=25)
 @given(seed=st.integers(0, 2**32 - 1), lens=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), min_size=1,
                                                      max_size=3),
-       group=st.sampled_from([1, 2, 4, 8, 16]), num_kv_heads=st.sampled_from([1, 2]), block_size=st.sampled_from([16, 32]))
-def test_within_the_error_bound_of_the_reference(seed, lens, group, num_kv_heads, block_size):
+       group=st.sampled_from([1, 2, 4, 8, 16]), num_kv_heads=st.sampled_from([1, 2]), block_size=st.sampled_from([16, 32]),
+       cache=st.sampled_from(["fp8", "bf16"]))
+def test_within_the_error_bound_of_the_reference(seed, lens, group, num_kv_heads, block_size, cache):
     rng = np.random.default_rng(seed)
     context_lens = [max(a, b) for a, b in lens]
     query_lens = [min(a, b) for a, b in lens]  # a cached prefix of the difference (chunked prefill), or none
-    data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, num_kv_heads, block_size)
+    data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, num_kv_heads, block_size, cache)
     assert_within_bound(data, q, query_lens, run_model(data, q, query_lens))
 
 
-def test_long_prompt_over_many_tiles():
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+def test_long_prompt_over_many_tiles(cache):
     """A 150-token prompt after a 40-token prefix, Qwen3-8B's group of 4: 12 key tiles, 38 warps of 4 tokens."""
     rng = np.random.default_rng(3)
-    data, q, query_lens = prefill_batch(rng, [190, 17], [150, 17], 4, 2, 32)
+    data, q, query_lens = prefill_batch(rng, [190, 17], [150, 17], 4, 2, 32, cache)
     assert_within_bound(data, q, query_lens, run_model(data, q, query_lens))
 
 
-def test_a_nan_value_code_reaches_the_rows_that_see_it_and_its_warps_earlier_rows():
-    """The documented difference: a NaN value code of key ``j`` reaches every query at or after ``j`` (as in the
-    reference) and the queries before ``j`` in the same warp tile (weight 0 times NaN in the ``P V`` mma); no other."""
+@pytest.mark.parametrize("cache, nan", [("fp8", 0x7F), ("bf16", 0x7FC0)])
+def test_a_nan_value_reaches_the_rows_that_see_it_and_its_warps_earlier_rows(cache, nan):
+    """The documented difference: a NaN value (an E4M3 NaN code, a BF16 NaN) of key ``j`` reaches every query at or
+    after ``j`` (as in the reference) and the queries before ``j`` in the same warp tile (weight 0 times NaN in the
+    ``P V`` mma); no other."""
     rng = np.random.default_rng(11)
     group, block_size = 4, 16  # a warp owns 4 query tokens: queries 0-3, 4-7, ...
-    data, q, query_lens = prefill_batch(rng, [30], [30], group, 2, block_size)
+    data, q, query_lens = prefill_batch(rng, [30], [30], group, 2, block_size, cache)
     j = 10  # in the warp of queries 8-11
-    data.v_cache[data.block_tables[0, j // block_size], 1, j % block_size, 5] = 0x7F
+    data.v_cache[data.block_tables[0, j // block_size], 1, j % block_size, 5] = nan
     out = run_model(data, q, query_lens)
     nan_rows = np.isnan(out[:, group:]).any(axis=-1).any(axis=-1)  # kv head 1's query heads
     assert nan_rows.tolist() == [i >= 8 for i in range(30)]
@@ -74,3 +78,16 @@ def test_unsupported_or_wrong_calls_are_refused(change, message):
     data, q, _ = prefill_batch(rng, [5, 8], [5, 8], shape["group"], 1, shape["block_size"])
     with pytest.raises(ValueError, match=message):
         run_model(data, q, np.asarray(shape["query_lens"]))
+
+
+def test_a_float32_cache_or_scales_beside_bf16_are_refused():
+    rng = np.random.default_rng(2)
+    data, q, query_lens = prefill_batch(rng, [9], [9], 2, 1, 16, "bf16")
+    floats = data.k_cache.view(np.float16).astype(np.float32)
+    with pytest.raises(ValueError, match="k_cache: the tensor-core prefill attention takes an FP8 cache"):
+        prefill_mma.paged_prefill(q, floats, floats, data.block_tables, data.seq_lens, query_lens, data.softmax_scale,
+                                  None, None)
+    scales = np.ones(data.k_cache.shape[:3], np.float32)
+    with pytest.raises(ValueError, match="k_cache: a BF16 cache .* takes no scales"):
+        prefill_mma.paged_prefill(q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens, query_lens,
+                                  data.softmax_scale, scales, None)

@@ -13,8 +13,8 @@ launch; it reads q, k and v as column slices of that output and writes q, contig
 attention (decode: over an FP8 cache of head size 128 and blocks of whole 16-token tiles,
 ``splitkv_mma.decode_mma_with_input`` on tensor cores (``Planner.decode_attention_on_tensor_cores``), whose split
 kernel also does the attention input, so that launch goes; else ``paged_decode``: the split kernel and, with more
-than one split, the combine kernel; prefill: over an FP8 cache of head size 128, blocks of whole tiles and a GQA
-group that divides 16, ``prefill_mma.paged_prefill_mma``, one flash-attention launch on tensor cores
+than one split, the combine kernel; prefill: over an FP8 or BF16 cache of head size 128, blocks of whole tiles and a
+GQA group that divides 16, ``prefill_mma.paged_prefill_mma``, one flash-attention launch on tensor cores
 (``Planner.prefill_attention_on_tensor_cores``); else ``paged_prefill``, the row expansion, the split kernel and
 maybe the combine), o_proj,
 ``add_parts_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch, on
@@ -280,11 +280,12 @@ class Planner:
 
     def prefill_attention_on_tensor_cores(self, cache: DeviceKVCache) -> bool:
         """Whether a prefill's attention runs as one flash-attention launch on tensor cores (``prefill_mma``): an FP8
-        cache of a shape that kernel takes (``fp8lab.simulators.prefill_mma.supports``), with the tensor-core decode's
-        roundings (F16 queries and weights); else every query is a decode row of the float32 SIMT kernel."""
+        or BF16 cache of a shape that kernel takes (``fp8lab.simulators.prefill_mma.supports``), with the tensor-core
+        decode's roundings (F16 queries and weights over FP8; BF16 over BF16, the rounding the cache already gave K
+        and V); else (a float32 cache) every query is a decode row of the float32 SIMT kernel."""
         c = self.config
         return tensor_core_prefill.supports(c.head_dim, c.num_attention_heads // c.num_key_value_heads,
-                                            cache.block_size, cache.kv_format.name == "fp8", False)
+                                            cache.block_size, cache.kv_format.name, False)
 
     def prefill(self, num_tokens: int, num_seqs: int, width: int, max_context: int, cache: DeviceKVCache) -> Plan:
         """Any forward that is not a decode step, over ``num_tokens`` tokens of ``num_seqs`` sequences whose
