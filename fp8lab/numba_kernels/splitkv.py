@@ -31,9 +31,9 @@ Kernels and launch shapes:
    head_dim / 16`` lanes, lane ``r`` of them owning elements ``[16 r, 16 r + 16)``: for an FP8 cache
    one 128-bit load of 16 codes (two for BF16, four for float32). The CTA's ``num_slots`` groups of
    lanes (16 at head_dim 128: 4 tokens per warp) each take the shard's tokens ``start + slot, start + slot + num_slots, ...``. Per token: dequantize on
-   load (E4M3 by F16 bit placement, ``decode(c) * 2^-8``; BF16 by a shift), for each of the ``H``
-   heads the lane's 16-fma chain with the query (pre-scaled by ``softmax_scale * log2(e)`` and by
-   256), a ``shfl_xor`` butterfly over the slot's lanes, the per-token ``k_scale``, the ALiBi fma;
+   load (E4M3 by the hardware conversion ``cvt.rn.f16x2.e4m3x2``, two codes per instruction, NaN codes
+   NaN; BF16 by a shift), for each of the ``H``
+   heads the lane's 16-fma chain with the query (pre-scaled by ``softmax_scale * log2(e)``), a ``shfl_xor`` butterfly over the slot's lanes, the per-token ``k_scale``, the ALiBi fma;
    then one step of the log2-domain online softmax per head (``corr = 1`` when the max holds). Each
    K and V row is loaded and decoded once for the ``H`` heads. The slots' states merge through
    shared memory in slot order. The CTA writes its shard's partial ``(m, l, acc)`` per head to the
@@ -102,7 +102,7 @@ from .arguments import (
     require_load_alignment,
 )
 from .bits import SIMULATOR, u32_as_f32
-from .dequantize import placed_codes
+from .dequantize import decoded_codes
 from .kv_cache import check_cache, on_device, placeholder, to_host
 from .warp import FULL_MASK, WARP_SIZE, WORDS_PER_LOAD, load_u32x4
 
@@ -114,9 +114,6 @@ LOG2E_F32 = float32(LOG2E)
 """``log2(e)`` rounded once to float32: ALiBi slopes are scaled by it (``slope2 = slope * LOG2E_F32``)."""
 KV_REGISTER_BUDGET = 32
 """Registers of K and V words a lane may hold in flight (one word per register): sets ``tokens_in_flight``."""
-VALUE_UNIT = {"fp8": 256.0, "bf16": 1.0, "fp32": 1.0}
-"""The decoded cache values are ``value / VALUE_UNIT`` (FP8 codes by F16 bit placement give ``decode(c) * 2^-8``);
-the query and the V weights are multiplied by it instead, which is exact (see ``split_kernel_function``)."""
 
 
 # ---------------------------------------------------------------------------- the launch plan
@@ -171,9 +168,11 @@ def lane_layout(cache_format: str, head_dim: int, tokens_in_flight: int | None =
 
 @cuda.jit(device=True, inline=True)
 def fp8_values(words, first, values):
-    """16 E4M3 codes (4 words from ``words[first]``) -> ``values[0:16]``, float32 ``decode(c) * 2^-8``, exact."""
+    """16 E4M3 codes (4 words from ``words[first]``) -> ``values[0:16]``, float32 ``decode(c)``, exact, NaN codes NaN
+    (the hardware conversion: bit placement, a few instructions more, would make a NaN code a finite number, and a
+    cache that holds one, written from a vector with an infinity, must give NaN as the reference does)."""
     for w in range(4):
-        v0, v1, v2, v3 = placed_codes(words[first + w])
+        v0, v1, v2, v3 = decoded_codes(words[first + w])
         values[4 * w] = v0
         values[4 * w + 1] = v1
         values[4 * w + 2] = v2
@@ -273,11 +272,6 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
     (never read), a call without ALiBi a placeholder ``alibi_slopes`` and ``use_alibi = 0``. Launch
     ``[(num_seqs, num_heads // heads, num_splits), 128]``. ``out`` (written only when ``num_splits ==
     1``) is float32, or with ``bf16_out`` uint16 BF16 bits (``store_bf16``).
-
-    Exact rescalings: FP8 values are decoded as ``decode(c) * 2^-8`` (two integer instructions and
-    a conversion per pair, no multiply); the query is multiplied by 256 once and each V weight
-    ``p * v_scale`` by 256, both exact (powers of two), and since an fma rounds only once,
-    ``fma(256 q2, k / 256, part)`` is bit for bit ``fma(q2, k, part)``.
     """
     layout = lane_layout(cache_format, head_dim, tokens_in_flight)
     WORDS, LOADS, U, H = layout.words, layout.loads, layout.tokens_in_flight, heads
@@ -293,7 +287,6 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
     MERGE_SIZE = H * SLOTS * head_dim
     MERGE_STATES = H * SLOTS
     IS_FP8 = cache_format == "fp8"
-    UNIT = float32(VALUE_UNIT[cache_format])
     values_of = VALUE_DECODERS[cache_format]
     store = output_store(bf16_out)
 
@@ -393,7 +386,7 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
                         corr[h] = c if head_moved else float32(1)
                         moved = moved or head_moved
                         l[h] = cuda.fma(l[h], corr[h], p)  # fma(l, 1, p) = l + p
-                        pv[h] = p * v_group_scales[u] * UNIT if IS_FP8 else p
+                        pv[h] = p * v_group_scales[u] if IS_FP8 else p
                         m[h] = m_new
                     if moved:
                         for h in range(H):
@@ -424,7 +417,7 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
         seq_len = seq_lens[seq]
         start, end = shard_range(seq_len, shard, num_splits, block_size)
 
-        # The H queries in the log2 domain (times UNIT, exact), as this lane's 16 elements each.
+        # The H queries in the log2 domain, as this lane's 16 elements each.
         q2 = cuda.local.array(HE, float32)
         slope2 = cuda.local.array(H, float32)
         m = cuda.local.array(H, float32)
@@ -432,7 +425,7 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
         acc = cuda.local.array(HE, float32)
         for h in range(H):
             for e in range(E):
-                q2[h * E + e] = (q[seq, head0 + h, r * E + e] * scale_log2) * UNIT
+                q2[h * E + e] = q[seq, head0 + h, r * E + e] * scale_log2
                 acc[h * E + e] = float32(0)
             slope2[h] = alibi_slopes[head0 + h] * LOG2E_F32 if use_alibi else float32(0)
             m[h] = float32(-math.inf)

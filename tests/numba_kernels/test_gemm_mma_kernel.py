@@ -374,11 +374,9 @@ CANONICAL_NAN = np.uint32(0x7FFFFFFF).view(np.float32)
 (``0x8000``, -0.0): a NaN would become a number."""
 
 
-@pytest.mark.cudasim
-@pytest.mark.parametrize("output", ["f32", "f16", "bf16"])
-def test_a_nan_scale_or_activation_reaches_exactly_its_outputs(output, rng):
+def check_a_nan_scale_or_activation_reaches_exactly_its_outputs(output, rng):
     """A NaN block scale (with the GPU's canonical payload) makes its block's columns NaN in every row; a NaN
-    activation makes its row NaN in every column; every other output is finite. For each output format."""
+    activation makes its row NaN in every column; every other output is finite."""
     m, n, k, block = 5, 16, 256, (8, 128)
     a = activations(rng.standard_normal((m, k)).astype(np.float32), "bf16")
     a[2, 130] = 0x7FFF  # a BF16 NaN in row 2
@@ -394,6 +392,19 @@ def test_a_nan_scale_or_activation_reaches_exactly_its_outputs(output, rng):
     expected_nan[2, :] = True
     expected_nan[:, 8:] = True
     assert np.array_equal(np.isnan(output_values(out, output)), expected_nan)
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("output", ["f32", "f16", "bf16"])
+def test_a_nan_scale_or_activation_reaches_exactly_its_outputs(output, rng):
+    check_a_nan_scale_or_activation_reaches_exactly_its_outputs(output, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("output", ["f32", "f16", "bf16"])
+def test_gpu_a_nan_scale_or_activation_reaches_exactly_its_outputs(output, rng):
+    """The same on a GPU, whose arithmetic makes every NaN 0x7FFFFFFF (the pattern a BF16 rounding can lose)."""
+    check_a_nan_scale_or_activation_reaches_exactly_its_outputs(output, rng)
 
 @pytest.mark.cudasim
 @pytest.mark.parametrize("fmt", bp.FORMATS)

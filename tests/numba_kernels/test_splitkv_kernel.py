@@ -246,6 +246,42 @@ def test_all_sequences_empty_give_zero_rows(rng):
         assert np.all(out == 0)
 
 
+def nan_code_batch(rng):
+    """A batch of two sequences with a NaN code (0x7F in a key of sequence 0, 0xFF in a value of sequence 1) under a
+    finite scale, and where the reference makes NaN: sequence 0's rows, sequence 1's element 3."""
+    data = make_data(rng, [13, 9], num_heads=2)
+    for seq, cache, token, code in ((0, data.k_cache, 7, 0x7F), (1, data.v_cache, 5, 0xFF)):
+        block, offset = data.block_tables[seq, token // 4], token % 4
+        cache[block, 0, offset, 3] = code
+    reference = attention.paged_decode(data.q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens,
+                                       data.softmax_scale, data.k_scale, data.v_scale)
+    expected_nan = np.zeros(data.q.shape, bool)
+    expected_nan[0] = True
+    expected_nan[1, :, 3] = True
+    assert np.array_equal(np.isnan(reference), expected_nan)
+    return data, expected_nan
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_nan_codes_with_finite_scales_give_the_references_nan(rng, num_splits):
+    """Regression: the kernel makes NaN exactly what the reference makes NaN (``nan_code_batch``), bit for bit the
+    simulator elsewhere. Bit placement, which this kernel once decoded with, read those codes as finite numbers."""
+    data, expected_nan = nan_code_batch(rng)
+    got = run_kernel(data, num_splits)
+    assert np.array_equal(np.isnan(got), expected_nan)
+    simulated = sk.paged_decode(*simulator_args(data), num_splits=num_splits)
+    assert np.array_equal(got[~expected_nan].view(np.uint32), simulated[~expected_nan].view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gpu_nan_codes_with_finite_scales_give_the_references_nan(num_splits):
+    """The same NaN pattern on a GPU, where the decode is the hardware's ``cvt.rn.f16x2.e4m3x2``."""
+    data, expected_nan = nan_code_batch(fresh_rng()[1])
+    assert np.array_equal(np.isnan(run_kernel(data, num_splits)), expected_nan)
+
+
 @pytest.mark.cudasim
 def test_fp8_cache_without_scales_fails_loudly(rng):
     """Regression: codes without their scales must never be read as if the scales were 1."""
