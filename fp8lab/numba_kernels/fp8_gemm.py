@@ -10,14 +10,16 @@ Paths (``path=``):
 
 - ``"simt"``: ``fp8lab.numba_kernels.gemv_simt`` (warp per output column, 1 <= M <= 16), the decode path;
 - ``"gemv_mma"``: ``fp8lab.numba_kernels.gemv_mma`` (tensor cores with the weights as the m16 operand, 1 <= M
-  <= 16, BF16 in, float32 or BF16 out, N a multiple of 16), the decode-batch path: its time hardly grows with M;
+  <= 32, BF16 in, float32 or BF16 out, N a multiple of 16), the decode-batch path: its time hardly grows with M;
 - ``"mma"``: ``fp8lab.numba_kernels.gemm_mma`` (tensor cores, any M: tiles of 16 or 32 rows), which is
   also the large-M path: its grid simply grows in M;
-- ``"auto"``: ``gemv_mma`` for 2 to 16 rows where it applies, else ``simt`` for ``M <= SIMT_MAX_M`` and ``mma``
+- ``"auto"``: ``gemv_mma`` for 2 to 32 rows where it applies, else ``simt`` for ``M <= SIMT_MAX_M`` and ``mma``
   beyond. The thresholds come from ``bench/gemm.py`` and ``bench/gemv_mma.py`` on an H200 (``bench/RESULTS.md``):
   at M = 2 to 8 ``gemv_mma`` takes 0.5 to 0.8 times the SIMT GEMV's time at the Qwen3 shapes (at M = 1 the SIMT
   GEMV is faster), at 9 to 16 it reads the weights once where ``gemm_mma``'s 16-row tiles re-read them per
-  column tile, and past 4 rows the SIMT GEMV loses to the tensor cores.
+  column tile, and past 4 rows the SIMT GEMV loses to the tensor cores. 17 to 32 rows follow without a
+  measurement yet: at M = 32 ``gemm_mma`` took 1.9 to 2.5 times cuBLAS BF16 (fewer CTAs than SMs, each walking
+  all of K), where ``gemv_mma`` splits K over a CTA's warps and its time hardly grew from 1 to 16 rows.
 
 Both kernels check their arguments before launching (``arguments.check_gemm``); the stricter of
 the two rules applies to ``auto`` too, so a call that works for one M works for every M: K and

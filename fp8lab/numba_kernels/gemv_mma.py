@@ -1,6 +1,7 @@
 """Tensor-core decode GEMV for FP8 (E4M3) blockwise weights: ``mma.m16n8k16`` with the weights as the m16 operand.
 
-Computes ``fp8lab.reference.blockwise.gemm`` for ``1 <= M <= 16`` rows (a decode batch)::
+Computes ``fp8lab.reference.blockwise.gemm`` for ``1 <= M <= 32`` rows (a decode batch, a short prefill; float32
+activations: 16)::
 
     out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]
 
@@ -13,9 +14,9 @@ Why a second tensor-core GEMM: ``gemm_mma`` puts the activations in the mma's 16
 uses a quarter of each mma and a CTA covers only 32 columns through shared memory; the SIMT GEMV
 (``gemv_simt``) does one FFMA per code and row, so its time grows with every row (at the Qwen3-8B gate/up
 shape, 30 us at M = 1 and 51 us at M = 4 on an H200). Here the **weights are the A operand** (a warp's 16
-output columns) and the **activations the B operand** (8 rows per mma, one per lane group; 9 to 16 rows take
-a second mma on the same A registers), so one mma does the work of 16 x 8 x 16 FFMAs whatever M is, and the
-weights go from global memory straight into registers, once for all the rows.
+output columns) and the **activations the B operand** (8 rows per mma, one per lane group; each further 8 rows,
+up to 32, take one more mma on the same A registers), so one mma does the work of 16 x 8 x 16 FFMAs whatever M
+is, and the weights go from global memory straight into registers, once for all the rows.
 
 How, per warp (lane ``(g, t)`` = ``(lane >> 2, lane & 3)``):
 
@@ -25,7 +26,8 @@ How, per warp (lane ``(g, t)`` = ``(lane >> 2, lane & 3)``):
 - **K slices**: the CTA's ``k_slices`` warps each take a contiguous slice of the 128-wide chunks
   (``fp8lab.simulators.gemv_mma.slice_chunks``); more warps per column where the grid is narrow.
 - **Spans of 64 k**: per span a lane loads 16 codes of each of its two rows (one 128-bit load each) and
-  16 activations of batch row ``g`` (and ``g + 8`` for a second batch tile) at the same k (two 128-bit loads
+  16 activations of batch row ``g`` (and ``g + 8``, ``g + 16``, ``g + 24`` for further batch tiles) at the same k
+  (two 128-bit loads
   of BF16, four of float32, per row); rows ``>= M`` are zeros, never loaded. The 4 k16 steps of a span take word ``j`` of each code load
   (codes ``4 j .. 4 j + 3``: A registers ``a0a1 = place(codes 0, 1)`` of row ``g``, ``a2a3`` the same of row
   ``g + 8``, ``a4a5``, ``a6a7`` codes 2, 3) and activations ``4 j .. 4 j + 3`` (B registers
@@ -37,8 +39,9 @@ How, per warp (lane ``(g, t)`` = ``(lane >> 2, lane & 3)``):
 - **A ring of ``depth`` chunks** (1 to 4; ``default_depth``): each warp keeps the codes, activations and block
   scales of its next ``depth`` chunks in registers and refills a slot right after that chunk's mma. A round of
   the loop is written out ``depth`` times (``gemv_simt.unrolled``) so every slot index is a constant. The ring
-  is what keeps bytes in flight; registers bound it (78, 108 and 144 at depths 1 to 3 with one batch tile): the
-  default is the deepest ring at which the whole grid is resident at once (``default_depth``).
+  is what keeps bytes in flight; registers bound it (78, 108 and 144 at depths 1 to 3 with one batch tile; 143 and
+  226 at depths 1 and 2 with four, which spill at 3): the default is the deepest ring at which the whole grid is
+  resident at once (``default_depth``).
 - **The CTA's sum**: each warp puts its ``c_fin`` in shared memory; warp 0 adds them in warp order and stores
   ``out[8 b + 2 t, n]``, ``out[8 b + 2 t + 1, n]`` of batch tile ``b`` (the accumulator columns are the batch
   rows), or SwiGLU's ``silu(gate) * up`` with ``layers.silu_times``; a uint16 ``out`` gets them rounded to BF16
@@ -56,11 +59,11 @@ How, per warp (lane ``(g, t)`` = ``(lane >> 2, lane & 3)``):
 Measured (``bench/gemv_mma.py`` and ``bench/engine.py``; numbers in ``bench/RESULTS.md``): at 2 to 8 rows with BF16
 inputs faster than the SIMT GEMV, at one row slower (the SIMT GEMV streams more bytes per register); at 8 rows of
 Qwen3-8B's q/k/v, 0.47 times ``gemm_mma``'s time; in the engine, faster than ``gemm_mma`` at 8 and 16 rows.
-So ``fp8_gemm`` sends it 2 to 16 rows.
+So ``fp8_gemm`` sends it 2 to 32 rows (17 to 32 went to ``gemm_mma`` before; not yet timed there).
 
 Requirements (``ValueError`` before launching): ``arguments.check_gemm``'s (K and BK multiples of 128), BN a
-multiple of 8, ``1 <= M <= 16``, activations BF16 bits (uint16/int16) or float32, ``out`` float32 or uint16 (BF16 bits), ``N`` a
-multiple of 16 (SwiGLU: ``I`` a multiple of 8), 16-byte aligned device data.
+multiple of 8, ``1 <= M <= 32`` (``F32_MAX_ROWS`` for float32), activations BF16 bits (uint16/int16) or float32, ``out``
+float32 or uint16 (BF16 bits), ``N`` a multiple of 16 (SwiGLU: ``I`` a multiple of 8), 16-byte aligned device data.
 """
 
 from __future__ import annotations
@@ -103,6 +106,9 @@ SHIFT = PLACEMENT_SHIFT["bf16"]
 UNPLACE = np.float32(2.0 ** PLACEMENT_EXPONENT["bf16"])
 ACTIVATION_WORDS = {"bf16": SPANS_PER_CHUNK * 8, "f32": SPANS_PER_CHUNK * 16}
 """uint32 words of activations a lane holds per chunk: 16 per span as BF16 pairs (8) or float32 (16)."""
+F32_MAX_ROWS = 2 * BATCH_TILE
+"""Rows of float32 activations at most: two batch tiles. With three or four, their 32 words per tile and chunk put
+the ring in local memory (ptxas, sm_90: a 576-byte stack frame at four tiles and depth 1)."""
 
 
 DEPTH_CHOICES = (1, 2, 3, 4)
@@ -119,9 +125,11 @@ def default_k_slices(n_tiles: int, num_chunks: int) -> int:
     return K_SLICES_CHOICES[-1]
 
 
-REGISTERS = {(False, 1): (78, 108, 144), (False, 2): (102, 144, 196), (True, 1): (78, 102, 140), (True, 2): (94, 144, 194)}
+REGISTERS = {(False, 1): (78, 108, 144), (False, 2): (102, 144, 196), (False, 3): (114, 182, 248), (False, 4): (143, 226),
+             (True, 1): (78, 102, 140), (True, 2): (94, 144, 194), (True, 3): (112, 182, 246), (True, 4): (142, 226)}
 """Registers per thread of the BF16-activation kernels at ring depths 1, 2 and 3, by (SwiGLU, batch tiles): ptxas
-for sm_90 (``tests/numba_kernels/test_kernels_compile.py`` checks the variants it compiles against this table)."""
+for sm_90 (``tests/numba_kernels/test_kernels_compile.py`` checks the variants it compiles against this table).
+Four batch tiles spill at depth 3 (255 registers and 892 bytes), so their entry stops at depth 2."""
 SM_REGISTERS, SM_MAX_WARPS, SM_MAX_CTAS, REGISTER_UNIT = 65536, 64, 32, 256
 """An sm_90 SM's register file, its most resident warps and CTAs, and the registers a warp is given at a time."""
 
@@ -143,15 +151,16 @@ def default_depth(activation: str, k_slices: int, batch_tiles: int, swiglu: bool
     activation words per chunk: 168 registers at depth 2)."""
     if activation != "bf16":
         return 2
+    registers = REGISTERS[swiglu, batch_tiles]
     for depth in (3, 2):
-        if resident_ctas(k_slices, REGISTERS[swiglu, batch_tiles][depth - 1]) * sms >= grid:
+        if depth <= len(registers) and resident_ctas(k_slices, registers[depth - 1]) * sms >= grid:
             return depth
     return 1
 
 
 def batch_tiles_for(m: int) -> int:
-    """n8 tiles of activations a warp multiplies: 1 for up to 8 rows, 2 for 9 to 16."""
-    return 1 if m <= BATCH_TILE else 2
+    """n8 tiles of activations a warp multiplies: 1 for up to 8 rows, 2 for 9 to 16, ..., 4 for 25 to 32."""
+    return -(-m // BATCH_TILE)
 
 
 @functools.cache
@@ -160,7 +169,7 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
     """One kernel variant: ``depth`` chunks in flight per warp (a register ring), ``k_slices`` warps per CTA,
     ``activation`` ``'bf16'`` (uint16 pairs as uint32 words) or ``'f32'`` (float32 bits as uint32 words), plain or
     SwiGLU, ``batch_tiles`` n8 tiles of batch rows (1: rows 0..7; 2: rows 0..15, two mma per k16 step on the same
-    A registers), ``output`` ``'f32'`` or ``'bf16'`` (uint16 bits, rounded as ``layers.bf16_round``). Arguments:
+    A registers; up to 4: rows 0..31), ``output`` ``'f32'`` or ``'bf16'`` (uint16 bits, rounded as ``layers.bf16_round``). Arguments:
     ``(a_words uint32 [M * K / 2 or M * K], q_words uint32 [N * K / 4], scale_inv float32 [ceil(N/BN),
     ceil(K/BK)], out float32 or uint16 [M, N or I], m, k, block_n, block_k)``, all flat words row-major.
     ``weights='bf16'``: ``q_words`` holds BF16 weight patterns (``N * K / 2`` words), the A registers take them as
@@ -407,13 +416,20 @@ def _check(a, q, scale_inv, out, block, swiglu: bool) -> arguments.GemmProblem:
                          f"{' (I a multiple of 8)' if swiglu else ''}, got N = {n}")
     problem = arguments.check_gemm(a, q, scale_inv, out, block, kernel=kernel, activations=("bf16", "f32"),
                                    block_n_multiple=8, out_columns=n // 2 if swiglu else None)
-    if not 1 <= problem.m <= MAX_ROWS:
-        raise ValueError(f"a: {kernel} takes 1 to {MAX_ROWS} rows (two n8 tiles of the mma), got M = {problem.m}")
+    check_row_count(kernel, problem.m, problem.activation)
     if problem.output not in ("f32", "bf16"):
         raise ValueError(f"out: {kernel} writes float32 or uint16 (BF16 bits), got dtype {np.dtype(problem.out.dtype)}")
     for name in ("a", "q"):
         arguments.require_load_alignment(name, getattr(problem, name), kernel)
     return problem
+
+
+def check_row_count(kernel: str, m: int, activation: str) -> None:
+    """``ValueError`` unless ``1 <= m <= MAX_ROWS`` (BF16 activations) or ``F32_MAX_ROWS`` (float32)."""
+    limit = MAX_ROWS if activation == "bf16" else F32_MAX_ROWS
+    if not 1 <= m <= limit:
+        raise ValueError(f"a: {kernel} takes 1 to {limit} rows of {activation} activations (n8 tiles of the mma), "
+                         f"got M = {m}")
 
 
 def _knob(name: str, value, choices: tuple, default):
@@ -438,9 +454,10 @@ def _launch(problem: arguments.GemmProblem, k_slices, depth, stream, swiglu: boo
 
 
 def gemv_mma(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth=None, stream=0):
-    """``out[M, N] = a[M, K] @ (decode(q) * scale_inv)^T`` on tensor cores for ``1 <= M <= 16``; returns ``out``.
+    """``out[M, N] = a[M, K] @ (decode(q) * scale_inv)^T`` on tensor cores for ``1 <= M <= 32``; returns ``out``.
 
-    ``a``: BF16 bits (uint16/int16) or float32 (rounded to BF16 on load) ``[M, K]``; ``q``: uint8 ``[N, K]``,
+    ``a``: BF16 bits (uint16/int16) or float32 (rounded to BF16 on load, at most 16 rows) ``[M, K]``; ``q``: uint8
+    ``[N, K]``,
     ``N`` a multiple of 16; ``scale_inv``: float32 ``[ceil(N/BN), ceil(K/BK)]``; ``out``: float32 ``[M, N]``, or
     uint16 (the float32 result rounded to BF16 bits as ``layers.bf16_round``: the next GEMM's input format);
     all C-contiguous NumPy or device arrays (device data 16-byte aligned). ``block = (BN, BK)``: BN a multiple
@@ -456,7 +473,7 @@ def gemv_mma(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth=None, 
 
 def gemv_mma_swiglu(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth=None, stream=0):
     """``out[M, I] = silu(a @ gate^T) * (a @ up^T)`` from the fused gate/up weight ``q[2 I, K]`` (gate rows, then
-    up rows), on tensor cores for ``1 <= M <= 16``: bit for bit ``gemv_mma`` into ``[M, 2 I]`` then
+    up rows), on tensor cores for ``1 <= M <= 32`` (float32: 16): bit for bit ``gemv_mma`` into ``[M, 2 I]`` then
     ``layers.silu_mul`` (with a uint16 ``out``: then ``layers.bf16_round``), in one launch. ``I`` a multiple of 8;
     the rest as ``gemv_mma``."""
     problem = _check(a, q, scale_inv, out, block, swiglu=True)
@@ -475,8 +492,8 @@ def _no_scales():
 
 
 def gemv_mma_bf16(a, w_bits, out, k_slices=None, depth=None, stream=0):
-    """``out[M, N] = a[M, K] @ W^T`` for BF16 weights ``W`` (the lm_head), on tensor cores for ``1 <= M <= 16``;
-    returns ``out``.
+    """``out[M, N] = a[M, K] @ W^T`` for BF16 weights ``W`` (the lm_head), on tensor cores for ``1 <= M <= 32``
+    (float32 activations: 16); returns ``out``.
 
     The kernel of ``gemv_mma`` with the weights' BF16 patterns as the A registers (no bit placement, no block
     scales): the order of ``fp8lab.simulators.gemv_mma.gemv_mma_bf16`` (per 128-wide chunk ``c_part = 0``, 8 mma
@@ -496,10 +513,11 @@ def gemv_mma_bf16(a, w_bits, out, k_slices=None, depth=None, stream=0):
         raise ValueError(f"w_bits: {kernel_name} needs N a positive multiple of {ROWS_PER_WARP} and K of {K_CHUNK}, "
                          f"got [{n}, {k}]")
     activation = arguments.ACTIVATION_FORMATS.get(np.dtype(a.dtype))
-    arguments.require("a", a, f"activations [M, {k}] of bf16 (uint16) / f32 (float32), 1 <= M <= {MAX_ROWS}",
-                      a.ndim == 2 and a.shape[1] == k and activation in ("bf16", "f32") and 1 <= a.shape[0] <= MAX_ROWS)
+    arguments.require("a", a, f"activations [M, {k}] of bf16 (uint16) / f32 (float32)",
+                      a.ndim == 2 and a.shape[1] == k and activation in ("bf16", "f32"))
     arguments.require_c_contiguous("a", a)
     m = a.shape[0]
+    check_row_count(kernel_name, m, activation)
     output = arguments.OUTPUT_FORMATS.get(np.dtype(out.dtype))
     arguments.require("out", out, f"[{m}, {n}] of float32 or uint16 (BF16 bits)",
                       tuple(out.shape) == (m, n) and output in ("f32", "bf16"))
@@ -509,8 +527,9 @@ def gemv_mma_bf16(a, w_bits, out, k_slices=None, depth=None, stream=0):
         arguments.require_load_alignment(name, x, kernel_name)
     n_tiles = n // ROWS_PER_WARP
     k_slices = _knob("k_slices", k_slices, K_SLICES_CHOICES, lambda: default_k_slices(n_tiles, k // K_CHUNK))
-    # depth 2: twice the weight words of a code chunk, the ring of a depth-3 FP8 one (at the copy bandwidth already)
-    depth = _knob("depth", depth, DEPTH_CHOICES, lambda: 2)
+    # depth 2: twice the weight words of a code chunk, the ring of a depth-3 FP8 one (at the copy bandwidth already);
+    # 1 for three or four batch tiles (148 registers at four; 246 at depth 2)
+    depth = _knob("depth", depth, DEPTH_CHOICES, lambda: 2 if batch_tiles_for(m) <= 2 else 1)
     kernel = gemv_mma_kernel(k_slices, activation, False, depth, batch_tiles_for(m), output, "bf16")
     pdl.launch(kernel, (n_tiles,), (WARP_SIZE * k_slices,), stream,
                a.view(np.uint32).reshape(-1), w_bits.view(np.uint32).reshape(-1), _no_scales(), out,

@@ -3,18 +3,18 @@
 Models ``fp8lab.numba_kernels.gemv_mma`` bit for bit. Checked (``tests/simulators/test_gemv_mma.py``): against
 ``fp8lab.reference.blockwise.gemm`` exactly on integer-valued data and within a float32 bound otherwise.
 
-It computes what ``fp8lab.reference.blockwise.gemm`` computes for a handful of rows (``1 <= M <= 16``, a decode
-batch)::
+It computes what ``fp8lab.reference.blockwise.gemm`` computes for a handful of rows (``1 <= M <= 32``, a decode
+batch or a short prefill)::
 
     out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]
 
 The tensor-core GEMM (``fp8lab.simulators.gemm_mma``) puts the activations in the mma's 16 rows, so a decode
 batch of 4 wastes 12 of them and a CTA covers 32 columns. Here the roles are swapped, as decode GEMM kernels of
 the production engines do ("swap AB"): the **weights are the m16 operand** (16 output columns per warp) and
-the **activations the n8 operand** (8 batch rows per mma; 9 to 16 rows take a second mma on the same A
-registers), so every weight byte feeds a useful product for any M up to 16 and a warp reads its weights
-straight from global memory into registers. Each output element's order is the same whatever M is (a row
-never meets another), so the model below holds for one batch tile or two.
+the **activations the n8 operand** (8 batch rows per mma; each further 8 rows, up to 32, take one more mma on
+the same A registers), so every weight byte feeds a useful product for any M up to 32 and a warp reads its
+weights straight from global memory into registers. Each output element's order is the same whatever M is (a
+row never meets another), so the model below holds for one batch tile or four.
 
 1. **Activations** are BF16 (float32 inputs are rounded once, to nearest even, as ``layers.bf16_round``).
 2. **Which k a k16 step sums** (``k_order``): the mma's fragment layout gives lane ``(g, t)`` the k positions
@@ -46,8 +46,8 @@ from . import bit_placement, dense, gemm_mma, mma
 
 BATCH_TILE = 8
 """Activation rows per mma: the n8 operand."""
-MAX_ROWS = 2 * BATCH_TILE
-"""Rows of a call: one or two n8 tiles, multiplied on the same A registers (each row's order is the same)."""
+MAX_ROWS = 4 * BATCH_TILE
+"""Rows of a call: one to four n8 tiles, multiplied on the same A registers (each row's order is the same)."""
 SPAN = 64
 """K per span: lane ``(g, t)`` reads the 16 k ``[16 t, 16 t + 16)`` of each span."""
 K_CHUNK = gemm_mma.K_CHUNK
@@ -78,19 +78,19 @@ def slice_chunks(num_chunks: int, k_slices: int) -> list[range]:
 
 def check_rows(name: str, m: int) -> None:
     if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"{name}: expected 1 to {MAX_ROWS} rows (two n8 tiles of the mma), got {m}")
+        raise ValueError(f"{name}: expected 1 to {MAX_ROWS} rows (four n8 tiles of the mma), got {m}")
 
 
 def gemv_mma(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, *, k_slices: int = 4) -> np.ndarray:
     """``a[M, K] @ (decode(q) * scale_inv)^T`` as ``fp8lab.numba_kernels.gemv_mma`` computes it: float32 ``[M, N]``.
 
-    ``a``: float32 values (rounded once to BF16) or BF16 bit patterns (uint16), ``1 <= M <= 16`` rows;
+    ``a``: float32 values (rounded once to BF16) or BF16 bit patterns (uint16), ``1 <= M <= 32`` rows;
     ``q``: E4M3 codes uint8 ``[N, K]``; ``scale_inv``: ``[ceil(N/BN), ceil(K/BK)]``; ``block = (BN, BK)``,
     ``BN % 8 == 0``, ``BK % 128 == 0``; ``K % 128 == 0``. ``k_slices``: the warps per CTA (1, 2, 4 or 8).
     """
     if k_slices not in K_SLICES_CHOICES:
         raise ValueError(f"k_slices: expected one of {K_SLICES_CHOICES}, got {k_slices!r}")
-    # gemm_mma's checks (codes, K and block multiples, scales, activations [..., K]), then at most 16 rows
+    # gemm_mma's checks (codes, K and block multiples, scales, activations [..., K]), then at most 32 rows
     a_bits, lead, codes, scales, (bn, bk) = gemm_mma._check_arguments(a, q, scale_inv, block, 1, "bf16")
     if len(lead) != 1:
         raise ValueError(f"a: expected [M, K], got shape {(*lead, codes.shape[1])}")
@@ -127,7 +127,7 @@ def gemv_mma_bf16(a, w_bits, *, k_slices: int = 4) -> np.ndarray:
     slice of 128-wide chunks, per chunk ``c_part = 0`` and 8 mma steps, each ``c_part = fl32(c_part +
     fl32(S))`` with ``S`` the exact float64 sum of the step's 16 products in fragment order
     (``mma.k16_sum``), then ``c_fin = fl32(c_fin + c_part)``; the slices' results added in warp order.
-    ``a``: float32 values (rounded once to BF16) or BF16 bit patterns (uint16), ``1 <= M <= 16``; ``K % 128 == 0``.
+    ``a``: float32 values (rounded once to BF16) or BF16 bit patterns (uint16), ``1 <= M <= 32``; ``K % 128 == 0``.
     """
     if k_slices not in K_SLICES_CHOICES:
         raise ValueError(f"k_slices: expected one of {K_SLICES_CHOICES}, got {k_slices!r}")

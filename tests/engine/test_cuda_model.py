@@ -252,16 +252,18 @@ def test_a_decode_batch_feeds_the_tensor_core_lm_head_bf16_from_the_final_norm(g
 
 
 @pytest.mark.cudasim
-@pytest.mark.parametrize("prompts, gemm", [(PROMPTS, "gemv_mma"), (PROMPTS + [list(range(9, 17)), [17, 18]], "gemm_mma")])
+@pytest.mark.parametrize("prompts, gemm", [(PROMPTS, "gemv_mma"),
+                                           (PROMPTS + [list(range(9, 17)), list(range(20, 28)), list(range(30, 38)),
+                                                       [17, 18]], "gemm_mma")])
 def test_bf16_gemm_inputs_and_all_logits(gemm_twins, monkeypatch, prompts, gemm):
     """A prefill longer than ``f32_max_rows``: the norms, attention and SwiGLU write their GEMM's input as BF16 bits
     (no ``bf16_round`` launch), read by the twins of the tensor-core GEMV (7 rows: ``fp8_gemm`` picks
-    ``gemv_mma``, the gate/up launch is ``gemv_mma_swiglu``) or of the tensor-core GEMM (17 rows: ``gemm_mma``,
-    then ``silu_mul``); every token's logits, computed in chunks of ``max_num_seqs`` rows."""
+    ``gemv_mma``, the gate/up launch is ``gemv_mma_swiglu``) or of the tensor-core GEMM (33 rows, past ``gemv_mma``'s
+    32: ``gemm_mma``, then ``silu_mul``); every token's logits, computed in chunks of ``max_num_seqs`` rows."""
     config = micro_config()
     tensors = micro_tensors(config, seed=5)
     reference = Qwen3Model(config, tensors)
-    model = CudaQwen3Model(config, tensors, max_num_tokens=24, max_num_seqs=5, f32_max_rows=4)
+    model = CudaQwen3Model(config, tensors, max_num_tokens=40, max_num_seqs=7, f32_max_rows=4)
     swiglu_twin, lm_head_twin, calls, lm_head_rows = plan.gemv_mma_swiglu, plan.gemv_mma_bf16, [], []
     monkeypatch.setattr(plan, "gemv_mma_swiglu", lambda *args, **kwargs: calls.append(1) or swiglu_twin(*args, **kwargs))
     monkeypatch.setattr(plan, "gemv_mma_bf16",
@@ -279,7 +281,8 @@ def test_bf16_gemm_inputs_and_all_logits(gemm_twins, monkeypatch, prompts, gemm)
     assert got.shape == (rows, config.vocab_size)
     assert 1e-5 < rel_err(got, want) <= MICRO_BF16_INPUT_BOUND, rel_err(got, want)  # it did round to BF16
     assert len(calls) == (config.num_hidden_layers if gemm == "gemv_mma" else 0)  # which tensor-core kernel ran
-    assert lm_head_rows == [5] * (rows // 5)  # chunks of 5 rows on tensor cores; the last, of at most 4, not
+    chunks = [min(7, rows - first) for first in range(0, rows, 7)]  # max_num_seqs rows at a time
+    assert lm_head_rows == [c for c in chunks if c > 4]  # on tensor cores past f32_max_rows
 
 
 # ---------------------------------------------------------------------------- errors
@@ -401,15 +404,17 @@ def test_a_decode_plan_is_made_for_its_context_bound_not_the_cache():
 @pytest.mark.parametrize("vocab, tensor_cores", [(272, True), (264, False)])
 def test_the_lm_head_takes_the_tensor_cores_past_f32_max_rows_where_its_shape_allows(vocab, tensor_cores):
     """``Planner.lm_head``: float32 ``bf16_linear`` up to ``f32_max_rows`` rows; beyond, ``tensor_core_lm_head`` (one
-    ``gemv_mma_bf16`` launch per 16 rows) when the vocabulary is a multiple of 16, else ``bf16_linear`` still; a decode
-    step's final norm writes BF16 exactly when the lm_head reads it."""
+    ``gemv_mma_bf16`` launch per 16 float32 rows, per 32 BF16 rows) when the vocabulary is a multiple of 16, else
+    ``bf16_linear`` still; a decode step's final norm writes BF16 exactly when the lm_head reads it."""
     config = micro_config(vocab_size=vocab)
     model = CudaQwen3Model(config, micro_tensors(config), max_num_tokens=40, max_num_seqs=40, f32_max_rows=2)
     planner, x = model.planner, model.activations.x
     assert planner.lm_head(x[:2], 2).kernel is plan.bf16_linear
     wide = planner.lm_head(x[:33], 33)
     assert wide.kernel is (plan.tensor_core_lm_head if tensor_cores else plan.bf16_linear)
-    assert wide.kernels == (3 if tensor_cores else 1)  # 16 + 16 + 1 rows
+    assert wide.kernels == (3 if tensor_cores else 1)  # 16 + 16 + 1 float32 rows
+    if tensor_cores:
+        assert planner.lm_head(planner.lm_head_input(x[:33]), 33).kernels == 2  # 32 + 1 BF16 rows
     assert (planner.lm_head_input(x[:4]).dtype == np.uint16) == tensor_cores
     cache = model.allocate_kv_cache(8, 4, "fp8")
     final_norm = next(launch for launch in planner.decode(4, cache, 8).launches if launch.label == "final norm")

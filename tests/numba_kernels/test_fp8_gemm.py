@@ -24,18 +24,18 @@ def problem(rng, m, n, k, block=(128, 128)):
     return a_bits, q, s
 
 
-def test_auto_picks_simt_for_one_row_gemv_mma_for_2_to_16_then_mma():
+def test_auto_picks_simt_for_one_row_gemv_mma_for_2_to_32_then_mma():
     assert router.choose_path(1, 4096) == "simt"
-    assert [router.choose_path(m, 4096) for m in (2, 4, 8, 9, 16)] == ["gemv_mma"] * 5
+    assert [router.choose_path(m, 4096) for m in (2, 4, 8, 9, 16, 17, 32)] == ["gemv_mma"] * 7
     assert router.choose_path(2, 4096, "bf16", "bf16") == "gemv_mma"
-    assert router.choose_path(17, 4096) == "mma" and router.choose_path(300, 4096) == "mma"
+    assert router.choose_path(33, 4096) == "mma" and router.choose_path(300, 4096) == "mma"
     # where gemv_mma does not apply (N not a multiple of 16, F16 in, F16 out): the SIMT GEMV up to SIMT_MAX_M
     assert router.choose_path(2, 24) == router.choose_path(2, 16, "f16") == router.choose_path(2, 16, "bf16", "f16")
     assert router.choose_path(2, 24) == "simt" and router.choose_path(router.SIMT_MAX_M + 1, 24) == "mma"
 
 
 @pytest.mark.cudasim
-@pytest.mark.parametrize("m, n", [(1, 16), (3, 16), (3, 12), (router.SIMT_MAX_M + 1, 12), (9, 16), (17, 16)])
+@pytest.mark.parametrize("m, n", [(1, 16), (3, 16), (3, 12), (router.SIMT_MAX_M + 1, 12), (9, 16), (17, 16), (33, 16)])
 def test_auto_equals_the_chosen_kernels_simulator(rng, m, n):
     a_bits, q, s = problem(rng, m, n, 128)
     out = np.full((m, n), np.nan, np.float32)
@@ -66,7 +66,7 @@ def test_bad_calls_raise_before_any_launch(rng, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 8, 16, 40])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 32, 40])
 def test_gpu_every_m_against_the_reference(m):
     rng = np.random.default_rng()
     seed = int(rng.integers(2**31))

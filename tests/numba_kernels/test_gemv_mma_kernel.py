@@ -1,7 +1,8 @@
 """fp8lab.numba_kernels.gemv_mma, the tensor-core decode GEMV (weights as the mma's m16 operand).
 
 - In the CUDA simulator: bit for bit ``fp8lab.simulators.gemv_mma`` (every k slicing, uneven and empty slices,
-  1 to 16 rows, so one or two batch tiles, BF16 and float32 activations, per-8-row scale blocks, SwiGLU),
+  1 to 32 rows, so one to four batch tiles, BF16 and float32 activations (float32 up to 16 rows), per-8-row
+  scale blocks, SwiGLU),
   outputs NaN-poisoned first; a float32 call is ``bf16_round`` + a BF16 call bit for bit; a BF16 output is the
   float32 output then ``bf16_round``; a NaN activation gives NaN in its row only; bad calls raise ``ValueError``
   before any launch.
@@ -53,6 +54,8 @@ def problem(rng, m, n, k, block):
     (2, 16, 1152, (16, 128), 2, "f32"),  # 9 chunks: 5 and 4 per warp, rings of 1 to 4 (below)
     (16, 32, 384, (8, 128), 2, "bf16"),  # two batch tiles, both full
     (11, 16, 640, (16, 128), 4, "f32"),  # a second batch tile of 3 rows
+    (21, 16, 384, (16, 128), 2, "bf16"),  # three batch tiles, the last of 5 rows
+    (32, 32, 256, (8, 128), 1, "bf16"),  # four full batch tiles
 ])
 def test_matches_the_simulator_bit_for_bit(rng, m, n, k, block, k_slices, activation):
     a, q, scales = problem(rng, m, n, k, block)
@@ -62,11 +65,12 @@ def test_matches_the_simulator_bit_for_bit(rng, m, n, k, block, k_slices, activa
     np.testing.assert_array_equal(bits(out), bits(model.gemv_mma(a, q, scales, block, k_slices=k_slices)))
 
 
-@pytest.mark.parametrize("depth, m", [(1, 3), (2, 3), (3, 3), (4, 3), (3, 13)])
+@pytest.mark.parametrize("depth, m", [(1, 3), (2, 3), (3, 3), (4, 3), (3, 13), (2, 27)])
 def test_every_ring_depth_gives_the_simulators_bits(rng, depth, m):
     a, q, scales = problem(rng, m, 16, 1152, (16, 128))  # 9 chunks: 5 and 4 per warp, partial rounds of the ring
     out = np.full((m, 16), np.nan, np.float32)
-    gemv_mma(a, q, scales, out, (16, 128), k_slices=2, depth=depth)
+    x = a if m <= 16 else bit_placement.float32_to_bf16_bits(a)  # float32 in: at most 16 rows
+    gemv_mma(x, q, scales, out, (16, 128), k_slices=2, depth=depth)
     np.testing.assert_array_equal(bits(out), bits(model.gemv_mma(a, q, scales, (16, 128), k_slices=2)))
 
 
@@ -95,17 +99,22 @@ def test_float32_activations_are_bf16_rounded_on_load(rng):
     np.testing.assert_array_equal(bits(from_f32), bits(from_bf16))
 
 
-def test_swiglu_matches_the_simulator_and_a_nan_stays_in_its_row(rng):
-    a, q, scales = problem(rng, 3, 32, 256, (16, 128))
+@pytest.mark.parametrize("m", [3, 30])
+def test_swiglu_matches_the_simulator_and_a_nan_stays_in_its_row(rng, m):
+    a, q, scales = problem(rng, m, 32, 256, (16, 128))
     a[1, 100] = np.nan
-    out = np.full((3, 16), np.nan, np.float32)
-    gemv_mma_swiglu(a, q, scales, out, (16, 128), k_slices=2)
+    x = a if m <= 16 else bit_placement.float32_to_bf16_bits(a)  # float32 in: at most 16 rows
+    out = np.full((m, 16), np.nan, np.float32)
+    gemv_mma_swiglu(x, q, scales, out, (16, 128), k_slices=2)
     np.testing.assert_array_equal(bits(out), bits(model.gemv_mma_swiglu(a, q, scales, (16, 128), k_slices=2)))
-    assert np.all(np.isnan(out[1])) and np.all(np.isfinite(out[[0, 2]]))
+    assert np.all(np.isnan(out[1])) and np.all(np.isfinite(np.delete(out, 1, axis=0)))
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(a=np.ones((17, 128), np.float32), out=np.zeros((17, 16), np.float32)), "^a: gemv_mma takes 1 to 16 rows"),
+    (dict(a=np.ones((17, 128), np.float32), out=np.zeros((17, 16), np.float32)),
+     "^a: gemv_mma takes 1 to 16 rows of f32 activations"),
+    (dict(a=np.ones((33, 128), np.uint16), out=np.zeros((33, 16), np.float32)),
+     "^a: gemv_mma takes 1 to 32 rows of bf16 activations"),
     (dict(q=np.zeros((24, 128), np.uint8), out=np.zeros((2, 24), np.float32), scale_inv=np.ones((1, 1), np.float32)),
      "^q: gemv_mma needs N to be a positive multiple of 16"),
     (dict(out=np.zeros((2, 16), np.float16)), "^out: gemv_mma writes float32 or uint16"),
@@ -133,6 +142,7 @@ def test_the_default_depth_is_the_deepest_ring_whose_grid_fits_one_wave(n, k, sw
     k_slices = default_k_slices(n_tiles, k // 128)
     assert tuple(default_depth("bf16", k_slices, tiles, swiglu, n_tiles, 132) for tiles in (1, 2)) == depths
     assert default_depth("f32", k_slices, 1, swiglu, n_tiles, 132) == 2
+    assert default_depth("bf16", k_slices, 4, swiglu, n_tiles, 132) <= 2  # four batch tiles spill at depth 3
     assert resident_ctas(2, 78) == 12 and resident_ctas(8, 144) == 1 and resident_ctas(1, 32) == 32  # the CTA cap
 
 
@@ -143,12 +153,14 @@ def bf16_weights(rng, n, k):
     return bit_placement.float32_to_bf16_bits((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
 
 
-@pytest.mark.parametrize("m, n, k, k_slices, depth", [(3, 16, 640, 4, 2), (11, 32, 384, 2, 1), (16, 16, 256, 1, 3)])
+@pytest.mark.parametrize("m, n, k, k_slices, depth", [(3, 16, 640, 4, 2), (11, 32, 384, 2, 1), (16, 16, 256, 1, 3),
+                                                      (26, 16, 256, 2, None)])
 def test_bf16_weights_match_the_simulator_bit_for_bit(rng, m, n, k, k_slices, depth):
     a = rng.standard_normal((m, k)).astype(np.float32)
     w = bf16_weights(rng, n, k)
     out = np.full((m, n), np.nan, np.float32)
-    gemv_mma_bf16(a, w, out, k_slices=k_slices, depth=depth)
+    x = a if m <= 16 else bit_placement.float32_to_bf16_bits(a)  # float32 in: at most 16 rows
+    gemv_mma_bf16(x, w, out, k_slices=k_slices, depth=depth)
     np.testing.assert_array_equal(bits(out), bits(model.gemv_mma_bf16(a, w, k_slices=k_slices)))
     as_bf16 = np.full((m, n), 0x1234, np.uint16)
     gemv_mma_bf16(bit_placement.float32_to_bf16_bits(a), w, as_bf16, k_slices=k_slices, depth=depth)
@@ -158,7 +170,8 @@ def test_bf16_weights_match_the_simulator_bit_for_bit(rng, m, n, k, k_slices, de
 @pytest.mark.parametrize("change, message", [
     (dict(w_bits=np.zeros((16, 128), np.uint8)), "^w_bits: expected BF16 patterns"),
     (dict(w_bits=np.zeros((24, 128), np.uint16), out=np.zeros((2, 24), np.float32)), "^w_bits: gemv_mma_bf16 needs N"),
-    (dict(a=np.ones((17, 128), np.float32), out=np.zeros((17, 16), np.float32)), "^a: expected activations"),
+    (dict(a=np.ones((17, 128), np.float32), out=np.zeros((17, 16), np.float32)), "^a: gemv_mma_bf16 takes 1 to 16"),
+    (dict(a=np.ones((2, 128), np.float16)), "^a: expected activations"),
     (dict(out=np.zeros((2, 16), np.float16)), "^out: expected \\[2, 16\\] of float32 or uint16"),
     (dict(depth=5), "^depth: expected one of"),
 ])
@@ -174,14 +187,16 @@ def test_bf16_weights_bad_calls_raise_before_launching(change, message):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k, swiglu", [(1, 6144, 4096, False), (4, 4096, 12288, False), (8, 2048, 4096, True),
-                                            (16, 4096, 4096, False), (12, 2048, 4096, True)])
+                                            (16, 4096, 4096, False), (12, 2048, 4096, True), (32, 6144, 4096, False),
+                                            (25, 2048, 4096, True)])
 def test_gpu_within_the_tensor_core_budget(rng, m, n, k, swiglu):
     from numba import cuda
 
     a, q, scales = problem(rng, m, n, k, (128, 128))
     width = n // 2 if swiglu else n
     out = cuda.to_device(np.full((m, width), np.nan, np.float32))
-    (gemv_mma_swiglu if swiglu else gemv_mma)(cuda.to_device(a), cuda.to_device(q), cuda.to_device(scales), out)
+    x = a if m <= 16 else bit_placement.float32_to_bf16_bits(a)  # float32 in: at most 16 rows
+    (gemv_mma_swiglu if swiglu else gemv_mma)(cuda.to_device(x), cuda.to_device(q), cuda.to_device(scales), out)
     got = out.copy_to_host().astype(np.float64)
     a16 = bit_placement.bf16_bits_to_float32(bit_placement.float32_to_bf16_bits(a)).astype(np.float64)
     w = blockwise.dequantize(q, scales, (128, 128)).astype(np.float64)
@@ -210,7 +225,7 @@ def test_gpu_bit_for_bit_the_simulator_where_sums_are_exact(rng, k_slices):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("m", [1, 8, 16, 32])
 def test_gpu_bf16_weights_at_the_lm_head_shape(rng, m):
     """Qwen3-8B's lm_head rows (a slice of 8,192 of its 151,936) against the float64 product of the BF16 inputs,
     within the tensor-core budget (the HMMA's own rounding of each 16-product sum, float32 partial sums)."""
@@ -220,7 +235,8 @@ def test_gpu_bf16_weights_at_the_lm_head_shape(rng, m):
     a = rng.standard_normal((m, k)).astype(np.float32)
     w = bf16_weights(rng, n, k)
     out = cuda.to_device(np.full((m, n), np.nan, np.float32))
-    gemv_mma_bf16(cuda.to_device(a), cuda.to_device(w), out)
+    x = a if m <= 16 else bit_placement.float32_to_bf16_bits(a)  # float32 in: at most 16 rows
+    gemv_mma_bf16(cuda.to_device(x), cuda.to_device(w), out)
     got = out.copy_to_host().astype(np.float64)
     a16 = bit_placement.bf16_bits_to_float32(bit_placement.float32_to_bf16_bits(a)).astype(np.float64)
     w64 = bit_placement.bf16_bits_to_float32(w).astype(np.float64)

@@ -90,12 +90,13 @@ from helpers.ptx import Variant
 
 def variants():
     # every k slicing at the engine's depths, the other depths once, float32 in, SwiGLU; two batch tiles (9 to 16
-    # rows) and a BF16 output, as the engine runs them
+    # rows) and a BF16 output, as the engine runs them; three and four (17 to 32 rows) at their deepest rings
     cases = [(1, "bf16", False, 3, 1, "f32"), (2, "bf16", False, 3, 1, "f32"), (4, "bf16", False, 3, 1, "f32"),
              (8, "bf16", False, 2, 1, "f32"), (4, "bf16", False, 1, 1, "f32"), (4, "bf16", False, 4, 1, "f32"),
              (4, "f32", False, 2, 1, "f32"), (2, "bf16", True, 3, 1, "f32"), (2, "bf16", True, 3, 1, "bf16"),
              (4, "bf16", False, 2, 2, "f32"), (8, "bf16", False, 2, 2, "f32"), (2, "bf16", True, 2, 2, "bf16"),
-             (2, "bf16", True, 1, 1, "bf16"), (8, "bf16", False, 1, 2, "f32")]  # default_depth's 1 (8B gate/up, o, down)
+             (2, "bf16", True, 1, 1, "bf16"), (8, "bf16", False, 1, 2, "f32"),  # default_depth's 1 (8B gate/up, o, down)
+             (4, "bf16", False, 3, 3, "f32"), (4, "bf16", False, 2, 4, "f32"), (2, "bf16", True, 1, 4, "bf16")]  # 17-32 rows
     cases = [case + ("e4m3",) for case in cases]
     cases += [(2, "bf16", False, 2, 1, "f32", "bf16"), (2, "bf16", False, 2, 2, "f32", "bf16"),  # the lm_head form,
               (2, "f32", False, 2, 2, "f32", "bf16")]  # and on a prefill's float32 rows (250 registers, no spill)

@@ -35,7 +35,7 @@ def test_k_order_permutes_each_span_and_gives_each_lane_16_contiguous_k():
 
 
 @pytest.mark.parametrize("k_slices", model.K_SLICES_CHOICES)
-@pytest.mark.parametrize("m", [1, 5, 8, 16])
+@pytest.mark.parametrize("m", [1, 5, 8, 16, 32])
 def test_exact_where_every_rounding_is_exact(rng, m, k_slices):
     n, k = 32, 640  # 5 chunks: uneven and empty slices
     q = rng.choice(INTEGER_CODES, (n, k))
@@ -88,7 +88,7 @@ def test_swiglu_is_silu_mul_of_the_product(rng):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(a=np.zeros((17, 128), np.float32)), "^a: expected 1 to 16 rows"),
+    (dict(a=np.zeros((33, 128), np.float32)), "^a: expected 1 to 32 rows"),
     (dict(k_slices=3), "^k_slices: expected one of"),
     (dict(a=np.zeros((2, 256), np.float32)), "^a: expected shape \\[..., K\\] with K = 128"),
     (dict(a=np.zeros((2, 2, 128), np.float32)), "^a: expected \\[M, K\\], got shape \\(2, 2, 128\\)"),

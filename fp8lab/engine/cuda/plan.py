@@ -33,7 +33,7 @@ The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` row
 ``gemv_simt`` directly on the float32 activations, so the product is the reference's float32 linear up to the
 summation order; a larger one (long prompts, decode batches) reads the activations rounded to BF16 (written so by
 the kernel that produces them, rounded as ``layers.bf16_round`` rounds) and runs ``fp8_gemm`` on tensor cores
-(``gemv_mma`` for 2 to 16 rows, with SwiGLU fused into the gate/up launch; ``gemm_mma`` beyond), W8A16 as the
+(``gemv_mma`` for 2 to 32 rows, with SwiGLU fused into the gate/up launch; ``gemm_mma`` beyond), W8A16 as the
 kernels are designed. The accuracy table of the trained demo model (``docs/08_accuracy.md``, ``bench/RESULTS.md``) says BF16 inputs into FP8 weights
 cost far less than the FP8 weights themselves, so the default (``DEFAULT_F32_MAX_ROWS``) is whatever is faster:
 float32 for one row only (the SIMT GEMV beats the tensor cores at one row; from 2 rows on ``gemv_mma`` on BF16
@@ -70,7 +70,7 @@ import numpy as np
 from fp8lab.numba_kernels import layers, prefill_mma, splitkv, splitkv_mma
 from fp8lab.numba_kernels.attention_input import qk_norm_rope_cache_write
 from fp8lab.numba_kernels.fp8_gemm import choose_path, fp8_gemm
-from fp8lab.numba_kernels.gemv_mma import gemv_mma_bf16, gemv_mma_swiglu
+from fp8lab.numba_kernels.gemv_mma import F32_MAX_ROWS, gemv_mma_bf16, gemv_mma_swiglu
 from fp8lab.numba_kernels.gemv_simt import (
     gemv_simt,
     gemv_simt_split_k,
@@ -204,12 +204,19 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
     )
 
 
+def lm_head_rows_per_launch(x) -> int:
+    """Rows of ``x`` one ``gemv_mma_bf16`` launch takes: ``MAX_ROWS`` (32) of BF16 bits, ``F32_MAX_ROWS`` (16) of
+    float32."""
+    return MAX_ROWS if is_bf16(x) else F32_MAX_ROWS
+
+
 def tensor_core_lm_head(x, w_bits, out, stream=0):
     """``out [M, N] = x [M, K] @ W^T`` for the BF16 lm_head ``w_bits``: ``gemv_mma_bf16`` on blocks of at most
-    ``MAX_ROWS`` (16) rows, one launch each (a row's bits do not depend on the other rows of its launch). ``x``: BF16
-    bits, or float32 that the kernel rounds to BF16 on load."""
-    for first in range(0, x.shape[0], MAX_ROWS):
-        gemv_mma_bf16(x[first : first + MAX_ROWS], w_bits, out[first : first + MAX_ROWS], stream=stream)
+    ``lm_head_rows_per_launch`` rows, one launch each (a row's bits do not depend on the other rows of its launch).
+    ``x``: BF16 bits, or float32 that the kernel rounds to BF16 on load."""
+    rows = lm_head_rows_per_launch(x)
+    for first in range(0, x.shape[0], rows):
+        gemv_mma_bf16(x[first : first + rows], w_bits, out[first : first + rows], stream=stream)
 
 
 def is_bf16(x) -> bool:
@@ -329,8 +336,8 @@ class Planner:
         (``tensor_core_lm_head``) on ``x`` rounded to BF16, the rule of the FP8 GEMMs."""
         logits = self.activations.logits[:rows]
         if self.lm_head_on_tensor_cores(rows):
-            return Launch(tensor_core_lm_head, (x, self.weights.lm_head, logits), kernels=-(-rows // MAX_ROWS),
-                          label="lm_head")
+            return Launch(tensor_core_lm_head, (x, self.weights.lm_head, logits),
+                          kernels=-(-rows // lm_head_rows_per_launch(x)), label="lm_head")
         return Launch(bf16_linear, (x, self.weights.lm_head, logits), label="lm_head")
 
     def lm_head_on_tensor_cores(self, rows: int) -> bool:
@@ -427,7 +434,7 @@ class Planner:
     def gate_up_swiglu(self, gate_up: DeviceLinear, x, gate_up_out, act, plan: list[Launch]) -> None:
         """``act = silu(x @ gate^T) * (x @ up^T)`` from the fused gate/up weight (``act`` float32, or BF16 bits for
         a down_proj that reads them), its launches appended to ``plan``: one ``gemv_simt_swiglu`` on the SIMT path
-        (the epilogue applies SwiGLU, no ``[T, 2 I]`` round trip), ``gemv_mma_swiglu`` on BF16 inputs of 2 to 16
+        (the epilogue applies SwiGLU, no ``[T, 2 I]`` round trip), ``gemv_mma_swiglu`` on BF16 inputs of 2 to 32
         rows (the same, on tensor cores), else the GEMM into ``gate_up_out`` and ``layers.silu_mul`` (bit for bit
         the same as that GEMM's kernel then SwiGLU)."""
         if gate_up.kind == "fp8" and self.simt_path(x):
