@@ -10,7 +10,6 @@ without conversion. On a GPU these are LLVM ``bitcast`` intrinsics (free: no ins
 - ``u32_as_f32(u)``, ``f32_as_u32(x)``: uint32 <-> float32 bit patterns;
 - ``bf16_bits_to_f32(h)``: a BF16 pattern (low 16 bits of ``h``) as float32 (exact);
 - ``f16_bits_to_f32(h)``: an F16 pattern (low 16 bits of ``h``) as float32 (exact);
-- ``f32_to_bf16_bits(x)``: float32 to BF16 bits, round to nearest even (finite inputs);
 - ``f32_to_f16_bits(x)``: float32 to F16 bits, round to nearest even, overflow to inf, NaN to NaN
   (``cvt.rn.f16.f32`` through libdevice; in the simulator NumPy's float16 cast, which rounds the same way);
 - ``e4m3x2_to_f16x2(pair)``: the two E4M3 codes in the low 16 bits of ``pair`` (code 0 in the low
@@ -105,11 +104,3 @@ else:
 def bf16_bits_to_f32(h):
     """A BF16 pattern is the high half of a float32 pattern."""
     return u32_as_f32((h & 0xFFFF) << 16)
-
-
-@cuda.jit(device=True, inline=True)
-def f32_to_bf16_bits(x):
-    """Round float32 to BF16 (nearest, ties to even) and return the 16-bit pattern."""
-    u = f32_as_u32(x)
-    rounding = 0x7FFF + ((u >> 16) & 1)
-    return ((u + rounding) >> 16) & 0xFFFF

@@ -147,9 +147,9 @@ def e4m3_encode_saturating(x):
 def f32_to_bf16_bits_rne(x):
     """float32 to a BF16 bit pattern, round to nearest even; NaN stays a (quiet) NaN.
 
-    ``bits.f32_to_bf16_bits`` is the same rounding for finite inputs; here a NaN, which that
-    rounding could carry into the sign bit or turn into infinity, keeps its sign and becomes 0x7FC0
-    or 0xFFC0.
+    The add-and-shift rounding (``(u + 0x7FFF + lsb) >> 16``) alone would carry a NaN into the sign bit or into
+    infinity (the GPU's own NaN, ``0x7FFFFFFF``, becomes ``0x8000``, -0.0); so a NaN is handled first and keeps
+    its sign: 0x7FC0 or 0xFFC0. The only BF16 rounding in the kernels.
     """
     if x != x:
         return ((uint32(f32_as_u32(x)) >> 16) & 0x8000) | 0x7FC0

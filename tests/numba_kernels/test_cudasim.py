@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cudasim
 from numba import cuda
 
 import fp8lab.numba_kernels  # noqa: F401  (installs the intrinsics)
-from fp8lab.numba_kernels import bits
+from fp8lab.numba_kernels import bits, mathops
 
 FULL = 0xFFFFFFFF
 
@@ -165,7 +165,7 @@ def test_bf16_and_f32_bit_helpers(rng):
     x = (rng.standard_normal(2000) * 10.0 ** rng.uniform(-30, 30, 2000)).astype(np.float32)
     assert [int(bits.f32_as_u32(v)) for v in x[:50]] == x[:50].view(np.uint32).tolist()
     assert [bits.u32_as_f32(int(b)) for b in x[:50].view(np.uint32)] == x[:50].tolist()
-    rounded = np.array([bits.f32_to_bf16_bits(v) for v in x], np.uint32)
+    rounded = np.array([mathops.f32_to_bf16_bits_rne(v) for v in x], np.uint32)
     np.testing.assert_array_equal(rounded, x.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 

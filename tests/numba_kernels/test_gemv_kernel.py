@@ -273,6 +273,34 @@ def test_simulated_kernel_reads_nan_codes_as_finite(rng):
     assert np.array_equal(out, simulator.gemv_simt(a, q, scale_inv, block, m_tile=1))
 
 
+def check_a_nan_activation_or_scale_reaches_exactly_its_outputs(rng, out_fmt):
+    """A NaN activation makes its row NaN in every column, a NaN block scale (the GPU's own NaN pattern) its block's
+    columns in every row; every other output is finite."""
+    m, n, k, block = 3, 16, 256, (8, 128)
+    a, q, scale_inv = random_problem(rng, m, n, k, block)
+    a[1, 200] = np.nan
+    scale_inv[1, 1] = np.uint32(0x7FFFFFFF).view(np.float32)  # columns 8..15, second K block
+    a_in, _ = activations(a, "bf16")
+    out = np.full((m, n), 7.0, np.float32) if out_fmt == "f32" else np.full((m, n), 0x1234, np.uint16)
+    gemv_simt(a_in, q, scale_inv, out, block)
+    expected_nan = np.zeros((m, n), bool)
+    expected_nan[1] = True
+    expected_nan[:, 8:] = True
+    assert np.array_equal(np.isnan(as_float32(out, out_fmt)), expected_nan)
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("out_fmt", ["f32", "bf16"])
+def test_simulated_kernel_passes_a_nan_activation_or_scale_through(rng, out_fmt):
+    check_a_nan_activation_or_scale_reaches_exactly_its_outputs(rng, out_fmt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_fmt", ["f32", "bf16"])
+def test_gpu_passes_a_nan_activation_or_scale_through(out_fmt):
+    check_a_nan_activation_or_scale_reaches_exactly_its_outputs(np.random.default_rng(secrets.randbits(32)), out_fmt)
+
+
 # ---------------------------------------------------------------------------- bad arguments (any process)
 
 

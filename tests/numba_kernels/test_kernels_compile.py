@@ -27,7 +27,7 @@ from fp8lab.numba_kernels.gemv_mma import REGISTERS
 TOOLKIT = r'''
 from numba import cuda, float32, uint32
 import fp8lab.numba_kernels
-from fp8lab.numba_kernels import bits
+from fp8lab.numba_kernels import bits, mathops
 from helpers.ptx import Variant
 
 def toolkit_kernel(x, codes, out):
@@ -41,7 +41,7 @@ def toolkit_kernel(x, codes, out):
     v += bits.f16_bits_to_f32(bits.e4m3x2_to_f16x2(c | (c << uint32(8))))
     if cuda.ballot_sync(0xFFFFFFFF, v > 0) != 0 and cuda.all_sync(cuda.activemask(), 1):
         cuda.syncwarp(0xFFFFFFFF)
-    out[t] = float32(bits.f32_to_bf16_bits(v))
+    out[t] = float32(mathops.f32_to_bf16_bits_rne(v))
 
 def variants():
     return [Variant("toolkit", toolkit_kernel, "void(float32[:], uint8[:], float32[:])")]

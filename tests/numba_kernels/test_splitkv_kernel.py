@@ -274,6 +274,19 @@ def test_nan_codes_with_finite_scales_give_the_references_nan(rng, num_splits):
     assert np.array_equal(got[~expected_nan].view(np.uint32), simulated[~expected_nan].view(np.uint32))
 
 
+@pytest.mark.cudasim
+def test_nan_scales_give_the_references_nan(rng):
+    """A NaN ``k_scale`` of a key of sequence 0 makes its rows NaN; a NaN ``v_scale`` of a value of sequence 1 makes
+    every element of its rows NaN (the scale multiplies the whole value row), as in the reference."""
+    data = make_data(rng, [13, 9], num_heads=2)
+    data.k_scale[data.block_tables[0, 2], 0, 3] = np.nan  # sequence 0, token 11 (blocks of 4)
+    data.v_scale[data.block_tables[1, 1], 0, 1] = np.nan  # sequence 1, token 5
+    reference = attention.paged_decode(data.q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens,
+                                       data.softmax_scale, data.k_scale, data.v_scale)
+    assert np.isnan(reference).all()
+    assert np.isnan(run_kernel(data, 3)).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_gpu_nan_codes_with_finite_scales_give_the_references_nan(num_splits):
