@@ -260,7 +260,7 @@ def test_bf16_gemm_inputs_and_all_logits(gemm_twins, monkeypatch, prompts, gemm)
     (no ``bf16_round`` launch), read by the twins of the tensor-core GEMV (7 rows: ``fp8_gemm`` picks
     ``gemv_mma``, the gate/up launch is ``gemv_mma_swiglu``) or of the tensor-core GEMM (33 rows, past ``gemv_mma``'s
     32: ``gemm_mma``, then ``silu_mul``); every token's logits, computed in chunks of ``max_num_seqs`` rows."""
-    config = micro_config()
+    config = micro_config(head_dim=128)  # the flash prefill over the BF16 cache: few simulated CTAs
     tensors = micro_tensors(config, seed=5)
     reference = Qwen3Model(config, tensors)
     model = CudaQwen3Model(config, tensors, max_num_tokens=40, max_num_seqs=7, f32_max_rows=4)
@@ -271,9 +271,9 @@ def test_bf16_gemm_inputs_and_all_logits(gemm_twins, monkeypatch, prompts, gemm)
     monkeypatch.setattr(plan.layers, "bf16_round", None)  # a rounding launch would fail: the producers round
     logits = []
     for m in (reference, model):
-        manager = KVCacheManager(8, 8)
-        cache = m.allocate_kv_cache(8, 8, "bf16")
-        for i in range(len(prompts)):  # at most 8 blocks of 8 tokens (one each: one split, few simulated CTAs)
+        manager = KVCacheManager(8, 16)
+        cache = m.allocate_kv_cache(8, 16, "bf16")
+        for i in range(len(prompts)):  # at most 8 blocks of 16 tokens (one each)
             manager.add_sequence(i)
         logits.append(m.forward(make_batch(manager, list(enumerate(prompts))), cache, all_logits=True))
     want, got = logits
