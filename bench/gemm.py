@@ -3,7 +3,7 @@
 Run on an NVIDIA GPU with torch installed (the peer); writes a Markdown table and a roofline
 plot into the output folder (default ``bench/``) and prints the table::
 
-    python bench/gemm.py [--out DIR] [--batches 1,2,4,8] [--paths simt,mma]
+    python bench/gemm.py [--out DIR] [--batches 1,2,4,8] [--paths auto,simt,mma]
 
 For each Qwen3-8B projection shape (N, K) and batch M it
 
@@ -106,8 +106,12 @@ class KernelPath:
 
 
 def kernel_paths(names):
-    """The requested paths (``simt``, ``mma``)."""
+    """The requested paths (``auto``: ``fp8_gemm``'s choice, what the engine runs; ``simt``, ``mma``: one kernel)."""
     paths = {}
+    if "auto" in names:
+        from fp8lab.numba_kernels.fp8_gemm import fp8_gemm
+
+        paths["auto"] = KernelPath(lambda a, q, s, o, stream: fp8_gemm(a, q, s, o, stream=stream), lambda m: True)
     if "simt" in names:
         from fp8lab.numba_kernels.gemv_simt import gemv_simt
 
@@ -123,7 +127,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated M values")
-    parser.add_argument("--paths", default="simt,mma", help="comma-separated kernel paths: simt, mma")
+    parser.add_argument("--paths", default="auto,simt,mma", help="comma-separated kernel paths: auto, simt, mma")
     args = parser.parse_args(argv)
     import torch
 
