@@ -144,6 +144,21 @@ def test_one_sequence_through_two_layers_matches_the_reference(gemm_twins):
     assert ids.tolist() == [int(np.argmax(logits[0]))]
 
 
+def record_flash_prefill(monkeypatch) -> list:
+    """The calls of ``prefill_mma.paged_prefill_mma``, which still run: ``([q, k_cache, v_cache, block_tables,
+    context_lens, query_lens], softmax_scale, (k_scale, v_scale), out)``, copies taken as the call returns."""
+    calls, real = [], prefill_mma.paged_prefill_mma
+
+    def recorded(*args, **kwargs):
+        out = real(*args, **kwargs)
+        scales = tuple(None if x is None else np.array(x, copy=True) for x in args[8:10])
+        calls.append(([np.array(x, copy=True) for x in args[:6]], args[6], scales, np.array(out, copy=True)))
+        return out
+
+    monkeypatch.setattr(prefill_mma, "paged_prefill_mma", recorded)
+    return calls
+
+
 @pytest.mark.cudasim
 def test_decode_attention_over_an_fp8_cache_of_whole_tiles_runs_on_tensor_cores(gemm_twins, monkeypatch):
     """head_dim 128 and KV blocks of 16 (what ``splitkv_mma`` takes): a decode step of 2 sequences runs the
@@ -156,15 +171,7 @@ def test_decode_attention_over_an_fp8_cache_of_whole_tiles_runs_on_tensor_cores(
     from fp8lab.simulators import prefill_mma as prefill_model
     from fp8lab.simulators import splitkv_mma as model
 
-    prefill_calls = []
-    real_prefill = prefill_mma.paged_prefill_mma
-
-    def recorded_prefill(*args, **kwargs):
-        out = real_prefill(*args, **kwargs)
-        prefill_calls.append(([np.array(x, copy=True) for x in args[:6] + args[8:10]], args[6], np.array(out, copy=True)))
-        return out
-
-    monkeypatch.setattr(prefill_mma, "paged_prefill_mma", recorded_prefill)
+    prefill_calls = record_flash_prefill(monkeypatch)
     calls = []
     real = splitkv_mma.decode_mma_with_input
     cache_arguments = (8, 9, 14, 15)  # k_cache, v_cache, k_scale, v_scale
@@ -187,7 +194,7 @@ def test_decode_attention_over_an_fp8_cache_of_whole_tiles_runs_on_tensor_cores(
     got_tokens, got, _ = run_greedy(model_, PROMPTS[:2], 1, "fp8", num_blocks=4, block_size=16)
     assert len(calls) == config.num_hidden_layers and got_tokens == want_tokens  # one decode step, every layer
     assert len(prefill_calls) == config.num_hidden_layers  # one prefill forward, every layer
-    (q_, k_cache, v_cache, tables_, context_lens, query_lens, k_scale, v_scale), scale_, out_ = prefill_calls[0]
+    (q_, k_cache, v_cache, tables_, context_lens, query_lens), scale_, (k_scale, v_scale), out_ = prefill_calls[0]
     assert np.array_equal(out_, prefill_model.paged_prefill(q_, k_cache, v_cache, tables_, context_lens, query_lens,
                                                             scale_, k_scale, v_scale))
     args, (q, k, v), kwargs, before, after, out = calls[0]
@@ -207,15 +214,7 @@ def test_prefill_over_a_bf16_cache_of_whole_tiles_runs_the_flash_prefill(gemm_tw
     greedy tokens are the reference's and the logits within 5e-3 of it (the BF16 query and weights; measured 4e-4)."""
     from fp8lab.simulators import prefill_mma as prefill_model
 
-    calls = []
-    real_prefill = prefill_mma.paged_prefill_mma
-
-    def recorded_prefill(*args, **kwargs):
-        out = real_prefill(*args, **kwargs)
-        calls.append(([np.array(x, copy=True) for x in args[:6]], args[6], args[8:10], np.array(out, copy=True)))
-        return out
-
-    monkeypatch.setattr(prefill_mma, "paged_prefill_mma", recorded_prefill)
+    calls = record_flash_prefill(monkeypatch)
     config = micro_config(head_dim=128)
     tensors = micro_tensors(config, seed=7)
     want_tokens, want, _ = run_greedy(Qwen3Model(config, tensors), PROMPTS[:2], 0, "bf16", num_blocks=4, block_size=16)

@@ -145,17 +145,6 @@ def paged_fp8(rng, lens, num_heads, num_kv_heads, head_dim, block_size, spare_bl
     return paged_layout(rng, lens, num_heads, num_kv_heads, head_dim, block_size, spare_blocks).random_data(rng, fp8=True)
 
 
-def dense_tokens(data, seq):
-    """``(k_values, v_values, k_scale, v_scale)`` of one sequence's tokens: ``[kv, L, D]`` and ``[kv, L]``."""
-    block_size = data.k_cache.shape[2]
-    rows = [(data.block_tables[seq, i // block_size], i % block_size) for i in range(int(data.seq_lens[seq]))]
-    k = np.stack([e4m3.VALUES[data.k_cache[b, :, o]] for b, o in rows], axis=1)
-    v = np.stack([e4m3.VALUES[data.v_cache[b, :, o]] for b, o in rows], axis=1)
-    ks = np.stack([data.k_scale[b, :, o] for b, o in rows], axis=1)
-    vs = np.stack([data.v_scale[b, :, o] for b, o in rows], axis=1)
-    return k, v, ks, vs
-
-
 def assert_within_mma_bound(data, out):
     """``out`` (the tensor-core decode attention) within ``fp8lab.simulators.splitkv_mma.error_bound`` of the float64 reference for every sequence (zeros for length 0); no NaN."""
     assert not np.isnan(out).any()
@@ -165,7 +154,7 @@ def assert_within_mma_bound(data, out):
         if length == 0:
             assert (out[seq] == 0).all()
             continue
-        bound = splitkv_mma.error_bound(data.q[seq], *dense_tokens(data, seq), data.softmax_scale)
+        bound = splitkv_mma.error_bound(data.q[seq], *exact_tokens(data, seq, length), data.softmax_scale)
         err = np.abs(out[seq].astype(np.float64) - ref[seq])
         assert (err <= bound).all(), f"sequence {seq}: error / bound up to {np.max(err / bound):.3g}"
 
