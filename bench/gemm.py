@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                     f"| {cublas_us:.1f} | {us / cublas_us:.2f} |"
                 )
                 points.append((n, k, m, name, us, cublas_us))
-            print(lines[-1], flush=True)
+                print(lines[-1], flush=True)
     table = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gemm_results.md").write_text(table)
