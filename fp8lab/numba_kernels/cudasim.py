@@ -40,6 +40,10 @@ import time
 import weakref
 from collections import defaultdict
 
+import numpy as np
+
+from fp8lab.simulators.fma import fma_f32_scalar
+
 from .warp import FULL_MASK, WARP_SIZE
 
 TIMEOUT_S = 300.0  # generous: a loaded 2-core CI machine can stall simulated threads for many seconds
@@ -275,12 +279,8 @@ def fma(a, b, c):
     would not match the simulators bit for bit. float32 operands go through the exact emulation
     of ``simulators``; float64 ones fall back to two roundings (no float64 kernel relies on it).
     """
-    import numpy as np
-
-    if all(isinstance(x, np.float32) for x in (a, b, c)):
-        from fp8lab.simulators.fma import fma_f32
-
-        return np.float32(fma_f32(a, b, c))
+    if type(a) is type(b) is type(c) is np.float32:
+        return fma_f32_scalar(a, b, c)
     return a * b + c
 
 
@@ -290,7 +290,6 @@ def _run_block(self, grid_point, *args):
     on a thread's exception, abort the others and raise it. The one change: where a look at the threads
     finds nothing to do, the manager sleeps ``MANAGER_POLL_S`` before the next look, instead of spinning
     and taking the GIL from the threads it waits for."""
-    import numpy as np
     from numba.cuda.simulator.kernel import BlockThread
 
     threads, livethreads, blockedthreads = set(), set(), set()

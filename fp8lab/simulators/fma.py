@@ -20,6 +20,9 @@ can go wrong) it recomputes with an error-free transformation (TwoSum) and round
 
 from __future__ import annotations
 
+import math
+import struct
+
 import numpy as np
 
 _F32_TIE_MASK = np.int64(0x1FFFFFFF)  # the 29 float64 mantissa bits that float32 drops
@@ -59,8 +62,8 @@ def fma_f32(a, b, c) -> np.ndarray:
     Those rare elements are recomputed by ``fma_f32_round_to_odd``.
     """
     a32, b32, c32 = (np.asarray(x, dtype=np.float32) for x in (a, b, c))
-    if a32.ndim == b32.ndim == c32.ndim == 0:  # scalars: as 1-element arrays, so they can be indexed
-        return fma_f32(a32.reshape(1), b32, c32)[0]
+    if a32.ndim == b32.ndim == c32.ndim == 0:
+        return fma_f32_scalar(a32[()], b32[()], c32[()])
     total = np.multiply(a32, b32, dtype=np.float64)
     total += c32
     with np.errstate(over="ignore"):
@@ -75,6 +78,32 @@ def fma_f32(a, b, c) -> np.ndarray:
         pick = [np.broadcast_to(x, total.shape)[where] for x in (a32, b32, c32)]
         result[where] = fma_f32_round_to_odd(*pick)
     return result
+
+
+def fma_f32_scalar(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """``fma_f32`` of three float32 scalars, the same bits, in Python floats (float64) instead of arrays.
+
+    The CUDA simulator's ``cuda.fma`` runs this once per simulated instruction, where the array
+    machinery would cost more than the arithmetic. The method is ``fma_f32_round_to_odd``'s, applied
+    to every inexact sum: TwoSum gives the float64 sum's error; if it is not zero and the sum's last
+    bit is even, the sum steps one float64 ulp towards the exact value (round to odd), and the final
+    rounding to float32 is then the single correct one. NaN operands give the NaN the array form gives
+    (the same float64 operations in the same order).
+    """
+    product = float(a) * float(b)  # exact: two float32 values
+    addend = float(c)
+    total = product + addend
+    if addend != 0 and math.isfinite(total):
+        c_part = total - product  # TwoSum (Knuth)
+        err = (product - (total - c_part)) + (addend - c_part)
+        if err != 0 and not struct.unpack("<q", struct.pack("<d", total))[0] & 1:
+            total = math.nextafter(total, math.inf if err > 0 else -math.inf)
+    if abs(total) >= _F32_ROUNDS_TO_INFINITY:  # rounds to an infinity: say so without NumPy's overflow warning
+        return np.float32(math.copysign(math.inf, total))
+    return np.float32(total)
+
+
+_F32_ROUNDS_TO_INFINITY = float(np.finfo(np.float32).max) + 2.0**103  # the midpoint above float32's max: a tie that rounds up
 
 
 # ---------------------------------------------------------------------------- the same, on large arrays in place

@@ -104,6 +104,29 @@ def test_fma_f32_rounds_once(rng):
     assert np.count_nonzero(naive != expected) > 100  # the traps do catch double rounding
 
 
+def test_fma_f32_scalar_rounds_once_and_equals_the_array_form(rng):
+    """The scalar form (the CUDA simulator's ``cuda.fma``) against exact rationals on the adversarial cases,
+    and bit for bit the array form on those and on NaNs (NumPy's and the GPU's payloads), infinities,
+    overflow past float32's largest value (and the tie just above it), signed zeros and subnormals."""
+    a, b, c = adversarial_fma_inputs(rng, 1500)
+    got = np.array([fma.fma_f32_scalar(*abc) for abc in zip(a, b, c)], np.float32)
+    expected = np.array([exact_fma_f32(*abc) for abc in zip(a, b, c)], np.float32)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+    biggest = float(np.finfo(np.float32).max)
+    gpu_nan, numpy_nan = (np.uint32(bits).view(np.float32) for bits in (0x7FFFFFFF, 0x7FC00000))
+    specials = [(gpu_nan, 1, 1), (1, 1, gpu_nan), (numpy_nan, 2, -1), (1, numpy_nan, gpu_nan),
+                (np.inf, 0, 1), (np.inf, 1, -np.inf), (-np.inf, 2, 3), (biggest, 2, 0), (biggest, 1, biggest),
+                (-biggest, 1, -2.0**103), (biggest, 1, 2.0**103), (biggest, 1, 2.0**102), (-0.0, 1, 0.0),
+                (0.0, -1, -0.0), (-0.0, 1, -0.0), (2.0**-75, 2.0**-75, 0), (2.0**-70, 2.0**-70, -(2.0**-149))]
+    a, b, c = (np.array(column, np.float32) for column in zip(*specials))
+    scalar = np.array([fma.fma_f32_scalar(*abc) for abc in zip(a, b, c)], np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        array = fma.fma_f32(a, b, c)
+    assert np.array_equal(scalar.view(np.uint32), array.view(np.uint32))
+    assert np.isnan(scalar[:6]).all() and (scalar[6:9] == [-np.inf, np.inf, np.inf]).all()
+    assert (scalar[9:12] == [-np.inf, np.inf, biggest]).all()  # the tie above the largest rounds away; below it, not
+
+
 def test_fma_f32_broadcasts(rng):
     a = rng.standard_normal((3, 1, 5)).astype(np.float32)
     b = rng.standard_normal((4, 1)).astype(np.float32)
