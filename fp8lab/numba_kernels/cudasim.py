@@ -171,18 +171,22 @@ def exchange(op: str, mask: int, value) -> dict[int, object]:
         rendezvous = state.in_flight.setdefault(key, _Rendezvous(lanes))
         rendezvous.values[lane] = value
         # The last lane to arrive wakes the others (waking them on every deposit costs n^2 wake-ups per
-        # collective); meanwhile they wake every _POLL_S to look for a deadlock.
+        # collective); meanwhile they wake every _POLL_S to look for a deadlock. The look comes after a first
+        # wait, not before it: nearly always the other lanes arrive within it, and the look copies the block's
+        # thread table.
         if len(rendezvous.values) == len(lanes):
             state.condition.notify_all()
         deadline = time.monotonic() + TIMEOUT_S
         while len(rendezvous.values) < len(lanes):
+            state.condition.wait(_POLL_S)
+            if len(rendezvous.values) == len(lanes):
+                break
             if getattr(thread, "abort", False):
                 raise RuntimeError(f"{op}: aborted because another simulated thread failed")
             _check_missing_lanes(op, mask_key, warp, rendezvous, thread._manager)
             if time.monotonic() > deadline:
                 missing = [x for x in lanes if x not in rendezvous.values]
                 raise RuntimeError(f"{op}: lanes {missing} of warp {warp} did not arrive within {TIMEOUT_S} s")
-            state.condition.wait(_POLL_S)
         rendezvous.readers += 1
         if rendezvous.readers == len(lanes):
             del state.in_flight[key]
