@@ -51,6 +51,9 @@ _POLL_S = 0.01  # how often a lane waiting in a collective checks for a deadlock
 MANAGER_POLL_S = 0.0005  # how often the block manager looks at its threads (see _run_block)
 
 
+_NOT_YET = object()
+
+
 class _Rendezvous:
     """One warp collective in flight: what each lane deposited, and how many lanes have read."""
 
@@ -58,6 +61,7 @@ class _Rendezvous:
         self.lanes = lanes
         self.values: dict[int, object] = {}
         self.readers = 0
+        self.combined = _NOT_YET  # exchange(..., combine=f): f(values), computed by the first lane to need it
 
 
 class _WarpState:
@@ -151,8 +155,10 @@ def _check_missing_lanes(op: str, mask: int, warp: int, rendezvous: _Rendezvous,
             )
 
 
-def exchange(op: str, mask: int, value) -> dict[int, object]:
-    """Deposit ``value`` for this lane in the collective named by ``mask``; return every lane's value.
+def exchange(op: str, mask: int, value, combine=None):
+    """Deposit ``value`` for this lane in the collective named by ``mask``; return every lane's value (a dict by
+    lane), or with ``combine``, ``combine(that dict)``, computed once for the whole collective and shared by its
+    lanes (a warp-wide operation such as the tensor-core ``mma``, whose result every lane reads its part of).
 
     The building block of every intrinsic here, and of warp-collective twins of linked device
     functions (the tensor-core ``mma`` in ``fp8lab.numba_kernels.mma``); ``op`` names the caller in errors.
@@ -187,10 +193,12 @@ def exchange(op: str, mask: int, value) -> dict[int, object]:
             if time.monotonic() > deadline:
                 missing = [x for x in lanes if x not in rendezvous.values]
                 raise RuntimeError(f"{op}: lanes {missing} of warp {warp} did not arrive within {TIMEOUT_S} s")
+        if combine is not None and rendezvous.combined is _NOT_YET:
+            rendezvous.combined = combine(rendezvous.values)
         rendezvous.readers += 1
         if rendezvous.readers == len(lanes):
             del state.in_flight[key]
-        return rendezvous.values
+        return rendezvous.values if combine is None else rendezvous.combined
 
 
 def _lane() -> int:

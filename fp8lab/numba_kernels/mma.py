@@ -35,15 +35,19 @@ if SIMULATOR:
 
     from . import cudasim
 
-    def _mma_twin(fmt: str, registers: tuple):
-        pooled = cudasim.exchange(f"mma_{fmt}", cudasim.FULL_MASK, tuple(registers))
+    def _warp_mma(fmt: str, pooled: dict) -> list:
+        """The warp's ``mma`` on every lane's registers (``pooled``, by lane): each lane's four D values."""
         lanes = np.array([pooled[lane] for lane in range(cudasim.WARP_SIZE)], dtype=object)
         a = lanes[:, 0:4].astype(np.uint32)
         b = lanes[:, 4:6].astype(np.uint32)
         c = lanes[:, 6:10].astype(np.float32)
         d = mma_model.mma_registers(a, b, c, fmt)
-        lane = cudasim._current_thread().thread_id % cudasim.WARP_SIZE
-        return tuple(np.float32(x) for x in d[lane])
+        return [tuple(np.float32(x) for x in row) for row in d]
+
+    def _mma_twin(fmt: str, registers: tuple):
+        d = cudasim.exchange(f"mma_{fmt}", cudasim.FULL_MASK, tuple(registers),
+                             combine=lambda pooled: _warp_mma(fmt, pooled))  # computed once for the warp
+        return d[cudasim._current_thread().thread_id % cudasim.WARP_SIZE]
 
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         return _mma_twin("bf16", (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
