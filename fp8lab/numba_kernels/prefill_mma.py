@@ -256,7 +256,7 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
 def kernel_variants():
     """``(name, python function, numba signature)`` of the variants the PTX check compiles: over an FP8 cache,
     Qwen3-8B's group of 4 with float32 out, Qwen3-0.6B's group of 2 with BF16 out and a group of 16 (one query token
-    per warp); over a BF16 cache, a group of 2 with BF16 out."""
+    per warp); over a BF16 cache, groups of 4 and 2 (BF16 out)."""
     f32 = types.float32
     words = types.Array(types.uint32, 1, "C")
     f32_1d, f32_3d = types.Array(f32, 1, "C"), types.Array(f32, 3, "C")
@@ -267,6 +267,7 @@ def kernel_variants():
         return types.void(f32_3d, words, words, f32_1d, f32_1d, types.Array(types.int32, 2, "C"), i32_1d, i32_1d, f32,
                           types.int64, types.int64, out)
 
-    shapes = ((128, 4, False, False), (128, 2, True, False), (128, 16, False, False), (128, 2, True, True))
+    shapes = ((128, 4, False, False), (128, 2, True, False), (128, 16, False, False), (128, 4, False, True),
+              (128, 2, True, True))
     return [(f"prefill_mma[head_dim={d}, group={g}{', out=bf16' if b else ''}{', cache=bf16' if c else ''}]",
              prefill_kernel_function(d, g, b, c), signature(b)) for d, g, b, c in shapes]

@@ -393,9 +393,9 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
     and FP8 at 32, 64 and 256, with 4 heads per CTA; FP8 at 128 with 1 to 3 heads; FP8 at 128 with 4 heads and BF16
     output),
     the combine for float32 and BF16 output, 2 tensor-core split kernels (``splitkv_mma``: head_dim 128 with
-    4 query heads per kv head and float32 output, 16 with BF16 output and the attention input), 4 tensor-core
+    4 query heads per kv head and float32 output, 16 with BF16 output and the attention input), 5 tensor-core
     prefill kernels (``prefill_mma``: over an FP8 cache groups of 4 and 16 with float32 output, 2 with BF16; over a
-    BF16 cache 2 with BF16): no local memory, no float64, the expected load widths (the attention with its
+    BF16 cache groups of 4 and 2): no local memory, no float64, the expected load widths (the attention with its
     input reads its cache with coherent 128-bit loads: it writes the new token there), 16-bit stores for BF16
     output, the F16 ``mma`` and the E4M3 pair conversion in the tensor-core ones over an FP8 cache, the BF16 ``mma``
     and no conversion over a BF16 cache, the norm's square root in the one with its input; no spills where nvJitLink

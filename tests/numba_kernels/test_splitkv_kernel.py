@@ -263,11 +263,11 @@ def nan_code_batch(rng):
 
 
 @pytest.mark.cudasim
-def test_nan_codes_with_finite_scales_give_the_references_nan(rng):
-    """Regression: the kernel makes NaN exactly what the reference makes NaN (``nan_code_batch``; 3 splits, so the
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_nan_codes_with_finite_scales_give_the_references_nan(rng, num_splits):
+    """Regression: the kernel makes NaN exactly what the reference makes NaN (``nan_code_batch``; with 3 splits the
     combine too), bit for bit the simulator elsewhere. Bit placement, which this kernel once decoded with, read those
     codes as finite numbers."""
-    num_splits = 3
     data, expected_nan = nan_code_batch(rng)
     got = run_kernel(data, num_splits)
     assert np.array_equal(np.isnan(got), expected_nan)
