@@ -174,7 +174,7 @@ def plot_roofline(points, copy_tb_s, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    markers = {"simt": "o", "mma": "s", "cuBLAS BF16": "x"}
+    markers = {"simt": "o", "mma": "s", "auto": "^", "cuBLAS BF16": "x"}
     for n, k, m, name, us, cublas_us in points:
         flops = 2.0 * m * n * k
         fp8_bytes = n * k + 2 * m * k + 4 * m * n
@@ -184,7 +184,8 @@ def plot_roofline(points, copy_tb_s, path):
     ai = np.logspace(-0.5, 2, 50)
     ax.plot(ai, ai * copy_tb_s, "k--", label=f"measured copy bandwidth {copy_tb_s:.1f} TB/s x intensity")
     for name, marker in markers.items():
-        ax.scatter([], [], marker=marker, color={"simt": "C0", "mma": "C1", "cuBLAS BF16": "C2"}[name], label=name)
+        ax.scatter([], [], marker=marker, color={"simt": "C0", "mma": "C1", "auto": "C1", "cuBLAS BF16": "C2"}[name],
+                   label=name)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP per byte of weights + activations + output)")
