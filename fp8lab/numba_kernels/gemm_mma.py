@@ -83,7 +83,7 @@ row-major order, so a warp reads 512 contiguous bytes of A (two rows of 256) or 
 of 128: every byte of every sector used. A goes through L1 (``cp.async.ca``: every CTA of the M
 tile reads the same activations, those sharing an SM can hit), B only through L2 (``.cg``: read
 once). More than 48 KiB of shared memory per CTA needs an opt-in, done on the compiled kernel
-before launch (``allow_shared_memory``).
+before launch (``_allow_shared_memory``).
 
 Float32 operation order is that of ``fp8lab.simulators.gemm_mma`` exactly, so in Numba's CUDA simulator
 (where ``mma_bf16``/``mma_f16`` are warp-collective twins built on ``fp8lab.simulators.mma``, and
@@ -623,7 +623,7 @@ def _as_words(name: str, x, dtype):
 _shared_opt_ins: dict[int, tuple[object, int]] = {}
 
 
-def allow_shared_memory(kernel, args, shared_bytes: int) -> None:
+def _allow_shared_memory(kernel, args, shared_bytes: int) -> None:
     """Opt the compiled kernel for ``args`` in to ``shared_bytes`` of dynamic shared memory where
     that is over the 48 KiB default (CUDA's ``cudaFuncAttributeMaxDynamicSharedMemorySize``).
     Compiles the kernel for these argument types first (the launch then finds it compiled)."""
@@ -665,6 +665,6 @@ def gemm_mma(a, q, scale_inv, out, block=(128, 128), m_blocks=None, stream=0, *,
     out_view = problem.out.view(np.uint16) if problem.output == "bf16" else problem.out  # int16 bits too
     kernel = compiled_kernel(launch.tiling, problem.activation, problem.output)
     args = (a_words, q_words, problem.scale_inv, out_view, np.uint32(problem.block[0]), np.uint32(problem.block[1]))
-    allow_shared_memory(kernel, args, launch.shared_bytes)
+    _allow_shared_memory(kernel, args, launch.shared_bytes)
     pdl.launch(kernel, launch.grid, launch.block, stream, *args, shared_bytes=launch.shared_bytes)
     return problem.out

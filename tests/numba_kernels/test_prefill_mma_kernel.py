@@ -77,24 +77,6 @@ def test_a_walk_past_32_tiles_bit_for_bit_the_simulator(cache):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
-@pytest.mark.parametrize("poisoned", ["code", "scale"])
-def test_a_nan_the_cta_loads_for_a_later_warp_stays_out_of_the_earlier_warps(poisoned):
-    """A NaN V code (or V scale) of key 10, in the CTA of queries 0-15 (group 4: warps of 4 queries): the CTA loads it
-    into shared memory for the warp of queries 8-11, but warps 0-3 and 4-7 end before it and must read it as a zero
-    code with scale 0 (zeroed in their registers): their queries stay finite. Queries 8 and 9, before key 10 in its
-    warp, see it (the documented weight-0 case), and so does every query from 10 on; bit for bit the simulator."""
-    rng = np.random.default_rng(12)
-    data, q, query_lens = prefill_batch(rng, [30], [30], 4, 1, 16)
-    if poisoned == "code":
-        data.v_cache[data.block_tables[0, 0], 0, 10, 7] = 0x7F
-    else:
-        data.v_scale[data.block_tables[0, 0], 0, 10] = np.nan
-    out = run_kernel(data, q, query_lens)
-    assert np.isnan(out).any(axis=(1, 2)).tolist() == [i >= 8 for i in range(30)]
-    assert same_bits(out, simulated(data, q, query_lens))
-
-
-@pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
 def test_device_indices_without_a_read_back_and_bf16_out():
     """Device index arrays with ``max_context_len``: the grid covers ``len(q)`` tokens per sequence (most CTAs
     return at once), bit for bit the simulator; then (host indices) BF16 out is that float32 out rounded by
