@@ -175,17 +175,17 @@ def plot_roofline(points, copy_tb_s, path):
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     markers = {"simt": "o", "mma": "s", "auto": "^", "cuBLAS BF16": "x"}
+    colors = {"simt": "C0", "mma": "C1", "auto": "C1", "cuBLAS BF16": "C2"}
     for n, k, m, name, us, cublas_us in points:
         flops = 2.0 * m * n * k
         fp8_bytes = n * k + 2 * m * k + 4 * m * n
         bf16_bytes = 2 * n * k + 2 * m * k + 2 * m * n
-        ax.scatter(flops / fp8_bytes, flops / (us * 1e-6) / 1e12, marker=markers[name], color="C0" if name == "simt" else "C1")
-        ax.scatter(flops / bf16_bytes, flops / (cublas_us * 1e-6) / 1e12, marker="x", color="C2")
+        ax.scatter(flops / fp8_bytes, flops / (us * 1e-6) / 1e12, marker=markers[name], color=colors[name])
+        ax.scatter(flops / bf16_bytes, flops / (cublas_us * 1e-6) / 1e12, marker="x", color=colors["cuBLAS BF16"])
     ai = np.logspace(-0.5, 2, 50)
     ax.plot(ai, ai * copy_tb_s, "k--", label=f"measured copy bandwidth {copy_tb_s:.1f} TB/s x intensity")
     for name, marker in markers.items():
-        ax.scatter([], [], marker=marker, color={"simt": "C0", "mma": "C1", "auto": "C1", "cuBLAS BF16": "C2"}[name],
-                   label=name)
+        ax.scatter([], [], marker=marker, color=colors[name], label=name)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP per byte of weights + activations + output)")
