@@ -1,14 +1,15 @@
 """The FP8 GEMM at prefill sizes (large M) on the GPU: TFLOP/s against cuBLAS BF16, and a tiling sweep.
 
-    python bench/gemm_large_m.py [--batches 512,1024,4096] [--sweep] [--out DIR]
+    python bench/gemm_large_m.py [--batches 512,1024,4096] [--paths mma,wgmma] [--sweep] [--out DIR]
 
 For each Qwen3-8B projection shape (N, K) and each M it
 
-1. runs ``gemm_mma`` with its default tiling on fresh random data (the output poisoned with NaN
-   first) and checks 64 random rows against ``fp8lab.reference.blockwise.gemm`` (relative error);
-2. with ``--sweep``, runs every tiling of ``SWEEP`` too and requires its output to be *bit for bit*
-   the default's: the tiling never changes the float32 order (``gemm_mma``'s docstring), and the
-   GPU's HMMA is deterministic, so any difference is a bug;
+1. runs each path's kernel with its default tiling (``mma``: ``gemm_mma``; ``wgmma``: ``gemm_wgmma``) on fresh
+   random data (the output poisoned with NaN first) and checks 64 random rows against
+   ``fp8lab.reference.blockwise.gemm`` (relative error);
+2. with ``--sweep``, runs every tiling of the path's sweep (``SWEEP``, ``WGMMA_SWEEP``) too and requires its
+   output to be *bit for bit* that path's default's: the tiling never changes the float32 order (the kernels'
+   docstrings), and the tensor cores are deterministic, so any difference is a bug;
 3. times each with CUDA-graph replay (``bench/timing.py``) and cuBLAS BF16
    (``torch.nn.functional.linear``, BF16 weights of the same shape) with CUDA events;
 4. prints and writes ``gemm_large_m.md``: microseconds, TFLOP/s, and our throughput as a share
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import sys
 from pathlib import Path
 
@@ -52,6 +54,11 @@ SWEEP = [
     (4, 4, 4, 2, 2, True),
     (2, 4, 4, 3, 4, True),
     (4, 4, 2, 3, 2, True),
+]
+
+WGMMA_SWEEP = [
+    # gemm_wgmma's Tiling (tokens, warpgroups, stages): CTA of 64 warpgroups weight rows x tokens
+    (128, 2, 3), (128, 2, 4), (128, 1, 4), (128, 1, 5), (64, 2, 4), (64, 2, 6), (64, 1, 6),
 ]
 
 
@@ -89,12 +96,31 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated M values")
-    parser.add_argument("--sweep", action="store_true", help="also time (and check bit for bit) the SWEEP tilings")
+    parser.add_argument("--sweep", action="store_true", help="also time (and check bit for bit) the sweep's tilings")
+    parser.add_argument("--paths", default="mma,wgmma", help="comma-separated: mma (gemm_mma), wgmma (gemm_wgmma)")
     args = parser.parse_args(argv)
     import torch
     from timing import graph_time_us, torch_time_us
 
+    from fp8lab.numba_kernels import gemm_wgmma
     from fp8lab.numba_kernels.gemm_mma import gemm_mma, launch_info
+
+    def variants(m, n, k):
+        """(path, tiling, is the default, launch(a, q, s, out, stream)) of every kernel to run at this shape."""
+        for path in args.paths.split(","):
+            if path == "mma":
+                default = tuple(launch_info(m, n, k).tiling)
+                tilings = [default] + ([t for t in SWEEP if knobs_of(t) != knobs_of(default)] if args.sweep else [])
+                for t in tilings:
+                    yield path, t, t == default, functools.partial(gemm_mma, **knobs_of(t))
+            elif path == "wgmma":
+                default = tuple(gemm_wgmma.Tiling())
+                tilings = [default] + ([t for t in WGMMA_SWEEP if t != default] if args.sweep else [])
+                for t in tilings:
+                    yield path, t, t == default, functools.partial(gemm_wgmma.gemm_wgmma,
+                                                                   tiling=gemm_wgmma.Tiling(*t))
+            else:
+                raise SystemExit(f"--paths: unknown path {path!r} (expected mma, wgmma)")
 
     rng = np.random.default_rng(2026)
     lines = [
@@ -104,7 +130,8 @@ def main(argv=None) -> int:
         "Ours: CUDA-graph replays; cuBLAS BF16 (torch `linear`): CUDA events; medians. "
         f"rel. err: {CHECKED_ROWS} random rows against the float64 oracle.",
         "",
-        "| N x K | M | tiling (m_blocks, warps_n, n8_tiles, stages, warps_m[, place_once]) | us | TFLOP/s | rel. err | "
+        "| N x K | M | path and tiling (mma: m_blocks, warps_n, n8_tiles, stages, warps_m[, place_once]; wgmma: tokens, "
+        "warpgroups, stages) | us | TFLOP/s | rel. err | "
         "cuBLAS BF16 us | cuBLAS TFLOP/s | ours / cuBLAS throughput |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -115,28 +142,24 @@ def main(argv=None) -> int:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             cublas_us = torch_time_us(lambda i: torch.nn.functional.linear(a_bf16, w), iters=20, repeats=5)
             flops = 2.0 * m * n * k
-            default = tuple(launch_info(m, n, k).tiling)
-            tilings = [default] + ([t for t in SWEEP if knobs_of(t) != knobs_of(default)] if args.sweep else [])
-            first = None
-            for tiling in tilings:
-                knobs = knobs_of(tiling)
+            first = {}
+            for path, tiling, is_default, gemm in variants(m, n, k):
                 try:
-                    result = run_once(gemm_mma, a_dev, q_dev, s_dev, out, knobs)
+                    result = run_once(gemm, a_dev, q_dev, s_dev, out, {})
                 except ValueError as error:  # a tiling that does not fit (shared memory)
-                    print(f"skipped {tiling}: {error}", flush=True)
+                    print(f"skipped {path} {tiling}: {error}", flush=True)
                     continue
-                if first is None:
-                    first = result
+                if path not in first:
+                    first[path] = result
                     err = float(np.linalg.norm(result[rows] - ref) / np.linalg.norm(ref))
                     bad = not (np.all(np.isfinite(result)) and err < 1e-5)
                     note = f"{err:.1e}"
                 else:
-                    bad = not np.array_equal(result.view(np.uint32), first.view(np.uint32))
+                    bad = not np.array_equal(result.view(np.uint32), first[path].view(np.uint32))
                     note = "= default" if not bad else "DIFFERS"
                 failures += bad
-                us = graph_time_us(lambda i, stream: gemm_mma(a_dev, q_dev, s_dev, out, stream=stream, **knobs),
-                                   reps=8, replays=5)
-                lines.append(f"| {n} x {k} | {m} | {tiling}{' default' if tiling == default else ''} | {us:.1f} | "
+                us = graph_time_us(lambda i, stream: gemm(a_dev, q_dev, s_dev, out, stream=stream), reps=8, replays=5)
+                lines.append(f"| {n} x {k} | {m} | {path} {tiling}{' default' if is_default else ''} | {us:.1f} | "
                              f"{flops / us / 1e6:.0f} | {note} | {cublas_us:.1f} | {flops / cublas_us / 1e6:.0f} | "
                              f"{cublas_us / us:.2f} |")
                 print(lines[-1], flush=True)

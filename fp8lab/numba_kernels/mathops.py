@@ -18,6 +18,10 @@ in ``tests/numba_kernels/test_kv_cache_kernel.py``; ``exp2`` is the simulators'
     bits of ``exp2``, which is why GPU results are checked against ``fp8lab.reference.attention`` by an
     error bound, not bit for bit.
 
+- ``divide_u32(a, b)``: ``a // b`` of two unsigned 32-bit values as a 32-bit division (Numba widens integer
+  arithmetic to 64 bits, and a 64-bit division is a subroutine call on the GPU, which, among other costs, makes
+  ptxas serialize every ``wgmma`` of the kernel).
+
 - ``nan_max(a, b)``: ``max`` that keeps a NaN (like ``np.maximum``), so a NaN in the data reaches
   the output instead of being dropped by a comparison.
 
@@ -45,6 +49,9 @@ if SIMULATOR:
         """float32 ``2^x``: the simulator's NumPy float32 exp2 (see the module docstring)."""
         return exp2_f32(x)
 
+    def divide_u32(a, b):
+        return uint32(int(a) // int(b))
+
 else:
     from numba.cuda import libdevice
 
@@ -52,6 +59,22 @@ else:
     def exp2(x):
         """float32 ``2^x``: libdevice ``__nv_exp2f`` = ``ex2.approx.f32`` (2 ulp); ``exp2(-inf) = 0``."""
         return libdevice.exp2f(x)
+
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def divide_u32(typingctx, a, b):
+        """``a // b`` in 32 bits (both taken modulo 2^32): LLVM ``udiv i32``."""
+        if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            a32, b32 = (context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args))
+            return builder.udiv(a32, b32)
+
+        return types.uint32(a, b), codegen
 
 
 @cuda.jit(device=True, inline=True)

@@ -1,0 +1,347 @@
+"""Warpgroup tensor-core W8A16 GEMM for prefill sizes: ``wgmma`` with the FP8 weights placed into registers.
+
+Computes ``fp8lab.reference.blockwise.gemm`` in the float32 order of ``fp8lab.simulators.gemm_mma`` (the same
+simulator as ``gemm_mma``: the order per output is unchanged). Launch: grid ``(ceil(N / CTA_N), ceil(M /
+TOKENS))`` x ``128 warpgroups`` threads, ``launch_info``'s dynamic shared memory; sm_90 (Hopper) only. Checked
+(``tests/numba_kernels/test_gemm_wgmma_kernel.py``): bit for bit ``fp8lab.simulators.gemm_mma.gemm_mma`` in the
+CUDA simulator, the oracle within the tensor-core budget on a GPU.
+
+What it computes::
+
+    out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]
+
+``a`` BF16 bits ``[M, K]``, ``q`` E4M3 codes ``[N, K]``, ``out`` float32 or BF16 bits (rounded once).
+
+How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Machete does for its W4A16):
+
+- **Tiles**: a CTA owns ``CTA_N = 64 warpgroups`` weight rows times ``TOKENS`` (64 or 128) activation rows.
+  Warpgroup ``w`` multiplies weight rows ``64 w .. 64 w + 63`` by all ``TOKENS`` tokens with one
+  ``wgmma.m64n{TOKENS}k16`` per k16 step (``fp8lab.numba_kernels.wgmma``): A = the weights, in registers, B = the
+  activations, from shared memory. Warp ``v`` of a warpgroup holds the A fragments of its 16 weight rows, which
+  it alone needs: it reads their codes from shared memory two at a time (``uint16``) and places them into BF16
+  patterns (``gemm_mma.place_code_pair``: ``decode(q) * 2^-120`` exactly), 32 registers per 128-wide chunk.
+- **K loop**, ``stages`` deep (3 to 6): chunk ``c`` (128 k) lives in stage ``c % stages``: the activations in two
+  128-byte-swizzled atoms of 64 k (``wgmma``'s B layout; ``cp.async`` writes each 16-byte piece where the swizzle
+  puts it), the weight codes in rows of 144 bytes, and one block scale per 8 weight rows. Iteration ``c``:
+
+  1. ``cp.async.wait_group(stages - 3)``, ``fence.proxy.async`` (the copies are generic-proxy writes that
+     ``wgmma`` reads through the async proxy), ``syncthreads``: chunk ``c`` is in, and every warpgroup has
+     waited for its chunk ``c - 2`` ``wgmma``;
+  2. copy chunk ``c + stages - 2`` into stage ``(c - 2) % stages`` (free by step 1) and commit;
+  3. place chunk ``c``'s codes into A registers, while chunk ``c - 1``'s ``wgmma`` still run;
+  4. wait for chunk ``c - 1``'s ``wgmma``, promote it: ``c_fin = fma(s, c_part * 2^120, c_fin)`` with its weight
+     row's scale (stage ``(c - 1) % stages`` is intact until iteration ``c + 1``);
+  5. issue chunk ``c``'s 8 ``wgmma`` into ``c_part`` (the first with ``accumulate`` off: ``c_part = 0``) and commit.
+
+  So per output: chunks in ascending K, per chunk 8 k16 steps from ``c_part = 0``, then one promotion fma:
+  ``gemm_mma``'s order exactly (the model's k16 step is one exact sum of 16 products, the same whichever operand
+  holds the weights).
+- **Epilogue**: lane ``(g, t)`` of warp ``v`` holds ``out^T`` rows (weight rows) ``g`` and ``g + 8`` of its 16
+  and tokens ``8 b + 2 t + {0, 1}``; stores only inside ``out``. Rows/tokens past the end read as zero.
+
+Shared memory, one stage (bytes; stages are multiples of 1,024, after a pad that aligns the first to 1,024 in
+the shared window)::
+
+    0                         activations: atom 0 (k 0..63), TOKENS rows x 128 bytes, swizzled
+    TOKENS * 128              activations: atom 1 (k 64..127)
+    TOKENS * 256              codes: CTA_N rows x 144 bytes (128 codes + 16 pad: row g starts in bank 4 g, so
+                              a warp's pair loads fall into distinct banks)
+    TOKENS * 256 + CTA_N*144  scales: CTA_N / 8 float32
+
+Dated measurements are in ``bench/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda, float32, uint16, uint32, uint64
+
+from . import bits, pdl, wgmma
+from .arguments import check_gemm, require_load_alignment
+from .cp_async import commit_group, copy_4_ca, copy_16_ca, copy_16_cg, wait_group_function
+from .gemm_mma import _allow_shared_memory, at, clamp, inlined_device_function, place_code_pair
+from .mathops import divide_u32, f32_to_bf16_bits_rne
+from .warp import WARP_SIZE
+
+K_CHUNK = 128
+K_STEPS_PER_CHUNK = K_CHUNK // wgmma.K_STEP
+WARPGROUP_THREADS = 4 * WARP_SIZE
+ROWS_PER_WARP = 16
+CODE_ROW_BYTES = K_CHUNK + 16
+"""144: a weight row's 128 codes + 16 bytes of padding."""
+PIECES_PER_TOKEN = 2 * K_CHUNK // wgmma.PIECE_BYTES
+"""16 pieces of 16 bytes per activation row and chunk (8 per swizzle atom)."""
+PIECES_PER_CODE_ROW = K_CHUNK // wgmma.PIECE_BYTES
+BF16_UNPLACE = np.float32(2.0 ** 120)
+"""Bit placement makes a BF16 pattern worth ``decode(q) * 2^-120``; the partial sum gets the ``2^120`` back."""
+BLOCK_N_MULTIPLE = 8
+"""Eight weight rows share one scale (a scale per 8 rows is what the stage holds)."""
+MAX_SHARED_PER_CTA = 227 * 1024
+MAX_GRID_Y = 65535
+
+
+class Tiling(NamedTuple):
+    """Compile-time shape knobs; none changes a bit of the result."""
+
+    tokens: int = 128
+    """Activation rows per CTA: the ``N`` of ``wgmma.m64nNk16`` (64 or 128)."""
+    warpgroups: int = 2
+    """Warpgroups per CTA (1 or 2), stacked in weight rows: ``CTA_N = 64 warpgroups``."""
+    stages: int = 4
+    """Shared-memory stages, 3 to 6 (``stages - 2`` chunks copied ahead of the one placed)."""
+
+    @property
+    def cta_n(self) -> int:
+        return wgmma.M_ROWS * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP_THREADS * self.warpgroups
+
+    @property
+    def code_offset(self) -> int:
+        return 2 * wgmma.ROW_BYTES * self.tokens
+
+    @property
+    def scale_offset(self) -> int:
+        return self.code_offset + self.cta_n * CODE_ROW_BYTES
+
+    @property
+    def stage_bytes(self) -> int:
+        used = self.scale_offset + 4 * (self.cta_n // 8)
+        return -(-used // wgmma.ATOM_BYTES) * wgmma.ATOM_BYTES
+
+    @property
+    def shared_bytes(self) -> int:
+        """The stages plus 1,024 bytes of room to align them."""
+        return self.stages * self.stage_bytes + wgmma.ATOM_BYTES
+
+    def check(self) -> Tiling:
+        for name, value, choices in (("tokens", self.tokens, wgmma.N_CHOICES), ("warpgroups", self.warpgroups, (1, 2)),
+                                     ("stages", self.stages, (3, 4, 5, 6))):
+            if value not in choices:
+                raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+        if self.shared_bytes > MAX_SHARED_PER_CTA:
+            raise ValueError(f"stages: {self} needs {self.shared_bytes} bytes of shared memory, more than the "
+                             f"{MAX_SHARED_PER_CTA} a CTA may have")
+        return self
+
+
+class LaunchInfo(NamedTuple):
+    grid: tuple[int, int]
+    block: tuple[int]
+    shared_bytes: int
+    tiling: Tiling
+
+
+def launch_info(m: int, n: int, k: int, tiling: Tiling | None = None) -> LaunchInfo:
+    """Grid ``(ceil(N / CTA_N), ceil(M / tokens))``, block, dynamic shared memory and the tiling."""
+    if m < 1 or n < 1 or k < K_CHUNK or k % K_CHUNK:
+        raise ValueError(f"shape: expected M, N >= 1 and K a positive multiple of {K_CHUNK}, got {(m, n, k)}")
+    tiling = Tiling(*(tiling or Tiling())).check()
+    grid = (-(-n // tiling.cta_n), -(-m // tiling.tokens))
+    if grid[1] > MAX_GRID_Y:
+        raise ValueError(f"a: M = {m} needs {grid[1]} token tiles, more than the grid's {MAX_GRID_Y}")
+    return LaunchInfo(grid, (tiling.threads,), tiling.shared_bytes, tiling)
+
+
+def kernel_function(tiling: Tiling, output: str):
+    """The Python source of one variant before ``cuda.jit``. Arguments: ``(a_words uint64 [M, K/4], q_words uint64
+    [N, K/8], scale_inv float32 [ceil(N/BN), ceil(K/BK)], out [M, N], block_n uint32, block_k uint32)``."""
+    if output not in ("f32", "bf16"):
+        raise ValueError(f"no gemm_wgmma variant for output={output!r}")
+    tiling = Tiling(*tiling).check()
+    tokens, stages, threads, cta_n = tiling.tokens, tiling.stages, tiling.threads, tiling.cta_n
+    stage_bytes, code_offset, scale_offset = tiling.stage_bytes, tiling.code_offset, tiling.scale_offset
+    accumulators = tokens // 2
+    a_registers = 4 * K_STEPS_PER_CHUNK  # 32: 4 per k16 step
+    a_copies = tokens * PIECES_PER_TOKEN // threads  # 16-byte copies per thread and chunk
+    q_copies = cta_n * PIECES_PER_CODE_ROW // threads
+    scale_groups = cta_n // 8
+    atom_bytes = tokens * wgmma.ROW_BYTES  # one 64-k atom of every token row
+    mma_async = wgmma.mma_async_function(tokens)
+    wait_for_wgmma = wgmma.wait_group_function(0, tokens)
+    wait_for_chunk = wait_group_function(stages - 3)
+    bf16_output = output == "bf16"
+
+    @inlined_device_function
+    def copy_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, stage_base, token0, row0, thread, scale_row,
+                   scale_bytes, chunks_per_block):
+        """This thread's ``cp.async`` copies of chunk ``chunk`` into the stage at byte ``stage_base``: activation
+        pieces to their swizzled places (L1: the CTAs of a token tile share them), code pieces (L2 only), and
+        threads ``0 .. CTA_N / 8 - 1`` one scale each. Rows past the end are zero-filled."""
+        m, n = uint32(a_words.shape[0]), uint32(q_words.shape[0])
+        for j in range(a_copies):
+            piece = uint32(j * threads) + thread
+            token, p = piece // PIECES_PER_TOKEN, piece % PIECES_PER_TOKEN
+            atom, within = p // 8, p % 8
+            destination = (stage_base + atom * atom_bytes + token * wgmma.ROW_BYTES
+                           + wgmma.swizzled_piece(token, within) * wgmma.PIECE_BYTES)
+            source = token0 + token
+            copy_16_ca(smem64, destination // 8, a_words, clamp(source, m), chunk * 32 + 2 * p,
+                       16 if source < m else 0)
+        for j in range(q_copies):
+            piece = uint32(j * threads) + thread
+            row, p = piece // PIECES_PER_CODE_ROW, piece % PIECES_PER_CODE_ROW
+            source = row0 + row
+            copy_16_cg(smem64, (stage_base + code_offset + row * CODE_ROW_BYTES) // 8 + 2 * p, q_words,
+                       clamp(source, n), chunk * 16 + 2 * p, 16 if source < n else 0)
+        if thread < scale_groups:
+            copy_4_ca(smemf, (stage_base + scale_offset) // 4 + thread, scale_inv, scale_row, divide_u32(chunk, chunks_per_block),
+                      scale_bytes)
+
+    @inlined_device_function
+    def receive_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, base, token0, row0, thread, scale_row,
+                      scale_bytes, chunks_per_block, chunks):
+        """Steps 1 and 2 of iteration ``chunk``: wait until the chunk is in shared memory and visible to ``wgmma``
+        (every warpgroup has then also waited for its chunk ``chunk - 2`` ``wgmma``), then copy chunk
+        ``chunk + stages - 2`` into the stage that one used, and commit (an empty group past the end, so that the
+        wait's count stays right)."""
+        wait_for_chunk()  # my copies of `chunk` have landed ...
+        wgmma.proxy_fence()  # ... are visible to wgmma's reads ...
+        cuda.syncthreads()  # ... and so are everyone's
+        ahead = chunk + uint32(stages - 2)
+        if ahead < chunks:
+            copy_chunk(smem64, smemf, a_words, q_words, scale_inv, ahead, base + (ahead % uint32(stages)) * stage_bytes,
+                       token0, row0, thread, scale_row, scale_bytes, chunks_per_block)
+        commit_group()
+
+    @inlined_device_function
+    def place_chunk(smem16, stage_base, a_regs, warp_row, g, t):
+        """The A registers of the warp's 16 weight rows for the chunk's 8 k16 steps: step ``j``'s registers are
+        codes (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..) of the step, placed into BF16 patterns."""
+        top = (stage_base + code_offset + (warp_row + g) * CODE_ROW_BYTES) // 2 + t
+        bottom = top + 8 * CODE_ROW_BYTES // 2
+        for j in range(K_STEPS_PER_CHUNK):
+            a_regs[4 * j] = place_code_pair(at(smem16, top + 8 * j), 4)
+            a_regs[4 * j + 1] = place_code_pair(at(smem16, bottom + 8 * j), 4)
+            a_regs[4 * j + 2] = place_code_pair(at(smem16, top + 8 * j + 4), 4)
+            a_regs[4 * j + 3] = place_code_pair(at(smem16, bottom + 8 * j + 4), 4)
+
+    @inlined_device_function
+    def multiply_chunk(smem64, stage_base, a_regs, c_part):
+        """8 ``wgmma`` k16 steps into ``c_part``, the first overwriting it (``c_part = 0 + ...``)."""
+        wgmma.fence()
+        for j in range(K_STEPS_PER_CHUNK):
+            start = stage_base + (j // 4) * atom_bytes + (j % 4) * wgmma.STEP_BYTES
+            mma_async(c_part, a_regs[4 * j], a_regs[4 * j + 1], a_regs[4 * j + 2], a_regs[4 * j + 3], smem64, start,
+                      j > 0)
+        wgmma.commit_group()
+
+    @inlined_device_function
+    def promote(smemf, stage_base, c_part, c_fin, warp_row, g):
+        """``c_fin = fma(s, c_part * 2^120, c_fin)``: rows g and g + 8 of the warp lie in 8-row groups
+        ``warp_row / 8`` and ``warp_row / 8 + 1``, one scale each."""
+        s_top = at(smemf, (stage_base + scale_offset) // 4 + warp_row // 8)
+        s_bottom = at(smemf, (stage_base + scale_offset) // 4 + warp_row // 8 + 1)
+        for i in range(accumulators):
+            s = s_bottom if (i >> 1) & 1 else s_top
+            c_fin[i] = cuda.fma(s, c_part[i] * BF16_UNPLACE, c_fin[i])  # * 2^120: exact
+
+    @inlined_device_function
+    def store(out, c_fin, token0, row0, g, t):
+        for i in range(accumulators):
+            row = row0 + g + 8 * ((i >> 1) & 1)
+            token = token0 + 8 * (i >> 2) + 2 * t + (i & 1)
+            if token < out.shape[0] and row < out.shape[1]:
+                if bf16_output:
+                    out[token, row] = f32_to_bf16_bits_rne(c_fin[i])  # a NaN stays NaN
+                else:
+                    out[token, row] = c_fin[i]
+
+    def gemm_wgmma_kernel(a_words, q_words, scale_inv, out, block_n, block_k):
+        pdl.prologue()
+        thread = uint32(cuda.threadIdx.x)
+        warp, lane = thread // WARP_SIZE, thread % WARP_SIZE
+        g, t = lane >> 2, lane & 3
+        warp_row = warp * ROWS_PER_WARP  # the warp's first weight row in the CTA (warpgroup w: rows 64 w ..)
+        row0 = uint32(cuda.blockIdx.x) * cta_n
+        token0 = uint32(cuda.blockIdx.y) * tokens
+        chunks = uint32(q_words.shape[1] // 16)
+        # Threads 0 .. CTA_N / 8 - 1 copy the scales of 8-row group `thread`: its scale row (fixed), and 4 bytes or 0
+        # (zero fill: a group wholly past N, whose outputs are never stored). All divisions in 32 bits: a 64-bit one
+        # is a subroutine call, which makes ptxas serialize every wgmma.
+        first_row = row0 + thread * uint32(8)
+        scale_row = divide_u32(clamp(first_row, uint32(q_words.shape[0])), block_n)
+        scale_bytes = 4 if first_row < uint32(q_words.shape[0]) else 0
+        chunks_per_block = divide_u32(block_k, K_CHUNK)
+
+        smem64 = cuda.shared.array(0, uint64)
+        smem16 = cuda.shared.array(0, uint16)
+        smemf = cuda.shared.array(0, float32)
+        base = (uint32(wgmma.ATOM_BYTES) - (wgmma.shared_address(smem64) % uint32(wgmma.ATOM_BYTES))) \
+            % uint32(wgmma.ATOM_BYTES)  # the first stage's offset: 1,024-aligned in the shared window
+        a_regs = cuda.local.array(a_registers, uint32)
+        c_part = cuda.local.array(accumulators, float32)
+        c_fin = cuda.local.array(accumulators, float32)
+        for i in range(accumulators):
+            c_fin[i] = float32(0.0)
+            c_part[i] = float32(0.0)
+
+        for first in range(stages - 2):  # prologue: chunks 0 .. stages - 3, one group each
+            if first < chunks:
+                copy_chunk(smem64, smemf, a_words, q_words, scale_inv, uint32(first), base + first * stage_bytes,
+                           token0, row0, thread, scale_row, scale_bytes, chunks_per_block)
+            commit_group()
+
+        # Chunk 0 outside the loop, so that the loop's wgmma waits sit on no branch (ptxas serializes wgmma
+        # that depend on a wait in a divergent-looking path).
+        receive_chunk(smem64, smemf, a_words, q_words, scale_inv, uint32(0), base, token0, row0, thread, scale_row,
+                      scale_bytes, chunks_per_block, chunks)
+        place_chunk(smem16, base, a_regs, warp_row, g, t)
+        multiply_chunk(smem64, base, a_regs, c_part)
+        for chunk_index in range(1, chunks):
+            chunk = uint32(chunk_index)
+            stage_base = base + (chunk % uint32(stages)) * stage_bytes
+            receive_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, base, token0, row0, thread, scale_row,
+                          scale_bytes, chunks_per_block, chunks)
+            place_chunk(smem16, stage_base, a_regs, warp_row, g, t)  # while chunk - 1's wgmma run
+            wait_for_wgmma(c_part)
+            promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
+            multiply_chunk(smem64, stage_base, a_regs, c_part)
+
+        wait_for_wgmma(c_part)
+        promote(smemf, base + ((chunks - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
+        store(out, c_fin, token0, row0 + warp_row, g, t)
+
+    return gemm_wgmma_kernel
+
+
+def kernel_signature(output: str) -> str:
+    """The Numba signature the host wrapper launches with (for ``cuda.compile_ptx``)."""
+    out_type = {"f32": "float32", "bf16": "uint16"}[output]
+    return f"void(uint64[:, ::1], uint64[:, ::1], float32[:, ::1], {out_type}[:, ::1], uint32, uint32)"
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_kernel(tiling: Tiling, output: str):
+    options = {} if bits.SIMULATOR else {"launch_bounds": (tiling.threads, 1)}
+    return cuda.jit(kernel_function(tiling, output), **options)
+
+
+def gemm_wgmma(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = None, stream=0):
+    """``out[M, N] = a[M, K] @ (decode(q) * scale_inv)^T`` with ``wgmma``; returns ``out``.
+
+    ``a``: BF16 bits (``uint16``/``int16``) ``[M, K]``; ``q``: ``uint8 [N, K]``; ``scale_inv``: ``float32
+    [ceil(N/BN), ceil(K/BK)]``; ``out``: ``float32`` or BF16 bits ``[M, N]``; C-contiguous NumPy, Numba device or
+    ``__cuda_array_interface__`` arrays (device data 16-byte aligned). ``block = (BN, BK)``: ``BN`` a multiple of
+    8, ``BK`` of 128; ``K`` a multiple of 128. ``tiling``: ``Tiling`` (default ``Tiling()``). Needs a
+    compute-capability-9.0 GPU (or the CUDA simulator). Every problem is a ``ValueError`` raised before launch.
+    """
+    problem = check_gemm(a, q, scale_inv, out, block, kernel="gemm_wgmma", activations=("bf16",),
+                         block_n_multiple=BLOCK_N_MULTIPLE)
+    if problem.output not in ("f32", "bf16"):
+        raise ValueError(f"out: gemm_wgmma writes float32 or BF16 bits, got {problem.output}")
+    launch = launch_info(problem.m, problem.n, problem.k, tiling)
+    require_load_alignment("a", problem.a, "gemm_wgmma")
+    require_load_alignment("q", problem.q, "gemm_wgmma")
+    out_view = problem.out.view(np.uint16) if problem.output == "bf16" else problem.out
+    kernel = compiled_kernel(launch.tiling, problem.output)
+    args = (problem.a.view(np.uint64), problem.q.view(np.uint64), problem.scale_inv, out_view,
+            np.uint32(problem.block[0]), np.uint32(problem.block[1]))
+    _allow_shared_memory(kernel, args, launch.shared_bytes)
+    pdl.launch(kernel, launch.grid, launch.block, stream, *args, shared_bytes=launch.shared_bytes)
+    return problem.out

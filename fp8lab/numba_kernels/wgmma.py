@@ -1,0 +1,277 @@
+"""Hopper's warpgroup matrix multiply ``wgmma.mma_async`` (BF16 in, float32 accumulate) as device functions.
+
+Device functions, no kernel (sm_90a: numba-cuda compiles for it on a compute-capability-9.0 GPU). Checked
+(``tests/numba_kernels/test_wgmma.py``): the twin against ``fp8lab.simulators.mma``'s model and a float64
+product, the instructions in the sm_90a PTX; on a GPU through ``fp8lab.numba_kernels.gemm_wgmma``.
+
+One ``wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16`` is issued by a *warpgroup* (4 consecutive warps,
+the first a multiple of 4) and computes ``D[64, N] = A[64, 16] @ B[16, N] (+ D)``:
+
+- **A in registers**: warp ``w`` of the warpgroup holds rows ``16 w .. 16 w + 15`` in exactly the layout of
+  ``mma.m16n8k16``'s A (``fp8lab.simulators.mma.A_COORDS``): four 32-bit registers, two BF16 each;
+- **B in shared memory**, K-major (each of the N columns is 16 consecutive k, 32 bytes), described by a 64-bit
+  *matrix descriptor*; the layout used here is the 128-byte swizzle: a column's k run lies in a 128-byte row
+  of 64 k, 8 such rows form a 1,024-byte atom (aligned to 1,024 in the shared window), and the 16-byte piece
+  ``c`` of row ``r`` is stored at piece ``c ^ (r % 8)`` of its row (``swizzled_piece``), so that the 8 rows
+  of an atom spread over all 32 banks. The descriptor: start address, rows' stride of 8 (1,024 bytes between
+  atoms of consecutive columns), swizzle mode 128 B; the k16 step ``j`` of a 64-wide atom starts ``32 j``
+  bytes into its first row (the hardware applies the swizzle to the address it forms);
+- **D in registers**: warp ``w`` holds rows ``16 w ..``; lane ``(g, t)``'s accumulator ``i`` (``N / 2`` of
+  them) is row ``g + 8 ((i >> 1) & 1)``, column ``8 (i >> 2) + 2 t + (i & 1)``: ``mma.m16n8k16``'s C layout
+  repeated over the ``N / 8`` column blocks.
+
+So the rows of ``D`` that warp ``w`` holds depend only on its own A registers: the twin below computes each
+warp alone, with ``fp8lab.simulators.mma``'s model per m16 x n8 block (``d = fl32(c + fl32(S))``, ``S`` the
+exact sum of the 16 products; ``accumulate=False`` starts from ``c = +0``). A real GPU rounds as its tensor
+cores do (tutorial 03), so GPU results are held to the tensor-core error budget.
+
+The instruction is asynchronous: ``fence()`` before the first ``mma_async`` of a batch (registers written by
+ordinary instructions become visible to it), ``commit_group()`` after the batch, and ``wait_group(n)(acc)``
+before the accumulators are read (at most ``n`` younger groups left in flight). The shared memory it reads
+must stay unchanged until that wait, and shared memory written by ``cp.async`` (the generic proxy) must pass
+``proxy_fence()`` in each writing thread, then a barrier, before ``wgmma`` (the async proxy) reads it.
+
+- On a GPU: LLVM inline assembly in the calling kernel (``acc`` a per-thread ``cuda.local.array`` of float32,
+  indexed with constants only, so it lives in registers; the wait passes every accumulator through the
+  instruction so the compiler reads none of them earlier).
+- In the CUDA simulator: ``mma_async`` queues the operation; ``wait_group`` performs the queued groups, warp by
+  warp, reading shared memory *then*, the latest moment the hardware may read it: a kernel that overwrites a
+  stage before waiting computes with the new data here, as it could on a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from numba import cuda
+
+from .bits import SIMULATOR
+from .warp import FULL_MASK
+
+N_CHOICES = (64, 128)
+"""Columns of D per instruction that kernels here use: ``N / 2`` float32 accumulators per lane."""
+M_ROWS, K_STEP = 64, 16
+ROW_BYTES = 128
+"""A swizzle row: 64 BF16 k of one column."""
+ATOM_ROWS = 8
+ATOM_BYTES = ROW_BYTES * ATOM_ROWS
+"""1,024: a swizzle atom, also the stride between atoms of consecutive columns (the descriptor's SBO)."""
+PIECE_BYTES = 16
+STEP_BYTES = 2 * K_STEP
+"""32: how far a k16 step moves the start address inside a row."""
+DESCRIPTOR_TAIL = (1 << 16) | ((ATOM_BYTES >> 4) << 32) | (1 << 62)
+"""The descriptor's fields but the start address: LBO 16 bytes (unused by swizzled K-major layouts), SBO
+1,024 bytes, swizzle mode 1 (128 B) in bits 62-63."""
+
+
+@cuda.jit(device=True, inline="always")
+def swizzled_piece(row, piece):
+    """Where the 16-byte piece ``piece`` (0..7) of swizzle row ``row`` lies in its row: ``piece ^ (row % 8)``."""
+    return piece ^ (row & 7)
+
+
+def physical_address(logical):
+    """The 128-byte swizzle on a shared-memory byte address (``logical`` relative to a 1,024-aligned base):
+    bits 4-6 (the piece) XOR bits 7-9 (the row within the atom). Works on NumPy arrays."""
+    return logical ^ (((logical >> 7) & 7) << 4)
+
+
+if SIMULATOR:
+    from fp8lab.simulators import bit_placement
+    from fp8lab.simulators import mma as mma_model
+
+    from . import cudasim
+
+    _state = threading.local()
+
+    def _queues():
+        if not hasattr(_state, "pending"):
+            _state.pending, _state.groups = [], []
+        return _state
+
+    def shared_address(smem):
+        """The shared-window address of ``smem[0]``: 0 here (every simulated allocation counts as aligned)."""
+        return np.uint32(0)
+
+    def fence():
+        pass
+
+    def proxy_fence():
+        pass
+
+    def commit_group():
+        state = _queues()
+        state.groups.append(state.pending)
+        state.pending = []
+
+    def _accumulator_coordinates(n: int):
+        """Row and column of D, per (lane, accumulator), within the warp's 16 rows."""
+        lane = np.arange(cudasim.WARP_SIZE)[:, None]
+        i = np.arange(n // 2)[None, :]
+        return (lane >> 2) + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)
+
+    def _b_operand(smem, byte_offset: int, n: int) -> np.ndarray:
+        """B ``[16 k, n]`` as float64 values read from the swizzled K-major layout at ``byte_offset``."""
+        memory = np.asarray(smem).reshape(-1).view(np.uint8)
+        logical = byte_offset + ROW_BYTES * np.arange(n)[None, :] + 2 * np.arange(K_STEP)[:, None]
+        physical = physical_address(logical)
+        if physical.max() + 1 >= memory.size:
+            raise RuntimeError(f"wgmma: B at byte {byte_offset} (n = {n}) runs past the {memory.size}-byte shared array")
+        bits = memory[physical].astype(np.uint16) | (memory[physical + 1].astype(np.uint16) << 8)
+        return bit_placement.bits_to_float32(bits, "bf16").astype(np.float64)
+
+    def _perform(ops, pooled):
+        """The warp's queued operations in order: each lane's accumulators updated in place."""
+        for index, (acc0, _, smem, byte_offset, accumulate, n) in enumerate(ops[0]):
+            rows, cols = _accumulator_coordinates(n)
+            registers = np.array([pooled[lane][index][1] for lane in range(cudasim.WARP_SIZE)], dtype=np.uint32)
+            a_bits = mma_model.unpack_registers(registers)  # [32, 8] 16-bit patterns
+            a = mma_model.assemble_a(bit_placement.bits_to_float32(a_bits, "bf16")).astype(np.float64)
+            b = _b_operand(smem, byte_offset, n)
+            b_tiles = np.stack([b[:, 8 * j: 8 * j + 8] for j in range(n // 8)])  # [n/8, 16, 8]
+            sums = mma_model.k16_sum(a[None], b_tiles).astype(np.float32)  # fl32(S) per block
+            d = np.transpose(sums, (1, 0, 2)).reshape(16, n)  # [16 rows, n]
+            c = np.zeros((16, n), np.float32)
+            if accumulate:
+                for lane in range(cudasim.WARP_SIZE):
+                    c[rows[lane], cols[lane]] = pooled[lane][index][0][: n // 2]
+            d = c + d  # float32: one rounding
+            for lane in range(cudasim.WARP_SIZE):
+                pooled[lane][index][0][: n // 2] = d[rows[lane], cols[lane]]
+        return None
+
+    def _wait(n_younger: int):
+        state = _queues()
+        if state.pending:
+            raise RuntimeError("wgmma.wait_group: mma_async issued since the last commit_group")
+        ready = []
+        while len(state.groups) > n_younger:
+            ready.extend(state.groups.pop(0))
+        cudasim.exchange("wgmma.wait_group", FULL_MASK, ready,
+                         combine=lambda pooled: _perform([pooled[0]], pooled))
+
+    def wait_group_function(n: int, columns: int):
+        def wait_group(acc):
+            _wait(n)
+
+        return wait_group
+
+    def mma_async_function(n: int):
+        if n not in N_CHOICES:
+            raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
+
+        def mma_async(acc, a0, a1, a2, a3, smem, byte_offset, accumulate):
+            if int(byte_offset) % PIECE_BYTES:
+                raise RuntimeError(f"wgmma: B's start {byte_offset} is not 16-byte aligned")
+            registers = tuple(int(x) & 0xFFFFFFFF for x in (a0, a1, a2, a3))
+            _queues().pending.append((acc, registers, smem, int(byte_offset), bool(accumulate), n))
+
+        return mma_async
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+    def _statement(text: str):
+        @intrinsic
+        def statement(typingctx):
+            def codegen(context, builder, signature, args):
+                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return statement
+
+    fence = _statement("wgmma.fence.sync.aligned;")
+    commit_group = _statement("wgmma.commit_group.sync.aligned;")
+    proxy_fence = _statement("fence.proxy.async.shared::cta;")
+
+    def _shared_address_of(context, builder, array_type, array):
+        """The 32-bit shared-window address of ``array[0]`` (``cvta.to.shared`` of its generic address)."""
+        data = context.make_array(array_type)(context, builder, value=array).data
+        generic = builder.ptrtoint(data, _I64)
+        shared = builder.call(ir.InlineAsm(ir.FunctionType(_I64, [_I64]), "cvta.to.shared.u64 $0, $1;", "=l,l"),
+                              [generic])
+        return builder.trunc(shared, _I32)
+
+    @intrinsic
+    def shared_address(typingctx, smem):
+        """The shared-window address of ``smem[0]`` (uint32)."""
+        if not isinstance(smem, types.Array):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return _shared_address_of(context, builder, signature.args[0], args[0])
+
+        return types.uint32(smem), codegen
+
+    def _accumulators(context, builder, array_type, array, count):
+        data = context.make_array(array_type)(context, builder, value=array).data
+        pointers = [builder.gep(data, [ir.Constant(_I64, i)]) for i in range(count)]
+        return pointers, [builder.load(p) for p in pointers]
+
+    def _through_asm(builder, text, values, extra, extra_constraints, count):
+        """Call ``text`` with the ``count`` accumulators as read-write operands (outputs ``$0..``, tied inputs),
+        then ``extra`` inputs; the accumulators' new values."""
+        function = ir.FunctionType(ir.LiteralStructType([_F32] * count), [_F32] * count + [v.type for v in extra])
+        constraints = ",".join(["=f"] * count + [str(i) for i in range(count)] + extra_constraints + ["~{memory}"])
+        result = builder.call(ir.InlineAsm(function, text, constraints, side_effect=True), values + extra)
+        return [builder.extract_value(result, i) for i in range(count)]
+
+    def wait_group_function(n: int, columns: int):
+        count = columns // 2
+
+        @intrinsic
+        def wait_group(typingctx, acc):
+            if not (isinstance(acc, types.Array) and acc.dtype == types.float32):
+                return None
+
+            def codegen(context, builder, signature, args):
+                pointers, values = _accumulators(context, builder, signature.args[0], args[0], count)
+                for p, v in zip(pointers, _through_asm(builder, f"wgmma.wait_group.sync.aligned {int(n)};", values,
+                                                       [], [], count)):
+                    builder.store(v, p)
+                return context.get_dummy_value()
+
+            return types.void(acc), codegen
+
+        return wait_group
+
+    def mma_async_function(n: int):
+        if n not in N_CHOICES:
+            raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
+        count = n // 2
+        d = ", ".join(f"${i}" for i in range(count))
+        a = ", ".join(f"${2 * count + i}" for i in range(4))
+        text = ("{ .reg .pred p; "
+                f"setp.ne.b32 p, ${2 * count + 5}, 0; "
+                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, {{{a}}}, ${2 * count + 4}, p, 1, 1, 0; }}")
+
+        @intrinsic
+        def mma_async(typingctx, acc, a0, a1, a2, a3, smem, byte_offset, accumulate):
+            if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and isinstance(smem, types.Array)):
+                return None
+
+            def codegen(context, builder, signature, args):
+                acc_type, *register_types, smem_type, offset_type, accumulate_type = signature.args
+                registers = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[1:5], register_types)]
+                start = builder.add(_shared_address_of(context, builder, smem_type, args[5]),
+                                    context.cast(builder, args[6], offset_type, types.uint32))
+                address = builder.lshr(builder.and_(start, ir.Constant(_I32, 0x3FFFF)), ir.Constant(_I32, 4))
+                descriptor = builder.or_(builder.zext(address, _I64), ir.Constant(_I64, DESCRIPTOR_TAIL))
+                scale_d = context.cast(builder, args[7], accumulate_type, types.uint32)
+                pointers, values = _accumulators(context, builder, acc_type, args[0], count)
+                results = _through_asm(builder, text, values, registers + [descriptor, scale_d],
+                                       ["r", "r", "r", "r", "l", "r"], count)
+                for p, v in zip(pointers, results):
+                    builder.store(v, p)
+                return context.get_dummy_value()
+
+            return types.void(acc, a0, a1, a2, a3, smem, byte_offset, accumulate), codegen
+
+        return mma_async
