@@ -16,7 +16,10 @@ without conversion. On a GPU these are LLVM ``bitcast`` intrinsics (free: no ins
   byte) as two F16 patterns (code 0 in the low half), exact, NaN codes to NaN: the hardware
   conversion ``cvt.rn.f16x2.e4m3x2`` (sm_89 and later: one instruction for two codes) as inline
   PTX; in the simulator, ``fp8lab.reference.e4m3.decode`` cast to float16 (every E4M3 value is an F16
-  value, so the cast is exact).
+  value, so the cast is exact);
+- ``prmt(a, b, selector)``: PTX's byte permute ``prmt.b32`` (default mode): byte ``i`` of the result is byte
+  ``selector >> 4 i & 7`` of the eight bytes ``b:a`` (``a`` bytes 0-3, ``b`` bytes 4-7), or, where bit 3 of that
+  nibble is set, that byte's sign bit copied to all 8 bits; one instruction on a GPU.
 """
 
 from __future__ import annotations
@@ -47,6 +50,17 @@ if SIMULATOR:
         codes = np.array([int(pair) & 0xFF, (int(pair) >> 8) & 0xFF], np.uint8)
         halves = decode(codes).astype(np.float16).view(np.uint16).astype(np.uint32)
         return np.uint32(halves[0] | (halves[1] << np.uint32(16)))
+
+    def prmt(a, b, selector):
+        source = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
+        result = 0
+        for i in range(4):
+            nibble = (int(selector) >> (4 * i)) & 0xF
+            byte = (source >> (8 * (nibble & 7))) & 0xFF
+            if nibble & 8:
+                byte = 0xFF if byte & 0x80 else 0
+            result |= byte << (8 * i)
+        return np.uint32(result)
 
 else:
     from llvmlite import ir
@@ -98,6 +112,19 @@ else:
     @cuda.jit(device=True, inline=True)
     def e4m3x2_to_f16x2(pair):
         return _cvt_e4m3x2_f16x2(types.uint32(pair))
+
+    @intrinsic
+    def prmt(typingctx, a, b, selector):
+        if not all(isinstance(x, types.Integer) for x in (a, b, selector)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            words = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args)]
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 3), "prmt.b32 $0, $1, $2, $3;",
+                               "=r,r,r,r")
+            return builder.call(asm, words)
+
+        return types.uint32(a, b, selector), codegen
 
 
 @cuda.jit(device=True, inline=True)

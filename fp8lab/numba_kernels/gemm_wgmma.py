@@ -18,8 +18,9 @@ How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Mac
   Warpgroup ``w`` multiplies weight rows ``64 w .. 64 w + 63`` by all ``TOKENS`` tokens with one
   ``wgmma.m64n{TOKENS}k16`` per k16 step (``fp8lab.numba_kernels.wgmma``): A = the weights, in registers, B = the
   activations, from shared memory. Warp ``v`` of a warpgroup holds the A fragments of its 16 weight rows, which
-  it alone needs: it reads their codes from shared memory two at a time (``uint16``) and places them into BF16
-  patterns (``gemm_mma.place_code_pair``: ``decode(q) * 2^-120`` exactly), 32 registers per 128-wide chunk.
+  it alone needs: it reads a row's 16 codes of a k16 step in one 128-bit shared load, picks its two pairs with
+  ``prmt`` and places them into BF16 patterns (``place_selected``: ``decode(q) * 2^-120`` exactly, as
+  ``gemm_mma.place_code_pair``), 32 registers per 128-wide chunk.
 - **K loop**, ``stages`` deep (3 to 6): chunk ``c`` (128 k) lives in stage ``c % stages``: the activations in two
   128-byte-swizzled atoms of 64 k (``wgmma``'s B layout; ``cp.async`` writes each 16-byte piece where the swizzle
   puts it), the weight codes in rows of 144 bytes, and one block scale per 8 weight rows. Iteration ``c``:
@@ -57,14 +58,28 @@ import functools
 from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, float32, uint16, uint32, uint64
+from numba import cuda, float32, uint32, uint64
 
 from . import bits, pdl, wgmma
 from .arguments import check_gemm, require_load_alignment
-from .cp_async import commit_group, copy_4_ca, copy_16_ca, copy_16_cg, wait_group_function
-from .gemm_mma import _allow_shared_memory, at, clamp, inlined_device_function, place_code_pair
+from .bits import prmt
+from .cp_async import (
+    commit_group,
+    copy_4_ca,
+    copy_16_ca,
+    copy_16_cg,
+    wait_group_function,
+)
+from .gemm_mma import (
+    MAGNITUDE_MASK_X2,
+    SIGN_MASK_X2,
+    _allow_shared_memory,
+    at,
+    clamp,
+    inlined_device_function,
+)
 from .mathops import divide_u32, f32_to_bf16_bits_rne
-from .warp import WARP_SIZE
+from .warp import WARP_SIZE, load_shared_u32x4
 
 K_CHUNK = 128
 K_STEPS_PER_CHUNK = K_CHUNK // wgmma.K_STEP
@@ -135,6 +150,20 @@ class LaunchInfo(NamedTuple):
     block: tuple[int]
     shared_bytes: int
     tiling: Tiling
+
+
+@inlined_device_function
+def place_selected(spread):
+    """Two E4M3 codes in the high bytes of ``spread``'s 16-bit halves (the low bytes are ignored) -> two BF16 patterns:
+    ``gemm_mma.place_code_pair`` after its spreading step (signs stay at bits 15 and 31, magnitudes move right by 4;
+    the masks drop what the shift brings in from the low bytes)."""
+    return (spread & uint32(SIGN_MASK_X2)) | ((spread >> uint32(4)) & uint32(MAGNITUDE_MASK_X2 >> 4))
+
+
+@inlined_device_function
+def pair_selector(t):
+    """``prmt``'s selector that moves codes ``2t`` and ``2t + 1`` of eight (two words) into bytes 1 and 3."""
+    return (2 * t) | (2 * t) << 4 | (2 * t + 1) << 8 | (2 * t + 1) << 12
 
 
 def launch_info(m: int, n: int, k: int, tiling: Tiling | None = None) -> LaunchInfo:
@@ -210,16 +239,21 @@ def kernel_function(tiling: Tiling, output: str):
         commit_group()
 
     @inlined_device_function
-    def place_chunk(smem16, stage_base, a_regs, warp_row, g, t):
-        """The A registers of the warp's 16 weight rows for the chunk's 8 k16 steps: step ``j``'s registers are
-        codes (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..) of the step, placed into BF16 patterns."""
-        top = (stage_base + code_offset + (warp_row + g) * CODE_ROW_BYTES) // 2 + t
-        bottom = top + 8 * CODE_ROW_BYTES // 2
+    def place_chunk(smem32, stage_base, a_regs, warp_row, g, selector):
+        """The A registers of the warp's 16 weight rows for the chunk's 8 k16 steps: step ``j``'s registers hold
+        codes (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..) of the step as BF16 patterns. A lane reads
+        each row's 16 codes of a step in one 128-bit load (the row's four lanes read the same bytes: a broadcast)
+        and picks its pairs with ``prmt`` (``selector``: codes ``2t`` and ``2t+1`` into the high bytes of the two
+        halves, ``place_selected``)."""
+        top = (stage_base + code_offset + (warp_row + g) * CODE_ROW_BYTES) // 4
+        bottom = top + 8 * CODE_ROW_BYTES // 4
         for j in range(K_STEPS_PER_CHUNK):
-            a_regs[4 * j] = place_code_pair(at(smem16, top + 8 * j), 4)
-            a_regs[4 * j + 1] = place_code_pair(at(smem16, bottom + 8 * j), 4)
-            a_regs[4 * j + 2] = place_code_pair(at(smem16, top + 8 * j + 4), 4)
-            a_regs[4 * j + 3] = place_code_pair(at(smem16, bottom + 8 * j + 4), 4)
+            w0, w1, w2, w3 = load_shared_u32x4(smem32, top + 4 * j)
+            v0, v1, v2, v3 = load_shared_u32x4(smem32, bottom + 4 * j)
+            a_regs[4 * j] = place_selected(prmt(w0, w1, selector))
+            a_regs[4 * j + 1] = place_selected(prmt(v0, v1, selector))
+            a_regs[4 * j + 2] = place_selected(prmt(w2, w3, selector))
+            a_regs[4 * j + 3] = place_selected(prmt(v2, v3, selector))
 
     @inlined_device_function
     def multiply_chunk(smem64, stage_base, a_regs, c_part):
@@ -257,6 +291,7 @@ def kernel_function(tiling: Tiling, output: str):
         thread = uint32(cuda.threadIdx.x)
         warp, lane = thread // WARP_SIZE, thread % WARP_SIZE
         g, t = lane >> 2, lane & 3
+        selector = pair_selector(t)
         warp_row = warp * ROWS_PER_WARP  # the warp's first weight row in the CTA (warpgroup w: rows 64 w ..)
         row0 = uint32(cuda.blockIdx.x) * cta_n
         token0 = uint32(cuda.blockIdx.y) * tokens
@@ -270,7 +305,7 @@ def kernel_function(tiling: Tiling, output: str):
         chunks_per_block = divide_u32(block_k, K_CHUNK)
 
         smem64 = cuda.shared.array(0, uint64)
-        smem16 = cuda.shared.array(0, uint16)
+        smem32 = cuda.shared.array(0, uint32)
         smemf = cuda.shared.array(0, float32)
         base = (uint32(wgmma.ATOM_BYTES) - (wgmma.shared_address(smem64) % uint32(wgmma.ATOM_BYTES))) \
             % uint32(wgmma.ATOM_BYTES)  # the first stage's offset: 1,024-aligned in the shared window
@@ -291,14 +326,14 @@ def kernel_function(tiling: Tiling, output: str):
         # that depend on a wait in a divergent-looking path).
         receive_chunk(smem64, smemf, a_words, q_words, scale_inv, uint32(0), base, token0, row0, thread, scale_row,
                       scale_bytes, chunks_per_block, chunks)
-        place_chunk(smem16, base, a_regs, warp_row, g, t)
+        place_chunk(smem32, base, a_regs, warp_row, g, selector)
         multiply_chunk(smem64, base, a_regs, c_part)
         for chunk_index in range(1, chunks):
             chunk = uint32(chunk_index)
             stage_base = base + (chunk % uint32(stages)) * stage_bytes
             receive_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, base, token0, row0, thread, scale_row,
                           scale_bytes, chunks_per_block, chunks)
-            place_chunk(smem16, stage_base, a_regs, warp_row, g, t)  # while chunk - 1's wgmma run
+            place_chunk(smem32, stage_base, a_regs, warp_row, g, selector)  # while chunk - 1's wgmma run
             wait_for_wgmma(c_part)
             promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
             multiply_chunk(smem64, stage_base, a_regs, c_part)

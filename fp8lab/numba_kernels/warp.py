@@ -9,6 +9,7 @@ from here. Device functions, no kernel; checked through the kernels that use the
 - ``load_u32x4(words, index)``: four uint32 words in one 128-bit global load (``ld.global.nc.v4.u32``
   on a GPU; in the simulator a plain read that refuses a misaligned index, as the GPU would fault);
   ``load_u32x4_coherent`` the same as ``ld.global.v4.u32``, for memory the kernel itself writes;
+  ``load_shared_u32x4`` the same from shared memory (``ld.shared.v4.u32``);
 - ``warp_sum(value)``: the butterfly reduction ``value += shfl_xor(value, off)`` for
   ``off = 16, 8, 4, 2, 1``, after which every lane holds the total. Its float32 order is that of
   ``fp8lab.simulators.common.butterfly_sum``.
@@ -40,6 +41,7 @@ if SIMULATOR:
         return words[index], words[index + 1], words[index + 2], words[index + 3]
 
     load_u32x4_coherent = load_u32x4
+    load_shared_u32x4 = load_u32x4
 
 else:
     from llvmlite import ir
@@ -49,26 +51,29 @@ else:
 
     _GLOBAL_ADDRESS_SPACE = 1
 
-    def _load_u32x4_intrinsic(invariant: bool):
-        """The 128-bit load as an intrinsic: ``invariant`` marks it ``invariant.load`` (the non-coherent path)."""
+    _SHARED_ADDRESS_SPACE = 3
+
+    def _load_u32x4_intrinsic(invariant: bool, address_space: int = _GLOBAL_ADDRESS_SPACE):
+        """The 128-bit load as an intrinsic: ``invariant`` marks it ``invariant.load`` (the non-coherent path);
+        ``address_space``: global (1) or shared (3) memory."""
 
         @intrinsic
         def load(typingctx, words, index):
             if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
                 return None
-            return types.UniTuple(types.uint32, WORDS_PER_LOAD)(words, index), _load_codegen(invariant)
+            return types.UniTuple(types.uint32, WORDS_PER_LOAD)(words, index), _load_codegen(invariant, address_space)
 
         return load
 
-    def _load_codegen(invariant: bool):
+    def _load_codegen(invariant: bool, address_space: int):
         def codegen(context, builder, signature, args):
             array_type, index_type = signature.args
             array = context.make_array(array_type)(context, builder, value=args[0])
             index = [context.cast(builder, args[1], index_type, types.intp)]
             pointer = cgutils.get_item_pointer(context, builder, array_type, array, index, wraparound=False)
             vector = ir.VectorType(ir.IntType(32), WORDS_PER_LOAD)
-            global_pointer = builder.addrspacecast(pointer, ir.PointerType(ir.IntType(32), _GLOBAL_ADDRESS_SPACE))
-            loaded = builder.load(builder.bitcast(global_pointer, ir.PointerType(vector, _GLOBAL_ADDRESS_SPACE)),
+            space_pointer = builder.addrspacecast(pointer, ir.PointerType(ir.IntType(32), address_space))
+            loaded = builder.load(builder.bitcast(space_pointer, ir.PointerType(vector, address_space)),
                                   align=LOAD_ALIGNMENT)
             if invariant:
                 loaded.set_metadata("invariant.load", builder.module.add_metadata([]))
@@ -87,6 +92,10 @@ else:
     load_u32x4_coherent = _load_u32x4_intrinsic(invariant=False)
     """The same load as a plain ``ld.global.v4.u32``: for memory that this kernel also writes (a CTA reading what
     its own threads stored before a barrier; the non-coherent path may return the stale line)."""
+
+    load_shared_u32x4 = _load_u32x4_intrinsic(invariant=False, address_space=_SHARED_ADDRESS_SPACE)
+    """``words[index : index + 4]`` of a 1-D uint32 *shared-memory* array as one ``ld.shared.v4.u32`` (16-byte
+    aligned: ``index % 4 == 0`` in an array that starts on 16 bytes, as a dynamic shared array does)."""
 
 
 

@@ -48,13 +48,14 @@ def run_compiled(source: str, timeout: int = 300) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout)
 
 
-def ptxas_report(ptx: str) -> str | None:
-    """ptxas's resource report (registers, spills) of ``ptx`` through nvJitLink, or None where it is not installed."""
+def ptxas_report(ptx: str, arch: str = "sm_90") -> str | None:
+    """ptxas's resource report (registers, spills, performance warnings) of ``ptx`` for ``arch`` through nvJitLink,
+    or None where it is not installed."""
     try:
         from cuda.bindings import nvjitlink
     except ImportError:
         return None
-    handle = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
+    handle = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
     data = ptx.encode()
     nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
     nvjitlink.complete(handle)
@@ -75,7 +76,8 @@ class Variant:
     does on a GPU (needed where CUDA C++ is linked in, e.g. the mma helper), with ``launch_bounds``;
     otherwise ``numba.cuda.compile_ptx``. ``resources``: run ptxas for the report (False for PTX that
     calls functions linked in later, which ptxas cannot resolve). ``info``: JSON-able facts the checks
-    need (a tiling's stages, ...).
+    need (a tiling's stages, ...). ``arch_specific``: compile for sm_90a (Hopper's own instructions, ``wgmma``),
+    as numba-cuda does on a compute-capability-9.0 GPU.
     """
 
     name: str
@@ -85,6 +87,7 @@ class Variant:
     launch_bounds: object = None
     resources: bool = True
     info: dict = field(default_factory=dict)
+    arch_specific: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,8 +124,9 @@ def _compile(variant: Variant) -> tuple[str | None, str | None]:
     if not variant.lto:
         from numba import cuda
 
-        ptx, _ = cuda.compile_ptx(variant.function, variant.signature, cc=(9, 0))
-        return ptx, ptxas_report(ptx) if variant.resources else None
+        cc, arch = ((9, 0, "a"), "sm_90a") if variant.arch_specific else ((9, 0), "sm_90")
+        ptx, _ = cuda.compile_ptx(variant.function, variant.signature, cc=cc, launch_bounds=variant.launch_bounds)
+        return ptx, ptxas_report(ptx, arch) if variant.resources else None
     from numba.cuda import compiler
 
     codes, _ = compiler.compile_all(variant.function, variant.signature, device=False, abi="numba", cc=(9, 0),

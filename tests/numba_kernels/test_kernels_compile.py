@@ -84,6 +84,18 @@ def variants():
             for t, a, o in cases]
 '''
 
+GEMM_WGMMA = r'''
+from fp8lab.numba_kernels import gemm_wgmma as G
+from helpers.ptx import Variant
+
+def variants():
+    cases = [(G.Tiling(), "f32"), (G.Tiling(), "bf16"), (G.Tiling(64, 2, 5), "f32"), (G.Tiling(64, 1, 6), "bf16"),
+             (G.Tiling(128, 1, 4), "f32")]
+    return [Variant(f"{tuple(t)} -> {o}", G.kernel_function(t, o), G.kernel_signature(o), launch_bounds=(t.threads, 1),
+                    arch_specific=True, info={"tokens": t.tokens, "stages": t.stages, "threads": t.threads})
+            for t, o in cases]
+'''
+
 GEMV_MMA = r'''
 from fp8lab.numba_kernels import gemv_mma as G
 from helpers.ptx import Variant
@@ -190,6 +202,7 @@ def variants():
 '''
 
 PTX_VARIANT_SETS = {"gemv_simt": GEMV_SIMT, "gemv_mma": GEMV_MMA, "kv_cache and splitkv": KV_CACHE_AND_SPLITKV, "gemm_mma": GEMM_MMA,
+                    "gemm_wgmma": GEMM_WGMMA,
                     "attention_input": ATTENTION_INPUT, "dequantize": DEQUANTIZE, "mma helper": MMA_HELPER,
                     "toolkit": TOOLKIT, "pdl rules": PDL_RULES}
 """Everything this module compiles; the slowest sets first, so that the queue ends with short compiles."""
@@ -271,6 +284,30 @@ def test_gemm_mma_kernels_compile_to_sm90_ptx(compiled):
         print(f"{c.name}: {used} registers, {info['shared_bytes']} bytes shared")
 
     each_variant(compiled["gemm_mma"], check)
+
+
+def test_gemm_wgmma_kernels_compile_to_sm90a_ptx(compiled):
+    """Variants of fp8lab.numba_kernels.gemm_wgmma, compiled for sm_90a as on a Hopper GPU: the warpgroup mma of the
+    tiling's width (8 per chunk: the first chunk's, peeled, and the loop's), its fence, commit and wait, the proxy
+    fence after the copies, no float64, no 64-bit division (a subroutine call: ptxas then serializes every wgmma),
+    and no ptxas warning that it serialized the wgmma (registers and spills printed)."""
+    def check(c):
+        info = c.info
+        assert ".target sm_90a" in c.ptx
+        assert c.ptx.count(f"wgmma.mma_async.sync.aligned.m64n{info['tokens']}k16.f32.bf16.bf16") == 16
+        for needle in ("wgmma.fence.sync.aligned;", "wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;",
+                       "fence.proxy.async.shared::cta;", "cp.async.ca.shared.global [s], [g], 16,",
+                       "cp.async.cg.shared.global [s], [g], 16,", "cp.async.ca.shared.global [s], [g], 4,",
+                       f"cp.async.wait_group {info['stages'] - 3};", "prmt.b32", f".maxntid {info['threads']}"):
+            assert needle in c.ptx, needle
+        assert ".f64" not in c.ptx and not re.search(r"(div|rem)\.[us]64", c.ptx)
+        check_pdl_rules(c.ptx)
+        if c.resources is not None:
+            assert "wgmma.mma_async instructions are serialized" not in c.resources, c.resources
+            spills = re.search(r"(\d+) bytes spill stores", c.resources)
+            print(f"{c.name}: {registers(c.resources)}, {spills.group(0) if spills else ''}")
+
+    each_variant(compiled["gemm_wgmma"], check)
 
 
 def test_gemv_mma_kernels_compile_to_sm90_ptx(compiled):
