@@ -57,10 +57,10 @@ SWEEP = [
 ]
 
 WGMMA_SWEEP = [
-    # gemm_wgmma's Tiling (tokens, warpgroups, stages): CTA of 64 warpgroups weight rows x tokens
-    (128, 2, 3), (128, 2, 4), (128, 1, 4), (128, 1, 5), (64, 2, 4), (64, 2, 6), (64, 1, 6),
+    # gemm_wgmma's Tiling (tokens, warpgroups, stages, place_early): CTA of 64 warpgroups weight rows x tokens
+    (128, 2, 3, False), (128, 2, 4, True), (128, 1, 4, False), (128, 1, 5, True), (64, 2, 4, True), (64, 2, 6, True),
+    (64, 2, 5, False), (64, 1, 6, True),
 ]
-
 
 def knobs_of(tiling) -> dict:
     """``gemm_mma``'s keyword knobs of a ``Tiling`` tuple (``place_once`` False where it is left out)."""

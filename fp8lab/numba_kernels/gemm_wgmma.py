@@ -29,7 +29,8 @@ How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Mac
      ``wgmma`` reads through the async proxy), ``syncthreads``: chunk ``c`` is in, and every warpgroup has
      waited for its chunk ``c - 2`` ``wgmma``;
   2. copy chunk ``c + stages - 2`` into stage ``(c - 2) % stages`` (free by step 1) and commit;
-  3. place chunk ``c``'s codes into A registers, while chunk ``c - 1``'s ``wgmma`` still run;
+  3. place chunk ``c``'s codes into A registers, while chunk ``c - 1``'s ``wgmma`` still run (``place_early``;
+     else after step 4);
   4. wait for chunk ``c - 1``'s ``wgmma``, promote it: ``c_fin = fma(s, c_part * 2^120, c_fin)`` with its weight
      row's scale (stage ``(c - 1) % stages`` is intact until iteration ``c + 1``);
   5. issue chunk ``c``'s 8 ``wgmma`` into ``c_part`` (the first with ``accumulate`` off: ``c_part = 0``) and commit.
@@ -107,6 +108,9 @@ class Tiling(NamedTuple):
     """Warpgroups per CTA (1 or 2), stacked in weight rows: ``CTA_N = 64 warpgroups``."""
     stages: int = 4
     """Shared-memory stages, 3 to 6 (``stages - 2`` chunks copied ahead of the one placed)."""
+    place_early: bool = False
+    """Place chunk ``c``'s codes while chunk ``c - 1``'s ``wgmma`` run (32 more live registers), rather than after
+    waiting for them."""
 
     @property
     def cta_n(self) -> int:
@@ -136,7 +140,7 @@ class Tiling(NamedTuple):
 
     def check(self) -> Tiling:
         for name, value, choices in (("tokens", self.tokens, wgmma.N_CHOICES), ("warpgroups", self.warpgroups, (1, 2)),
-                                     ("stages", self.stages, (3, 4, 5, 6))):
+                                     ("stages", self.stages, (3, 4, 5, 6)), ("place_early", self.place_early, (True, False))):
             if value not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
         if self.shared_bytes > MAX_SHARED_PER_CTA:
@@ -184,6 +188,7 @@ def kernel_function(tiling: Tiling, output: str):
         raise ValueError(f"no gemm_wgmma variant for output={output!r}")
     tiling = Tiling(*tiling).check()
     tokens, stages, threads, cta_n = tiling.tokens, tiling.stages, tiling.threads, tiling.cta_n
+    place_early = tiling.place_early
     stage_bytes, code_offset, scale_offset = tiling.stage_bytes, tiling.code_offset, tiling.scale_offset
     accumulators = tokens // 2
     a_registers = 4 * K_STEPS_PER_CHUNK  # 32: 4 per k16 step
@@ -277,14 +282,18 @@ def kernel_function(tiling: Tiling, output: str):
 
     @inlined_device_function
     def store(out, c_fin, token0, row0, g, t):
-        for i in range(accumulators):
-            row = row0 + g + 8 * ((i >> 1) & 1)
-            token = token0 + 8 * (i >> 2) + 2 * t + (i & 1)
-            if token < out.shape[0] and row < out.shape[1]:
-                if bf16_output:
-                    out[token, row] = f32_to_bf16_bits_rne(c_fin[i])  # a NaN stays NaN
-                else:
-                    out[token, row] = c_fin[i]
+        """Lane ``(g, t)``'s accumulator ``4 b + i`` is ``out^T[row0 + g + 8 (i >> 1), token0 + 8 b + 2 t + (i & 1)]``;
+        only inside ``out``. (Two nested loops, not one of ``tokens / 2``: the compiler unrolls them fully, so
+        ``c_fin`` keeps constant indices and stays in registers.)"""
+        for b in range(tokens // 8):
+            for i in range(4):
+                row = row0 + g + 8 * (i >> 1)
+                token = token0 + 8 * b + 2 * t + (i & 1)
+                if token < out.shape[0] and row < out.shape[1]:
+                    if bf16_output:
+                        out[token, row] = f32_to_bf16_bits_rne(c_fin[4 * b + i])  # a NaN stays NaN
+                    else:
+                        out[token, row] = c_fin[4 * b + i]
 
     def gemm_wgmma_kernel(a_words, q_words, scale_inv, out, block_n, block_k):
         pdl.prologue()
@@ -333,9 +342,12 @@ def kernel_function(tiling: Tiling, output: str):
             stage_base = base + (chunk % uint32(stages)) * stage_bytes
             receive_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, base, token0, row0, thread, scale_row,
                           scale_bytes, chunks_per_block, chunks)
-            place_chunk(smem32, stage_base, a_regs, warp_row, g, selector)  # while chunk - 1's wgmma run
+            if place_early:  # while chunk - 1's wgmma run (a compile-time branch)
+                place_chunk(smem32, stage_base, a_regs, warp_row, g, selector)
             wait_for_wgmma(c_part)
             promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
+            if not place_early:
+                place_chunk(smem32, stage_base, a_regs, warp_row, g, selector)
             multiply_chunk(smem64, stage_base, a_regs, c_part)
 
         wait_for_wgmma(c_part)

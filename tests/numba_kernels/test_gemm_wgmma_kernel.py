@@ -32,7 +32,7 @@ from fp8lab.numba_kernels.bits import SIMULATOR
 from fp8lab.reference import blockwise
 from fp8lab.simulators import gemm_mma as model
 
-TILINGS = [kernel.Tiling(64, 1, 3), kernel.Tiling(64, 2, 5), kernel.Tiling(128, 1, 4), kernel.Tiling()]
+TILINGS = [kernel.Tiling(64, 1, 3, True), kernel.Tiling(64, 2, 5), kernel.Tiling(128, 1, 4, True), kernel.Tiling()]
 
 
 @pytest.mark.cudasim

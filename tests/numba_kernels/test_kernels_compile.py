@@ -89,8 +89,8 @@ from fp8lab.numba_kernels import gemm_wgmma as G
 from helpers.ptx import Variant
 
 def variants():
-    cases = [(G.Tiling(), "f32"), (G.Tiling(), "bf16"), (G.Tiling(64, 2, 5), "f32"), (G.Tiling(64, 1, 6), "bf16"),
-             (G.Tiling(128, 1, 4), "f32")]
+    cases = [(G.Tiling(), "f32"), (G.Tiling(), "bf16"), (G.Tiling(64, 2, 5, True), "f32"), (G.Tiling(64, 1, 6), "bf16"),
+             (G.Tiling(128, 1, 4, True), "f32")]
     return [Variant(f"{tuple(t)} -> {o}", G.kernel_function(t, o), G.kernel_signature(o), launch_bounds=(t.threads, 1),
                     arch_specific=True, info={"tokens": t.tokens, "stages": t.stages, "threads": t.threads})
             for t, o in cases]
