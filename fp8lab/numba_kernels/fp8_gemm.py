@@ -11,10 +11,12 @@ Paths (``path=``):
 - ``"simt"``: ``fp8lab.numba_kernels.gemv_simt`` (warp per output column, 1 <= M <= 16), the decode path;
 - ``"gemv_mma"``: ``fp8lab.numba_kernels.gemv_mma`` (tensor cores with the weights as the m16 operand, 1 <= M
   <= 32, BF16 in, float32 or BF16 out, N a multiple of 16), the decode-batch path: its time hardly grows with M;
-- ``"mma"``: ``fp8lab.numba_kernels.gemm_mma`` (tensor cores, any M: tiles of 16 or 32 rows), which is
-  also the large-M path: its grid simply grows in M;
-- ``"auto"``: ``gemv_mma`` for 2 to 32 rows where it applies, else ``simt`` for ``M <= SIMT_MAX_M`` and ``mma``
-  beyond. The thresholds come from ``bench/gemm.py`` and ``bench/gemv_mma.py`` on an H200 (``bench/RESULTS.md``):
+- ``"mma"``: ``fp8lab.numba_kernels.gemm_mma`` (tensor cores, any M: tiles of 16 or 32 rows), the mid-M path
+  and the large-M path off Hopper;
+- ``"wgmma"``: ``fp8lab.numba_kernels.gemm_wgmma`` (Hopper's warpgroup tensor-core instruction, BF16 in, float32 or
+  BF16 out), the large-M (prefill) path on a compute-capability-9.0 GPU;
+- ``"auto"``: ``gemv_mma`` for 2 to 32 rows where it applies, else ``simt`` for ``M <= SIMT_MAX_M``, ``wgmma`` from
+  ``WGMMA_MIN_M`` rows where it applies (and the GPU has it: ``has_wgmma``), and ``mma`` otherwise. The thresholds come from ``bench/gemm.py`` and ``bench/gemv_mma.py`` on an H200 (``bench/RESULTS.md``):
   at M = 2 to 8 ``gemv_mma`` takes 0.5 to 0.8 times the SIMT GEMV's time at the Qwen3 shapes (at M = 1 the SIMT
   GEMV is faster), at 9 to 16 it reads the weights once where ``gemm_mma``'s 16-row tiles re-read them per
   column tile, and past 4 rows the SIMT GEMV loses to the tensor cores. 17 to 32 rows follow without a
@@ -30,22 +32,41 @@ bad call. Checked against ``fp8lab.reference.blockwise.gemm`` through the kernel
 
 from __future__ import annotations
 
-from . import arguments
+from . import arguments, bits
 from .gemm_mma import gemm_mma
+from .gemm_wgmma import gemm_wgmma
 from .gemv_mma import MAX_ROWS as GEMV_MMA_MAX_ROWS
 from .gemv_mma import ROWS_PER_WARP, gemv_mma
 from .gemv_simt import gemv_simt
 
 SIMT_MAX_M = 4
 """Largest M routed to the SIMT GEMV by ``path="auto"`` (measured; see the module docstring)."""
-PATHS = ("auto", "simt", "gemv_mma", "mma")
+WGMMA_MIN_M = 128
+"""Smallest M routed to ``gemm_wgmma`` by ``path="auto"`` (one full tile of 128 tokens; see ``bench/RESULTS.md``)."""
+PATHS = ("auto", "simt", "gemv_mma", "mma", "wgmma")
 
 
-def choose_path(m: int, n: int, activation: str = "bf16", output: str = "f32") -> str:
-    """The kernel ``path="auto"`` uses for ``m`` rows of ``activation`` into ``n`` columns of ``output``."""
-    if 2 <= m <= GEMV_MMA_MAX_ROWS and n % ROWS_PER_WARP == 0 and activation == "bf16" and output in ("f32", "bf16"):
+def has_wgmma() -> bool:
+    """Whether this process's GPU runs ``wgmma`` (compute capability 9.0 exactly: sm_100 dropped it); the CUDA
+    simulator runs the twin."""
+    if bits.SIMULATOR:
+        return True
+    from numba import cuda
+
+    return cuda.is_available() and tuple(cuda.get_current_device().compute_capability) == (9, 0)
+
+
+def choose_path(m: int, n: int, activation: str = "bf16", output: str = "f32", wgmma: bool | None = None) -> str:
+    """The kernel ``path="auto"`` uses for ``m`` rows of ``activation`` into ``n`` columns of ``output``; ``wgmma``:
+    whether the GPU has it (``None``: ``has_wgmma()``)."""
+    bf16_in_out = activation == "bf16" and output in ("f32", "bf16")
+    if 2 <= m <= GEMV_MMA_MAX_ROWS and n % ROWS_PER_WARP == 0 and bf16_in_out:
         return "gemv_mma"
-    return "simt" if m <= SIMT_MAX_M else "mma"
+    if m <= SIMT_MAX_M:
+        return "simt"
+    if m >= WGMMA_MIN_M and bf16_in_out and (has_wgmma() if wgmma is None else wgmma):
+        return "wgmma"
+    return "mma"
 
 
 def fp8_gemm(a, q, scale_inv, out, block=(128, 128), path: str = "auto", stream=0):
@@ -61,5 +82,5 @@ def fp8_gemm(a, q, scale_inv, out, block=(128, 128), path: str = "auto", stream=
                                    block_n_multiple=8)
     if path == "auto":
         path = choose_path(problem.m, problem.n, problem.activation, problem.output)
-    kernel = {"simt": gemv_simt, "gemv_mma": gemv_mma, "mma": gemm_mma}[path]
+    kernel = {"simt": gemv_simt, "gemv_mma": gemv_mma, "mma": gemm_mma, "wgmma": gemm_wgmma}[path]
     return kernel(problem.a, problem.q, problem.scale_inv, problem.out, problem.block, stream=stream)

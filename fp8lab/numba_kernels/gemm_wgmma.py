@@ -29,10 +29,11 @@ How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Mac
      ``wgmma`` reads through the async proxy), ``syncthreads``: chunk ``c`` is in, and every warpgroup has
      waited for its chunk ``c - 2`` ``wgmma``;
   2. copy chunk ``c + stages - 2`` into stage ``(c - 2) % stages`` (free by step 1) and commit;
-  3. place chunk ``c``'s codes into A registers, while chunk ``c - 1``'s ``wgmma`` still run (``place_early``;
-     else after step 4);
-  4. wait for chunk ``c - 1``'s ``wgmma``, promote it: ``c_fin = fma(s, c_part * 2^120, c_fin)`` with its weight
+  3. wait for chunk ``c - 1``'s ``wgmma``, promote it: ``c_fin = fma(s, c_part * 2^120, c_fin)`` with its weight
      row's scale (stage ``(c - 1) % stages`` is intact until iteration ``c + 1``);
+  4. place chunk ``c``'s codes into the A registers. Not earlier: the A registers of chunk ``c - 1``'s ``wgmma``
+     are the same PTX registers (one loop body), and writing them before the wait is undefined; on an H100 it
+     gave wrong results (``bench/RESULTS.md``, nineteenth session);
   5. issue chunk ``c``'s 8 ``wgmma`` into ``c_part`` (the first with ``accumulate`` off: ``c_part = 0``) and commit.
 
   So per output: chunks in ascending K, per chunk 8 k16 steps from ``c_part = 0``, then one promotion fma:
@@ -108,9 +109,10 @@ class Tiling(NamedTuple):
     """Warpgroups per CTA (1 or 2), stacked in weight rows: ``CTA_N = 64 warpgroups``."""
     stages: int = 4
     """Shared-memory stages, 3 to 6 (``stages - 2`` chunks copied ahead of the one placed)."""
-    place_early: bool = False
-    """Place chunk ``c``'s codes while chunk ``c - 1``'s ``wgmma`` run (32 more live registers), rather than after
-    waiting for them."""
+    overlap: bool = False
+    """Place chunk ``c + 1``'s codes into a second set of A registers while chunk ``c``'s ``wgmma`` run (32 more
+    registers; the loop runs two chunks per pass, so it needs an even number of chunks: ``gemm_wgmma`` runs an odd
+    count without it)."""
 
     @property
     def cta_n(self) -> int:
@@ -140,7 +142,7 @@ class Tiling(NamedTuple):
 
     def check(self) -> Tiling:
         for name, value, choices in (("tokens", self.tokens, wgmma.N_CHOICES), ("warpgroups", self.warpgroups, (1, 2)),
-                                     ("stages", self.stages, (3, 4, 5, 6)), ("place_early", self.place_early, (True, False))):
+                                     ("stages", self.stages, (3, 4, 5, 6)), ("overlap", self.overlap, (False, True))):
             if value not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
         if self.shared_bytes > MAX_SHARED_PER_CTA:
@@ -188,7 +190,7 @@ def kernel_function(tiling: Tiling, output: str):
         raise ValueError(f"no gemm_wgmma variant for output={output!r}")
     tiling = Tiling(*tiling).check()
     tokens, stages, threads, cta_n = tiling.tokens, tiling.stages, tiling.threads, tiling.cta_n
-    place_early = tiling.place_early
+    overlap = tiling.overlap
     stage_bytes, code_offset, scale_offset = tiling.stage_bytes, tiling.code_offset, tiling.scale_offset
     accumulators = tokens // 2
     a_registers = 4 * K_STEPS_PER_CHUNK  # 32: 4 per k16 step
@@ -295,6 +297,21 @@ def kernel_function(tiling: Tiling, output: str):
                     else:
                         out[token, row] = c_fin[4 * b + i]
 
+    @inlined_device_function
+    def overlapped_step(smem64, smem32, smemf, a_words, q_words, scale_inv, chunk, base, token0, row0, thread,
+                        scale_row, scale_bytes, chunks_per_block, chunks, a_now, a_next, c_part, c_fin, warp_row, g,
+                        selector):
+        """``overlap``: chunk ``chunk`` is in ``a_now``; wait for chunk ``chunk - 1``, promote it, issue chunk
+        ``chunk``, then receive chunk ``chunk + 1`` and place it into ``a_next`` while chunk ``chunk``'s wgmma run
+        (past the last chunk: a barrier, no copy, and a harmless placement of stale codes that nothing multiplies)."""
+        wait_for_wgmma(c_part)
+        promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
+        multiply_chunk(smem64, base + (chunk % uint32(stages)) * stage_bytes, a_now, c_part)
+        following = chunk + uint32(1)
+        receive_chunk(smem64, smemf, a_words, q_words, scale_inv, following, base, token0, row0, thread, scale_row,
+                      scale_bytes, chunks_per_block, chunks)
+        place_chunk(smem32, base + (following % uint32(stages)) * stage_bytes, a_next, warp_row, g, selector)
+
     def gemm_wgmma_kernel(a_words, q_words, scale_inv, out, block_n, block_k):
         pdl.prologue()
         thread = uint32(cuda.threadIdx.x)
@@ -319,6 +336,7 @@ def kernel_function(tiling: Tiling, output: str):
         base = (uint32(wgmma.ATOM_BYTES) - (wgmma.shared_address(smem64) % uint32(wgmma.ATOM_BYTES))) \
             % uint32(wgmma.ATOM_BYTES)  # the first stage's offset: 1,024-aligned in the shared window
         a_regs = cuda.local.array(a_registers, uint32)
+        a_next = cuda.local.array(a_registers, uint32)  # overlap's second set (unused without it)
         c_part = cuda.local.array(accumulators, float32)
         c_fin = cuda.local.array(accumulators, float32)
         for i in range(accumulators):
@@ -337,18 +355,35 @@ def kernel_function(tiling: Tiling, output: str):
                       scale_bytes, chunks_per_block, chunks)
         place_chunk(smem32, base, a_regs, warp_row, g, selector)
         multiply_chunk(smem64, base, a_regs, c_part)
-        for chunk_index in range(1, chunks):
-            chunk = uint32(chunk_index)
-            stage_base = base + (chunk % uint32(stages)) * stage_bytes
-            receive_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, base, token0, row0, thread, scale_row,
-                          scale_bytes, chunks_per_block, chunks)
-            if place_early:  # while chunk - 1's wgmma run (a compile-time branch)
+        if not overlap:  # (compile-time)
+            for chunk_index in range(1, chunks):
+                chunk = uint32(chunk_index)
+                stage_base = base + (chunk % uint32(stages)) * stage_bytes
+                receive_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, base, token0, row0, thread,
+                              scale_row, scale_bytes, chunks_per_block, chunks)
+                wait_for_wgmma(c_part)  # chunk - 1's wgmma are done with c_part and with the A registers
+                promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row,
+                        g)
                 place_chunk(smem32, stage_base, a_regs, warp_row, g, selector)
+                multiply_chunk(smem64, stage_base, a_regs, c_part)
+        else:
+            # Two register sets: chunk c + 1 is placed into the set chunk c's wgmma do not read (distinct PTX
+            # registers: a loop body that wrote the set its previous pass's wgmma still read would be undefined).
+            receive_chunk(smem64, smemf, a_words, q_words, scale_inv, uint32(1), base, token0, row0, thread,
+                          scale_row, scale_bytes, chunks_per_block, chunks)
+            place_chunk(smem32, base + uint32(1 % stages) * stage_bytes, a_next, warp_row, g, selector)
+            for pair in range(chunks // 2 - 1):
+                first = uint32(2 * pair + 1)
+                overlapped_step(smem64, smem32, smemf, a_words, q_words, scale_inv, first, base, token0, row0, thread,
+                                scale_row, scale_bytes, chunks_per_block, chunks, a_next, a_regs, c_part, c_fin,
+                                warp_row, g, selector)
+                overlapped_step(smem64, smem32, smemf, a_words, q_words, scale_inv, first + uint32(1), base, token0,
+                                row0, thread, scale_row, scale_bytes, chunks_per_block, chunks, a_regs, a_next, c_part,
+                                c_fin, warp_row, g, selector)
+            last = chunks - uint32(1)  # odd: placed into a_next, not yet multiplied
             wait_for_wgmma(c_part)
-            promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
-            if not place_early:
-                place_chunk(smem32, stage_base, a_regs, warp_row, g, selector)
-            multiply_chunk(smem64, stage_base, a_regs, c_part)
+            promote(smemf, base + ((last - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
+            multiply_chunk(smem64, base + (last % uint32(stages)) * stage_bytes, a_next, c_part)
 
         wait_for_wgmma(c_part)
         promote(smemf, base + ((chunks - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
@@ -382,6 +417,9 @@ def gemm_wgmma(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = N
                          block_n_multiple=BLOCK_N_MULTIPLE)
     if problem.output not in ("f32", "bf16"):
         raise ValueError(f"out: gemm_wgmma writes float32 or BF16 bits, got {problem.output}")
+    tiling = Tiling(*(tiling or Tiling()))
+    if tiling.overlap and (problem.k // K_CHUNK) % 2:
+        tiling = tiling._replace(overlap=False)  # overlap's loop takes chunks two at a time
     launch = launch_info(problem.m, problem.n, problem.k, tiling)
     require_load_alignment("a", problem.a, "gemm_wgmma")
     require_load_alignment("q", problem.q, "gemm_wgmma")

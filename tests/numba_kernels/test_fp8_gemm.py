@@ -24,18 +24,22 @@ def problem(rng, m, n, k, block=(128, 128)):
     return a_bits, q, s
 
 
-def test_auto_picks_simt_for_one_row_gemv_mma_for_2_to_32_then_mma():
+def test_auto_picks_simt_for_one_row_gemv_mma_for_2_to_32_then_mma_then_wgmma_on_hopper():
     assert router.choose_path(1, 4096) == "simt"
     assert [router.choose_path(m, 4096) for m in (2, 4, 8, 9, 16, 17, 32)] == ["gemv_mma"] * 7
     assert router.choose_path(2, 4096, "bf16", "bf16") == "gemv_mma"
-    assert router.choose_path(33, 4096) == "mma" and router.choose_path(300, 4096) == "mma"
+    assert router.choose_path(33, 4096) == "mma" and router.choose_path(router.WGMMA_MIN_M - 1, 4096) == "mma"
+    assert router.choose_path(router.WGMMA_MIN_M, 4096, wgmma=True) == "wgmma"
+    assert router.choose_path(300, 4096, wgmma=False) == "mma"  # a GPU without wgmma
+    assert router.choose_path(300, 4096, "f16", wgmma=True) == "mma"  # gemm_wgmma takes BF16 only
     # where gemv_mma does not apply (N not a multiple of 16, F16 in, F16 out): the SIMT GEMV up to SIMT_MAX_M
     assert router.choose_path(2, 24) == router.choose_path(2, 16, "f16") == router.choose_path(2, 16, "bf16", "f16")
     assert router.choose_path(2, 24) == "simt" and router.choose_path(router.SIMT_MAX_M + 1, 24) == "mma"
 
 
 @pytest.mark.cudasim
-@pytest.mark.parametrize("m, n", [(1, 16), (3, 16), (3, 12), (router.SIMT_MAX_M + 1, 12), (9, 16), (17, 16), (33, 16)])
+@pytest.mark.parametrize("m, n", [(1, 16), (3, 16), (3, 12), (router.SIMT_MAX_M + 1, 12), (9, 16), (17, 16), (33, 16),
+                                  (router.WGMMA_MIN_M + 2, 24)])
 def test_auto_equals_the_chosen_kernels_simulator(rng, m, n):
     a_bits, q, s = problem(rng, m, n, 128)
     out = np.full((m, n), np.nan, np.float32)
@@ -45,7 +49,7 @@ def test_auto_equals_the_chosen_kernels_simulator(rng, m, n):
     if path == "gemv_mma":
         expected = sim_gemv_mma.gemv_mma(a_bits, q, s, k_slices=default_k_slices(n // 16, 1))
     else:
-        expected = sim_gemv.gemv_simt(a, q, s) if path == "simt" else sim_mma.gemm_mma(a_bits, q, s)
+        expected = sim_gemv.gemv_simt(a, q, s) if path == "simt" else sim_mma.gemm_mma(a_bits, q, s)  # mma, wgmma
     np.testing.assert_array_equal(out, expected)
 
 
@@ -53,6 +57,7 @@ def test_bad_calls_raise_before_any_launch(rng, monkeypatch):
     monkeypatch.setattr(router, "gemv_simt", None)  # a launch would fail with TypeError, not ValueError
     monkeypatch.setattr(router, "gemm_mma", None)
     monkeypatch.setattr(router, "gemv_mma", None)
+    monkeypatch.setattr(router, "gemm_wgmma", None)
     a_bits, q, s = problem(rng, 2, 16, 256)
     out = np.zeros((2, 16), np.float32)
     with pytest.raises(ValueError, match="path: expected one of"):
