@@ -16,7 +16,8 @@ Paths (``path=``):
 - ``"wgmma"``: ``fp8lab.numba_kernels.gemm_wgmma`` (Hopper's warpgroup tensor-core instruction, BF16 in, float32 or
   BF16 out), the large-M (prefill) path on a compute-capability-9.0 GPU;
 - ``"auto"``: ``gemv_mma`` for 2 to 32 rows where it applies, else ``simt`` for ``M <= SIMT_MAX_M``, ``wgmma`` from
-  ``WGMMA_MIN_M`` rows where it applies (and the GPU has it: ``has_wgmma``), and ``mma`` otherwise. The thresholds come from ``bench/gemm.py`` and ``bench/gemv_mma.py`` on an H200 (``bench/RESULTS.md``):
+  ``WGMMA_MIN_M`` rows where its grid has at least ``WGMMA_MIN_CTAS`` CTAs and it applies (and the GPU has it:
+  ``has_wgmma``), and ``mma`` otherwise. The thresholds come from ``bench/gemm.py`` and ``bench/gemv_mma.py`` on an H200 (``bench/RESULTS.md``):
   at M = 2 to 8 ``gemv_mma`` takes 0.5 to 0.8 times the SIMT GEMV's time at the Qwen3 shapes (at M = 1 the SIMT
   GEMV is faster), at 9 to 16 it reads the weights once where ``gemm_mma``'s 16-row tiles re-read them per
   column tile, and past 4 rows the SIMT GEMV loses to the tensor cores. 17 to 32 rows follow without a
@@ -42,7 +43,12 @@ from .gemv_simt import gemv_simt
 SIMT_MAX_M = 4
 """Largest M routed to the SIMT GEMV by ``path="auto"`` (measured; see the module docstring)."""
 WGMMA_MIN_M = 128
-"""Smallest M routed to ``gemm_wgmma`` by ``path="auto"`` (one full tile of 128 tokens; see ``bench/RESULTS.md``)."""
+"""Smallest M routed to ``gemm_wgmma`` by ``path="auto"``: one full tile of 128 tokens."""
+WGMMA_MIN_CTAS = 66
+"""...and only where its grid has at least this many CTAs (128 weight rows x 128 tokens each): half of a 132-SM GPU.
+Measured on an H100 (``bench/RESULTS.md``, nineteenth session): at M = 1,024 to 4,096, where both grids fill the GPU,
+``gemm_wgmma`` is 2.6 to 2.8 times ``gemm_mma``, so a grid on half the SMs should still beat ``gemm_mma`` on all of
+them. Below M = 1,024 not yet timed."""
 PATHS = ("auto", "simt", "gemv_mma", "mma", "wgmma")
 
 
@@ -64,7 +70,8 @@ def choose_path(m: int, n: int, activation: str = "bf16", output: str = "f32", w
         return "gemv_mma"
     if m <= SIMT_MAX_M:
         return "simt"
-    if m >= WGMMA_MIN_M and bf16_in_out and (has_wgmma() if wgmma is None else wgmma):
+    wgmma_ctas = -(-m // 128) * -(-n // 128)
+    if m >= WGMMA_MIN_M and wgmma_ctas >= WGMMA_MIN_CTAS and bf16_in_out and (has_wgmma() if wgmma is None else wgmma):
         return "wgmma"
     return "mma"
 

@@ -29,7 +29,9 @@ def test_auto_picks_simt_for_one_row_gemv_mma_for_2_to_32_then_mma_then_wgmma_on
     assert [router.choose_path(m, 4096) for m in (2, 4, 8, 9, 16, 17, 32)] == ["gemv_mma"] * 7
     assert router.choose_path(2, 4096, "bf16", "bf16") == "gemv_mma"
     assert router.choose_path(33, 4096) == "mma" and router.choose_path(router.WGMMA_MIN_M - 1, 4096) == "mma"
-    assert router.choose_path(router.WGMMA_MIN_M, 4096, wgmma=True) == "wgmma"
+    assert router.choose_path(384, 4096, wgmma=True) == "wgmma"  # 3 token tiles x 32 row tiles: 96 CTAs
+    assert router.choose_path(256, 4096, wgmma=True) == "mma"  # 64 CTAs: under half of the GPU
+    assert router.choose_path(128, 24576, wgmma=True) == "wgmma"  # 192 CTAs
     assert router.choose_path(300, 4096, wgmma=False) == "mma"  # a GPU without wgmma
     assert router.choose_path(300, 4096, "f16", wgmma=True) == "mma"  # gemm_wgmma takes BF16 only
     # where gemv_mma does not apply (N not a multiple of 16, F16 in, F16 out): the SIMT GEMV up to SIMT_MAX_M
@@ -39,7 +41,7 @@ def test_auto_picks_simt_for_one_row_gemv_mma_for_2_to_32_then_mma_then_wgmma_on
 
 @pytest.mark.cudasim
 @pytest.mark.parametrize("m, n", [(1, 16), (3, 16), (3, 12), (router.SIMT_MAX_M + 1, 12), (9, 16), (17, 16), (33, 16),
-                                  (router.WGMMA_MIN_M + 2, 24)])
+                                  (router.WGMMA_MIN_M + 2, 24)])  # mma: wgmma's grid would be 2 CTAs
 def test_auto_equals_the_chosen_kernels_simulator(rng, m, n):
     a_bits, q, s = problem(rng, m, n, 128)
     out = np.full((m, n), np.nan, np.float32)

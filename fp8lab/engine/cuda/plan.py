@@ -33,7 +33,8 @@ The GEMM input format (``f32_max_rows``): a GEMM of at most ``f32_max_rows`` row
 ``gemv_simt`` directly on the float32 activations, so the product is the reference's float32 linear up to the
 summation order; a larger one (long prompts, decode batches) reads the activations rounded to BF16 (written so by
 the kernel that produces them, rounded as ``layers.bf16_round`` rounds) and runs ``fp8_gemm`` on tensor cores
-(``gemv_mma`` for 2 to 32 rows, with SwiGLU fused into the gate/up launch; ``gemm_mma`` beyond), W8A16 as the
+(``gemv_mma`` for 2 to 32 rows, with SwiGLU fused into the gate/up launch; ``gemm_mma`` beyond, and on a Hopper
+GPU ``gemm_wgmma`` at prefill sizes: ``fp8_gemm.choose_path``), W8A16 as the
 kernels are designed. The accuracy table of the trained demo model (``docs/08_accuracy.md``, ``bench/RESULTS.md``) says BF16 inputs into FP8 weights
 cost far less than the FP8 weights themselves, so the default (``DEFAULT_F32_MAX_ROWS``) is whatever is faster:
 float32 for one row only (the SIMT GEMV beats the tensor cores at one row; from 2 rows on ``gemv_mma`` on BF16
