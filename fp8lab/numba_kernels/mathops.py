@@ -60,7 +60,6 @@ else:
         """float32 ``2^x``: libdevice ``__nv_exp2f`` = ``ex2.approx.f32`` (2 ulp); ``exp2(-inf) = 0``."""
         return libdevice.exp2f(x)
 
-    from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
