@@ -1,8 +1,9 @@
 """Hopper's warpgroup matrix multiply ``wgmma.mma_async`` (BF16 in, float32 accumulate) as device functions.
 
-Device functions, no kernel (sm_90a: numba-cuda compiles for it on a compute-capability-9.0 GPU). Checked
-(``tests/numba_kernels/test_wgmma.py``): the twin against ``fp8lab.simulators.mma``'s model and a float64
-product, the instructions in the sm_90a PTX; on a GPU through ``fp8lab.numba_kernels.gemm_wgmma``.
+Device functions, no kernel (sm_90a: numba-cuda compiles for it on a compute-capability-9.0 GPU). Checked: the
+twin in ``tests/numba_kernels/test_wgmma.py`` (one warpgroup, integer operands: exactly the float64 ``A @ B`` in
+these fragment and swizzle layouts; shared memory read at the wait); the instructions in the sm_90a PTX in
+``tests/numba_kernels/test_kernels_compile.py``; on a GPU through ``fp8lab.numba_kernels.gemm_wgmma``'s tests.
 
 One ``wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16`` is issued by a *warpgroup* (4 consecutive warps,
 the first a multiple of 4) and computes ``D[64, N] = A[64, 16] @ B[16, N] (+ D)``:
@@ -121,9 +122,10 @@ if SIMULATOR:
         bits = memory[physical].astype(np.uint16) | (memory[physical + 1].astype(np.uint16) << 8)
         return bit_placement.bits_to_float32(bits, "bf16").astype(np.float64)
 
-    def _perform(ops, pooled):
-        """The warp's queued operations in order: each lane's accumulators updated in place."""
-        for index, (acc0, _, smem, byte_offset, accumulate, n) in enumerate(ops[0]):
+    def _perform(pooled):
+        """The warp's queued operations (``pooled``: each lane's list, by lane) in order: every lane's accumulators
+        updated in place. The operations' shared-memory operands are the same on every lane; lane 0's are used."""
+        for index, (_, _, smem, byte_offset, accumulate, n) in enumerate(pooled[0]):
             rows, cols = _accumulator_coordinates(n)
             registers = np.array([pooled[lane][index][1] for lane in range(cudasim.WARP_SIZE)], dtype=np.uint32)
             a_bits = mma_model.unpack_registers(registers)  # [32, 8] 16-bit patterns
@@ -148,8 +150,7 @@ if SIMULATOR:
         ready = []
         while len(state.groups) > n_younger:
             ready.extend(state.groups.pop(0))
-        cudasim.exchange("wgmma.wait_group", FULL_MASK, ready,
-                         combine=lambda pooled: _perform([pooled[0]], pooled))
+        cudasim.exchange("wgmma.wait_group", FULL_MASK, ready, combine=_perform)
 
     def wait_group_function(n: int, columns: int):
         def wait_group(acc):

@@ -1,0 +1,95 @@
+"""fp8lab.numba_kernels.wgmma: the warpgroup mma's simulator twin, layouts and late reads.
+
+One warpgroup (128 threads) in the CUDA simulator: A in registers (each warp its 16 rows, mma.m16n8k16's A
+layout), B written into shared memory in the 128-byte-swizzled K-major layout, two chained k16 steps; on
+integer-valued operands every product and sum is exact, so D must equal the float64 ``A @ B`` exactly. The twin
+reads shared memory at the wait, the latest moment a GPU may (a B overwritten before the wait is what it uses).
+"""
+
+import numpy as np
+import pytest
+from numba import cuda, float32, uint32
+
+import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
+from fp8lab.numba_kernels import wgmma
+from fp8lab.simulators import bit_placement as bp
+from fp8lab.simulators import mma as mma_model
+
+N = 64
+mma_async = wgmma.mma_async_function(N)
+wait_all = wgmma.wait_group_function(0, N)
+
+
+def swizzled_b(b_kn: np.ndarray) -> np.ndarray:
+    """``B[k, n]`` (BF16 bits, k < 64) as the bytes of one swizzled atom block: row ``n`` holds its 64 k."""
+    rows, k = b_kn.shape[1], b_kn.shape[0]
+    memory = np.zeros(rows * wgmma.ROW_BYTES, np.uint8)
+    logical = wgmma.ROW_BYTES * np.arange(rows)[None, :] + 2 * np.arange(k)[:, None]
+    physical = wgmma.physical_address(logical)
+    memory[physical] = b_kn & 0xFF
+    memory[physical + 1] = b_kn >> 8
+    return memory
+
+
+def warpgroup_kernel(a_regs, b_bytes, later_b_bytes, out, overwrite):
+    thread = cuda.threadIdx.x
+    smem = cuda.shared.array(N * 128, np.uint8)
+    for i in range(thread, N * 128, 128):
+        smem[i] = b_bytes[i]
+    cuda.syncthreads()
+    acc = cuda.local.array(N // 2, float32)
+    wgmma.fence()
+    for step in range(2):  # k 0..15, then k 16..31 (32 bytes further into each row)
+        mma_async(acc, uint32(a_regs[step, thread, 0]), uint32(a_regs[step, thread, 1]),
+                  uint32(a_regs[step, thread, 2]), uint32(a_regs[step, thread, 3]), smem,
+                  step * wgmma.STEP_BYTES, step > 0)
+    wgmma.commit_group()
+    if overwrite:  # a kernel bug: B rewritten before the wait
+        cuda.syncthreads()
+        for i in range(thread, N * 128, 128):
+            smem[i] = later_b_bytes[i]
+        cuda.syncthreads()
+    wait_all(acc)
+    for i in range(N // 2):
+        out[thread, i] = acc[i]
+
+
+def run(rng, overwrite):
+    a = rng.integers(-8, 9, size=(64, 32)).astype(np.float32)  # 64 rows (4 warps x 16), k 0..31
+    b = rng.integers(-8, 9, size=(32, N)).astype(np.float32)
+    later_b = rng.integers(-8, 9, size=(32, N)).astype(np.float32)
+    a_bits, b_bits, later_bits = (bp.float32_to_bf16_bits(x) for x in (a, b, later_b))
+    # each warp's A registers per k16 step, in mma.m16n8k16's A layout
+    a_regs = np.zeros((2, 128, 4), np.uint32)
+    for step in range(2):
+        for warp in range(4):
+            tile = a_bits[16 * warp: 16 * warp + 16, 16 * step: 16 * step + 16]
+            halves = mma_model.load_a(tile)  # [32 lanes, 8] 16-bit patterns
+            a_regs[step, 32 * warp: 32 * warp + 32] = mma_model.pack_registers(halves)
+    out = np.full((128, N // 2), np.nan, np.float32)
+    cuda.jit(warpgroup_kernel)[1, 128](a_regs, swizzled_b(b_bits), swizzled_b(later_bits), out, overwrite)
+    used_b = later_b if overwrite else b
+    expected = a.astype(np.float64) @ used_b.astype(np.float64)  # exact: integer products and sums
+    lane = np.arange(32)[:, None]
+    i = np.arange(N // 2)[None, :]
+    rows = (lane >> 2) + 8 * ((i >> 1) & 1)
+    cols = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)
+    for warp in range(4):
+        np.testing.assert_array_equal(out[32 * warp: 32 * warp + 32], expected[16 * warp + rows, cols])
+
+
+@pytest.mark.cudasim
+def test_the_twin_computes_a_at_b_in_the_fragment_and_swizzle_layouts(rng):
+    run(rng, overwrite=False)
+
+
+@pytest.mark.cudasim
+def test_the_twin_reads_shared_memory_at_the_wait(rng):
+    run(rng, overwrite=True)
+
+
+def test_the_swizzle_spreads_an_atoms_rows_over_all_banks():
+    # piece c of row r goes to piece c ^ (r % 8): the 8 rows' pieces 0 land in 8 distinct 16-byte bank groups
+    pieces = [wgmma.physical_address(r * wgmma.ROW_BYTES) % wgmma.ROW_BYTES // 16 for r in range(8)]
+    assert sorted(pieces) == list(range(8))
+    assert wgmma.physical_address(9 * 128 + 2 * 16) == 9 * 128 + (2 ^ 1) * 16  # row 9 is row 1 of the next atom
