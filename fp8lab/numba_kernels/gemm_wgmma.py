@@ -36,6 +36,10 @@ How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Mac
      gave wrong results (``bench/RESULTS.md``, nineteenth session);
   5. issue chunk ``c``'s 8 ``wgmma`` into ``c_part`` (the first with ``accumulate`` off: ``c_part = 0``) and commit.
 
+  With ``overlap`` the loop takes two chunks per pass and two sets of A registers: wait for chunk ``c - 1``,
+  promote it, issue chunk ``c`` from one set, then receive chunk ``c + 1`` and place it into the other set while
+  chunk ``c``'s ``wgmma`` run (distinct PTX registers, so nothing in flight is written).
+
   So per output: chunks in ascending K, per chunk 8 k16 steps from ``c_part = 0``, then one promotion fma:
   ``gemm_mma``'s order exactly (the model's k16 step is one exact sum of 16 products, the same whichever operand
   holds the weights).
@@ -47,8 +51,8 @@ the shared window)::
 
     0                         activations: atom 0 (k 0..63), TOKENS rows x 128 bytes, swizzled
     TOKENS * 128              activations: atom 1 (k 64..127)
-    TOKENS * 256              codes: CTA_N rows x 144 bytes (128 codes + 16 pad: row g starts in bank 4 g, so
-                              a warp's pair loads fall into distinct banks)
+    TOKENS * 256              codes: CTA_N rows x 144 bytes (128 codes + 16 pad: a warp's 128-bit loads of 8 rows,
+                              each row read by its 4 lanes, fall into 8 distinct 16-byte bank groups)
     TOKENS * 256 + CTA_N*144  scales: CTA_N / 8 float32
 
 Dated measurements are in ``bench/RESULTS.md``.
