@@ -272,8 +272,7 @@ def kernel_function(tiling: Tiling, output: str):
         wgmma.fence()
         for j in range(K_STEPS_PER_CHUNK):
             start = stage_base + (j // 4) * atom_bytes + (j % 4) * wgmma.STEP_BYTES
-            mma_async(c_part, a_regs[4 * j], a_regs[4 * j + 1], a_regs[4 * j + 2], a_regs[4 * j + 3], smem64, start,
-                      j > 0)
+            mma_async(c_part, a_regs, 4 * j, smem64, start, j > 0)
         wgmma.commit_group()
 
     @inlined_device_function

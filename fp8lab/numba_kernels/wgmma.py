@@ -32,12 +32,19 @@ before the accumulators are read (at most ``n`` younger groups left in flight). 
 must stay unchanged until that wait, and shared memory written by ``cp.async`` (the generic proxy) must pass
 ``proxy_fence()`` in each writing thread, then a barrier, before ``wgmma`` (the async proxy) reads it.
 
-- On a GPU: LLVM inline assembly in the calling kernel (``acc`` a per-thread ``cuda.local.array`` of float32,
-  indexed with constants only, so it lives in registers; the wait passes every accumulator through the
-  instruction so the compiler reads none of them earlier).
+``mma_async(acc, a_regs, first, smem, byte_offset, accumulate)``: ``acc`` the ``N / 2`` float32 accumulators,
+``a_regs[first .. first + 3]`` the A registers (both per-thread ``cuda.local.array``), B at ``smem``'s byte
+``byte_offset``.
+
+- On a GPU: LLVM inline assembly in the calling kernel (the arrays indexed with constants only after unrolling,
+  so they live in registers; the wait passes every accumulator through the instruction so the compiler reads
+  none of them earlier).
 - In the CUDA simulator: ``mma_async`` queues the operation; ``wait_group`` performs the queued groups, warp by
   warp, reading shared memory *then*, the latest moment the hardware may read it: a kernel that overwrites a
-  stage before waiting computes with the new data here, as it could on a GPU.
+  stage before waiting computes with the new data here, as it could on a GPU. And it refuses (``RuntimeError``)
+  a wait whose operations' A registers were written after their issue: on a GPU those are the same PTX
+  registers, and their async read may see the new values (an H100 did: ``bench/RESULTS.md``, nineteenth
+  session).
 """
 
 from __future__ import annotations
@@ -125,7 +132,7 @@ if SIMULATOR:
     def _perform(pooled):
         """The warp's queued operations (``pooled``: each lane's list, by lane) in order: every lane's accumulators
         updated in place. The operations' shared-memory operands are the same on every lane; lane 0's are used."""
-        for index, (_, _, smem, byte_offset, accumulate, n) in enumerate(pooled[0]):
+        for index, (_, _, smem, byte_offset, accumulate, n, _, _) in enumerate(pooled[0]):
             rows, cols = _accumulator_coordinates(n)
             registers = np.array([pooled[lane][index][1] for lane in range(cudasim.WARP_SIZE)], dtype=np.uint32)
             a_bits = mma_model.unpack_registers(registers)  # [32, 8] 16-bit patterns
@@ -150,6 +157,10 @@ if SIMULATOR:
         ready = []
         while len(state.groups) > n_younger:
             ready.extend(state.groups.pop(0))
+        for _, registers, _, _, _, _, a_regs, first in ready:
+            if tuple(int(x) & 0xFFFFFFFF for x in a_regs[first: first + 4]) != registers:
+                raise RuntimeError(f"wgmma: A registers {first}..{first + 3} were written before the wait_group of the "
+                                   "wgmma that reads them (undefined: a GPU may read them late)")
         cudasim.exchange("wgmma.wait_group", FULL_MASK, ready, combine=_perform)
 
     def wait_group_function(n: int, columns: int):
@@ -162,11 +173,12 @@ if SIMULATOR:
         if n not in N_CHOICES:
             raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
 
-        def mma_async(acc, a0, a1, a2, a3, smem, byte_offset, accumulate):
+        def mma_async(acc, a_regs, first, smem, byte_offset, accumulate):
             if int(byte_offset) % PIECE_BYTES:
                 raise RuntimeError(f"wgmma: B's start {byte_offset} is not 16-byte aligned")
-            registers = tuple(int(x) & 0xFFFFFFFF for x in (a0, a1, a2, a3))
-            _queues().pending.append((acc, registers, smem, int(byte_offset), bool(accumulate), n))
+            first = int(first)
+            registers = tuple(int(x) & 0xFFFFFFFF for x in a_regs[first: first + 4])
+            _queues().pending.append((acc, registers, smem, int(byte_offset), bool(accumulate), n, a_regs, first))
 
         return mma_async
 
@@ -254,18 +266,22 @@ else:
                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, {{{a}}}, ${2 * count + 4}, p, 1, 1, 0; }}")
 
         @intrinsic
-        def mma_async(typingctx, acc, a0, a1, a2, a3, smem, byte_offset, accumulate):
-            if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and isinstance(smem, types.Array)):
+        def mma_async(typingctx, acc, a_regs, first, smem, byte_offset, accumulate):
+            arrays_ok = all(isinstance(x, types.Array) for x in (acc, a_regs, smem))
+            if not (arrays_ok and acc.dtype == types.float32 and a_regs.dtype == types.uint32):
                 return None
 
             def codegen(context, builder, signature, args):
-                acc_type, *register_types, smem_type, offset_type, accumulate_type = signature.args
-                registers = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[1:5], register_types)]
-                start = builder.add(_shared_address_of(context, builder, smem_type, args[5]),
-                                    context.cast(builder, args[6], offset_type, types.uint32))
+                acc_type, regs_type, first_type, smem_type, offset_type, accumulate_type = signature.args
+                data = context.make_array(regs_type)(context, builder, value=args[1]).data
+                first_index = context.cast(builder, args[2], first_type, types.int64)
+                registers = [builder.load(builder.gep(data, [builder.add(first_index, ir.Constant(_I64, i))]))
+                             for i in range(4)]
+                start = builder.add(_shared_address_of(context, builder, smem_type, args[3]),
+                                    context.cast(builder, args[4], offset_type, types.uint32))
                 address = builder.lshr(builder.and_(start, ir.Constant(_I32, 0x3FFFF)), ir.Constant(_I32, 4))
                 descriptor = builder.or_(builder.zext(address, _I64), ir.Constant(_I64, DESCRIPTOR_TAIL))
-                scale_d = context.cast(builder, args[7], accumulate_type, types.uint32)
+                scale_d = context.cast(builder, args[5], accumulate_type, types.uint32)
                 pointers, values = _accumulators(context, builder, acc_type, args[0], count)
                 results = _through_asm(builder, text, values, registers + [descriptor, scale_d],
                                        ["r", "r", "r", "r", "l", "r"], count)
@@ -273,6 +289,6 @@ else:
                     builder.store(v, p)
                 return context.get_dummy_value()
 
-            return types.void(acc, a0, a1, a2, a3, smem, byte_offset, accumulate), codegen
+            return types.void(acc, a_regs, first, smem, byte_offset, accumulate), codegen
 
         return mma_async

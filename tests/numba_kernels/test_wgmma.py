@@ -3,7 +3,8 @@
 One warpgroup (128 threads) in the CUDA simulator: A in registers (each warp its 16 rows, mma.m16n8k16's A
 layout), B written into shared memory in the 128-byte-swizzled K-major layout, two chained k16 steps; on
 integer-valued operands every product and sum is exact, so D must equal the float64 ``A @ B`` exactly. The twin
-reads shared memory at the wait, the latest moment a GPU may (a B overwritten before the wait is what it uses).
+reads shared memory at the wait, the latest moment a GPU may (a B overwritten before the wait is what it uses), and
+refuses A registers written between a wgmma's issue and its wait.
 """
 
 import numpy as np
@@ -31,30 +32,33 @@ def swizzled_b(b_kn: np.ndarray) -> np.ndarray:
     return memory
 
 
-def warpgroup_kernel(a_regs, b_bytes, later_b_bytes, out, overwrite):
+def warpgroup_kernel(a_regs, b_bytes, later_b_bytes, out, overwrite, write_a_early):
     thread = cuda.threadIdx.x
     smem = cuda.shared.array(N * 128, np.uint8)
     for i in range(thread, N * 128, 128):
         smem[i] = b_bytes[i]
     cuda.syncthreads()
     acc = cuda.local.array(N // 2, float32)
+    registers = cuda.local.array(8, uint32)
+    for i in range(8):
+        registers[i] = uint32(a_regs[i // 4, thread, i % 4])
     wgmma.fence()
     for step in range(2):  # k 0..15, then k 16..31 (32 bytes further into each row)
-        mma_async(acc, uint32(a_regs[step, thread, 0]), uint32(a_regs[step, thread, 1]),
-                  uint32(a_regs[step, thread, 2]), uint32(a_regs[step, thread, 3]), smem,
-                  step * wgmma.STEP_BYTES, step > 0)
+        mma_async(acc, registers, 4 * step, smem, step * wgmma.STEP_BYTES, step > 0)
     wgmma.commit_group()
     if overwrite:  # a kernel bug: B rewritten before the wait
         cuda.syncthreads()
         for i in range(thread, N * 128, 128):
             smem[i] = later_b_bytes[i]
         cuda.syncthreads()
+    if write_a_early:  # a kernel bug: the A registers of a wgmma in flight rewritten
+        registers[5] = uint32(0)
     wait_all(acc)
     for i in range(N // 2):
         out[thread, i] = acc[i]
 
 
-def run(rng, overwrite):
+def run(rng, overwrite, write_a_early=False):
     a = rng.integers(-8, 9, size=(64, 32)).astype(np.float32)  # 64 rows (4 warps x 16), k 0..31
     b = rng.integers(-8, 9, size=(32, N)).astype(np.float32)
     later_b = rng.integers(-8, 9, size=(32, N)).astype(np.float32)
@@ -67,7 +71,8 @@ def run(rng, overwrite):
             halves = mma_model.load_a(tile)  # [32 lanes, 8] 16-bit patterns
             a_regs[step, 32 * warp: 32 * warp + 32] = mma_model.pack_registers(halves)
     out = np.full((128, N // 2), np.nan, np.float32)
-    cuda.jit(warpgroup_kernel)[1, 128](a_regs, swizzled_b(b_bits), swizzled_b(later_bits), out, overwrite)
+    cuda.jit(warpgroup_kernel)[1, 128](a_regs, swizzled_b(b_bits), swizzled_b(later_bits), out, overwrite,
+                                       write_a_early)
     used_b = later_b if overwrite else b
     expected = a.astype(np.float64) @ used_b.astype(np.float64)  # exact: integer products and sums
     lane = np.arange(32)[:, None]
@@ -86,6 +91,12 @@ def test_the_twin_computes_a_at_b_in_the_fragment_and_swizzle_layouts(rng):
 @pytest.mark.cudasim
 def test_the_twin_reads_shared_memory_at_the_wait(rng):
     run(rng, overwrite=True)
+
+
+@pytest.mark.cudasim
+def test_the_twin_refuses_a_registers_written_before_the_wait(rng):
+    with pytest.raises(Exception, match="A registers 4..7 were written before the wait_group"):
+        run(rng, overwrite=False, write_a_early=True)
 
 
 def test_the_swizzle_spreads_an_atoms_rows_over_all_banks():
