@@ -28,8 +28,6 @@ element). A 16-byte copy moves ``16 / itemsize`` consecutive elements. ``cg`` ca
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from .bits import SIMULATOR
@@ -38,12 +36,9 @@ SIZES = {"cg": (16,), "ca": (4, 8, 16)}
 """Copy sizes in bytes PTX allows per cache operator."""
 
 if SIMULATOR:
-    _state = threading.local()
+    from .cudasim import CommitGroups
 
-    def _queues():
-        if not hasattr(_state, "pending"):
-            _state.pending, _state.groups = [], []
-        return _state
+    _groups = CommitGroups()
 
     def _copy_function(size: int):
         def copy(shared, index, source, row, col, source_bytes):
@@ -61,7 +56,7 @@ if SIMULATOR:
                 values = np.zeros(words, source.dtype) if fill else source[row, col : col + words]
                 shared[index : index + words] = values.view(shared.dtype)
 
-            _queues().pending.append(land)
+            _groups.issue(land)
 
         return copy
 
@@ -69,16 +64,12 @@ if SIMULATOR:
     copy_4_ca = _copy_function(4)
 
     def commit_group():
-        state = _queues()
-        state.groups.append(state.pending)
-        state.pending = []
+        _groups.commit()
 
     def wait_group_function(n: int):
         def wait_group():
-            state = _queues()
-            while len(state.groups) > n:
-                for land in state.groups.pop(0):
-                    land()
+            for land in _groups.take_all_but(n):
+                land()
 
         return wait_group
 
@@ -126,7 +117,10 @@ else:
     copy_16_ca = _copy_intrinsic("ca", 16)
     copy_4_ca = _copy_intrinsic("ca", 4)
 
-    def _statement_intrinsic(text: str):
+    def statement_intrinsic(text: str):
+        """A device function that runs the PTX statement ``text`` (no operands; a memory clobber, never moved or
+        dropped). Also used by ``fp8lab.numba_kernels.wgmma``."""
+
         @intrinsic
         def statement(typingctx):
             def codegen(context, builder, signature, args):
@@ -138,10 +132,10 @@ else:
 
         return statement
 
-    commit_group = _statement_intrinsic("cp.async.commit_group;")
+    commit_group = statement_intrinsic("cp.async.commit_group;")
     _waits = {}
 
     def wait_group_function(n: int):
         if n not in _waits:
-            _waits[n] = _statement_intrinsic(f"cp.async.wait_group {int(n)};")
+            _waits[n] = statement_intrinsic(f"cp.async.wait_group {int(n)};")
         return _waits[n]

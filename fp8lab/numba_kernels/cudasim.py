@@ -78,6 +78,39 @@ _warps: "weakref.WeakKeyDictionary[object, dict[int, _WarpState]]" = weakref.Wea
 _warps_lock = threading.Lock()
 
 
+class CommitGroups:
+    """Asynchronous operations of each simulated thread, with PTX's commit-group semantics (``cp.async`` and
+    ``wgmma`` both): ``issue`` queues one, ``commit`` closes the ones issued since into a group, and
+    ``take_all_but(n)`` removes and returns, oldest first, the operations of every group but the ``n`` youngest
+    (what a ``wait_group n`` must have completed)."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def _queues(self):
+        if not hasattr(self._local, "pending"):
+            self._local.pending, self._local.groups = [], []
+        return self._local
+
+    def issue(self, operation) -> None:
+        self._queues().pending.append(operation)
+
+    def commit(self) -> None:
+        queues = self._queues()
+        queues.groups.append(queues.pending)
+        queues.pending = []
+
+    def uncommitted(self) -> bool:
+        return bool(self._queues().pending)
+
+    def take_all_but(self, n: int) -> list:
+        queues = self._queues()
+        taken = []
+        while len(queues.groups) > n:
+            taken.extend(queues.groups.pop(0))
+        return taken
+
+
 def _current_thread():
     thread = threading.current_thread()
     if not hasattr(thread, "thread_id") or not hasattr(thread, "_manager"):

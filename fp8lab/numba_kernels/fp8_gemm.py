@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from . import arguments, bits
 from .gemm_mma import gemm_mma
+from .gemm_wgmma import Tiling as WgmmaTiling
 from .gemm_wgmma import gemm_wgmma
 from .gemv_mma import MAX_ROWS as GEMV_MMA_MAX_ROWS
 from .gemv_mma import ROWS_PER_WARP, gemv_mma
@@ -70,7 +71,8 @@ def choose_path(m: int, n: int, activation: str = "bf16", output: str = "f32", w
         return "gemv_mma"
     if m <= SIMT_MAX_M:
         return "simt"
-    wgmma_ctas = -(-m // 128) * -(-n // 128)
+    tile = WgmmaTiling()  # gemm_wgmma's default: its CTAs cover tile.tokens rows x tile.cta_n columns
+    wgmma_ctas = -(-m // tile.tokens) * -(-n // tile.cta_n)
     if m >= WGMMA_MIN_M and wgmma_ctas >= WGMMA_MIN_CTAS and bf16_in_out and (has_wgmma() if wgmma is None else wgmma):
         return "wgmma"
     return "mma"

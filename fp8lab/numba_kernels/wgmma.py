@@ -49,8 +49,6 @@ must stay unchanged until that wait, and shared memory written by ``cp.async`` (
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 from numba import cuda
 
@@ -91,12 +89,7 @@ if SIMULATOR:
 
     from . import cudasim
 
-    _state = threading.local()
-
-    def _queues():
-        if not hasattr(_state, "pending"):
-            _state.pending, _state.groups = [], []
-        return _state
+    _groups = cudasim.CommitGroups()
 
     def shared_address(smem):
         """The shared-window address of ``smem[0]``: 0 here (every simulated allocation counts as aligned)."""
@@ -109,9 +102,7 @@ if SIMULATOR:
         pass
 
     def commit_group():
-        state = _queues()
-        state.groups.append(state.pending)
-        state.pending = []
+        _groups.commit()
 
     def _accumulator_coordinates(n: int):
         """Row and column of D, per (lane, accumulator), within the warp's 16 rows."""
@@ -151,12 +142,9 @@ if SIMULATOR:
         return None
 
     def _wait(n_younger: int):
-        state = _queues()
-        if state.pending:
+        if _groups.uncommitted():
             raise RuntimeError("wgmma.wait_group: mma_async issued since the last commit_group")
-        ready = []
-        while len(state.groups) > n_younger:
-            ready.extend(state.groups.pop(0))
+        ready = _groups.take_all_but(n_younger)
         for _, registers, _, _, _, _, a_regs, first in ready:
             if tuple(int(x) & 0xFFFFFFFF for x in a_regs[first: first + 4]) != registers:
                 raise RuntimeError(f"wgmma: A registers {first}..{first + 3} were written before the wait_group of the "
@@ -178,7 +166,7 @@ if SIMULATOR:
                 raise RuntimeError(f"wgmma: B's start {byte_offset} is not 16-byte aligned")
             first = int(first)
             registers = tuple(int(x) & 0xFFFFFFFF for x in a_regs[first: first + 4])
-            _queues().pending.append((acc, registers, smem, int(byte_offset), bool(accumulate), n, a_regs, first))
+            _groups.issue((acc, registers, smem, int(byte_offset), bool(accumulate), n, a_regs, first))
 
         return mma_async
 
@@ -189,20 +177,11 @@ else:
 
     _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 
-    def _statement(text: str):
-        @intrinsic
-        def statement(typingctx):
-            def codegen(context, builder, signature, args):
-                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True), [])
-                return context.get_dummy_value()
+    from .cp_async import statement_intrinsic
 
-            return types.void(), codegen
-
-        return statement
-
-    fence = _statement("wgmma.fence.sync.aligned;")
-    commit_group = _statement("wgmma.commit_group.sync.aligned;")
-    proxy_fence = _statement("fence.proxy.async.shared::cta;")
+    fence = statement_intrinsic("wgmma.fence.sync.aligned;")
+    commit_group = statement_intrinsic("wgmma.commit_group.sync.aligned;")
+    proxy_fence = statement_intrinsic("fence.proxy.async.shared::cta;")
 
     def _shared_address_of(context, builder, array_type, array):
         """The 32-bit shared-window address of ``array[0]`` (``cvta.to.shared`` of its generic address)."""
