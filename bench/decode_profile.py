@@ -19,9 +19,10 @@ runs and its duration includes its wait, so durations overlap, their sum exceeds
 "gap" is negative (the overlap); the added times stay a partition of the span. Nothing here is
 imported by the engine (torch is a benchmark dependency only).
 
-``profile_prefill`` does the same for a prefill forward (eager launches: a prefill is not captured in a graph,
-so its gaps include the host's launch time), against the labels of the prefill plan and the lm_head of the
-prompts' last rows (``model.planner.prefill``, ``model.planner.lm_head``). ``attribute`` is the attribution
+``profile_prefill`` does the same for a prefill forward (a graph replay of its padded shape over the tensor-core
+prefill attention, after the warm-up run captured it; else eager launches, whose gaps include the host's launch time),
+against the labels of the plan the model runs (``model.prefill_shape``, ``model.planner.prefill``) and of the lm_head
+of the prompts' last rows (``model.planner.lm_head``), which stays eager. ``attribute`` is the attribution
 itself, on ``(name, start_us, duration_us)`` events, with no profiler.
 """
 
@@ -112,7 +113,7 @@ def profile_prefill(model, batch, cache, repeats: int = 3) -> DecodeProfile:
     from torch.profiler import ProfilerActivity, profile
 
     tokens, seqs = len(batch.token_ids), batch.num_seqs
-    plan = model.planner.prefill(tokens, seqs, batch.block_tables.shape[1], int(max(batch.context_lens)), cache)
+    plan = model.planner.prefill(*model.prefill_shape(batch, cache), cache)  # what the model runs (or replays)
     labels = plan_labels(plan) + launch_labels([model.planner.lm_head(model.activations.selected[:seqs], seqs)])
     model.forward(batch, cache)
     torch.cuda.synchronize()

@@ -185,9 +185,11 @@ def _check_shapes(q, k_cache, v_cache, block_tables, context_lens, query_lens, o
     return kv_format
 
 
-def _check_values(tables, context, queries, num_tokens: int, block_size: int, num_blocks: int) -> None:
-    """The index arrays' values (host copies): lengths, the token count, and the blocks of every sequence
-    that has query rows (a sequence without new tokens adds no row, so nothing reads its table)."""
+def _check_values(tables, context, queries, num_tokens: int, block_size: int, num_blocks: int,
+                  padding_rows: bool = False) -> None:
+    """The index arrays' values (host copies): lengths, the token count (at most ``num_tokens`` with
+    ``padding_rows``, else exactly), and the blocks of every sequence that has query rows (a sequence without new
+    tokens adds no row, so nothing reads its table)."""
     for name, lens in (("context_lens", context), ("query_lens", queries)):
         if lens.size and lens.min() < 0:
             s = int(np.argmin(lens))
@@ -196,7 +198,10 @@ def _check_values(tables, context, queries, num_tokens: int, block_size: int, nu
         s = int(np.argmax(queries > context))
         raise ValueError(f"query_lens: sequence {s} has {queries[s]} new tokens but context_lens says only "
                          f"{context[s]} tokens are cached (its new tokens must be the last query_lens of them)")
-    if int(queries.sum()) != num_tokens:
+    if int(queries.sum()) > num_tokens:
+        raise ValueError(f"query_lens: sum(query_lens) = {int(queries.sum())} is more than q's {num_tokens} query "
+                         f"tokens (q.shape[0])")
+    if int(queries.sum()) != num_tokens and not padding_rows:
         raise ValueError(f"query_lens: sum(query_lens) = {int(queries.sum())} does not match q's "
                          f"{num_tokens} query tokens (q.shape[0])")
     check_block_tables(tables, np.where(queries > 0, context, 0), block_size, num_blocks)  # what the rows read
@@ -219,8 +224,10 @@ def _check_rows(rows, num_tokens: int, width: int) -> PrefillRows:
 
 
 def check_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale=None, v_scale=None,
-                  max_context_len=None, rows=None, kv_format=None) -> PrefillCall:
-    """Every argument check of ``paged_prefill``; nothing is launched here."""
+                  max_context_len=None, rows=None, kv_format=None, padding_rows: bool = False) -> PrefillCall:
+    """Every argument check of ``paged_prefill``; nothing is launched here. ``padding_rows``: ``q`` may hold more
+    rows than ``sum(query_lens)`` (the tensor-core prefill's padded forwards: no sequence owns the rows past the
+    sum, and nothing reads or writes them)."""
     names = ("q", "k_cache", "v_cache", "block_tables", "context_lens", "query_lens", "out")
     arrays = (q, k_cache, v_cache, block_tables, context_lens, query_lens, out)
     q, k_cache, v_cache, block_tables, context_lens, query_lens, out = (
@@ -238,7 +245,8 @@ def check_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, o
     if max_context_len is None or host_indices:  # read the values (device arrays: a synchronizing copy)
         context = to_host(context_lens).astype(np.int64)
         queries = to_host(query_lens).astype(np.int64)
-        _check_values(to_host(block_tables).astype(np.int64), context, queries, num_tokens, block_size, num_blocks)
+        _check_values(to_host(block_tables).astype(np.int64), context, queries, num_tokens, block_size, num_blocks,
+                      padding_rows)
         longest = int(context[queries > 0].max(initial=0))  # the longest expanded row
         if max_context_len is not None and int(max_context_len) < int(context.max(initial=0)):
             raise ValueError(f"max_context_len: {max_context_len} is shorter than the longest context "

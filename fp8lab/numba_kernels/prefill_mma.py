@@ -216,10 +216,12 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
     (``fp8lab.simulators.prefill_mma.supports``: FP8 or BF16, ``head_dim`` 128, a number of query heads per kv head
     that divides 16, a block size that is a multiple of 16), else a ``ValueError`` that says which. With device index
     arrays and ``max_context_len`` nothing is read back: the grid then covers ``len(q)`` query tokens per sequence
-    (the CTAs past a sequence's queries return at once).
+    (the CTAs past a sequence's queries return at once). ``q`` may end in padding rows past ``sum(query_lens)`` (the
+    engine pads a prefill to a token bucket so that one CUDA graph serves every prompt length of the bucket): no
+    sequence owns them, and their ``out`` rows are left as they were.
     """
     call = check_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale, v_scale,
-                         max_context_len, None, kv_format)
+                         max_context_len, None, kv_format, padding_rows=True)
     k_cache, v_cache = as_kernel_array("k_cache", k_cache), as_kernel_array("v_cache", v_cache)
     num_tokens, num_heads, head_dim = call.q.shape
     num_kv_heads = k_cache.shape[1]

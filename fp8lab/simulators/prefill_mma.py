@@ -141,8 +141,8 @@ def _checked(q, k_cache, v_cache, block_tables, context_lens, query_lens, k_scal
     require_shape("query_lens", queries, (tables.shape[0],))
     if np.any(queries < 0) or np.any(queries > context):
         raise ValueError("query_lens: expected 0 <= query_lens <= context_lens for every sequence")
-    if int(queries.sum()) != q32.shape[0]:
-        raise ValueError(f"query_lens: sum(query_lens) = {int(queries.sum())} does not match q's {q32.shape[0]} tokens")
+    if int(queries.sum()) > q32.shape[0]:
+        raise ValueError(f"query_lens: sum(query_lens) = {int(queries.sum())} is more than q's {q32.shape[0]} tokens")
     check_block_tables(tables, np.where(queries > 0, context, 0), block_size, num_blocks)
     if tables.shape[1] == 0:
         tables = np.zeros((tables.shape[0], 1), np.int64)
@@ -164,7 +164,8 @@ def cache_values(entries) -> np.ndarray:
 
 def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, softmax_scale: float, k_scale,
                   v_scale) -> np.ndarray:
-    """Causal prefill attention as the tensor-core kernel computes it: float32 ``[sum(query_lens), num_heads, D]``.
+    """Causal prefill attention as the tensor-core kernel computes it: float32 ``[num_query_tokens, num_heads, D]``,
+    whose rows past ``sum(query_lens)`` (padding, which no sequence owns and the kernel leaves unwritten) are 0.
 
     Arguments as ``fp8lab.numba_kernels.prefill.paged_prefill`` with an FP8 cache (uint8 codes, float32 ``k_scale``,
     ``v_scale`` ``[num_blocks, num_kv_heads, block_size]``) or a BF16 cache (uint16 patterns, the kernel's storage;

@@ -50,7 +50,7 @@ from helpers.engine import (
 import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
 from fp8lab.engine.backend import ReferenceBackend
 from fp8lab.engine.cuda import plan
-from fp8lab.engine.cuda.model import CudaQwen3Model, decode_buckets
+from fp8lab.engine.cuda.model import CudaQwen3Model, decode_buckets, prefill_buckets
 from fp8lab.engine.cuda.plan import decode_context_bound
 from fp8lab.engine.cuda.weights import fuse_fp8_for_gemm, unsupported_reason
 from fp8lab.engine.generate import Generator
@@ -195,8 +195,10 @@ def test_decode_attention_over_an_fp8_cache_of_whole_tiles_runs_on_tensor_cores(
     assert len(calls) == config.num_hidden_layers and got_tokens == want_tokens  # one decode step, every layer
     assert len(prefill_calls) == config.num_hidden_layers  # one prefill forward, every layer
     (q_, k_cache, v_cache, tables_, context_lens, query_lens), scale_, (k_scale, v_scale), out_ = prefill_calls[0]
-    assert np.array_equal(out_, prefill_model.paged_prefill(q_, k_cache, v_cache, tables_, context_lens, query_lens,
-                                                            scale_, k_scale, v_scale))
+    real = int(np.sum(query_lens))  # the prompts' rows; the rest pad the forward to its token bucket
+    assert real == 6 and q_.shape[0] == 8
+    assert np.array_equal(out_[:real], prefill_model.paged_prefill(q_, k_cache, v_cache, tables_, context_lens,
+                                                                   query_lens, scale_, k_scale, v_scale)[:real])
     args, (q, k, v), kwargs, before, after, out = calls[0]
     q_norm, k_norm, eps, positions, cos_sin, tables, lens, scale = args[3:8] + args[10:13]
     expected = model.decode_with_input(q, k, v, q_norm, k_norm, eps, np.asarray(positions), np.asarray(cos_sin),
@@ -223,8 +225,9 @@ def test_prefill_over_a_bf16_cache_of_whole_tiles_runs_the_flash_prefill(gemm_tw
     assert len(calls) == config.num_hidden_layers and got_tokens == want_tokens
     (q, k_cache, v_cache, tables, context_lens, query_lens), scale, scales, out = calls[0]
     assert k_cache.dtype == np.uint16 and scales == (None, None)
-    assert np.array_equal(out, prefill_model.paged_prefill(q, k_cache, v_cache, tables, context_lens, query_lens,
-                                                           scale, None, None))
+    real = int(np.sum(query_lens))  # the prompts' rows; the rest pad the forward to its token bucket
+    assert np.array_equal(out[:real], prefill_model.paged_prefill(q, k_cache, v_cache, tables, context_lens,
+                                                                  query_lens, scale, None, None)[:real])
     assert rel_err(got, want) <= 5e-3, rel_err(got, want)
 
 
@@ -376,6 +379,33 @@ def test_decode_buckets():
     assert decode_buckets(1) == (1,)
     assert decode_buckets(16) == (1, 2, 4, 8, 16)
     assert decode_buckets(12) == (1, 2, 4, 8, 12)
+
+
+def test_prefill_buckets():
+    assert prefill_buckets(8) == (1, 2, 4, 8)
+    assert prefill_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    assert prefill_buckets(2048)[7:] == tuple(range(128, 2049, 128))
+    assert prefill_buckets(300) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 300)
+
+
+@pytest.mark.cudasim
+def test_padding_a_prefill_changes_no_real_row(gemm_twins):
+    """head_dim 128 (the tensor-core prefill attention): three prompts of 7 tokens padded to a bucket of 8 tokens and 4
+    sequences, and to one of 16 tokens: the logits bit for bit the same, the cache bytes too, and no slot but the
+    prompts' written (padding tokens have slot -1)."""
+    config = micro_config(head_dim=128)
+    tensors = micro_tensors(config, seed=8)
+    results = []
+    for buckets in ((8, 16), (16,)):
+        model = CudaQwen3Model(config, tensors, max_num_tokens=16, max_num_seqs=4)
+        model.prefill_buckets = buckets
+        _, logits, (manager, cache) = run_greedy(model, PROMPTS, 0, "fp8", num_blocks=4, block_size=16)
+        assert untouched_slots_are_poison(manager, cache)
+        results.append((logits, [np.asarray(a).copy() for layer in cache for a in (layer.k, layer.v, layer.k_scale)]))
+    (a, cache_a), (b, cache_b) = results
+    assert np.isfinite(a).all()
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert all(np.array_equal(x.view(np.uint8), y.view(np.uint8)) for x, y in zip(cache_a, cache_b))
 
 
 def test_decode_context_bound():
@@ -604,6 +634,43 @@ def test_gpu_graph_replay_at_the_qwen3_06b_shape_is_bit_identical_to_eager_steps
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     assert graphs.f32_max_rows < 8  # the default: batches 8 and 16 take the tensor-core path
     assert graphs.stats.graph_replays >= 2 * 6 and eager.stats.graph_replays == 0
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_graph_replays_are_bit_identical_to_eager_prefills():
+    """Over the tensor-core prefill attention a prefill is padded to its token and sequence buckets and, from its
+    second run on, replayed as a CUDA graph. At the Qwen3-0.6B shape (4 layers, a random FP8 checkpoint), prompts of
+    31, 30 and 25 tokens in 3, 4 and 2 sequences (buckets (32, 4), (32, 4), (32, 2)) and of 300 and 290 tokens (bucket
+    (384, 1)), all in one cache: each prefill's logits bit for bit those of a model that never captures."""
+    from fp8lab.engine import shapes
+
+    checkpoint = shapes.random_checkpoint("qwen3-0.6b", seed=12, num_hidden_layers=4)
+    rng = np.random.default_rng(12)
+    batches = [(9, 17, 5), (10, 12, 6, 2), (20, 5), (300,), (290,)]
+    options = dict(max_num_tokens=512, max_num_seqs=4)
+    graphs = CudaQwen3Model.from_checkpoint(checkpoint, **options)
+    eager = CudaQwen3Model.from_checkpoint(checkpoint, **options, cuda_graphs=False)
+    for kv in ("bf16", "fp8"):
+        runs = []
+        for model in (graphs, eager):
+            manager = KVCacheManager(64, 16)
+            cache = model.allocate_kv_cache(64, 16, kv)
+            logits, seq = [], 0
+            for lengths in batches:
+                prompts = [(seq + i, rng.integers(0, checkpoint.config.vocab_size, n).tolist())
+                           for i, n in enumerate(lengths)]
+                for s, _ in prompts:
+                    manager.add_sequence(s)
+                logits.append(model.forward(make_batch(manager, prompts), cache))
+                for s, _ in prompts:
+                    manager.free(s)
+                seq += len(lengths)
+            runs.append(logits)
+            rng = np.random.default_rng(12)  # the same prompts for the eager model
+        for got, want in zip(*runs):
+            assert np.isfinite(want).all()
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert graphs.stats.prefill_graph_replays == 2 * 2 and eager.stats.prefill_graph_replays == 0
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ and 16 (16, 8, 4 and 1 query tokens per warp), block sizes 16 and 32, pure prefi
 prefix before the new tokens), query counts that end inside a warp, a sequence without new tokens, a walk over more
 than 32 key tiles (the block table's second chunk), NaN-poisoned unused cache slots and a NaN-poisoned ``out``; device
 index arrays with ``max_context_len`` (nothing read back: the grid covers ``len(q)`` tokens per sequence); BF16 output
-bit for bit ``layers.bf16_round`` of the float32 output; caches the kernel does not take are a ``ValueError``. Over a
+bit for bit ``layers.bf16_round`` of the float32 output; padding rows past the queries left unwritten; caches the kernel does not take are a ``ValueError``. Over a
 BF16 cache (the variant that loads a tile, then computes it): group 16, and group 8 over the 34-tile walk.
 
 On a GPU (``gpu``, run by hand on an H200): Qwen3-8B heads (32 query, 8 kv) over a 1,000-token prompt and 4 x 512
@@ -94,6 +94,20 @@ def test_device_indices_without_a_read_back_and_bf16_out():
     assert np.array_equal(bf16.reshape(-1), expected)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
+def test_padding_rows_past_the_queries_are_left_as_they_were():
+    """``q`` with 5 rows past ``sum(query_lens)`` (the engine's padded prefill): those rows of a NaN-poisoned ``out``
+    stay NaN, the simulator gives them 0, and the real rows are bit for bit the unpadded call's."""
+    rng = np.random.default_rng(9)
+    data, q, query_lens = prefill_batch(rng, [20, 9], [5, 9], 4, 1, 16)
+    padded = np.concatenate([q, rng.standard_normal((5, *q.shape[1:])).astype(np.float32)])
+    out = run_kernel(data, padded, query_lens)
+    assert np.isnan(out[14:]).all() and not np.isnan(out[:14]).any()
+    assert same_bits(out[:14], run_kernel(data, q, query_lens))
+    simulated_padded = simulated(data, padded, query_lens)
+    assert same_bits(simulated_padded[:14], simulated(data, q, query_lens)) and not simulated_padded[14:].any()
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the CUDA simulator's argument checks")
 @pytest.mark.parametrize("change, message", [
     (dict(block_size=8), "block size"), (dict(group=3), "divides"), (dict(head_dim=64), "head_dim"),
@@ -115,8 +129,8 @@ def test_a_float_cache_and_wrong_lengths_are_refused_a_nan_scale_propagates():
     with pytest.raises(ValueError, match="an FP8 or a BF16 cache"):
         prefill_mma.paged_prefill_mma(q, floats, floats, data.block_tables, data.seq_lens, query_lens,
                                       data.softmax_scale, np.zeros_like(q))
-    with pytest.raises(ValueError, match="query_lens"):
-        run_kernel(data, q, np.array([8]))
+    with pytest.raises(ValueError, match="query_lens: sum.* is more than q's 8 query tokens"):
+        run_kernel(data, q[:8], np.array([9]))
     many = prefill_mma.MAX_GRID_Z + 1  # sequences, each without new tokens: refused before the launch
     with pytest.raises(ValueError, match="block_tables: at most 65535 sequences"):
         prefill_mma.paged_prefill_mma(q[:0], data.k_cache, data.v_cache, np.zeros((many, 1), np.int32),

@@ -11,14 +11,14 @@ per-model state, and CUDA graphs captured with a cache read exactly these addres
   first ``b`` rows; the step's argmax writes its ids over the token ids, for the next step
   (``fp8lab.engine.cuda.pipeline``);
 - ``eager_index`` (``EagerIndex``): any other forward's token ids, positions, slots (``max_num_tokens``
-  each), context and query lengths (``max_num_seqs`` each) and block tables (``[S, the batch's width]``,
-  packed);
+  each), context and query lengths (``max_num_seqs`` each) and block tables (``[S, W]`` packed at the front: the
+  forward's sequences and table width, padded or not: ``CudaQwen3Model.prefill_shape``);
 - ``prefill_row_tables`` / ``prefill_row_lens``: ``paged_prefill``'s expanded rows.
 
 Each index is a dataclass of named arrays that lie end to end in one device buffer, with a page-locked
 host twin of the same layout (``StagedIndex``): a forward fills the host side by name and moves it in
 with one copy. Graphs (``graphs``, by bucket and context bound) belong to the cache they were captured with and are
-dropped with it.
+dropped with it; so do a padded prefill's (by token and sequence bucket).
 """
 
 from __future__ import annotations
@@ -162,7 +162,9 @@ class DeviceKVCache:
             block_tables=(smax * width,)))
         self.prefill_row_tables = mem.empty("prefill expanded block tables", (tmax * width,), np.int32)
         self.prefill_row_lens = mem.empty("prefill expanded lengths", (tmax,), np.int32)
-        self.graphs: dict[tuple[int, int], object] = {}
+        self.graphs: dict[tuple, object] = {}
+        """CUDA graphs of this cache's forwards: decode steps by (bucket, context bound), prefills by ("prefill",
+        tokens, seqs)."""
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -11,8 +11,12 @@ read back.
 Prefill and decode: a batch whose sequences all have one new token is a *decode step*: padded to its
 bucket, planned for its context bound (``plan.decode_context_bound``), run eagerly once per (bucket, bound)
 and then replayed as a CUDA graph on a GPU (``fp8lab.engine.cuda.graphs``); any
-other batch runs eagerly with ``paged_prefill`` over all its rows (a one-token chunk is a prefill chunk
-whose attention is exactly a decode; ``fp8lab.engine.generate`` never mixes the two). Logits are
+other batch is a *prefill* over all its rows (a one-token chunk is a prefill chunk whose attention is exactly a
+decode; ``fp8lab.engine.generate`` never mixes the two). Over the tensor-core prefill attention (an FP8 or BF16 cache
+of head size 128) a prefill is padded too, to a token bucket (``prefill_buckets``) and a sequence bucket, and
+replayed as a graph from its second run on: an eager prefill costs 100 to 400 us of host time per launch (Numba's
+argument handling and the wrappers' checks), which at 9 launches per layer is more than its GPU time. Padding rows
+are rows of their own (every kernel keeps rows apart), so they change no real row's bits. Logits are
 computed only for each sequence's last token (``all_logits``: every token, in chunks of
 ``max_num_seqs``). ``stats`` reports launches per decode step, graph replays and host time per step.
 
@@ -58,6 +62,25 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
         buckets.append(b)
         b *= 2
     return tuple(buckets + [int(max_num_seqs)])
+
+
+PREFILL_BUCKET_STEP = 128
+"""Beyond this many tokens a prefill is padded to a multiple of it (the height of the large-M GEMM tiles, so the
+GEMMs do little more work); below, to a power of two (``prefill_buckets``)."""
+
+
+def prefill_buckets(max_num_tokens: int) -> tuple[int, ...]:
+    """Token counts a prefill over the tensor-core attention is padded to, so that one CUDA graph serves every prompt
+    length of a bucket: powers of two up to ``PREFILL_BUCKET_STEP``, then its multiples, then ``max_num_tokens``."""
+    buckets, b = [], 1
+    while b < min(PREFILL_BUCKET_STEP, max_num_tokens):
+        buckets.append(b)
+        b *= 2
+    b = PREFILL_BUCKET_STEP
+    while b < max_num_tokens:
+        buckets.append(b)
+        b += PREFILL_BUCKET_STEP
+    return tuple(buckets + [int(max_num_tokens)])
 
 
 def _within(values: np.ndarray, low: int, high: int) -> bool:
@@ -108,6 +131,7 @@ class CudaQwen3Model(CausalLM):
         self.f32_max_rows = int(f32_max_rows)
         self.cuda_graphs = bool(cuda_graphs) and not SIMULATOR
         self.buckets = decode_buckets(self.max_num_seqs)
+        self.prefill_buckets = prefill_buckets(self.max_num_tokens)
         self.memory = DeviceMemory()
         self.stats = CudaModelStats()
         self._stream = new_stream()
@@ -296,39 +320,74 @@ class CudaQwen3Model(CausalLM):
             self._core_stream = graphs.core_stream(self._stream)
         return self._core_stream
 
-    def _capture(self, key: tuple[int, int], cache: DeviceKVCache, plan: Plan) -> None:
-        """Capture the decode ``plan`` of ``key`` = (bucket, context bound) that just ran eagerly into a graph of
-        ``cache``. A failure turns graphs off for this model, with a warning."""
+    def _capture(self, key: tuple, cache: DeviceKVCache, plan: Plan) -> None:
+        """Capture ``plan``, which just ran eagerly, into a graph of ``cache`` under ``key``: (bucket, context bound) for
+        a decode step, ("prefill", tokens, seqs) for a prefill. A failure turns graphs off for this model, with a
+        warning."""
         begin = time.perf_counter()
         try:
             cache.graphs[key] = graphs.capture(plan, self._graph_stream())
         except Exception as e:
             self.cuda_graphs = False
             self.stats.graph_error = f"{type(e).__name__}: {e}"
-            warnings.warn(f"CudaQwen3Model: CUDA graph capture of the decode step failed, running eagerly: {e}")
+            warnings.warn(f"CudaQwen3Model: CUDA graph capture of a forward failed, running eagerly: {e}")
             return
         self.stats.graphs_captured += 1
         self.stats.capture_seconds += time.perf_counter() - begin
 
-    # -- prefill (and any batch that is not a pure decode step): eager
+    # -- prefill (and any batch that is not a pure decode step)
 
-    def _stage_eager_index(self, batch: ForwardBatch, cache: DeviceKVCache) -> None:
-        """Fill the host side of the cache's eager index with ``batch`` and copy it in."""
+    def prefill_shape(self, batch: ForwardBatch, cache: DeviceKVCache) -> tuple[int, int, int, int]:
+        """``(tokens, seqs, width, max_context)`` of the plan that runs ``batch``: with the tensor-core prefill
+        attention, the batch padded to a token bucket (``prefill_buckets``) and a sequence bucket (``decode_buckets``),
+        its block tables to the cache's width and its contexts bounded by the cache's capacity, so that the plan, and
+        its CUDA graph, depend on the two buckets only; else the batch as it is (the SIMT attention's expanded rows
+        follow the batch)."""
+        t, s = len(batch.token_ids), batch.num_seqs
+        if self.planner.prefill_attention_on_tensor_cores(cache):
+            return next(b for b in self.prefill_buckets if b >= t), self._bucket(s), cache.width, cache.capacity
+        return t, s, batch.block_tables.shape[1], int(np.max(batch.context_lens))
+
+    def _stage_eager_index(self, batch: ForwardBatch, cache: DeviceKVCache, tokens: int, seqs: int, width: int) -> None:
+        """Fill the host side of the cache's eager index with ``batch`` padded to ``tokens`` tokens, ``seqs`` sequences
+        and ``width`` table columns, and copy it in. Padding tokens have token id 0, position 0 and slot -1 (no cache
+        write); padding sequences no query and no context (no attention rows), so padding changes no real row."""
         host, t, s = cache.eager_index.host, len(batch.token_ids), batch.num_seqs
-        host.token_ids[:t] = batch.token_ids
-        host.positions[:t] = batch.positions
-        host.slots[:t] = batch.slot_mapping
-        host.context_lens[:s] = batch.context_lens
-        host.query_lens[:s] = batch.query_lens
-        tables = batch.block_tables.reshape(-1)
-        host.block_tables[: tables.size] = tables
-        cache.eager_index.copy_in(tables.size, self._stream)
+        for array, values, pad in ((host.token_ids, batch.token_ids, 0), (host.positions, batch.positions, 0),
+                                   (host.slots, batch.slot_mapping, -1)):
+            array[t:tokens] = pad
+            array[:t] = values
+        for array, values in ((host.context_lens, batch.context_lens), (host.query_lens, batch.query_lens)):
+            array[s:seqs] = 0
+            array[:s] = values
+        tables = host.block_tables[: seqs * width].reshape(seqs, width)
+        tables[...] = 0
+        tables[:s, : batch.block_tables.shape[1]] = batch.block_tables
+        cache.eager_index.copy_in(seqs * width, self._stream)
+
+    def _run_prefill(self, batch: ForwardBatch, cache: DeviceKVCache) -> None:
+        """Enqueue the layers of a prefill (``prefill_shape``'s plan). A padded shape's plan runs eagerly the first time
+        (which compiles and warms every kernel) and is then captured into a CUDA graph, as a decode step's is; later
+        prefills of that shape replay it."""
+        shape = tokens, seqs, width, _ = self.prefill_shape(batch, cache)
+        self._stage_eager_index(batch, cache, tokens, seqs, width)
+        padded = self.planner.prefill_attention_on_tensor_cores(cache)
+        key = ("prefill", tokens, seqs)
+        graph = cache.graphs.get(key) if padded else None
+        if graph is not None:
+            graph.launch(self._graph_stream())
+            self.stats.prefill_graph_replays += 1
+            return
+        plan = self.planner.prefill(*shape, cache)
+        plan.run(self._stream)
+        if self.cuda_graphs and padded:
+            synchronize(self._stream)
+            self._capture(key, cache, plan)
 
     def _prefill(self, batch: ForwardBatch, cache: DeviceKVCache, all_logits: bool) -> np.ndarray:
         t, s, smax = len(batch.token_ids), batch.num_seqs, self.max_num_seqs
         a, stream = self.activations, self._stream
-        self._stage_eager_index(batch, cache)
-        self.planner.prefill(t, s, batch.block_tables.shape[1], int(np.max(batch.context_lens)), cache).run(stream)
+        self._run_prefill(batch, cache)
         if all_logits:
             logits = np.empty((t, self.config.vocab_size), np.float32)
             for first in range(0, t, smax):

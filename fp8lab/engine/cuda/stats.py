@@ -20,6 +20,9 @@ class CudaModelStats:
     prefill_forwards: int = 0
     decode_steps: int = 0
     graph_replays: int = 0
+    """Decode steps run as a graph replay."""
+    prefill_graph_replays: int = 0
+    """Prefills run as a graph replay (``CudaQwen3Model.prefill_shape``)."""
     graphs_captured: int = 0
     capture_seconds: float = 0.0
     decode_host_seconds: float = 0.0
@@ -50,7 +53,8 @@ class CudaModelStats:
     def as_dict(self) -> dict:
         return {
             "prefill_forwards": self.prefill_forwards, "decode_steps": self.decode_steps,
-            "graph_replays": self.graph_replays, "graphs_captured": self.graphs_captured,
+            "graph_replays": self.graph_replays, "prefill_graph_replays": self.prefill_graph_replays,
+            "graphs_captured": self.graphs_captured,
             "capture_seconds": self.capture_seconds, "launches_per_decode_step": self.launches_per_decode_step,
             "launches_by_bucket": dict(self.launches_by_bucket),
             "host_us_per_decode_step": self.host_us_per_decode_step,
