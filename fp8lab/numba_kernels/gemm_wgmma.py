@@ -36,9 +36,10 @@ How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Mac
      gave wrong results (``bench/RESULTS.md``, nineteenth session);
   5. issue chunk ``c``'s 8 ``wgmma`` into ``c_part`` (the first with ``accumulate`` off: ``c_part = 0``) and commit.
 
-  With ``overlap`` the loop takes two chunks per pass and two sets of A registers: wait for chunk ``c - 1``,
-  promote it, issue chunk ``c`` from one set, then receive chunk ``c + 1`` and place it into the other set while
-  chunk ``c``'s ``wgmma`` run (distinct PTX registers, so nothing in flight is written).
+  With ``parts`` > 1, steps 4 and 5 go part by part (``8 / parts`` k16 steps each): part ``p + 1``'s registers
+  are placed while part ``p``'s ``wgmma`` run, which read other registers. (A second set of A registers for chunk
+  ``c + 1``, two chunks per loop pass, was slower: 130 to 200 TFLOP/s against 300 on an H100, from its spills and
+  the 64-token tiles it needed to fit; ``bench/RESULTS.md``, twentieth session.)
 
   So per output: chunks in ascending K, per chunk 8 k16 steps from ``c_part = 0``, then one promotion fma:
   ``gemm_mma``'s order exactly (the model's k16 step is one exact sum of 16 products, the same whichever operand
@@ -113,10 +114,10 @@ class Tiling(NamedTuple):
     """Warpgroups per CTA (1 or 2), stacked in weight rows: ``CTA_N = 64 warpgroups``."""
     stages: int = 4
     """Shared-memory stages, 3 to 6 (``stages - 2`` chunks copied ahead of the one placed)."""
-    overlap: bool = False
-    """Place chunk ``c + 1``'s codes into a second set of A registers while chunk ``c``'s ``wgmma`` run (32 more
-    registers; the loop runs two chunks per pass, so it needs an even number of chunks: ``gemm_wgmma`` runs an odd
-    count without it)."""
+    parts: int = 2
+    """A chunk's A registers are placed and its ``wgmma`` issued in ``parts`` parts (1, 2 or 4) of ``8 / parts`` k16
+    steps: part ``p + 1`` is placed while part ``p``'s ``wgmma`` run (other registers than theirs). Two parts were 1
+    to 6% faster than one on an H100 at M = 2,048, four slower (``bench/RESULTS.md``, twentieth session)."""
 
     @property
     def cta_n(self) -> int:
@@ -146,7 +147,7 @@ class Tiling(NamedTuple):
 
     def check(self) -> Tiling:
         for name, value, choices in (("tokens", self.tokens, wgmma.N_CHOICES), ("warpgroups", self.warpgroups, (1, 2)),
-                                     ("stages", self.stages, (3, 4, 5, 6)), ("overlap", self.overlap, (False, True))):
+                                     ("stages", self.stages, (3, 4, 5, 6)), ("parts", self.parts, (1, 2, 4))):
             if value not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
         if self.shared_bytes > MAX_SHARED_PER_CTA:
@@ -194,7 +195,7 @@ def kernel_function(tiling: Tiling, output: str):
         raise ValueError(f"no gemm_wgmma variant for output={output!r}")
     tiling = Tiling(*tiling).check()
     tokens, stages, threads, cta_n = tiling.tokens, tiling.stages, tiling.threads, tiling.cta_n
-    overlap = tiling.overlap
+    steps_per_part = K_STEPS_PER_CHUNK // tiling.parts
     stage_bytes, code_offset, scale_offset = tiling.stage_bytes, tiling.code_offset, tiling.scale_offset
     accumulators = tokens // 2
     a_registers = 4 * K_STEPS_PER_CHUNK  # 32: 4 per k16 step
@@ -250,15 +251,16 @@ def kernel_function(tiling: Tiling, output: str):
         commit_group()
 
     @inlined_device_function
-    def place_chunk(smem32, stage_base, a_regs, warp_row, g, selector):
-        """The A registers of the warp's 16 weight rows for the chunk's 8 k16 steps: step ``j``'s registers hold
-        codes (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..) of the step as BF16 patterns. A lane reads
-        each row's 16 codes of a step in one 128-bit load (the row's four lanes read the same bytes: a broadcast)
-        and picks its pairs with ``prmt`` (``selector``: codes ``2t`` and ``2t+1`` into the high bytes of the two
-        halves, ``place_selected``)."""
+    def place_part(smem32, stage_base, a_regs, warp_row, g, selector, part):
+        """The A registers of the warp's 16 weight rows for the k16 steps ``j`` of part ``part`` of the chunk: step
+        ``j``'s registers hold codes (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..) of the step as BF16
+        patterns. A lane reads each row's 16 codes of a step in one 128-bit load (the row's four lanes read the same
+        bytes: a broadcast) and picks its pairs with ``prmt`` (``selector``: codes ``2t`` and ``2t+1`` into the high
+        bytes of the two halves, ``place_selected``)."""
         top = (stage_base + code_offset + (warp_row + g) * CODE_ROW_BYTES) // 4
         bottom = top + 8 * CODE_ROW_BYTES // 4
-        for j in range(K_STEPS_PER_CHUNK):
+        for i in range(steps_per_part):
+            j = part * steps_per_part + i
             w0, w1, w2, w3 = load_shared_u32x4(smem32, top + 4 * j)
             v0, v1, v2, v3 = load_shared_u32x4(smem32, bottom + 4 * j)
             a_regs[4 * j] = place_selected(prmt(w0, w1, selector))
@@ -267,12 +269,22 @@ def kernel_function(tiling: Tiling, output: str):
             a_regs[4 * j + 3] = place_selected(prmt(v2, v3, selector))
 
     @inlined_device_function
-    def multiply_chunk(smem64, stage_base, a_regs, c_part):
-        """8 ``wgmma`` k16 steps into ``c_part``, the first overwriting it (``c_part = 0 + ...``)."""
+    def multiply_part(smem64, stage_base, a_regs, c_part, part):
+        """The ``wgmma`` k16 steps of part ``part`` into ``c_part``, the chunk's first overwriting it (``c_part = 0 +
+        ...``); the fence orders the part's register writes before them."""
         wgmma.fence()
-        for j in range(K_STEPS_PER_CHUNK):
+        for i in range(steps_per_part):
+            j = part * steps_per_part + i
             start = stage_base + (j // 4) * atom_bytes + (j % 4) * wgmma.STEP_BYTES
             mma_async(c_part, a_regs, 4 * j, smem64, start, j > 0)
+
+    @inlined_device_function
+    def place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector):
+        """Steps 4 and 5 of an iteration: part by part, place the chunk's codes and issue their ``wgmma`` (part ``p +
+        1``'s placement runs while part ``p``'s ``wgmma`` do), then commit the chunk's ``wgmma`` as one group."""
+        for part in range(tiling.parts):
+            place_part(smem32, stage_base, a_regs, warp_row, g, selector, part)
+            multiply_part(smem64, stage_base, a_regs, c_part, part)
         wgmma.commit_group()
 
     @inlined_device_function
@@ -300,21 +312,6 @@ def kernel_function(tiling: Tiling, output: str):
                     else:
                         out[token, row] = c_fin[4 * b + i]
 
-    @inlined_device_function
-    def overlapped_step(smem64, smem32, smemf, a_words, q_words, scale_inv, chunk, base, token0, row0, thread,
-                        scale_row, scale_bytes, chunks_per_block, chunks, a_now, a_next, c_part, c_fin, warp_row, g,
-                        selector):
-        """``overlap``: chunk ``chunk`` is in ``a_now``; wait for chunk ``chunk - 1``, promote it, issue chunk
-        ``chunk``, then receive chunk ``chunk + 1`` and place it into ``a_next`` while chunk ``chunk``'s wgmma run
-        (past the last chunk: a barrier, no copy, and a harmless placement of stale codes that nothing multiplies)."""
-        wait_for_wgmma(c_part)
-        promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
-        multiply_chunk(smem64, base + (chunk % uint32(stages)) * stage_bytes, a_now, c_part)
-        following = chunk + uint32(1)
-        receive_chunk(smem64, smemf, a_words, q_words, scale_inv, following, base, token0, row0, thread, scale_row,
-                      scale_bytes, chunks_per_block, chunks)
-        place_chunk(smem32, base + (following % uint32(stages)) * stage_bytes, a_next, warp_row, g, selector)
-
     def gemm_wgmma_kernel(a_words, q_words, scale_inv, out, block_n, block_k):
         pdl.prologue()
         thread = uint32(cuda.threadIdx.x)
@@ -339,7 +336,6 @@ def kernel_function(tiling: Tiling, output: str):
         base = (uint32(wgmma.ATOM_BYTES) - (wgmma.shared_address(smem64) % uint32(wgmma.ATOM_BYTES))) \
             % uint32(wgmma.ATOM_BYTES)  # the first stage's offset: 1,024-aligned in the shared window
         a_regs = cuda.local.array(a_registers, uint32)
-        a_next = cuda.local.array(a_registers, uint32)  # overlap's second set (unused without it)
         c_part = cuda.local.array(accumulators, float32)
         c_fin = cuda.local.array(accumulators, float32)
         for i in range(accumulators):
@@ -356,37 +352,15 @@ def kernel_function(tiling: Tiling, output: str):
         # that depend on a wait in a divergent-looking path).
         receive_chunk(smem64, smemf, a_words, q_words, scale_inv, uint32(0), base, token0, row0, thread, scale_row,
                       scale_bytes, chunks_per_block, chunks)
-        place_chunk(smem32, base, a_regs, warp_row, g, selector)
-        multiply_chunk(smem64, base, a_regs, c_part)
-        if not overlap:  # (compile-time)
-            for chunk_index in range(1, chunks):
-                chunk = uint32(chunk_index)
-                stage_base = base + (chunk % uint32(stages)) * stage_bytes
-                receive_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, base, token0, row0, thread,
-                              scale_row, scale_bytes, chunks_per_block, chunks)
-                wait_for_wgmma(c_part)  # chunk - 1's wgmma are done with c_part and with the A registers
-                promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row,
-                        g)
-                place_chunk(smem32, stage_base, a_regs, warp_row, g, selector)
-                multiply_chunk(smem64, stage_base, a_regs, c_part)
-        else:
-            # Two register sets: chunk c + 1 is placed into the set chunk c's wgmma do not read (distinct PTX
-            # registers: a loop body that wrote the set its previous pass's wgmma still read would be undefined).
-            receive_chunk(smem64, smemf, a_words, q_words, scale_inv, uint32(1), base, token0, row0, thread,
+        place_and_multiply(smem32, smem64, base, a_regs, c_part, warp_row, g, selector)
+        for chunk_index in range(1, chunks):
+            chunk = uint32(chunk_index)
+            stage_base = base + (chunk % uint32(stages)) * stage_bytes
+            receive_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, base, token0, row0, thread,
                           scale_row, scale_bytes, chunks_per_block, chunks)
-            place_chunk(smem32, base + uint32(1 % stages) * stage_bytes, a_next, warp_row, g, selector)
-            for pair in range(chunks // 2 - 1):
-                first = uint32(2 * pair + 1)
-                overlapped_step(smem64, smem32, smemf, a_words, q_words, scale_inv, first, base, token0, row0, thread,
-                                scale_row, scale_bytes, chunks_per_block, chunks, a_next, a_regs, c_part, c_fin,
-                                warp_row, g, selector)
-                overlapped_step(smem64, smem32, smemf, a_words, q_words, scale_inv, first + uint32(1), base, token0,
-                                row0, thread, scale_row, scale_bytes, chunks_per_block, chunks, a_regs, a_next, c_part,
-                                c_fin, warp_row, g, selector)
-            last = chunks - uint32(1)  # odd: placed into a_next, not yet multiplied
-            wait_for_wgmma(c_part)
-            promote(smemf, base + ((last - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
-            multiply_chunk(smem64, base + (last % uint32(stages)) * stage_bytes, a_next, c_part)
+            wait_for_wgmma(c_part)  # chunk - 1's wgmma are done with c_part and with the A registers
+            promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
+            place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector)
 
         wait_for_wgmma(c_part)
         promote(smemf, base + ((chunks - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
@@ -420,9 +394,6 @@ def gemm_wgmma(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = N
                          block_n_multiple=BLOCK_N_MULTIPLE)
     if problem.output not in ("f32", "bf16"):
         raise ValueError(f"out: gemm_wgmma writes float32 or BF16 bits, got {problem.output}")
-    tiling = Tiling(*(tiling or Tiling()))
-    if tiling.overlap and (problem.k // K_CHUNK) % 2:
-        tiling = tiling._replace(overlap=False)  # overlap's loop takes chunks two at a time
     launch = launch_info(problem.m, problem.n, problem.k, tiling)
     require_load_alignment("a", problem.a, "gemm_wgmma")
     require_load_alignment("q", problem.q, "gemm_wgmma")

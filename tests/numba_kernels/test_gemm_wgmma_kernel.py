@@ -32,15 +32,15 @@ from fp8lab.numba_kernels.bits import SIMULATOR
 from fp8lab.reference import blockwise
 from fp8lab.simulators import gemm_mma as model
 
-TILINGS = [kernel.Tiling(64, 1, 3, True), kernel.Tiling(64, 2, 5), kernel.Tiling(128, 1, 4), kernel.Tiling(),
-           kernel.Tiling(64, 2, 4, True)]
+TILINGS = [kernel.Tiling(64, 1, 3, 4), kernel.Tiling(64, 2, 5), kernel.Tiling(128, 1, 4), kernel.Tiling(),
+           kernel.Tiling(128, 2, 4, 1)]
 
 
 @pytest.mark.cudasim
 @pytest.mark.parametrize("tiling, m, n, k, block, output", [
-    (TILINGS[0], 20, 72, 256, (128, 128), "f32"),  # M and N tails inside one CTA; overlap's shortest walk
-    (TILINGS[0], 20, 72, 768, (128, 128), "bf16"),  # overlap: two passes of its loop
-    (TILINGS[0], 9, 64, 384, (64, 128), "f32"),  # overlap asked for, an odd chunk count: run without it
+    (TILINGS[0], 20, 72, 256, (128, 128), "f32"),  # M and N tails inside one CTA; a chunk in 4 parts of 2 k16 steps
+    (TILINGS[0], 20, 72, 768, (128, 128), "bf16"),
+    (TILINGS[4], 9, 64, 384, (64, 128), "f32"),  # a chunk in one part
     (TILINGS[1], 70, 136, 384, (64, 128), "bf16"),  # two token tiles, a second CTA in N, 3 chunks over 5 stages
     (TILINGS[2], 130, 64, 512, (8, 256), "f32"),  # a scale per 8 rows, a scale block of two chunks, token tail
     (TILINGS[3], 9, 200, 640, (128, 128), "bf16"),  # the default: 5 chunks through 4 stages

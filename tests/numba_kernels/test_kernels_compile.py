@@ -90,9 +90,9 @@ from helpers.ptx import Variant
 
 def variants():
     cases = [(G.Tiling(), "f32"), (G.Tiling(), "bf16"), (G.Tiling(64, 2, 5), "f32"), (G.Tiling(64, 1, 6), "bf16"),
-             (G.Tiling(128, 1, 4), "f32"), (G.Tiling(64, 2, 4, True), "f32")]
+             (G.Tiling(128, 1, 4), "f32"), (G.Tiling(128, 2, 4, 1), "f32"), (G.Tiling(64, 2, 4, 4), "bf16")]
     return [Variant(f"{tuple(t)} -> {o}", G.kernel_function(t, o), G.kernel_signature(o), launch_bounds=(t.threads, 1),
-                    arch_specific=True, info={"tokens": t.tokens, "stages": t.stages, "threads": t.threads, "overlap": t.overlap})
+                    arch_specific=True, info={"tokens": t.tokens, "stages": t.stages, "threads": t.threads, "parts": t.parts})
             for t, o in cases]
 '''
 
@@ -295,7 +295,8 @@ def test_gemm_wgmma_kernels_compile_to_sm90a_ptx(compiled):
         info = c.info
         assert ".target sm_90a" in c.ptx
         wgmmas = c.ptx.count(f"wgmma.mma_async.sync.aligned.m64n{info['tokens']}k16.f32.bf16.bf16")
-        assert wgmmas == (32 if info["overlap"] else 16)  # overlap: the peeled chunk, two in the loop, the last
+        assert wgmmas == 16  # the peeled chunk's and the loop's
+        assert c.ptx.count("wgmma.fence.sync.aligned;") == 2 * info["parts"]  # one before each part's wgmma
         for needle in ("wgmma.fence.sync.aligned;", "wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;",
                        "fence.proxy.async.shared::cta;", "cp.async.ca.shared.global [s], [g], 16,",
                        "cp.async.cg.shared.global [s], [g], 16,", "cp.async.ca.shared.global [s], [g], 4,",
