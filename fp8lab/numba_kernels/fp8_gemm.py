@@ -45,11 +45,11 @@ SIMT_MAX_M = 4
 """Largest M routed to the SIMT GEMV by ``path="auto"`` (measured; see the module docstring)."""
 WGMMA_MIN_M = 128
 """Smallest M routed to ``gemm_wgmma`` by ``path="auto"``: one full tile of 128 tokens."""
-WGMMA_MIN_CTAS = 66
-"""...and only where its grid has at least this many CTAs (128 weight rows x 128 tokens each): half of a 132-SM GPU.
-Measured on an H100 (``bench/RESULTS.md``, nineteenth session): at M = 1,024 to 4,096, where both grids fill the GPU,
-``gemm_wgmma`` is 2.6 to 2.8 times ``gemm_mma``, so a grid on half the SMs should still beat ``gemm_mma`` on all of
-them. Below M = 1,024 not yet timed."""
+WGMMA_MIN_CTAS = 48
+"""...and only where its grid has at least this many CTAs (128 weight rows x 128 tokens each). Measured on an H100
+(``bench/RESULTS.md``, nineteenth and twentieth sessions): at M = 1,024 to 4,096 ``gemm_wgmma`` is 2.6 to 2.8 times
+``gemm_mma``; at M = 128 and 256 it was faster with grids of 48, 64, 96 and 192 CTAs (1.5 to 2.1 times) and slower
+with 32 (4096 x 4096 at M = 128: 56.8 us against 48.2)."""
 PATHS = ("auto", "simt", "gemv_mma", "mma", "wgmma")
 
 
