@@ -57,6 +57,23 @@ def grouped(by_label: dict) -> dict:
     return out
 
 
+def stacked_bar(ax, y: float, by_label: dict, gap_us: float, total_us: float, host_label: str, legend: bool,
+                scale: float = 1.0) -> float:
+    """One run's bar at ``y``: its kernels' microseconds by group (``GROUPS``), the gaps between kernels and the host
+    side (``total_us`` minus the two, at least 0), each times ``scale``; the parts labelled for the legend when
+    ``legend``. Returns the bar's length."""
+    left = 0.0
+    for (name, colour, _), us in zip(GROUPS, grouped(by_label).values()):
+        ax.barh(y, us * scale, left=left, color=colour, label=name if legend and us > 0 else None)
+        left += us * scale
+    ax.barh(y, gap_us * scale, left=left, color="white", edgecolor="0.4", hatch="//",
+            label="gaps between kernels" if legend else None)
+    left += gap_us * scale
+    host = max(total_us * scale - left, 0.0)  # graph replays: the total is the span, within noise
+    ax.barh(y, host, left=left, color="0.8", edgecolor="0.4", label=host_label if legend else None)
+    return left + host
+
+
 def draw(data: dict, path: Path) -> None:
     shapes = list(data["shapes"])
     fig, axes = plt.subplots(len(shapes), 1, figsize=(9, 1.9 + 1.5 * len(shapes)), squeeze=False)
@@ -65,17 +82,8 @@ def draw(data: dict, path: Path) -> None:
         measured = [run for run in ("before", "after", "now") if run in runs]
         for y, run in enumerate(measured):
             profile = runs[run]
-            left = 0.0
-            for (name, colour, _), us in zip(GROUPS, grouped(profile["by_label"]).values()):
-                ax.barh(y, us, left=left, color=colour, label=name if shape == shapes[0] and run == "before" else None)
-                left += us
-            ax.barh(y, profile["gap_us"], left=left, color="white", edgecolor="0.4", hatch="//",
-                    label="gaps between kernels" if shape == shapes[0] and run == "before" else None)
-            left += profile["gap_us"]
-            host = max(profile["step_us"] - left, 0.0)  # pipelined steps: the step is the span, within noise
-            ax.barh(y, host, left=left, color="0.8", edgecolor="0.4",
-                    label="host side (step - kernel span)" if shape == shapes[0] and run == "before" else None)
-            left += host
+            left = stacked_bar(ax, y, profile["by_label"], profile["gap_us"], profile["step_us"],
+                               "host side (step - kernel span)", shape == shapes[0] and run == "before")
             ax.text(left * 1.01, y, f"{left / 1e3:.2f} ms per step, {profile['kernels_per_step']} kernels", va="center",
                     fontsize=8)
         roofline = runs["roofline_us"]

@@ -26,7 +26,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
-from make_decode_breakdown_figure import GROUPS, grouped  # noqa: E402  (this folder is the script's sys.path[0])
+from make_decode_breakdown_figure import stacked_bar  # noqa: E402  (this folder is the script's sys.path[0])
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE.parent / "data" / "prefill_breakdown_h100.json"
@@ -38,16 +38,8 @@ def draw(data: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 3.2))
     for y, name in enumerate(RUNS):
         run = data["runs"][name]
-        left = 0.0
-        for (group, colour, _), us in zip(GROUPS, grouped(run["by_label"]).values()):
-            ax.barh(y, us / 1e3, left=left, color=colour, label=group if y == 0 and us > 0 else None)
-            left += us / 1e3
-        ax.barh(y, run["gap_us"] / 1e3, left=left, color="white", edgecolor="0.4", hatch="//",
-                label="gaps between kernels" if y == 0 else None)
-        left += run["gap_us"] / 1e3
-        host = max(run["prefill_us"] / 1e3 - left, 0.0)  # the graph run: the prefill is the span, within noise
-        ax.barh(y, host, left=left, color="0.8", edgecolor="0.4", label="host side (prefill - kernel span)" if y == 0 else None)
-        left += host
+        left = stacked_bar(ax, y, run["by_label"], run["gap_us"], run["prefill_us"], "host side (prefill - kernel span)",
+                           y == 0, scale=1e-3)  # milliseconds
         measured = run["prefill_us"] / 1e3
         ax.text(left + 1, y, f"measured {measured:.1f} ms: {data['prompt_len'] / measured * 1e3:,.0f} tokens/s",
                 va="center", fontsize=8)

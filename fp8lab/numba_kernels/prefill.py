@@ -198,12 +198,12 @@ def _check_values(tables, context, queries, num_tokens: int, block_size: int, nu
         s = int(np.argmax(queries > context))
         raise ValueError(f"query_lens: sequence {s} has {queries[s]} new tokens but context_lens says only "
                          f"{context[s]} tokens are cached (its new tokens must be the last query_lens of them)")
-    if int(queries.sum()) > num_tokens:
-        raise ValueError(f"query_lens: sum(query_lens) = {int(queries.sum())} is more than q's {num_tokens} query "
-                         f"tokens (q.shape[0])")
-    if int(queries.sum()) != num_tokens and not padding_rows:
-        raise ValueError(f"query_lens: sum(query_lens) = {int(queries.sum())} does not match q's "
-                         f"{num_tokens} query tokens (q.shape[0])")
+    total = int(queries.sum())
+    if total > num_tokens:
+        raise ValueError(f"query_lens: sum(query_lens) = {total} is more than q's {num_tokens} query tokens (q.shape[0])")
+    if total != num_tokens and not padding_rows:
+        raise ValueError(f"query_lens: sum(query_lens) = {total} does not match q's {num_tokens} query tokens "
+                         f"(q.shape[0])")
     check_block_tables(tables, np.where(queries > 0, context, 0), block_size, num_blocks)  # what the rows read
 
 
