@@ -73,7 +73,6 @@ from .bits import prmt
 from .cp_async import (
     commit_group,
     copy_4_ca,
-    copy_16_ca,
     copy_16_cg,
     wait_group_function,
 )
@@ -212,8 +211,10 @@ def kernel_function(tiling: Tiling, output: str):
     def copy_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, stage_base, token0, row0, thread, scale_row,
                    scale_bytes, chunks_per_block):
         """This thread's ``cp.async`` copies of chunk ``chunk`` into the stage at byte ``stage_base``: activation
-        pieces to their swizzled places (L1: the CTAs of a token tile share them), code pieces (L2 only), and
-        threads ``0 .. CTA_N / 8 - 1`` one scale each. Rows past the end are zero-filled."""
+        pieces to their swizzled places and code pieces, both cached in L2 only (``cg``: a CTA reads each piece
+        once, and the CTAs that share an activation tile do not share an SM; caching the activations in L1 too made
+        the kernel 13 to 17% slower on an H100, ``bench/RESULTS.md``, twenty-first session), and threads ``0 ..
+        CTA_N / 8 - 1`` one scale each. Rows past the end are zero-filled."""
         m, n = uint32(a_words.shape[0]), uint32(q_words.shape[0])
         for j in range(a_copies):
             piece = uint32(j * threads) + thread
@@ -222,7 +223,7 @@ def kernel_function(tiling: Tiling, output: str):
             destination = (stage_base + atom * atom_bytes + token * wgmma.ROW_BYTES
                            + wgmma.swizzled_piece(token, within) * wgmma.PIECE_BYTES)
             source = token0 + token
-            copy_16_ca(smem64, destination // 8, a_words, clamp(source, m), chunk * 32 + 2 * p,
+            copy_16_cg(smem64, destination // 8, a_words, clamp(source, m), chunk * 32 + 2 * p,
                        16 if source < m else 0)
         for j in range(q_copies):
             piece = uint32(j * threads) + thread
