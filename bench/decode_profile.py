@@ -175,7 +175,8 @@ def breakdown_table(profile: DecodeProfile, title: str = "") -> str:
                  f"{profile.span_us:,.1f} us (first kernel start to last end), gaps between kernels "
                  f"{profile.gap_us:,.1f} us ({profile.gap_us / max(profile.kernels_per_step - 1, 1):.2f} us per gap); "
                  + (f"mean of {profile.steps} replayed steps of bucket {profile.bucket}" if profile.kind == "decode" else
-                    f"mean of {profile.steps} eager prefill forwards of {profile.bucket} tokens (gaps include the host's "
-                    "launches)")
+                    f"mean of {profile.steps} prefill forwards of {profile.bucket} tokens after an untimed one (CUDA-graph "
+                    "replays where the model captures prefills, the tensor-core attention's case; eager launches, whose "
+                    "gaps include the host's time, otherwise)")
                  + ("" if profile.attributed else "; kernels could not be matched to the plan, labels are kernel names") + ".")
     return "\n".join(lines) + "\n"

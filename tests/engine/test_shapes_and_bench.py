@@ -341,7 +341,7 @@ def test_kernel_attribution_of_profiled_runs():
         assert (p.span_us, p.kernel_us) == (16.0, 16.0) and p.gap_us == 0.0
         assert sum(v["added_us"] for v in p.by_label.values()) == p.span_us  # the added times partition the span
         table = profile_module.breakdown_table(p, "#### Prefill")
-        assert "| q/k/v gemm | 1 | 11.0 | 68.8% | 10.0 |" in table and "eager prefill forwards of 5 tokens" in table
+        assert "| q/k/v gemm | 1 | 11.0 | 68.8% | 10.0 |" in table and "prefill forwards of 5 tokens after an untimed one" in table
         unmatched = profile_module.attribute(events, labels[:2], 2, 5)
         assert not unmatched.attributed and "layers.rms_norm_kernel" in unmatched.by_label
         assert profile_module.DecodeProfile(**{k: v for k, v in p.as_dict().items() if k != "gap_us"}) == p
