@@ -213,7 +213,7 @@ def kernel_function(tiling: Tiling, output: str):
         """This thread's ``cp.async`` copies of chunk ``chunk`` into the stage at byte ``stage_base``: activation
         pieces to their swizzled places and code pieces, both cached in L2 only (``cg``: a CTA reads each piece
         once, and the CTAs that share an activation tile do not share an SM; caching the activations in L1 too made
-        the kernel 13 to 17% slower on an H100, ``bench/RESULTS.md``, twenty-first session), and threads ``0 ..
+        the kernel 13 to 16% slower on an H100, ``bench/RESULTS.md``, twenty-first session), and threads ``0 ..
         CTA_N / 8 - 1`` one scale each. Rows past the end are zero-filled."""
         m, n = uint32(a_words.shape[0]), uint32(q_words.shape[0])
         for j in range(a_copies):

@@ -302,7 +302,7 @@ def test_gemm_wgmma_kernels_compile_to_sm90a_ptx(compiled):
                        "cp.async.cg.shared.global [s], [g], 16,", "cp.async.ca.shared.global [s], [g], 4,",
                        f"cp.async.wait_group {info['stages'] - 3};", "prmt.b32", f".maxntid {info['threads']}"):
             assert needle in c.ptx, needle
-        assert "cp.async.ca.shared.global [s], [g], 16," not in c.ptx  # activations bypass L1 (13 to 17% faster)
+        assert "cp.async.ca.shared.global [s], [g], 16," not in c.ptx  # activations bypass L1 (15 to 20% faster)
         assert ".f64" not in c.ptx and not re.search(r"(div|rem)\.[us]64", c.ptx)
         check_pdl_rules(c.ptx)
         if c.resources is not None:
