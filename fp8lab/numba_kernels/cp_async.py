@@ -73,13 +73,6 @@ if SIMULATOR:
 
         return wait_group
 
-    def land_all():
-        """Land every copy the calling thread has issued, committed or not (what ``mbarrier.arrive_when_copied``
-        waits for)."""
-        _groups.commit()
-        for land in _groups.take_all_but(0):
-            land()
-
 else:
     from llvmlite import ir
     from numba import types

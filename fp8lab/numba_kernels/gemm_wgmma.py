@@ -67,7 +67,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
-from . import bits, mbarrier, pdl, wgmma
+from . import bits, pdl, wgmma
 from .arguments import check_gemm, require_load_alignment
 from .bits import prmt
 from .cp_async import (
@@ -101,7 +101,6 @@ BF16_UNPLACE = np.float32(2.0 ** 120)
 BLOCK_N_MULTIPLE = 8
 """Eight weight rows share one scale (a scale per 8 rows is what the stage holds)."""
 MAX_SHARED_PER_CTA = 227 * 1024
-REGISTERS_PER_SM = 65536
 MAX_GRID_Y = 65535
 
 
@@ -118,10 +117,6 @@ class Tiling(NamedTuple):
     """A chunk's A registers are placed and its ``wgmma`` issued in ``parts`` parts (1, 2 or 4) of ``8 / parts`` k16
     steps: part ``p + 1`` is placed while part ``p``'s ``wgmma`` run (other registers than theirs). Two parts were 1
     to 6% faster than one on an H100 at M = 2,048, four slower (``bench/RESULTS.md``, twentieth session)."""
-    producers: int = 0
-    """Warp specialization: with ``producers`` = 1, 2 or 4, that many more warps (after the warpgroups) only copy,
-    the warpgroups only compute, and the stages pass between them through mbarriers instead of a CTA barrier per
-    chunk (the module docstring, "Producer warps"). 0: every warp copies and computes. Untimed."""
 
     @property
     def cta_n(self) -> int:
@@ -129,12 +124,7 @@ class Tiling(NamedTuple):
 
     @property
     def threads(self) -> int:
-        return WARPGROUP_THREADS * self.warpgroups + WARP_SIZE * self.producers
-
-    @property
-    def copiers(self) -> int:
-        """The threads that issue the copies: the producer warps', or every thread."""
-        return WARP_SIZE * self.producers if self.producers else self.threads
+        return WARPGROUP_THREADS * self.warpgroups
 
     @property
     def code_offset(self) -> int:
@@ -150,20 +140,13 @@ class Tiling(NamedTuple):
         return -(-used // wgmma.ATOM_BYTES) * wgmma.ATOM_BYTES
 
     @property
-    def barrier_offset(self) -> int:
-        """Where the mbarriers lie (after the stages, from the aligned base): ``full`` then ``empty``, one each per
-        stage, 8 bytes each (``producers`` only)."""
-        return self.stages * self.stage_bytes
-
-    @property
     def shared_bytes(self) -> int:
-        """The stages (and the mbarriers) plus 1,024 bytes of room to align them."""
-        return self.stages * self.stage_bytes + 16 * self.stages * bool(self.producers) + wgmma.ATOM_BYTES
+        """The stages plus 1,024 bytes of room to align them."""
+        return self.stages * self.stage_bytes + wgmma.ATOM_BYTES
 
     def check(self) -> Tiling:
         for name, value, choices in (("tokens", self.tokens, wgmma.N_CHOICES), ("warpgroups", self.warpgroups, (1, 2)),
-                                     ("stages", self.stages, (3, 4, 5, 6)), ("parts", self.parts, (1, 2, 4)),
-                                     ("producers", self.producers, (0, 1, 2, 4))):
+                                     ("stages", self.stages, (3, 4, 5, 6)), ("parts", self.parts, (1, 2, 4))):
             if value not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
         if self.shared_bytes > MAX_SHARED_PER_CTA:
@@ -210,13 +193,13 @@ def kernel_function(tiling: Tiling, output: str):
     if output not in ("f32", "bf16"):
         raise ValueError(f"no gemm_wgmma variant for output={output!r}")
     tiling = Tiling(*tiling).check()
-    tokens, stages, cta_n, copiers = tiling.tokens, tiling.stages, tiling.cta_n, tiling.copiers
+    tokens, stages, threads, cta_n = tiling.tokens, tiling.stages, tiling.threads, tiling.cta_n
     steps_per_part = K_STEPS_PER_CHUNK // tiling.parts
     stage_bytes, code_offset, scale_offset = tiling.stage_bytes, tiling.code_offset, tiling.scale_offset
     accumulators = tokens // 2
     a_registers = 4 * K_STEPS_PER_CHUNK  # 32: 4 per k16 step
-    a_copies = tokens * PIECES_PER_TOKEN // copiers  # 16-byte copies per copying thread and chunk
-    q_copies = cta_n * PIECES_PER_CODE_ROW // copiers
+    a_copies = tokens * PIECES_PER_TOKEN // threads  # 16-byte copies per thread and chunk
+    q_copies = cta_n * PIECES_PER_CODE_ROW // threads
     scale_groups = cta_n // 8
     atom_bytes = tokens * wgmma.ROW_BYTES  # one 64-k atom of every token row
     mma_async = wgmma.mma_async_function(tokens)
@@ -234,7 +217,7 @@ def kernel_function(tiling: Tiling, output: str):
         CTA_N / 8 - 1`` one scale each. Rows past the end are zero-filled."""
         m, n = uint32(a_words.shape[0]), uint32(q_words.shape[0])
         for j in range(a_copies):
-            piece = uint32(j * copiers) + thread
+            piece = uint32(j * threads) + thread
             token, p = piece // PIECES_PER_TOKEN, piece % PIECES_PER_TOKEN
             atom, within = p // 8, p % 8
             destination = (stage_base + atom * atom_bytes + token * wgmma.ROW_BYTES
@@ -243,7 +226,7 @@ def kernel_function(tiling: Tiling, output: str):
             copy_16_cg(smem64, destination // 8, a_words, clamp(source, m), chunk * 32 + 2 * p,
                        16 if source < m else 0)
         for j in range(q_copies):
-            piece = uint32(j * copiers) + thread
+            piece = uint32(j * threads) + thread
             row, p = piece // PIECES_PER_CODE_ROW, piece % PIECES_PER_CODE_ROW
             source = row0 + row
             copy_16_cg(smem64, (stage_base + code_offset + row * CODE_ROW_BYTES) // 8 + 2 * p, q_words,
@@ -330,97 +313,6 @@ def kernel_function(tiling: Tiling, output: str):
                     else:
                         out[token, row] = c_fin[4 * b + i]
 
-    wait_for_copies = wait_group_function(0)
-    consumer_threads = WARPGROUP_THREADS * tiling.warpgroups
-    barrier_offset = tiling.barrier_offset
-
-    @inlined_device_function
-    def next_stage(stage, phase):
-        """The stage after ``stage`` and its mbarrier phase parity (flipped at each wrap to stage 0)."""
-        if stage == uint32(stages - 1):
-            return uint32(0), phase ^ uint32(1)
-        return stage + uint32(1), phase
-
-    @inlined_device_function
-    def produce(smem64, smemf, a_words, q_words, scale_inv, base, barriers, token0, row0, thread, scale_row,
-                scale_bytes, chunks_per_block, chunks):
-        """The producer warpgroup: chunk after chunk, wait until its stage is empty (from the second round of the
-        stages on: every consumer thread has arrived on the stage's ``empty`` barrier), copy the chunk in, and have
-        the copies arrive on the stage's ``full`` barrier when they land."""
-        stage, phase = uint32(0), uint32(0)
-        for chunk_index in range(chunks):
-            chunk = uint32(chunk_index)
-            if chunk >= uint32(stages):
-                mbarrier.wait(smem64, barriers + uint32(stages) + stage, phase ^ uint32(1))
-            copy_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, base + stage * uint32(stage_bytes), token0,
-                       row0, thread, scale_row, scale_bytes, chunks_per_block)
-            commit_group()
-            mbarrier.arrive_when_copied(smem64, barriers + stage)
-            stage, phase = next_stage(stage, phase)
-        wait_for_copies()  # leave with no copy in flight
-
-    @inlined_device_function
-    def consume(smem32, smem64, smemf, base, barriers, a_regs, c_part, c_fin, warp_row, g, selector, chunks):
-        """A consumer warpgroup: for chunk ``c``, wait on the stage's ``full`` barrier (then the proxy fence: the
-        copies are generic-proxy writes), wait for chunk ``c - 1``'s ``wgmma``, promote it, arrive on chunk ``c - 1``'s
-        ``empty`` barrier (its wgmma and scales are done with that stage), place and multiply chunk ``c``. The same
-        float32 order per output as the cooperative schedule."""
-        mbarrier.wait(smem64, barriers, uint32(0))  # chunk 0, stage 0, the first phase
-        wgmma.proxy_fence()
-        place_and_multiply(smem32, smem64, base, a_regs, c_part, warp_row, g, selector)
-        previous = uint32(0)
-        stage, phase = next_stage(uint32(0), uint32(0))
-        for chunk_index in range(1, chunks):
-            mbarrier.wait(smem64, barriers + stage, phase)
-            wgmma.proxy_fence()
-            wait_for_wgmma(c_part)  # chunk - 1's wgmma are done with c_part, the A registers and their stage
-            promote(smemf, base + previous * uint32(stage_bytes), c_part, c_fin, warp_row, g)
-            mbarrier.arrive(smem64, barriers + uint32(stages) + previous)
-            place_and_multiply(smem32, smem64, base + stage * uint32(stage_bytes), a_regs, c_part, warp_row, g,
-                               selector)
-            previous = stage
-            stage, phase = next_stage(stage, phase)
-        wait_for_wgmma(c_part)
-        promote(smemf, base + previous * uint32(stage_bytes), c_part, c_fin, warp_row, g)
-
-    def gemm_wgmma_specialized_kernel(a_words, q_words, scale_inv, out, block_n, block_k):
-        pdl.prologue()
-        thread = uint32(cuda.threadIdx.x)
-        row0 = uint32(cuda.blockIdx.x) * cta_n
-        token0 = uint32(cuda.blockIdx.y) * tokens
-        chunks = uint32(q_words.shape[1] // 16)
-        chunks_per_block = divide_u32(block_k, K_CHUNK)
-        smem64 = cuda.shared.array(0, uint64)
-        smem32 = cuda.shared.array(0, uint32)
-        smemf = cuda.shared.array(0, float32)
-        base = (uint32(wgmma.ATOM_BYTES) - (wgmma.shared_address(smem64) % uint32(wgmma.ATOM_BYTES))) \
-            % uint32(wgmma.ATOM_BYTES)
-        barriers = (base + uint32(barrier_offset)) // uint32(8)  # full[s] = barriers + s, empty[s] = + stages
-        if thread == uint32(0):
-            for s in range(stages):
-                mbarrier.init(smem64, barriers + uint32(s), copiers)  # the producer threads' copy arrivals
-                mbarrier.init(smem64, barriers + uint32(stages + s), consumer_threads)
-        cuda.syncthreads()
-        if thread >= uint32(consumer_threads):  # a producer warp
-            copier = thread - uint32(consumer_threads)
-            first_row = row0 + copier * uint32(8)  # scale copies as in the cooperative kernel
-            scale_row = divide_u32(clamp(first_row, uint32(q_words.shape[0])), block_n)
-            scale_bytes = 4 if first_row < uint32(q_words.shape[0]) else 0
-            produce(smem64, smemf, a_words, q_words, scale_inv, base, barriers, token0, row0, copier, scale_row,
-                    scale_bytes, chunks_per_block, chunks)
-        else:
-            warp, lane = thread // WARP_SIZE, thread % WARP_SIZE
-            g, t = lane >> 2, lane & 3
-            warp_row = warp * ROWS_PER_WARP
-            a_regs = cuda.local.array(a_registers, uint32)
-            c_part = cuda.local.array(accumulators, float32)
-            c_fin = cuda.local.array(accumulators, float32)
-            for i in range(accumulators):
-                c_fin[i] = float32(0.0)
-                c_part[i] = float32(0.0)
-            consume(smem32, smem64, smemf, base, barriers, a_regs, c_part, c_fin, warp_row, g, pair_selector(t), chunks)
-            store(out, c_fin, token0, row0 + warp_row, g, t)
-
     def gemm_wgmma_kernel(a_words, q_words, scale_inv, out, block_n, block_k):
         pdl.prologue()
         thread = uint32(cuda.threadIdx.x)
@@ -475,7 +367,7 @@ def kernel_function(tiling: Tiling, output: str):
         promote(smemf, base + ((chunks - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
         store(out, c_fin, token0, row0 + warp_row, g, t)
 
-    return gemm_wgmma_specialized_kernel if tiling.producers else gemm_wgmma_kernel
+    return gemm_wgmma_kernel
 
 
 def kernel_signature(output: str) -> str:
@@ -484,20 +376,10 @@ def kernel_signature(output: str) -> str:
     return f"void(uint64[:, ::1], uint64[:, ::1], float32[:, ::1], {out_type}[:, ::1], uint32, uint32)"
 
 
-def compile_options(tiling: Tiling) -> dict:
-    """``cuda.jit``'s options: launch bounds (one CTA per SM) for the cooperative schedule; with producer warps a
-    register cap of the SM's registers over the CTA's threads instead, since launch bounds of 288 or 320 threads make
-    ptxas keep to 168 registers and spill the accumulators."""
-    if bits.SIMULATOR:
-        return {}
-    if tiling.producers:
-        return {"max_registers": min(255, REGISTERS_PER_SM // tiling.threads // 8 * 8)}
-    return {"launch_bounds": (tiling.threads, 1)}
-
-
 @functools.lru_cache(maxsize=None)
 def compiled_kernel(tiling: Tiling, output: str):
-    return cuda.jit(kernel_function(tiling, output), **compile_options(tiling))
+    options = {} if bits.SIMULATOR else {"launch_bounds": (tiling.threads, 1)}
+    return cuda.jit(kernel_function(tiling, output), **options)
 
 
 def gemm_wgmma(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = None, stream=0):

@@ -48,16 +48,14 @@ def run_compiled(source: str, timeout: int = 300) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout)
 
 
-def ptxas_report(ptx: str, arch: str = "sm_90", max_registers: int | None = None) -> str | None:
-    """ptxas's resource report (registers, spills, performance warnings) of ``ptx`` for ``arch`` through nvJitLink
-    (with ``max_registers``: ``-maxrregcount``, as ``cuda.jit(max_registers=...)`` on a GPU), or None where it is not
-    installed."""
+def ptxas_report(ptx: str, arch: str = "sm_90") -> str | None:
+    """ptxas's resource report (registers, spills, performance warnings) of ``ptx`` for ``arch`` through nvJitLink,
+    or None where it is not installed."""
     try:
         from cuda.bindings import nvjitlink
     except ImportError:
         return None
-    options = [f"-arch={arch}", "-verbose"] + ([f"-maxrregcount={max_registers}"] if max_registers else [])
-    handle = nvjitlink.create(len(options), options)
+    handle = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
     data = ptx.encode()
     nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
     nvjitlink.complete(handle)
@@ -90,7 +88,6 @@ class Variant:
     resources: bool = True
     info: dict = field(default_factory=dict)
     arch_specific: bool = False
-    max_registers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +126,7 @@ def _compile(variant: Variant) -> tuple[str | None, str | None]:
 
         cc, arch = ((9, 0, "a"), "sm_90a") if variant.arch_specific else ((9, 0), "sm_90")
         ptx, _ = cuda.compile_ptx(variant.function, variant.signature, cc=cc, launch_bounds=variant.launch_bounds)
-        return ptx, ptxas_report(ptx, arch, variant.max_registers) if variant.resources else None
+        return ptx, ptxas_report(ptx, arch) if variant.resources else None
     from numba.cuda import compiler
 
     codes, _ = compiler.compile_all(variant.function, variant.signature, device=False, abi="numba", cc=(9, 0),
