@@ -16,8 +16,9 @@ How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Mac
 
 - **Tiles**: a CTA owns ``CTA_N = 64 warpgroups`` weight rows times ``TOKENS`` (64 or 128) activation rows.
   Warpgroup ``w`` multiplies weight rows ``64 w .. 64 w + 63`` by all ``TOKENS`` tokens with one
-  ``wgmma.m64n{TOKENS}k16`` per k16 step (``fp8lab.numba_kernels.wgmma``): A = the weights, in registers, B = the
-  activations, from shared memory. Warp ``v`` of a warpgroup holds the A fragments of its 16 weight rows, which
+  ``wgmma.m64n{TOKENS}k16`` per k16 step (``fp8lab.numba_kernels.wgmma``; or, with ``Tiling.chains`` = 2, two
+  ``m64n64k16`` into the two halves of the accumulators): A = the weights, in registers, B = the activations, from
+  shared memory. Warp ``v`` of a warpgroup holds the A fragments of its 16 weight rows, which
   it alone needs: it reads a row's 16 codes of a k16 step in one 128-bit shared load, picks its two pairs with
   ``prmt`` and places them into BF16 patterns (``place_selected``: ``decode(q) * 2^-120`` exactly, as
   ``gemm_mma.place_code_pair``), 32 registers per 128-wide chunk.
@@ -117,6 +118,11 @@ class Tiling(NamedTuple):
     """A chunk's A registers are placed and its ``wgmma`` issued in ``parts`` parts (1, 2 or 4) of ``8 / parts`` k16
     steps: part ``p + 1`` is placed while part ``p``'s ``wgmma`` run (other registers than theirs). Two parts were 1
     to 6% faster than one on an H100 at M = 2,048, four slower (``bench/RESULTS.md``, twentieth session)."""
+    chains: int = 1
+    """Accumulator chains per warpgroup (1 or 2; 2 needs 128 tokens): with 2, each k16 step is two
+    ``wgmma.m64n64k16``, tokens 0..63 and 64..127, into the two halves of the accumulators, two independent chains
+    instead of one ``m64n128k16`` chain; each output's order is unchanged. Untimed (the twenty-first session's
+    reading of its measurements: one warpgroup's single chain may not keep the tensor cores busy alone)."""
 
     @property
     def cta_n(self) -> int:
@@ -146,9 +152,13 @@ class Tiling(NamedTuple):
 
     def check(self) -> Tiling:
         for name, value, choices in (("tokens", self.tokens, wgmma.N_CHOICES), ("warpgroups", self.warpgroups, (1, 2)),
-                                     ("stages", self.stages, (3, 4, 5, 6)), ("parts", self.parts, (1, 2, 4))):
+                                     ("stages", self.stages, (3, 4, 5, 6)), ("parts", self.parts, (1, 2, 4)),
+                                     ("chains", self.chains, (1, 2))):
             if value not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+        if self.tokens // self.chains not in wgmma.N_CHOICES:
+            raise ValueError(f"chains: {self.chains} chains of {self.tokens} tokens need wgmma of width "
+                             f"{self.tokens // self.chains}, not one of {wgmma.N_CHOICES}")
         if self.shared_bytes > MAX_SHARED_PER_CTA:
             raise ValueError(f"stages: {self} needs {self.shared_bytes} bytes of shared memory, more than the "
                              f"{MAX_SHARED_PER_CTA} a CTA may have")
@@ -202,10 +212,17 @@ def kernel_function(tiling: Tiling, output: str):
     q_copies = cta_n * PIECES_PER_CODE_ROW // threads
     scale_groups = cta_n // 8
     atom_bytes = tokens * wgmma.ROW_BYTES  # one 64-k atom of every token row
-    mma_async = wgmma.mma_async_function(tokens)
+    chain_tokens = tokens // tiling.chains
+    mma_lo = wgmma.mma_async_function(chain_tokens)  # tokens 0 .. chain_tokens - 1 into accumulators 0 ..
+    # With two chains, the second: tokens 64..127 (rows 64.. of each atom) into accumulators 32..63, which are those
+    # of the same outputs in the m64n128 layout (columns 8 (i >> 2) + ..., rows by (i >> 1) & 1), so promotion and
+    # store are unchanged.
+    mma_hi = wgmma.mma_async_function(chain_tokens, chain_tokens // 2)
+    hi_bytes = chain_tokens * wgmma.ROW_BYTES
     wait_for_wgmma = wgmma.wait_group_function(0, tokens)
     wait_for_chunk = wait_group_function(stages - 3)
     bf16_output = output == "bf16"
+    two_chains = tiling.chains == 2
 
     @inlined_device_function
     def copy_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, stage_base, token0, row0, thread, scale_row,
@@ -277,7 +294,9 @@ def kernel_function(tiling: Tiling, output: str):
         for i in range(steps_per_part):
             j = part * steps_per_part + i
             start = stage_base + (j // 4) * atom_bytes + (j % 4) * wgmma.STEP_BYTES
-            mma_async(c_part, a_regs, 4 * j, smem64, start, j > 0)
+            mma_lo(c_part, a_regs, 4 * j, smem64, start, j > 0)
+            if two_chains:  # the second chain: tokens 64..127, 64 rows further into each atom
+                mma_hi(c_part, a_regs, 4 * j, smem64, start + hi_bytes, j > 0)
 
     @inlined_device_function
     def place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector):

@@ -32,9 +32,10 @@ before the accumulators are read (at most ``n`` younger groups left in flight). 
 must stay unchanged until that wait, and shared memory written by ``cp.async`` (the generic proxy) must pass
 ``proxy_fence()`` in each writing thread, then a barrier, before ``wgmma`` (the async proxy) reads it.
 
-``mma_async(acc, a_regs, first, smem, byte_offset, accumulate)``: ``acc`` the ``N / 2`` float32 accumulators,
-``a_regs[first .. first + 3]`` the A registers (both per-thread ``cuda.local.array``), B at ``smem``'s byte
-``byte_offset``.
+``mma_async(acc, a_regs, first, smem, byte_offset, accumulate)`` (from ``mma_async_function(N, acc_offset)``):
+``acc[acc_offset .. acc_offset + N / 2 - 1]`` the float32 accumulators, ``a_regs[first .. first + 3]`` the A
+registers (both per-thread ``cuda.local.array``), B at ``smem``'s byte ``byte_offset``. (An offset lets two
+instructions of half the width keep two independent accumulator chains in one array.)
 
 - On a GPU: LLVM inline assembly in the calling kernel (the arrays indexed with constants only after unrolling,
   so they live in registers; the wait passes every accumulator through the instruction so the compiler reads
@@ -157,7 +158,7 @@ if SIMULATOR:
 
         return wait_group
 
-    def mma_async_function(n: int):
+    def mma_async_function(n: int, acc_offset: int = 0):
         if n not in N_CHOICES:
             raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
 
@@ -166,7 +167,8 @@ if SIMULATOR:
                 raise RuntimeError(f"wgmma: B's start {byte_offset} is not 16-byte aligned")
             first = int(first)
             registers = tuple(int(x) & 0xFFFFFFFF for x in a_regs[first: first + 4])
-            _groups.issue((acc, registers, smem, int(byte_offset), bool(accumulate), n, a_regs, first))
+            accumulators = acc[acc_offset: acc_offset + n // 2]  # a view: the wait updates acc in place
+            _groups.issue((accumulators, registers, smem, int(byte_offset), bool(accumulate), n, a_regs, first))
 
         return mma_async
 
@@ -202,9 +204,9 @@ else:
 
         return types.uint32(smem), codegen
 
-    def _accumulators(context, builder, array_type, array, count):
+    def _accumulators(context, builder, array_type, array, count, first=0):
         data = context.make_array(array_type)(context, builder, value=array).data
-        pointers = [builder.gep(data, [ir.Constant(_I64, i)]) for i in range(count)]
+        pointers = [builder.gep(data, [ir.Constant(_I64, first + i)]) for i in range(count)]
         return pointers, [builder.load(p) for p in pointers]
 
     def _through_asm(builder, text, values, extra, extra_constraints, count):
@@ -234,7 +236,7 @@ else:
 
         return wait_group
 
-    def mma_async_function(n: int):
+    def mma_async_function(n: int, acc_offset: int = 0):
         if n not in N_CHOICES:
             raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
         count = n // 2
@@ -261,7 +263,7 @@ else:
                 address = builder.lshr(builder.and_(start, ir.Constant(_I32, 0x3FFFF)), ir.Constant(_I32, 4))
                 descriptor = builder.or_(builder.zext(address, _I64), ir.Constant(_I64, DESCRIPTOR_TAIL))
                 scale_d = context.cast(builder, args[5], accumulate_type, types.uint32)
-                pointers, values = _accumulators(context, builder, acc_type, args[0], count)
+                pointers, values = _accumulators(context, builder, acc_type, args[0], count, acc_offset)
                 results = _through_asm(builder, text, values, registers + [descriptor, scale_d],
                                        ["r", "r", "r", "r", "l", "r"], count)
                 for p, v in zip(pointers, results):
