@@ -1,12 +1,14 @@
-"""Draw tutorial 07's prefill breakdown, before and after prefill graphs, from ``docs/data/prefill_breakdown_h100.json``.
+"""Draw tutorial 07's prefill breakdown, before and after prefill graphs and the GEMM's L2-only activations, from
+``docs/data/prefill_breakdown_h100.json``.
 
 ``prefill_breakdown.png``: one 1,000-token Qwen3-8B prefill (random FP8 checkpoint, FP8 KV cache, H100), a stacked
-bar per measured run (eager launches; the CUDA-graph replay), split into what its kernels do (the groups of
+bar per measured run (eager launches; the CUDA-graph replay; the replay after the warpgroup GEMM's activations moved
+to L2-only copies), split into what its kernels do (the groups of
 ``make_decode_breakdown_figure.GROUPS``: the FP8 GEMMs, the norms, q/k-norm + RoPE + the cache write, attention,
 the lm_head, the rest), the gaps between kernels and the host side (the measured prefill time minus the kernels'
 span), in milliseconds; transformers BF16's prefill of the same prompt in the same run is a dashed mark on each bar.
 The data are the per-kernel breakdowns ``bench/engine.py`` prints (``bench/decode_profile.profile_prefill``), copied
-from two runs (``bench/RESULTS.md``, issue 16, twentieth session).
+from three runs (``bench/RESULTS.md``, issue 16, twentieth and twenty-first sessions).
 
 Usage::
 
@@ -31,11 +33,11 @@ from make_decode_breakdown_figure import stacked_bar  # noqa: E402  (this folder
 HERE = Path(__file__).resolve().parent
 DATA = HERE.parent / "data" / "prefill_breakdown_h100.json"
 FILENAME = "prefill_breakdown.png"
-RUNS = ("eager", "graph")
+RUNS = ("eager", "graph", "graph_cg")
 
 
 def draw(data: dict, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(9, 3.2))
+    fig, ax = plt.subplots(figsize=(9, 4.0))
     for y, name in enumerate(RUNS):
         run = data["runs"][name]
         left = stacked_bar(ax, y, run["by_label"], run["gap_us"], run["prefill_us"], "host side (prefill - kernel span)",
@@ -53,7 +55,7 @@ def draw(data: dict, path: Path) -> None:
     ax.set_title(f"{data['shape']}, one {data['prompt_len']:,}-token prompt: the prefill forward (CUPTI kernel times, "
                  "H100)", fontsize=9)
     fig.legend(loc="lower center", ncol=4, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.17, 1, 1))
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
