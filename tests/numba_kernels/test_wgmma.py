@@ -4,7 +4,8 @@ One warpgroup (128 threads) in the CUDA simulator: A in registers (each warp its
 layout), B written into shared memory in the 128-byte-swizzled K-major layout, two chained k16 steps; on
 integer-valued operands every product and sum is exact, so D must equal the float64 ``A @ B`` exactly. The twin
 reads shared memory at the wait, the latest moment a GPU may (a B overwritten before the wait is what it uses), and
-refuses A registers written between a wgmma's issue and its wait.
+refuses A registers written between a wgmma's issue and its wait. Two half-width chains (``mma_async_function(64,
+32)`` for the second) fill the accumulators of one full-width product exactly.
 """
 
 import numpy as np
@@ -104,3 +105,53 @@ def test_the_swizzle_spreads_an_atoms_rows_over_all_banks():
     pieces = [wgmma.physical_address(r * wgmma.ROW_BYTES) % wgmma.ROW_BYTES // 16 for r in range(8)]
     assert sorted(pieces) == list(range(8))
     assert wgmma.physical_address(9 * 128 + 2 * 16) == 9 * 128 + (2 ^ 1) * 16  # row 9 is row 1 of the next atom
+
+
+def two_chains_kernel(a_regs, b_bytes, out):
+    """Two m64n64k16 chains (columns 0..63 into accumulators 0..31, columns 64..127 into 32..63), two k16 steps each."""
+    thread = cuda.threadIdx.x
+    smem = cuda.shared.array(128 * 128, np.uint8)
+    for i in range(thread, 128 * 128, 128):
+        smem[i] = b_bytes[i]
+    cuda.syncthreads()
+    acc = cuda.local.array(64, float32)
+    registers = cuda.local.array(8, uint32)
+    for i in range(8):
+        registers[i] = uint32(a_regs[i // 4, thread, i % 4])
+    wgmma.fence()
+    for step in range(2):
+        low_chain(acc, registers, 4 * step, smem, step * wgmma.STEP_BYTES, step > 0)
+        high_chain(acc, registers, 4 * step, smem, 64 * wgmma.ROW_BYTES + step * wgmma.STEP_BYTES, step > 0)
+    wgmma.commit_group()
+    wait_128(acc)
+    for i in range(64):
+        out[thread, i] = acc[i]
+
+
+low_chain = wgmma.mma_async_function(64)
+high_chain = wgmma.mma_async_function(64, 32)
+wait_128 = wgmma.wait_group_function(0, 128)
+
+
+@pytest.mark.cudasim
+def test_two_half_width_chains_fill_the_accumulators_of_one_full_width_product(rng):
+    """``mma_async_function(64, 32)`` writes accumulators 32..63: with B's columns 64..127 those are exactly the
+    accumulators of an m64n128 product's columns 64..127 (lane (g, t), accumulator i: column 8 (i >> 2) + 2 t +
+    (i & 1)), so two chains give A @ B in the m64n128 layout."""
+    a = rng.integers(-8, 9, size=(64, 32)).astype(np.float32)
+    b = rng.integers(-8, 9, size=(32, 128)).astype(np.float32)
+    a_bits, b_bits = bp.float32_to_bf16_bits(a), bp.float32_to_bf16_bits(b)
+    a_regs = np.zeros((2, 128, 4), np.uint32)
+    for step in range(2):
+        for warp in range(4):
+            tile = a_bits[16 * warp: 16 * warp + 16, 16 * step: 16 * step + 16]
+            a_regs[step, 32 * warp: 32 * warp + 32] = mma_model.pack_registers(mma_model.load_a(tile))
+    out = np.full((128, 64), np.nan, np.float32)
+    cuda.jit(two_chains_kernel)[1, 128](a_regs, swizzled_b(b_bits), out)
+    expected = a.astype(np.float64) @ b.astype(np.float64)  # exact: integer products and sums
+    lane = np.arange(32)[:, None]
+    i = np.arange(64)[None, :]
+    rows = (lane >> 2) + 8 * ((i >> 1) & 1)
+    cols = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)
+    for warp in range(4):
+        np.testing.assert_array_equal(out[32 * warp: 32 * warp + 32], expected[16 * warp + rows, cols])
