@@ -19,6 +19,10 @@ is read and the destination is filled with zeros (``source[row, col]`` must stil
 element). A 16-byte copy moves ``16 / itemsize`` consecutive elements. ``cg`` caches in L2 only
 (data read once), ``ca`` in L1 too (data that other CTAs on the same SM read as well).
 
+``copy_16_cg_flat(shared, index, source, element)`` is the same copy from ``source[element]`` of a 1-D global array,
+always whole (no zero fill), with 32-bit shared addresses: the form for a kernel whose copies are a hot loop (a
+2-D source costs a 64-bit multiply per copy, unless the compiler has the registers to keep it hoisted).
+
 - On a GPU: inline PTX, ``cp.async.{ca,cg}.shared.global [dst], [src], size, src_size``; the
   shared address is the 32-bit shared-window offset of the generic pointer (``cvta.to.shared``).
 - In the CUDA simulator: each thread queues its copies and performs a group only when a
@@ -42,19 +46,37 @@ if SIMULATOR:
 
     def _copy_function(size: int):
         def copy(shared, index, source, row, col, source_bytes):
-            words = size // shared.dtype.itemsize
+            words, source_words = size // shared.dtype.itemsize, size // source.dtype.itemsize
             if (index * shared.dtype.itemsize) % size or (col * source.dtype.itemsize) % size:
                 raise RuntimeError(f"cp.async: a {size}-byte copy needs {size}-byte aligned addresses "
                                    f"(shared element {index}, source column {col})")
-            if not (0 <= row < source.shape[0] and 0 <= col and col + words <= source.shape[1]):
+            if not (0 <= row < source.shape[0] and 0 <= col and col + source_words <= source.shape[1]):
                 raise RuntimeError(f"cp.async: source element [{row}, {col}] lies outside {source.shape}")
             if int(source_bytes) not in (0, size):
                 raise RuntimeError(f"cp.async: source_bytes must be 0 or {size}, got {source_bytes}")
             index, row, col, fill = int(index), int(row), int(col), int(source_bytes) == 0
 
             def land():
-                values = np.zeros(words, source.dtype) if fill else source[row, col : col + words]
+                values = np.zeros(source_words, source.dtype) if fill else source[row, col : col + source_words]
                 shared[index : index + words] = values.view(shared.dtype)
+
+            _groups.issue(land)
+
+        return copy
+
+    def _flat_copy_function(size: int):
+        def copy(shared, index, source, element):
+            words, source_words = size // shared.dtype.itemsize, size // source.dtype.itemsize
+            if (index * shared.dtype.itemsize) % size or (element * source.dtype.itemsize) % size:
+                raise RuntimeError(f"cp.async: a {size}-byte copy needs {size}-byte aligned addresses "
+                                   f"(shared element {index}, source element {element})")
+            if not (0 <= element and element + source_words <= source.size):
+                raise RuntimeError(f"cp.async: source elements {element}..{element + source_words - 1} lie outside "
+                                   f"{source.shape}")
+            index, element = int(index), int(element)
+
+            def land():
+                shared[index : index + words] = source[element : element + source_words].view(shared.dtype)
 
             _groups.issue(land)
 
@@ -62,6 +84,7 @@ if SIMULATOR:
 
     copy_16_cg = copy_16_ca = _copy_function(16)
     copy_4_ca = _copy_function(4)
+    copy_16_cg_flat = _flat_copy_function(16)
 
     def commit_group():
         _groups.commit()
@@ -113,9 +136,50 @@ else:
 
         return copy
 
+    def _shared_window_address(context, builder, array_type, array, index, index_type):
+        """The 32-bit shared-window address of ``array[index]``: ``cvta.to.shared`` of ``array``'s start (a value the
+        compiler computes once), plus the index in 32-bit arithmetic."""
+        data = context.make_array(array_type)(context, builder, value=array).data
+        generic = builder.ptrtoint(data, ir.IntType(64))
+        start = builder.call(ir.InlineAsm(ir.FunctionType(ir.IntType(64), [ir.IntType(64)]),
+                                          "cvta.to.shared.u64 $0, $1;", "=l,l"), [generic])
+        offset = builder.mul(context.cast(builder, index, index_type, types.uint32),
+                             ir.Constant(ir.IntType(32), context.get_abi_sizeof(data.type.pointee)))
+        return builder.add(builder.trunc(start, ir.IntType(32)), offset)
+
+    def _flat_copy_intrinsic(cache: str, size: int):
+        # The source address is formed in the PTX (one mad.wide.u32: start + element * itemsize), so that LLVM cannot
+        # merge a 32-bit element into a 64-bit sum with the array's start (that costs four instructions a copy).
+        asm = ("{{ .reg .u64 g; mad.wide.u32 g, $1, {itemsize}, $2; cvta.to.global.u64 g, g; "
+               "cp.async.{cache}.shared.global [$0], [g], {size}; }}")
+
+        @intrinsic
+        def copy(typingctx, shared, index, source, element):
+            arrays_ok = (isinstance(shared, types.Array) and shared.ndim == 1 and isinstance(source, types.Array)
+                         and source.ndim == 1)
+            if not arrays_ok or not all(isinstance(x, types.Integer) for x in (index, element)):
+                return None
+
+            def codegen(context, builder, signature, args):
+                shared_type, index_type, source_type, element_type = signature.args
+                destination = _shared_window_address(context, builder, shared_type, args[0], args[1], index_type)
+                start = builder.ptrtoint(context.make_array(source_type)(context, builder, value=args[2]).data,
+                                         ir.IntType(64))
+                element = context.cast(builder, args[3], element_type, types.uint32)
+                text = asm.format(itemsize=source_type.dtype.bitwidth // 8, cache=cache, size=size)
+                function = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(32), ir.IntType(64)])
+                builder.call(ir.InlineAsm(function, text, "r,r,l,~{memory}", side_effect=True),
+                             [destination, element, start])
+                return context.get_dummy_value()
+
+            return types.void(shared, index, source, element), codegen
+
+        return copy
+
     copy_16_cg = _copy_intrinsic("cg", 16)
     copy_16_ca = _copy_intrinsic("ca", 16)
     copy_4_ca = _copy_intrinsic("ca", 4)
+    copy_16_cg_flat = _flat_copy_intrinsic("cg", 16)
 
     def statement_intrinsic(text: str):
         """A device function that runs the PTX statement ``text`` (no operands; a memory clobber, never moved or

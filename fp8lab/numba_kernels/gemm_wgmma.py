@@ -46,7 +46,13 @@ How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Mac
   ``gemm_mma``'s order exactly (the model's k16 step is one exact sum of 16 products, the same whichever operand
   holds the weights).
 - **Epilogue**: lane ``(g, t)`` of warp ``v`` holds ``out^T`` rows (weight rows) ``g`` and ``g + 8`` of its 16
-  and tokens ``8 b + 2 t + {0, 1}``; stores only inside ``out``. Rows/tokens past the end read as zero.
+  and tokens ``8 b + 2 t + {0, 1}``; stores only inside ``out``. Weight rows and tokens past the end are copies of
+  the last one (each output reads only its own row and token, and those outputs are never stored).
+- **Copies without arithmetic**: which pieces a thread copies is the same in every chunk (``thread_copies``), so
+  the loop forms a copy's addresses with one multiply-add from a precomputed 32-bit element index (flat sources,
+  ``cp_async.copy_16_cg_flat``), and each ``wgmma`` descriptor with one addition (``wgmma``'s two offsets). Per
+  warp and chunk that cut the loop from 627 to 457 SASS instructions (``bench/RESULTS.md``, twenty-second
+  session): with 16 ``wgmma`` per chunk and SM, instruction issue, not the tensor cores, was the bound.
 
 Shared memory, one stage (bytes; stages are multiples of 1,024, after a pad that aligns the first to 1,024 in
 the shared window)::
@@ -66,7 +72,7 @@ import functools
 from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, uint8, uint32, uint64
 
 from . import bits, pdl, wgmma
 from .arguments import check_gemm, require_load_alignment
@@ -74,7 +80,7 @@ from .bits import prmt
 from .cp_async import (
     commit_group,
     copy_4_ca,
-    copy_16_cg,
+    copy_16_cg_flat,
     wait_group_function,
 )
 from .gemm_mma import (
@@ -82,7 +88,6 @@ from .gemm_mma import (
     SIGN_MASK_X2,
     _allow_shared_memory,
     at,
-    clamp,
     inlined_device_function,
 )
 from .mathops import divide_u32, f32_to_bf16_bits_rne
@@ -181,6 +186,12 @@ def place_selected(spread):
 
 
 @inlined_device_function
+def clamp32(row, rows):
+    """``min(row, rows - 1)`` in 32-bit unsigned arithmetic (``rows >= 1``): the row a copy past the end reads."""
+    return row if row < rows else rows - uint32(1)
+
+
+@inlined_device_function
 def pair_selector(t):
     """``prmt``'s selector that moves codes ``2t`` and ``2t + 1`` of eight (two words) into bytes 1 and 3."""
     return (2 * t) | (2 * t) << 4 | (2 * t + 1) << 8 | (2 * t + 1) << 12
@@ -194,12 +205,17 @@ def launch_info(m: int, n: int, k: int, tiling: Tiling | None = None) -> LaunchI
     grid = (-(-n // tiling.cta_n), -(-m // tiling.tokens))
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"a: M = {m} needs {grid[1]} token tiles, more than the grid's {MAX_GRID_Y}")
+    for name, rows, row_words in (("a", m, k // 4), ("q", n, k // 8)):
+        if rows * row_words >= 2**32:
+            raise ValueError(f"{name}: {rows} x {k} is {rows * row_words} 8-byte words, more than the kernel's 32-bit "
+                             "element indices reach (2^32)")
     return LaunchInfo(grid, (tiling.threads,), tiling.shared_bytes, tiling)
 
 
 def kernel_function(tiling: Tiling, output: str):
-    """The Python source of one variant before ``cuda.jit``. Arguments: ``(a_words uint64 [M, K/4], q_words uint64
-    [N, K/8], scale_inv float32 [ceil(N/BN), ceil(K/BK)], out [M, N], block_n uint32, block_k uint32)``."""
+    """The Python source of one variant before ``cuda.jit``. Arguments: ``(a_words uint64 [M * K/4], q_words uint64
+    [N * K/8]`` (the flat arrays), ``scale_inv float32 [ceil(N/BN), ceil(K/BK)], out [M, N], k uint32, block_n
+    uint32, block_k uint32)``."""
     if output not in ("f32", "bf16"):
         raise ValueError(f"no gemm_wgmma variant for output={output!r}")
     tiling = Tiling(*tiling).check()
@@ -210,6 +226,8 @@ def kernel_function(tiling: Tiling, output: str):
     a_registers = 4 * K_STEPS_PER_CHUNK  # 32: 4 per k16 step
     a_copies = tokens * PIECES_PER_TOKEN // threads  # 16-byte copies per thread and chunk
     q_copies = cta_n * PIECES_PER_CODE_ROW // threads
+    a_token_step, q_row_step = threads // PIECES_PER_TOKEN, threads // PIECES_PER_CODE_ROW
+    a_copy_stride, q_copy_stride = a_token_step * wgmma.ROW_BYTES, q_row_step * CODE_ROW_BYTES  # in a stage
     scale_groups = cta_n // 8
     atom_bytes = tokens * wgmma.ROW_BYTES  # one 64-k atom of every token row
     chain_tokens = tokens // tiling.chains
@@ -225,36 +243,50 @@ def kernel_function(tiling: Tiling, output: str):
     two_chains = tiling.chains == 2
 
     @inlined_device_function
-    def copy_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, stage_base, token0, row0, thread, scale_row,
-                   scale_bytes, chunks_per_block):
-        """This thread's ``cp.async`` copies of chunk ``chunk`` into the stage at byte ``stage_base``: activation
-        pieces to their swizzled places and code pieces, both cached in L2 only (``cg``: a CTA reads each piece
-        once, and the CTAs that share an activation tile do not share an SM; caching the activations in L1 too made
-        the kernel 13 to 16% slower on an H100, ``bench/RESULTS.md``, twenty-first session), and threads ``0 ..
-        CTA_N / 8 - 1`` one scale each. Rows past the end are zero-filled."""
-        m, n = uint32(a_words.shape[0]), uint32(q_words.shape[0])
+    def copy_chunk(smem8, a_words, q_words, scale_inv, chunk, stage_base, copies, thread, scale_row,
+                   block_divider):
+        """This thread's ``cp.async`` copies of chunk ``chunk`` into the stage at byte ``stage_base``: activation and
+        code pieces, cached in L2 only (``cg``: a CTA reads each piece once, and the CTAs that share an activation
+        tile do not share an SM; caching the activations in L1 too made the kernel 13 to 16% slower on an H100,
+        ``bench/RESULTS.md``, twenty-first session), and threads ``0 .. CTA_N / 8 - 1`` one scale each. Where each
+        piece comes from and goes is fixed per thread (``thread_copies``): a chunk only moves the sources by its
+        128 k. Rows past the end copy the last row again: their outputs are never stored, and no other output
+        reads them."""
+        a_first, q_first, a_destination, q_destination = copies
+        a_chunk = a_words[chunk * uint32(K_CHUNK // 4):]  # the chunk's column in the first row, and on
+        q_chunk = q_words[chunk * uint32(K_CHUNK // 8):]
         for j in range(a_copies):
-            piece = uint32(j * threads) + thread
-            token, p = piece // PIECES_PER_TOKEN, piece % PIECES_PER_TOKEN
-            atom, within = p // 8, p % 8
-            destination = (stage_base + atom * atom_bytes + token * wgmma.ROW_BYTES
-                           + wgmma.swizzled_piece(token, within) * wgmma.PIECE_BYTES)
-            source = token0 + token
-            copy_16_cg(smem64, destination // 8, a_words, clamp(source, m), chunk * 32 + 2 * p,
-                       16 if source < m else 0)
+            copy_16_cg_flat(smem8, stage_base + a_destination + j * a_copy_stride, a_chunk, a_first[j])
         for j in range(q_copies):
-            piece = uint32(j * threads) + thread
-            row, p = piece // PIECES_PER_CODE_ROW, piece % PIECES_PER_CODE_ROW
-            source = row0 + row
-            copy_16_cg(smem64, (stage_base + code_offset + row * CODE_ROW_BYTES) // 8 + 2 * p, q_words,
-                       clamp(source, n), chunk * 16 + 2 * p, 16 if source < n else 0)
+            copy_16_cg_flat(smem8, stage_base + q_destination + j * q_copy_stride, q_chunk, q_first[j])
         if thread < scale_groups:
-            copy_4_ca(smemf, (stage_base + scale_offset) // 4 + thread, scale_inv, scale_row, divide_u32(chunk, chunks_per_block),
-                      scale_bytes)
+            # chunk // chunks_per_block as a multiply by ceil(2^32 / chunks_per_block), taking the high word: exact
+            # while chunk * chunks_per_block < 2^32 (K < 2^23), and no division in the loop.
+            column = uint32((uint64(chunk) * block_divider) >> uint64(32))
+            copy_4_ca(smem8, stage_base + scale_offset + 4 * thread, scale_inv, scale_row, column, 4)
 
     @inlined_device_function
-    def receive_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, base, token0, row0, thread, scale_row,
-                      scale_bytes, chunks_per_block, chunks):
+    def thread_copies(thread, token0, row0, m, n, k, a_first, q_first):
+        """Where this thread's copies of every chunk go in a stage and come from in chunk 0. The ``threads``
+        threads copy a chunk's pieces in order (activation piece ``p`` of token ``t`` is number ``16 t + p``, code
+        piece ``p`` of row ``r`` number ``8 r + p``), ``threads`` at a time: so a thread's piece within a row is
+        the same in all its copies, and its rows step by ``threads / 16`` tokens (a multiple of 8: the swizzle of
+        the piece is the same too) and ``threads / 8`` weight rows. Fills ``a_first`` and ``q_first`` (the source
+        elements, uint64 words of the flat arrays, rows clamped to the last) and returns the stage offsets."""
+        a_token, a_piece = thread // uint32(PIECES_PER_TOKEN), thread % uint32(PIECES_PER_TOKEN)
+        a_destination = ((a_piece // uint32(8)) * uint32(atom_bytes) + a_token * uint32(wgmma.ROW_BYTES)
+                         + wgmma.swizzled_piece(a_token, a_piece % uint32(8)) * uint32(wgmma.PIECE_BYTES))
+        for j in range(a_copies):
+            a_first[j] = clamp32(token0 + a_token + uint32(j * a_token_step), m) * (k // uint32(4)) + uint32(2) * a_piece
+        q_row, q_piece = thread // uint32(PIECES_PER_CODE_ROW), thread % uint32(PIECES_PER_CODE_ROW)
+        q_destination = uint32(code_offset) + q_row * uint32(CODE_ROW_BYTES) + q_piece * uint32(wgmma.PIECE_BYTES)
+        for j in range(q_copies):
+            q_first[j] = clamp32(row0 + q_row + uint32(j * q_row_step), n) * (k // uint32(8)) + uint32(2) * q_piece
+        return a_first, q_first, a_destination, q_destination
+
+    @inlined_device_function
+    def receive_chunk(smem8, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row, block_divider,
+                      chunks):
         """Steps 1 and 2 of iteration ``chunk``: wait until the chunk is in shared memory and visible to ``wgmma``
         (every warpgroup has then also waited for its chunk ``chunk - 2`` ``wgmma``), then copy chunk
         ``chunk + stages - 2`` into the stage that one used, and commit (an empty group past the end, so that the
@@ -264,8 +296,8 @@ def kernel_function(tiling: Tiling, output: str):
         cuda.syncthreads()  # ... and so are everyone's
         ahead = chunk + uint32(stages - 2)
         if ahead < chunks:
-            copy_chunk(smem64, smemf, a_words, q_words, scale_inv, ahead, base + (ahead % uint32(stages)) * stage_bytes,
-                       token0, row0, thread, scale_row, scale_bytes, chunks_per_block)
+            copy_chunk(smem8, a_words, q_words, scale_inv, ahead, base + (ahead % uint32(stages)) * stage_bytes,
+                       copies, thread, scale_row, block_divider)
         commit_group()
 
     @inlined_device_function
@@ -293,10 +325,10 @@ def kernel_function(tiling: Tiling, output: str):
         wgmma.fence()
         for i in range(steps_per_part):
             j = part * steps_per_part + i
-            start = stage_base + (j // 4) * atom_bytes + (j % 4) * wgmma.STEP_BYTES
-            mma_lo(c_part, a_regs, 4 * j, smem64, start, j > 0)
+            start = (j // 4) * atom_bytes + (j % 4) * wgmma.STEP_BYTES
+            mma_lo(c_part, a_regs, 4 * j, smem64, stage_base, start, j > 0)
             if two_chains:  # the second chain: tokens 64..127, 64 rows further into each atom
-                mma_hi(c_part, a_regs, 4 * j, smem64, start + hi_bytes, j > 0)
+                mma_hi(c_part, a_regs, 4 * j, smem64, stage_base, start + hi_bytes, j > 0)
 
     @inlined_device_function
     def place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector):
@@ -332,24 +364,25 @@ def kernel_function(tiling: Tiling, output: str):
                     else:
                         out[token, row] = c_fin[4 * b + i]
 
-    def gemm_wgmma_kernel(a_words, q_words, scale_inv, out, block_n, block_k):
+    def gemm_wgmma_kernel(a_words, q_words, scale_inv, out, k, block_n, block_k):
         pdl.prologue()
         thread = uint32(cuda.threadIdx.x)
         warp, lane = thread // WARP_SIZE, thread % WARP_SIZE
         g, t = lane >> 2, lane & 3
         selector = pair_selector(t)
         warp_row = warp * ROWS_PER_WARP  # the warp's first weight row in the CTA (warpgroup w: rows 64 w ..)
-        row0 = uint32(cuda.blockIdx.x) * cta_n
-        token0 = uint32(cuda.blockIdx.y) * tokens
-        chunks = uint32(q_words.shape[1] // 16)
-        # Threads 0 .. CTA_N / 8 - 1 copy the scales of 8-row group `thread`: its scale row (fixed), and 4 bytes or 0
-        # (zero fill: a group wholly past N, whose outputs are never stored). All divisions in 32 bits: a 64-bit one
-        # is a subroutine call, which makes ptxas serialize every wgmma.
-        first_row = row0 + thread * uint32(8)
-        scale_row = divide_u32(clamp(first_row, uint32(q_words.shape[0])), block_n)
-        scale_bytes = 4 if first_row < uint32(q_words.shape[0]) else 0
-        chunks_per_block = divide_u32(block_k, K_CHUNK)
+        m, n = uint32(out.shape[0]), uint32(out.shape[1])
+        row0 = uint32(cuda.blockIdx.x) * uint32(cta_n)
+        token0 = uint32(cuda.blockIdx.y) * uint32(tokens)
+        chunks = uint32(k // uint32(K_CHUNK))
+        # Threads 0 .. CTA_N / 8 - 1 copy the scales of 8-row group `thread` (clamped like the rows). All divisions
+        # in 32 bits: a 64-bit one is a subroutine call, which makes ptxas serialize every wgmma.
+        scale_row = divide_u32(clamp32(row0 + thread * uint32(8), n), block_n)
+        block_divider = uint64(divide_u32(uint32(0xFFFFFFFF), divide_u32(block_k, K_CHUNK))) + uint64(1)  # <= 2^32
+        copies = thread_copies(thread, token0, row0, m, n, k, cuda.local.array(a_copies, uint32),
+                               cuda.local.array(q_copies, uint32))
 
+        smem8 = cuda.shared.array(0, uint8)
         smem64 = cuda.shared.array(0, uint64)
         smem32 = cuda.shared.array(0, uint32)
         smemf = cuda.shared.array(0, float32)
@@ -363,21 +396,21 @@ def kernel_function(tiling: Tiling, output: str):
             c_part[i] = float32(0.0)
 
         for first in range(stages - 2):  # prologue: chunks 0 .. stages - 3, one group each
-            if first < chunks:
-                copy_chunk(smem64, smemf, a_words, q_words, scale_inv, uint32(first), base + first * stage_bytes,
-                           token0, row0, thread, scale_row, scale_bytes, chunks_per_block)
+            if uint32(first) < chunks:
+                copy_chunk(smem8, a_words, q_words, scale_inv, uint32(first), base + first * stage_bytes, copies,
+                           thread, scale_row, block_divider)
             commit_group()
 
         # Chunk 0 outside the loop, so that the loop's wgmma waits sit on no branch (ptxas serializes wgmma
         # that depend on a wait in a divergent-looking path).
-        receive_chunk(smem64, smemf, a_words, q_words, scale_inv, uint32(0), base, token0, row0, thread, scale_row,
-                      scale_bytes, chunks_per_block, chunks)
+        receive_chunk(smem8, a_words, q_words, scale_inv, uint32(0), base, copies, thread, scale_row,
+                      block_divider, chunks)
         place_and_multiply(smem32, smem64, base, a_regs, c_part, warp_row, g, selector)
         for chunk_index in range(1, chunks):
             chunk = uint32(chunk_index)
             stage_base = base + (chunk % uint32(stages)) * stage_bytes
-            receive_chunk(smem64, smemf, a_words, q_words, scale_inv, chunk, base, token0, row0, thread,
-                          scale_row, scale_bytes, chunks_per_block, chunks)
+            receive_chunk(smem8, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row,
+                          block_divider, chunks)
             wait_for_wgmma(c_part)  # chunk - 1's wgmma are done with c_part and with the A registers
             promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
             place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector)
@@ -392,7 +425,7 @@ def kernel_function(tiling: Tiling, output: str):
 def kernel_signature(output: str) -> str:
     """The Numba signature the host wrapper launches with (for ``cuda.compile_ptx``)."""
     out_type = {"f32": "float32", "bf16": "uint16"}[output]
-    return f"void(uint64[:, ::1], uint64[:, ::1], float32[:, ::1], {out_type}[:, ::1], uint32, uint32)"
+    return f"void(uint64[::1], uint64[::1], float32[:, ::1], {out_type}[:, ::1], uint32, uint32, uint32)"
 
 
 @functools.lru_cache(maxsize=None)
@@ -419,8 +452,8 @@ def gemm_wgmma(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = N
     require_load_alignment("q", problem.q, "gemm_wgmma")
     out_view = problem.out.view(np.uint16) if problem.output == "bf16" else problem.out
     kernel = compiled_kernel(launch.tiling, problem.output)
-    args = (problem.a.view(np.uint64), problem.q.view(np.uint64), problem.scale_inv, out_view,
-            np.uint32(problem.block[0]), np.uint32(problem.block[1]))
+    args = (problem.a.view(np.uint64).reshape(-1), problem.q.view(np.uint64).reshape(-1), problem.scale_inv, out_view,
+            np.uint32(problem.k), np.uint32(problem.block[0]), np.uint32(problem.block[1]))
     _allow_shared_memory(kernel, args, launch.shared_bytes)
     pdl.launch(kernel, launch.grid, launch.block, stream, *args, shared_bytes=launch.shared_bytes)
     return problem.out

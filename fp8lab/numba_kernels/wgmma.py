@@ -32,9 +32,12 @@ before the accumulators are read (at most ``n`` younger groups left in flight). 
 must stay unchanged until that wait, and shared memory written by ``cp.async`` (the generic proxy) must pass
 ``proxy_fence()`` in each writing thread, then a barrier, before ``wgmma`` (the async proxy) reads it.
 
-``mma_async(acc, a_regs, first, smem, byte_offset, accumulate)`` (from ``mma_async_function(N, acc_offset)``):
-``acc[acc_offset .. acc_offset + N / 2 - 1]`` the float32 accumulators, ``a_regs[first .. first + 3]`` the A
-registers (both per-thread ``cuda.local.array``), B at ``smem``'s byte ``byte_offset``. (An offset lets two
+``mma_async(acc, a_regs, first, smem, stage_offset, byte_offset, accumulate)`` (from ``mma_async_function(N,
+acc_offset)``): ``acc[acc_offset .. acc_offset + N / 2 - 1]`` the float32 accumulators, ``a_regs[first .. first +
+3]`` the A registers (both per-thread ``cuda.local.array``), B at ``smem``'s byte ``stage_offset + byte_offset``,
+both multiples of 16 (``smem`` is dynamic shared memory, which starts 16-byte aligned). Two offsets, so that the
+descriptor is one addition: the stage's part the compiler computes once per stage, the step's part is a constant
+after unrolling (one offset, a run-time sum, costs a shift and a mask per instruction). (An offset lets two
 instructions of half the width keep two independent accumulator chains in one array.)
 
 - On a GPU: LLVM inline assembly in the calling kernel (the arrays indexed with constants only after unrolling,
@@ -162,9 +165,10 @@ if SIMULATOR:
         if n not in N_CHOICES:
             raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
 
-        def mma_async(acc, a_regs, first, smem, byte_offset, accumulate):
-            if int(byte_offset) % PIECE_BYTES:
-                raise RuntimeError(f"wgmma: B's start {byte_offset} is not 16-byte aligned")
+        def mma_async(acc, a_regs, first, smem, stage_offset, byte_offset, accumulate):
+            if int(stage_offset) % PIECE_BYTES or int(byte_offset) % PIECE_BYTES:
+                raise RuntimeError(f"wgmma: B's offsets {stage_offset} + {byte_offset} are not multiples of 16")
+            byte_offset = int(stage_offset) + int(byte_offset)
             first = int(first)
             registers = tuple(int(x) & 0xFFFFFFFF for x in a_regs[first: first + 4])
             accumulators = acc[acc_offset: acc_offset + n // 2]  # a view: the wait updates acc in place
@@ -247,22 +251,27 @@ else:
                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, {{{a}}}, ${2 * count + 4}, p, 1, 1, 0; }}")
 
         @intrinsic
-        def mma_async(typingctx, acc, a_regs, first, smem, byte_offset, accumulate):
+        def mma_async(typingctx, acc, a_regs, first, smem, stage_offset, byte_offset, accumulate):
             arrays_ok = all(isinstance(x, types.Array) for x in (acc, a_regs, smem))
             if not (arrays_ok and acc.dtype == types.float32 and a_regs.dtype == types.uint32):
                 return None
 
             def codegen(context, builder, signature, args):
-                acc_type, regs_type, first_type, smem_type, offset_type, accumulate_type = signature.args
+                acc_type, regs_type, first_type, smem_type, stage_type, offset_type, accumulate_type = signature.args
                 data = context.make_array(regs_type)(context, builder, value=args[1]).data
                 first_index = context.cast(builder, args[2], first_type, types.int64)
                 registers = [builder.load(builder.gep(data, [builder.add(first_index, ir.Constant(_I64, i))]))
                              for i in range(4)]
-                start = builder.add(_shared_address_of(context, builder, smem_type, args[3]),
-                                    context.cast(builder, args[4], offset_type, types.uint32))
-                address = builder.lshr(builder.and_(start, ir.Constant(_I32, 0x3FFFF)), ir.Constant(_I32, 4))
+                # The descriptor's start field is address >> 4 (14 bits: every shared window, <= 228 KB, fits). All
+                # three terms are multiples of 16, so it is the sum of their shifts: the first two the compiler
+                # computes once per stage, the third is a constant after unrolling.
+                four = ir.Constant(_I32, 4)
+                stage = builder.add(builder.lshr(_shared_address_of(context, builder, smem_type, args[3]), four),
+                                    builder.lshr(context.cast(builder, args[4], stage_type, types.uint32), four))
+                address = builder.add(stage, builder.lshr(context.cast(builder, args[5], offset_type, types.uint32),
+                                                          four))
                 descriptor = builder.or_(builder.zext(address, _I64), ir.Constant(_I64, DESCRIPTOR_TAIL))
-                scale_d = context.cast(builder, args[5], accumulate_type, types.uint32)
+                scale_d = context.cast(builder, args[6], accumulate_type, types.uint32)
                 pointers, values = _accumulators(context, builder, acc_type, args[0], count, acc_offset)
                 results = _through_asm(builder, text, values, registers + [descriptor, scale_d],
                                        ["r", "r", "r", "r", "l", "r"], count)
@@ -270,6 +279,6 @@ else:
                     builder.store(v, p)
                 return context.get_dummy_value()
 
-            return types.void(acc, a_regs, first, smem, byte_offset, accumulate), codegen
+            return types.void(acc, a_regs, first, smem, stage_offset, byte_offset, accumulate), codegen
 
         return mma_async

@@ -291,8 +291,9 @@ def test_gemm_mma_kernels_compile_to_sm90_ptx(compiled):
 def test_gemm_wgmma_kernels_compile_to_sm90a_ptx(compiled):
     """Variants of fp8lab.numba_kernels.gemm_wgmma, compiled for sm_90a as on a Hopper GPU: the warpgroup mma of the
     tiling's width (8 per chunk: the first chunk's, peeled, and the loop's), its fence, commit and wait, the proxy
-    fence after the copies, no float64, no 64-bit division (a subroutine call: ptxas then serializes every wgmma),
-    and no ptxas warning that it serialized the wgmma (registers and spills printed)."""
+    fence after the copies (16-byte ones from flat sources: 32-bit shared addresses, one ``mad.wide.u32`` a source), no
+    float64, no 64-bit division (a subroutine call: ptxas then serializes every wgmma), and no ptxas warning that it
+    serialized the wgmma (registers and spills printed)."""
     def check(c):
         info = c.info
         assert ".target sm_90a" in c.ptx
@@ -301,7 +302,7 @@ def test_gemm_wgmma_kernels_compile_to_sm90a_ptx(compiled):
         assert c.ptx.count("wgmma.fence.sync.aligned;") == 2 * info["parts"]  # one before each part's wgmma
         for needle in ("wgmma.fence.sync.aligned;", "wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;",
                        "fence.proxy.async.shared::cta;",
-                       "cp.async.cg.shared.global [s], [g], 16,", "cp.async.ca.shared.global [s], [g], 4,",
+                       "mad.wide.u32 g,", "cp.async.cg.shared.global [%r", "cp.async.ca.shared.global [s], [g], 4,",
                        f"cp.async.wait_group {info['stages'] - 3};", "prmt.b32", f".maxntid {info['threads']}"):
             assert needle in c.ptx, needle
         assert "cp.async.ca.shared.global [s], [g], 16," not in c.ptx  # activations bypass L1 (15 to 20% faster)

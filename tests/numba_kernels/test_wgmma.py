@@ -45,7 +45,7 @@ def warpgroup_kernel(a_regs, b_bytes, later_b_bytes, out, overwrite, write_a_ear
         registers[i] = uint32(a_regs[i // 4, thread, i % 4])
     wgmma.fence()
     for step in range(2):  # k 0..15, then k 16..31 (32 bytes further into each row)
-        mma_async(acc, registers, 4 * step, smem, step * wgmma.STEP_BYTES, step > 0)
+        mma_async(acc, registers, 4 * step, smem, 0, step * wgmma.STEP_BYTES, step > 0)
     wgmma.commit_group()
     if overwrite:  # a kernel bug: B rewritten before the wait
         cuda.syncthreads()
@@ -120,8 +120,8 @@ def two_chains_kernel(a_regs, b_bytes, out):
         registers[i] = uint32(a_regs[i // 4, thread, i % 4])
     wgmma.fence()
     for step in range(2):
-        low_chain(acc, registers, 4 * step, smem, step * wgmma.STEP_BYTES, step > 0)
-        high_chain(acc, registers, 4 * step, smem, 64 * wgmma.ROW_BYTES + step * wgmma.STEP_BYTES, step > 0)
+        low_chain(acc, registers, 4 * step, smem, 0, step * wgmma.STEP_BYTES, step > 0)
+        high_chain(acc, registers, 4 * step, smem, 64 * wgmma.ROW_BYTES, step * wgmma.STEP_BYTES, step > 0)
     wgmma.commit_group()
     wait_128(acc)
     for i in range(64):
