@@ -54,11 +54,10 @@ those are the tuning knobs (``Tiling``; ``choose_tiling`` picks defaults).
   ``place_once`` the two patterns read as one word of the placed buffer, placed there once for the CTA where
   ``warps_m`` warps would each place them),
   then per m16 tile its A fragment (32-bit words of shared memory) and one ``mma`` per n8 tile.
-  Then per tile ``c_fin = fma(s, c_part * 2^120, c_fin)`` (BF16; ``2^8`` for F16: the power of two
-  bit placement took away, restored exactly on the partial sum) with the tile's block scale
-  ``s = scale_inv[n0 // BN, k0 // BK]``, 0 for a tile past N. (Restoring it on the scale instead would
-  overflow float32 for ``scale_inv >= 2^8`` with BF16; on the partial sum it cannot, as ``|c_part| * 2^120``
-  is a sum of products of BF16 activations and E4M3 values.)
+  Then per tile ``c_fin = fma(s * 2^120, c_part, c_fin)`` (BF16; ``2^8`` for F16: the power of two
+  bit placement took away, folded into the tile's block scale ``s = scale_inv[n0 // BN, k0 // BK]``, 0 for a
+  tile past N), or, for a scale too large for that to be exact (``|s| >= 2^8`` with BF16),
+  ``fma(s, c_part * 2^120, c_fin)``: ``fold_scale``, ``fp8lab.simulators.gemm_mma.promote``.
 
 Shared memory: ``stages`` stages of ``stage_bytes`` each (``Tiling.stage_bytes``), with ``place_once`` then the
 placed buffer (``CTA_N`` rows of 128 placed 16-bit patterns padded to 272 bytes, A's row layout), one dynamic
@@ -137,8 +136,8 @@ BLOCK_N_MULTIPLE = MMA_N
 """An n8 tile must lie in one scale block, so that a tile needs one scale per chunk."""
 PLACEMENT_EXPONENT = {"bf16": 120, "f16": 8}
 """Bit placement makes a code worth ``decode(c) * 2^-120`` (BF16) or ``2^-8`` (F16)
-(``fp8lab.simulators.bit_placement``); each chunk's partial sum is multiplied by the inverse power
-of two, exactly, before its promotion."""
+(``fp8lab.simulators.bit_placement``); the promotion folds the inverse power of two into the block scale where
+that is exact, else restores it on the partial sum (``fold_scale``)."""
 PLACEMENT_SHIFT = {"bf16": 4, "f16": 1}
 """Right shift from a code in the high byte of a 16-bit half to its place: ``8 - 4`` for BF16's
 7 mantissa bits, ``8 - 7`` for F16's 10."""
@@ -379,6 +378,16 @@ def clamp(row, rows):
 
 
 @inlined_device_function
+def fold_scale(s, unplace, fold_limit):
+    """``(scale, restore)`` for the promotion ``fma(scale, c_part * restore, c_fin)``: ``(s * unplace, 1)`` where
+    ``|s| < fold_limit = 2^128 / unplace`` (the product is then finite and exact; a multiply by 1 is exact too),
+    ``(s, unplace)`` for larger or NaN scales: ``fp8lab.simulators.gemm_mma.promote``'s two forms."""
+    if abs(s) < fold_limit:
+        return s * unplace, float32(1.0)
+    return s, unplace
+
+
+@inlined_device_function
 def place_code_pair(pair, shift):
     """Two E4M3 codes (one uint16, lower k in the low byte) -> one register of two BF16/F16 patterns.
 
@@ -418,6 +427,7 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
     mma = mma_bf16 if activation == "bf16" else mma_f16
     shift = PLACEMENT_SHIFT[activation]
     unplace = np.float32(2.0 ** PLACEMENT_EXPONENT[activation])
+    fold_limit = np.float32(2.0 ** (128 - PLACEMENT_EXPONENT[activation]))
     wait_for_chunk = wait_group_function(stages - 2)
     bf16_output = output == "bf16"
 
@@ -509,13 +519,15 @@ def kernel_function(tiling: Tiling, activation: str, output: str):
 
     @inlined_device_function
     def promote(smemf, stage, c_part, c_fin, warp_n):
-        """``c_fin = fma(s, c_part * 2^offset, c_fin)`` per accumulator, ``s`` the n8 tile's block scale."""
+        """``c_fin = fma(s * 2^offset, c_part, c_fin)`` per accumulator, ``s`` the n8 tile's block scale (for
+        ``|s| >= 2^(128 - offset)``: ``fma(s, c_part * 2^offset, c_fin)``; ``fold_scale``)."""
         for nt in range(n8_per_warp):
-            s = at(smemf, (stage * stage_bytes + scale_offset) // 4 + warp_n * n8_per_warp + nt)
+            s, restore = fold_scale(at(smemf, (stage * stage_bytes + scale_offset) // 4 + warp_n * n8_per_warp + nt),
+                                    unplace, fold_limit)
             for mt in range(m_blocks):
                 for i in range(4):
                     c = 4 * (mt * n8_per_warp + nt) + i
-                    c_fin[c] = cuda.fma(s, c_part[c] * unplace, c_fin[c])  # * 2^offset: exact
+                    c_fin[c] = cuda.fma(s, c_part[c] * restore, c_fin[c])  # * 1 or * 2^offset: exact
 
     @inlined_device_function
     def store_tiles(out, c_fin, row0, col0, warp_m, warp_n, g, t):

@@ -30,7 +30,7 @@ How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Mac
      ``wgmma`` reads through the async proxy), ``syncthreads``: chunk ``c`` is in, and every warpgroup has
      waited for its chunk ``c - 2`` ``wgmma``;
   2. copy chunk ``c + stages - 2`` into stage ``(c - 2) % stages`` (free by step 1) and commit;
-  3. wait for chunk ``c - 1``'s ``wgmma``, promote it: ``c_fin = fma(s, c_part * 2^120, c_fin)`` with its weight
+  3. wait for chunk ``c - 1``'s ``wgmma``, promote it: ``c_fin = fma(s * 2^120, c_part, c_fin)`` with its weight
      row's scale (stage ``(c - 1) % stages`` is intact until iteration ``c + 1``);
   4. place chunk ``c``'s codes into the A registers. Not earlier: the A registers of chunk ``c - 1``'s ``wgmma``
      are the same PTX registers (one loop body), and writing them before the wait is undefined; on an H100 it
@@ -88,6 +88,7 @@ from .gemm_mma import (
     SIGN_MASK_X2,
     _allow_shared_memory,
     at,
+    fold_scale,
     inlined_device_function,
 )
 from .mathops import divide_u32, f32_to_bf16_bits_rne
@@ -103,7 +104,9 @@ PIECES_PER_TOKEN = 2 * K_CHUNK // wgmma.PIECE_BYTES
 """16 pieces of 16 bytes per activation row and chunk (8 per swizzle atom)."""
 PIECES_PER_CODE_ROW = K_CHUNK // wgmma.PIECE_BYTES
 BF16_UNPLACE = np.float32(2.0 ** 120)
-"""Bit placement makes a BF16 pattern worth ``decode(q) * 2^-120``; the partial sum gets the ``2^120`` back."""
+"""Bit placement makes a BF16 pattern worth ``decode(q) * 2^-120``; the promotion gives the ``2^120`` back."""
+FOLD_LIMIT = np.float32(2.0 ** 8)
+"""Scales below this in magnitude take the ``2^120`` exactly (``2^8 * 2^120`` is float32's overflow)."""
 BLOCK_N_MULTIPLE = 8
 """Eight weight rows share one scale (a scale per 8 rows is what the stage holds)."""
 MAX_SHARED_PER_CTA = 227 * 1024
@@ -341,13 +344,24 @@ def kernel_function(tiling: Tiling, output: str):
 
     @inlined_device_function
     def promote(smemf, stage_base, c_part, c_fin, warp_row, g):
-        """``c_fin = fma(s, c_part * 2^120, c_fin)``: rows g and g + 8 of the warp lie in 8-row groups
-        ``warp_row / 8`` and ``warp_row / 8 + 1``, one scale each."""
+        """``c_fin = fma(s * 2^120, c_part, c_fin)`` (``fp8lab.simulators.gemm_mma.promote``): rows g and g + 8 of
+        the warp lie in 8-row groups ``warp_row / 8`` and ``warp_row / 8 + 1``, one scale each. One fma per
+        accumulator where both scales fold exactly (``|s| < 2^8``: every real checkpoint); else the general form,
+        with a multiply per accumulator (``gemm_mma.fold_scale``)."""
         s_top = at(smemf, (stage_base + scale_offset) // 4 + warp_row // 8)
         s_bottom = at(smemf, (stage_base + scale_offset) // 4 + warp_row // 8 + 1)
-        for i in range(accumulators):
-            s = s_bottom if (i >> 1) & 1 else s_top
-            c_fin[i] = cuda.fma(s, c_part[i] * BF16_UNPLACE, c_fin[i])  # * 2^120: exact
+        if abs(s_top) < FOLD_LIMIT and abs(s_bottom) < FOLD_LIMIT:
+            top, bottom = s_top * BF16_UNPLACE, s_bottom * BF16_UNPLACE  # exact
+            for i in range(accumulators):
+                c_fin[i] = cuda.fma(bottom if (i >> 1) & 1 else top, c_part[i], c_fin[i])
+        else:
+            top, top_restore = fold_scale(s_top, BF16_UNPLACE, FOLD_LIMIT)
+            bottom, bottom_restore = fold_scale(s_bottom, BF16_UNPLACE, FOLD_LIMIT)
+            for i in range(accumulators):
+                if (i >> 1) & 1:
+                    c_fin[i] = cuda.fma(bottom, c_part[i] * bottom_restore, c_fin[i])  # * 1 or * 2^120: exact
+                else:
+                    c_fin[i] = cuda.fma(top, c_part[i] * top_restore, c_fin[i])
 
     @inlined_device_function
     def store(out, c_fin, token0, row0, g, t):

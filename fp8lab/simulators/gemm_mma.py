@@ -28,11 +28,13 @@ kernel (in the CUDA simulator) can be checked against it bit for bit:
    16, rounded to float32, added to ``c_part`` in float32). The B fragments are the weight codes
    after bit placement (``fp8lab.simulators.bit_placement``): worth ``decode(q) * 2^-120`` (BF16) or
    ``* 2^-8`` (F16).
-5. **Promotion**: ``c_fin = fma(s, c_part * 2^120, c_fin)`` (or ``2^8``: the power of two bit
-   placement took away, restored exactly on the partial sum, where it cannot overflow, rather than
-   on the scale, where it would for ``scale_inv >= 2^8``) with the block scale
-   ``s = scale_inv[n // BN, k // BK]`` in float32: one float32 rounding
-   (``fp8lab.simulators.fma.fma_f32``). Requires ``BN % 8 == 0`` (an n8 tile lies in one scale block, so a warp
+5. **Promotion** (``promote``): ``c_fin = fma(s * 2^120, c_part, c_fin)`` (or ``2^8`` for F16: the power of
+   two bit placement took away, folded into the block scale ``s = scale_inv[n // BN, k // BK]``, exactly, as
+   ``|s| < 2^8``, ``2^120`` for F16, makes the product finite: every real checkpoint's scales), one float32
+   rounding of the exact ``s * 2^120 * c_part + c_fin`` (``fp8lab.simulators.fma.fma_f32``); for a larger or NaN
+   scale, ``fma(s, c_part * 2^120, c_fin)``: the power of two restored on the partial sum, which can overflow only
+   where that partial sum's true value is beyond float32. One fma per accumulator and chunk in the common case
+   (the multiply on ``c_part`` was a quarter of the warpgroup kernel's instructions). Requires ``BN % 8 == 0`` (an n8 tile lies in one scale block, so a warp
    uses one scale per chunk), ``BK % 128 == 0`` (a chunk lies in one scale block) and
    ``K % 128 == 0``.
 
@@ -197,6 +199,19 @@ def tile_scales(scale_inv: np.ndarray, block: tuple[int, int], schedule: Schedul
     return np.where(in_range[:, None], scales, np.float32(0))
 
 
+def promote(s, c_part, c_fin, offset: int):
+    """Step 5 with ``u = 2^offset`` (120 for BF16 placement, 8 for F16): ``fma(s * u, c_part, c_fin)`` where
+    ``|s| < 2^(128 - offset)`` (``s * u`` is then finite, so exact), ``fma(s, c_part * u, c_fin)`` for the other
+    scales (larger, or NaN); float32, broadcasting."""
+    s, c_part, c_fin = (np.asarray(x, np.float32) for x in (s, c_part, c_fin))
+    unplace = np.float32(2.0 ** offset)
+    folds = np.abs(s) < np.float32(2.0 ** (128 - offset))  # False for NaN
+    with np.errstate(over="ignore", invalid="ignore"):  # the branch not taken may overflow
+        folded = fma_f32(np.where(folds, s * unplace, s), c_part, c_fin)
+        restored = fma_f32(s, c_part * unplace, c_fin)
+    return np.where(folds, folded, restored).astype(np.float32)
+
+
 def every_k16_sum_is_exact(a_values: np.ndarray, activation: str) -> bool:
     """True when, for these activations, every float64 partial sum inside every mma is exact,
     whatever the weight codes are; then the summation order cannot matter.
@@ -239,7 +254,7 @@ def gemm_mma(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, *, m_blocks: int = 
     a_values = bit_placement.bits_to_float32(_pad_rows(a_bits, schedule.m_padded), activation)
     weight_codes = _pad_rows(codes, schedule.n_padded)  # code 0 is +0.0
     scale_per_tile = tile_scales(scales, block, schedule)
-    unplace = np.float32(2.0 ** bit_placement.EXPONENT_OFFSET[activation])
+    offset = bit_placement.EXPONENT_OFFSET[activation]
     sums_are_exact = every_k16_sum_is_exact(a_values, activation)
 
     c_fin = np.zeros((schedule.m16_tiles, schedule.n8_tiles, mma.WARP_SIZE, mma.C_PER_LANE), dtype=np.float32)
@@ -256,10 +271,8 @@ def gemm_mma(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, *, m_blocks: int = 
             # One mma per (m16 tile, n8 tile): every warp of every CTA at once.
             c_part = mma.mma(a_frags[:, None, step], b_frags[None, :, step], c_part, sums_are_exact=sums_are_exact)
 
-        # Promotion: one fma per accumulator element with the warp's block scale; the partial sum
-        # times 2^offset first (exact: a power of two, and the partial sum is far from overflow).
-        s = scale_per_tile[None, :, chunk, None, None]
-        c_fin = fma_f32(s, c_part * unplace, c_fin)
+        # Promotion: one fma per accumulator element with the warp's block scale.
+        c_fin = promote(scale_per_tile[None, :, chunk, None, None], c_part, c_fin, offset)
 
     out_tiles = mma.store_c(c_fin)  # [m16 tiles, n8 tiles, 16, 8]
     out = out_tiles.swapaxes(1, 2).reshape(schedule.m_padded, schedule.n_padded)

@@ -394,6 +394,43 @@ def check_a_nan_scale_or_activation_reaches_exactly_its_outputs(output, rng):
     assert np.array_equal(np.isnan(output_values(out, output)), expected_nan)
 
 
+def both_promotion_forms(rng, m: int, n: int, k: int, fmt: str):
+    """Data on which the promotion's two forms differ from a plain ``fma(s, c_part * 2^offset, c_fin)`` and from
+    each other: row 0 of the activations near the top of the format (a chunk's partial sum is beyond float32, its
+    scaled value is not), and block scales per 8 rows that cycle through 2^-20, 2^-20, 2^(129 - offset) (too large
+    to fold: that group's row-0 outputs overflow) and NaN. Block ``(8, 128)``: ``(a, q, scale_inv, block)``."""
+    block, offset = (8, 128), bp.EXPONENT_OFFSET[fmt]
+    a32 = rng.standard_normal((m, k)).astype(np.float32)
+    a32[0] *= np.float32(2.0 ** (118 if fmt == "bf16" else 6))
+    q, _ = random_weights(rng, n, k, block)
+    cycle = np.array([2.0 ** -20, 2.0 ** -20, 2.0 ** (129 - offset), np.nan], np.float32)
+    scale_inv = np.resize(cycle, blockwise.scale_shape((n, k), block)[0])[:, None].repeat(k // 128, 1)
+    return activations(a32, fmt), q, np.ascontiguousarray(scale_inv), block
+
+
+def check_both_promotion_forms(modelled, m: int, n: int):
+    """The data reach what they are for: finite row-0 outputs where the scale folds, though the partial sums
+    overflow (a kernel that multiplies ``c_part`` by ``2^offset`` first gives inf there), and infinite or NaN ones
+    (inf - inf over the chunks) where it is too large to."""
+    groups = np.arange(n) // 8 % 4
+    assert np.all(np.isfinite(modelled[0, groups < 2])) and not np.any(np.isfinite(modelled[0, groups == 2]))
+    assert np.all(np.isnan(modelled[:, groups == 3])) and np.all(np.isfinite(modelled[1:, groups < 3]))
+
+
+@pytest.mark.cudasim
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # the inf outputs the data are built for
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
+def test_bit_for_bit_both_promotion_forms(fmt, rng):
+    m, n, k = 3, 40, 256
+    a, q, scale_inv, block = both_promotion_forms(rng, m, n, k, fmt)
+    modelled = model.gemm_mma(a.view(np.uint16), q, scale_inv, block, activation=fmt)
+    if fmt == "bf16":
+        check_both_promotion_forms(modelled, m, n)
+    out = poisoned_output(m, n, "f32")
+    kernel.gemm_mma(a, q, scale_inv, out, block, n8_tiles_per_warp=2, warps_n=2)
+    assert np.array_equal(out.view(np.uint8), modelled.view(np.uint8))
+
+
 @pytest.mark.cudasim
 @pytest.mark.parametrize("output", ["f32", "f16", "bf16"])
 def test_a_nan_scale_or_activation_reaches_exactly_its_outputs(output, rng):

@@ -17,6 +17,7 @@ from test_gemm_mma_kernel import (
     CANONICAL_NAN,
     activation_values,
     activations,
+    both_promotion_forms,
     expected_bits,
     fresh_rng,
     gpu_budget,
@@ -53,6 +54,22 @@ def test_bit_for_bit_the_simulator(tiling, m, n, k, block, output, rng):
     kernel.gemm_wgmma(a, q, scale_inv, out, block, tiling)
     expected = expected_bits(model.gemm_mma(a, q, scale_inv, block), output)
     assert np.array_equal(out.view(np.uint8), expected.view(np.uint8))
+
+
+@pytest.mark.cudasim
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # the inf outputs the data are built for
+def test_bit_for_bit_both_promotion_forms(rng):
+    """A warp whose two scales fold takes the one-fma form; one with a scale too large (or NaN) the general form,
+    for both of its 8-row groups (the first warp: a folding group and a too-large one)."""
+    m, n, k = 3, 128, 256
+    a, q, scale_inv, block = both_promotion_forms(rng, m, n, k, "bf16")
+    scale_inv[8:10] = scale_inv[:2]  # warp 2 (rows 32..47): both scales fold; warp 0: 2^-20 and 2^-20 ...
+    scale_inv[1] = scale_inv[2]  # ... then 2^9 in its bottom group: the general form
+    modelled = model.gemm_mma(a, q, scale_inv, block)
+    assert np.all(np.isfinite(modelled[0, 32:48])) and not np.any(np.isfinite(modelled[0, 8:16]))
+    out = poisoned_output(m, n, "f32")
+    kernel.gemm_wgmma(a, q, scale_inv, out, block, kernel.Tiling(64, 1, 3))
+    assert np.array_equal(out.view(np.uint8), modelled.view(np.uint8))
 
 
 def check_a_nan_scale_or_activation_reaches_exactly_its_outputs(rng, to_device=lambda x: x):

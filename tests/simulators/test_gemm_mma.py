@@ -227,6 +227,40 @@ def test_fma_float32_against_exact_rationals(rng):
     assert np.array_equal(got, np.array(expected, dtype=np.float32))
 
 
+@pytest.mark.parametrize("offset", [120, 8])
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_promotion_rounds_the_exact_product_once_where_the_scale_folds(offset, rng):
+    """``promote``: for ``|s| < 2^(128 - offset)`` one rounding of the exact ``s 2^offset c_part + c_fin`` (finite
+    even where ``c_part 2^offset`` alone is beyond float32); for larger scales ``c_part 2^offset`` rounded first;
+    a NaN scale gives NaN. Against exact rationals."""
+    size, limit = 300, 128 - offset
+    s = np.ldexp(rng.uniform(1, 2, size), rng.integers(limit - 20, limit + 4, size)).astype(np.float32)
+    exponents = np.minimum(rng.integers(-140, 40, size) - offset + 100, 126)  # some c_part * 2^offset overflow
+    c_part = (rng.standard_normal(size) * np.ldexp(1.0, exponents)).astype(np.float32)
+    c_fin = (rng.standard_normal(size) * np.ldexp(1.0, rng.integers(-40, 100, size))).astype(np.float32)
+    s[:3] = np.float32(2.0 ** -20)
+    c_part[:3] = np.float32(2.0 ** (130 - offset))  # c_part * 2^offset = 2^130: beyond float32; the product is not
+    s[3] = np.nan
+    got = G.promote(s, c_part, c_fin, offset)
+    folds = np.abs(s) < 2.0 ** limit
+    unplace = Fraction(2) ** offset
+    for i in range(size):
+        if folds[i]:
+            exact = Fraction(float(s[i])) * unplace * Fraction(float(c_part[i])) + Fraction(float(c_fin[i]))
+        elif np.isnan(s[i]):
+            assert np.isnan(got[i])
+            continue
+        else:
+            restored = np.float32(float(c_part[i]) * 2.0 ** offset)  # rounded: may overflow
+            if not np.isfinite(restored):
+                assert not np.isfinite(got[i])
+                continue
+            exact = Fraction(float(s[i])) * Fraction(float(restored)) + Fraction(float(c_fin[i]))
+        expected = round_to_float32(exact)
+        assert got[i] == expected or (np.isinf(got[i]) and abs(exact) >= 2 ** 128 - 2 ** 103), (i, got[i], expected)
+    assert np.all(np.isfinite(got[:3])) and folds.mean() > 0.5 and (~folds).sum() > 20
+
+
 @pytest.mark.parametrize("fmt", bp.FORMATS)
 def test_exactness_proof_holds_at_its_limit(fmt):
     # Activations at the two ends of the allowed exponent span, with all significand bits set,
