@@ -84,8 +84,6 @@ from .cp_async import (
     wait_group_function,
 )
 from .gemm_mma import (
-    MAGNITUDE_MASK_X2,
-    SIGN_MASK_X2,
     _allow_shared_memory,
     at,
     fold_scale,
@@ -180,12 +178,18 @@ class LaunchInfo(NamedTuple):
     tiling: Tiling
 
 
+PLACED_MASK_X2 = 0x87F087F0
+"""The bits of two BF16 patterns that bit placement can set: sign (15) and magnitude (10..4), per half."""
+
+
 @inlined_device_function
 def place_selected(spread):
-    """Two E4M3 codes in the high bytes of ``spread``'s 16-bit halves (the low bytes are ignored) -> two BF16 patterns:
-    ``gemm_mma.place_code_pair`` after its spreading step (signs stay at bits 15 and 31, magnitudes move right by 4;
-    the masks drop what the shift brings in from the low bytes)."""
-    return (spread & uint32(SIGN_MASK_X2)) | ((spread >> uint32(4)) & uint32(MAGNITUDE_MASK_X2 >> 4))
+    """Two E4M3 codes sign-extended to 16 bits (``spread``'s halves: a code in the low byte, its sign replicated
+    through the high byte) -> two BF16 patterns, ``gemm_mma.place_code_pair``'s: shifted left by 4, a code's
+    magnitude lies at bits 10..4 and a copy of its sign at bit 15; the mask drops the other copies (bits 14..11) and
+    what the shift brings in. A shift and a mask (three instructions with the ``prmt``, where sign and magnitude
+    masked apart took four)."""
+    return (spread << uint32(4)) & uint32(PLACED_MASK_X2)
 
 
 @inlined_device_function
@@ -196,8 +200,9 @@ def clamp32(row, rows):
 
 @inlined_device_function
 def pair_selector(t):
-    """``prmt``'s selector that moves codes ``2t`` and ``2t + 1`` of eight (two words) into bytes 1 and 3."""
-    return (2 * t) | (2 * t) << 4 | (2 * t + 1) << 8 | (2 * t + 1) << 12
+    """``prmt``'s selector that moves codes ``2t`` and ``2t + 1`` of eight (two words) into bytes 0 and 2 and their
+    signs through bytes 1 and 3 (a selector nibble's bit 3 replicates the selected byte's sign bit)."""
+    return (2 * t) | (8 | 2 * t) << 4 | (2 * t + 1) << 8 | (8 | (2 * t + 1)) << 12
 
 
 def launch_info(m: int, n: int, k: int, tiling: Tiling | None = None) -> LaunchInfo:
@@ -308,8 +313,8 @@ def kernel_function(tiling: Tiling, output: str):
         """The A registers of the warp's 16 weight rows for the k16 steps ``j`` of part ``part`` of the chunk: step
         ``j``'s registers hold codes (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..) of the step as BF16
         patterns. A lane reads each row's 16 codes of a step in one 128-bit load (the row's four lanes read the same
-        bytes: a broadcast) and picks its pairs with ``prmt`` (``selector``: codes ``2t`` and ``2t+1`` into the high
-        bytes of the two halves, ``place_selected``)."""
+        bytes: a broadcast) and picks its pairs with ``prmt`` (``selector``: codes ``2t`` and ``2t+1``, each
+        sign-extended to 16 bits, ``place_selected``)."""
         top = (stage_base + code_offset + (warp_row + g) * CODE_ROW_BYTES) // 4
         bottom = top + 8 * CODE_ROW_BYTES // 4
         for i in range(steps_per_part):

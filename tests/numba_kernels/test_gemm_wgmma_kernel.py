@@ -31,6 +31,7 @@ import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrin
 from fp8lab.numba_kernels import gemm_wgmma as kernel
 from fp8lab.numba_kernels.bits import SIMULATOR
 from fp8lab.reference import blockwise
+from fp8lab.simulators import bit_placement as bp
 from fp8lab.simulators import gemm_mma as model
 
 TILINGS = [kernel.Tiling(64, 1, 3, 4), kernel.Tiling(64, 2, 5), kernel.Tiling(128, 1, 4), kernel.Tiling(),
@@ -54,6 +55,21 @@ def test_bit_for_bit_the_simulator(tiling, m, n, k, block, output, rng):
     kernel.gemm_wgmma(a, q, scale_inv, out, block, tiling)
     expected = expected_bits(model.gemm_mma(a, q, scale_inv, block), output)
     assert np.array_equal(out.view(np.uint8), expected.view(np.uint8))
+
+
+@pytest.mark.cudasim
+def test_pair_selection_and_placement_are_bit_placements(rng):
+    """``place_selected(prmt(w0, w1, pair_selector(t)))``: codes ``2t`` and ``2t + 1`` of the eight in ``(w0, w1)``
+    as ``fp8lab.simulators.bit_placement.place_code_pair`` places them, for every code in every position."""
+    codes = np.concatenate([np.arange(256), rng.integers(0, 256, 8 * 64)]).astype(np.uint8)
+    words = np.resize(codes, (len(codes) // 8 + 1) * 8).reshape(-1, 8)
+    words = np.concatenate([words, np.roll(words, 3, axis=1)])  # each code in other positions too
+    for eight in words:
+        w0, w1 = eight.view(np.uint32)
+        for t in range(4):
+            got = kernel.place_selected(kernel.prmt(w0, w1, kernel.pair_selector(t)))
+            pair = np.uint16(eight[2 * t]) | np.uint16(eight[2 * t + 1]) << np.uint16(8)
+            assert got == bp.place_code_pair(np.array([pair]), "bf16")[0], (eight, t)
 
 
 @pytest.mark.cudasim
