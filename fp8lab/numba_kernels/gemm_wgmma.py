@@ -50,9 +50,10 @@ How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Mac
   the last one (each output reads only its own row and token, and those outputs are never stored).
 - **Copies without arithmetic**: which pieces a thread copies is the same in every chunk (``thread_copies``), so
   the loop forms a copy's addresses with one multiply-add from a precomputed 32-bit element index (flat sources,
-  ``cp_async.copy_16_cg_flat``), and each ``wgmma`` descriptor with one addition (``wgmma``'s two offsets). Per
-  warp and chunk that cut the loop from 627 to 457 SASS instructions (``bench/RESULTS.md``, twenty-second
-  session): with 16 ``wgmma`` per chunk and SM, instruction issue, not the tensor cores, was the bound.
+  ``cp_async.copy_16_cg_flat``), and each ``wgmma`` descriptor with one addition (``wgmma``'s two offsets). With
+  the promotion's single fma and the three-instruction placement that took the loop from 627 to 354 SASS
+  instructions per warp and chunk (``bench/RESULTS.md``, twenty-second session): with 16 ``wgmma`` per chunk and
+  SM, instruction issue, not the tensor cores, had been the bound.
 
 Shared memory, one stage (bytes; stages are multiples of 1,024, after a pad that aligns the first to 1,024 in
 the shared window)::
