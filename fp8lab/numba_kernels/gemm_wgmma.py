@@ -76,7 +76,7 @@ import numpy as np
 from numba import cuda, float32, uint8, uint32, uint64
 
 from . import bits, pdl, wgmma
-from .arguments import check_gemm, require_load_alignment
+from .arguments import as_kernel_array, check_gemm, require, require_load_alignment
 from .bits import prmt
 from .cp_async import (
     commit_group,
@@ -84,12 +84,14 @@ from .cp_async import (
     copy_16_cg_flat,
     wait_group_function,
 )
+from .dequantize import STORE
 from .gemm_mma import (
     _allow_shared_memory,
     at,
     fold_scale,
     inlined_device_function,
 )
+from .layers import silu_times
 from .mathops import divide_u32, f32_to_bf16_bits_rne
 from .warp import WARP_SIZE, load_shared_u32x4
 
@@ -221,7 +223,7 @@ def launch_info(m: int, n: int, k: int, tiling: Tiling | None = None) -> LaunchI
     return LaunchInfo(grid, (tiling.threads,), tiling.shared_bytes, tiling)
 
 
-def kernel_function(tiling: Tiling, output: str):
+def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
     """The Python source of one variant before ``cuda.jit``. Arguments: ``(a_words uint64 [M * K/4], q_words uint64
     [N * K/8]`` (the flat arrays), ``scale_inv float32 [ceil(N/BN), ceil(K/BK)], out [M, N], k uint32, block_n
     uint32, block_k uint32)``."""
@@ -250,6 +252,20 @@ def kernel_function(tiling: Tiling, output: str):
     wait_for_chunk = wait_group_function(stages - 3)
     bf16_output = output == "bf16"
     two_chains = tiling.chains == 2
+    store_output = STORE[output]
+    outputs_per_cta = cta_n // 2  # SwiGLU: each warp's 16 rows are the gate and up rows of 8 outputs
+
+    @inlined_device_function
+    def weight_row(row, row0, half):
+        """The weight row that CTA-local row ``row`` holds: ``row0 + row``; with SwiGLU (``half`` = I, ``row0`` =
+        the CTA's first output), rows ``0..7`` of each warp's 16 are the gate rows of its 8 outputs and rows
+        ``8..15`` their up rows (``I`` further), so that a lane's accumulator rows ``g`` and ``g + 8`` are the
+        gate and up of one output."""
+        if swiglu:
+            within = row % uint32(ROWS_PER_WARP)
+            output_row = row0 + (row // uint32(ROWS_PER_WARP)) * uint32(8) + within % uint32(8)
+            return output_row + half if within >= uint32(8) else output_row
+        return row0 + row
 
     @inlined_device_function
     def copy_chunk(smem8, a_words, q_words, scale_inv, chunk, stage_base, copies, thread, scale_row,
@@ -275,7 +291,7 @@ def kernel_function(tiling: Tiling, output: str):
             copy_4_ca(smem8, stage_base + scale_offset + 4 * thread, scale_inv, scale_row, column, 4)
 
     @inlined_device_function
-    def thread_copies(thread, token0, row0, m, n, k, a_first, q_first):
+    def thread_copies(thread, token0, row0, half, m, n, k, a_first, q_first):
         """Where this thread's copies of every chunk go in a stage and come from in chunk 0. The ``threads``
         threads copy a chunk's pieces in order (activation piece ``p`` of token ``t`` is number ``16 t + p``, code
         piece ``p`` of row ``r`` number ``8 r + p``), ``threads`` at a time: so a thread's piece within a row is
@@ -290,7 +306,8 @@ def kernel_function(tiling: Tiling, output: str):
         q_row, q_piece = thread // uint32(PIECES_PER_CODE_ROW), thread % uint32(PIECES_PER_CODE_ROW)
         q_destination = uint32(code_offset) + q_row * uint32(CODE_ROW_BYTES) + q_piece * uint32(wgmma.PIECE_BYTES)
         for j in range(q_copies):
-            q_first[j] = clamp32(row0 + q_row + uint32(j * q_row_step), n) * (k // uint32(8)) + uint32(2) * q_piece
+            row = weight_row(q_row + uint32(j * q_row_step), row0, half)
+            q_first[j] = clamp32(row, n) * (k // uint32(8)) + uint32(2) * q_piece
         return a_first, q_first, a_destination, q_destination
 
     @inlined_device_function
@@ -373,7 +390,16 @@ def kernel_function(tiling: Tiling, output: str):
     def store(out, c_fin, token0, row0, g, t):
         """Lane ``(g, t)``'s accumulator ``4 b + i`` is ``out^T[row0 + g + 8 (i >> 1), token0 + 8 b + 2 t + (i & 1)]``;
         only inside ``out``. (Two nested loops, not one of ``tokens / 2``: the compiler unrolls them fully, so
-        ``c_fin`` keeps constant indices and stays in registers.)"""
+        ``c_fin`` keeps constant indices and stays in registers.) With SwiGLU, accumulators ``4 b + i`` and ``4 b +
+        2 + i`` (``i`` = 0, 1) are the gate and up of output ``row0 + g`` for token ``token0 + 8 b + 2 t + i``: it
+        stores ``silu(gate) * up`` (``layers.silu_times``: what ``silu_mul`` computes from the GEMM's float32)."""
+        if swiglu:
+            for b in range(tokens // 8):
+                for i in range(2):
+                    token = token0 + 8 * b + 2 * t + i
+                    if token < out.shape[0] and row0 + g < out.shape[1]:
+                        store_output(out, token, row0 + g, silu_times(c_fin[4 * b + i], c_fin[4 * b + 2 + i]))
+            return
         for b in range(tokens // 8):
             for i in range(4):
                 row = row0 + g + 8 * (i >> 1)
@@ -391,15 +417,16 @@ def kernel_function(tiling: Tiling, output: str):
         g, t = lane >> 2, lane & 3
         selector = pair_selector(t)
         warp_row = warp * ROWS_PER_WARP  # the warp's first weight row in the CTA (warpgroup w: rows 64 w ..)
-        m, n = uint32(out.shape[0]), uint32(out.shape[1])
-        row0 = uint32(cuda.blockIdx.x) * uint32(cta_n)
+        m, half = uint32(out.shape[0]), uint32(out.shape[1])  # half: SwiGLU's I
+        n = half * uint32(2) if swiglu else half  # weight rows
+        row0 = uint32(cuda.blockIdx.x) * uint32(outputs_per_cta if swiglu else cta_n)  # first weight row, or output
         token0 = uint32(cuda.blockIdx.y) * uint32(tokens)
         chunks = uint32(k // uint32(K_CHUNK))
         # Threads 0 .. CTA_N / 8 - 1 copy the scales of 8-row group `thread` (clamped like the rows). All divisions
         # in 32 bits: a 64-bit one is a subroutine call, which makes ptxas serialize every wgmma.
-        scale_row = divide_u32(clamp32(row0 + thread * uint32(8), n), block_n)
+        scale_row = divide_u32(clamp32(weight_row(thread * uint32(8), row0, half), n), block_n)
         block_divider = uint64(divide_u32(uint32(0xFFFFFFFF), divide_u32(block_k, K_CHUNK))) + uint64(1)  # <= 2^32
-        copies = thread_copies(thread, token0, row0, m, n, k, cuda.local.array(a_copies, uint32),
+        copies = thread_copies(thread, token0, row0, half, m, n, k, cuda.local.array(a_copies, uint32),
                                cuda.local.array(q_copies, uint32))
 
         smem8 = cuda.shared.array(0, uint8)
@@ -437,7 +464,7 @@ def kernel_function(tiling: Tiling, output: str):
 
         wait_for_wgmma(c_part)
         promote(smemf, base + ((chunks - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
-        store(out, c_fin, token0, row0 + warp_row, g, t)
+        store(out, c_fin, token0, row0 + (warp * uint32(8) if swiglu else warp_row), g, t)
 
     return gemm_wgmma_kernel
 
@@ -449,9 +476,9 @@ def kernel_signature(output: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_kernel(tiling: Tiling, output: str):
+def compiled_kernel(tiling: Tiling, output: str, swiglu: bool = False):
     options = {} if bits.SIMULATOR else {"launch_bounds": (tiling.threads, 1)}
-    return cuda.jit(kernel_function(tiling, output), **options)
+    return cuda.jit(kernel_function(tiling, output, swiglu), **options)
 
 
 def gemm_wgmma(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = None, stream=0):
@@ -463,17 +490,46 @@ def gemm_wgmma(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = N
     8, ``BK`` of 128; ``K`` a multiple of 128. ``tiling``: ``Tiling`` (default ``Tiling()``). Needs a
     compute-capability-9.0 GPU (or the CUDA simulator). Every problem is a ``ValueError`` raised before launch.
     """
-    problem = check_gemm(a, q, scale_inv, out, block, kernel="gemm_wgmma", activations=("bf16",),
-                         block_n_multiple=BLOCK_N_MULTIPLE)
+    problem = _check(a, q, scale_inv, out, block, swiglu=False)
+    _launch(problem, tiling, stream, swiglu=False)
+    return problem.out
+
+
+def gemm_wgmma_swiglu(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = None, stream=0):
+    """``out[M, I] = silu(g) * u`` of ``[g | u] = a @ (decode(q) * scale_inv)^T`` (``q``: the fused gate/up weight,
+    gate rows ``0 .. I - 1``, up rows ``I .. 2I - 1``), in one launch; returns ``out``. Bit for bit ``gemm_wgmma``
+    into float32 then ``layers.silu_mul``: the SwiGLU epilogue reads the float32 accumulators, and no ``[M, 2I]``
+    result goes through memory. ``I`` a multiple of 8; otherwise ``gemm_wgmma``'s arguments (``out`` float32 or
+    BF16 bits ``[M, I]``)."""
+    problem = _check(a, q, scale_inv, out, block, swiglu=True)
+    _launch(problem, tiling, stream, swiglu=True)
+    return problem.out
+
+
+def _check(a, q, scale_inv, out, block, swiglu: bool):
+    kernel = "gemm_wgmma_swiglu" if swiglu else "gemm_wgmma"
+    out_columns = None
+    if swiglu:
+        q = as_kernel_array("q", q)
+        require("q", q, "uint8 E4M3 codes [2 I, K]", q.ndim == 2 and q.dtype == np.uint8)
+        if q.shape[0] == 0 or q.shape[0] % 16:
+            raise ValueError(f"q: {kernel} needs the fused gate/up weight's 2 I rows, I a positive multiple of 8, "
+                             f"got {q.shape[0]} rows")
+        out_columns = q.shape[0] // 2
+    problem = check_gemm(a, q, scale_inv, out, block, kernel=kernel, activations=("bf16",),
+                         block_n_multiple=BLOCK_N_MULTIPLE, out_columns=out_columns)
     if problem.output not in ("f32", "bf16"):
-        raise ValueError(f"out: gemm_wgmma writes float32 or BF16 bits, got {problem.output}")
+        raise ValueError(f"out: {kernel} writes float32 or BF16 bits, got {problem.output}")
+    require_load_alignment("a", problem.a, kernel)
+    require_load_alignment("q", problem.q, kernel)
+    return problem
+
+
+def _launch(problem, tiling, stream, swiglu: bool) -> None:
     launch = launch_info(problem.m, problem.n, problem.k, tiling)
-    require_load_alignment("a", problem.a, "gemm_wgmma")
-    require_load_alignment("q", problem.q, "gemm_wgmma")
     out_view = problem.out.view(np.uint16) if problem.output == "bf16" else problem.out
-    kernel = compiled_kernel(launch.tiling, problem.output)
+    kernel = compiled_kernel(launch.tiling, problem.output, swiglu)
     args = (problem.a.view(np.uint64).reshape(-1), problem.q.view(np.uint64).reshape(-1), problem.scale_inv, out_view,
             np.uint32(problem.k), np.uint32(problem.block[0]), np.uint32(problem.block[1]))
     _allow_shared_memory(kernel, args, launch.shared_bytes)
     pdl.launch(kernel, launch.grid, launch.block, stream, *args, shared_bytes=launch.shared_bytes)
-    return problem.out

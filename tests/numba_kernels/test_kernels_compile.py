@@ -89,13 +89,15 @@ from fp8lab.numba_kernels import gemm_wgmma as G
 from helpers.ptx import Variant
 
 def variants():
-    cases = [(G.Tiling(), "f32"), (G.Tiling(), "bf16"), (G.Tiling(64, 2, 5), "f32"), (G.Tiling(64, 1, 6), "bf16"),
-             (G.Tiling(128, 1, 4), "f32"), (G.Tiling(128, 2, 4, 1), "f32"), (G.Tiling(64, 2, 4, 4), "bf16"),
-             (G.Tiling(128, 2, 4, 2, 2), "bf16")]
-    return [Variant(f"{tuple(t)} -> {o}", G.kernel_function(t, o), G.kernel_signature(o), launch_bounds=(t.threads, 1),
-                    arch_specific=True, info={"tokens": t.tokens, "stages": t.stages, "threads": t.threads, "parts": t.parts,
-                                              "chains": t.chains})
-            for t, o in cases]
+    cases = [(G.Tiling(), "f32", False), (G.Tiling(), "bf16", False), (G.Tiling(64, 2, 5), "f32", False),
+             (G.Tiling(64, 1, 6), "bf16", False), (G.Tiling(128, 1, 4), "f32", False),
+             (G.Tiling(128, 2, 4, 1), "f32", False), (G.Tiling(64, 2, 4, 4), "bf16", False),
+             (G.Tiling(128, 2, 4, 2, 2), "bf16", False), (G.Tiling(), "bf16", True)]
+    return [Variant(f"{tuple(t)} -> {o}{' swiglu' if s else ''}", G.kernel_function(t, o, s), G.kernel_signature(o),
+                    launch_bounds=(t.threads, 1), arch_specific=True,
+                    info={"tokens": t.tokens, "stages": t.stages, "threads": t.threads, "parts": t.parts,
+                          "chains": t.chains})
+            for t, o, s in cases]
 '''
 
 GEMV_MMA = r'''
