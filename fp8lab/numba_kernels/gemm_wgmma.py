@@ -11,6 +11,12 @@ What it computes::
     out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]
 
 ``a`` BF16 bits ``[M, K]``, ``q`` E4M3 codes ``[N, K]``, ``out`` float32 or BF16 bits (rounded once).
+``gemm_wgmma_swiglu`` (the prefill's gate/up projection): ``q`` the fused ``[2 I, K]`` gate/up weight and ``out[m,
+j] = silu(out_g[m, j]) * out_u[m, j]`` (``layers.silu_times`` on the float32 results of gate row ``j`` and up row
+``I + j``): bit for bit ``gemm_wgmma`` into float32 then ``layers.silu_mul``, without the ``[M, 2 I]`` round trip
+and the second launch. Its CTA's rows are 64 outputs' gate and up rows, each warp's 16 the gate rows of 8 outputs
+then their up rows (``weight_row``), so a lane's accumulator rows ``g`` and ``g + 8`` meet in the epilogue; grid
+``(ceil(I / 64), ...)`` with two warpgroups.
 
 How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Machete does for its W4A16):
 
