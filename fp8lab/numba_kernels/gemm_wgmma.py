@@ -97,8 +97,8 @@ from .gemm_mma import (
     fold_scale,
     inlined_device_function,
 )
-from .layers import silu_times
-from .mathops import divide_u32, f32_to_bf16_bits_rne
+from .layers import exp_f32
+from .mathops import divide_by_at_least_one, divide_u32, f32_to_bf16_bits_rne
 from .warp import WARP_SIZE, load_shared_u32x4
 
 K_CHUNK = 128
@@ -199,6 +199,14 @@ def place_selected(spread):
     what the shift brings in. A shift and a mask (three instructions with the ``prmt``, where sign and magnitude
     masked apart took four)."""
     return (spread << uint32(4)) & uint32(PLACED_MASK_X2)
+
+
+@inlined_device_function
+def silu_times(gate, up):
+    """``layers.silu_times``, ``gate / (1 + e^-gate) * up``, bit for bit, its division (by ``1 + e^-gate >= 1``)
+    done by ``mathops.divide_by_at_least_one``: a division instruction's slow path is a subroutine call, and ptxas
+    serializes every ``wgmma`` of a kernel that has one (C7509)."""
+    return divide_by_at_least_one(gate, float32(1) + exp_f32(-gate)) * up
 
 
 @inlined_device_function
@@ -398,7 +406,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         only inside ``out``. (Two nested loops, not one of ``tokens / 2``: the compiler unrolls them fully, so
         ``c_fin`` keeps constant indices and stays in registers.) With SwiGLU, accumulators ``4 b + i`` and ``4 b +
         2 + i`` (``i`` = 0, 1) are the gate and up of output ``row0 + g`` for token ``token0 + 8 b + 2 t + i``: it
-        stores ``silu(gate) * up`` (``layers.silu_times``: what ``silu_mul`` computes from the GEMM's float32)."""
+        stores ``silu(gate) * up`` (``silu_times``: what ``silu_mul`` computes from the GEMM's float32)."""
         if swiglu:
             for b in range(tokens // 8):
                 for i in range(2):
