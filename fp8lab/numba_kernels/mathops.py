@@ -1,7 +1,8 @@
 """Scalar device functions shared by the KV-cache and decode-attention kernels, in both modes.
 
 Device functions, no kernel. Checked: ``e4m3_encode_saturating`` against ``fp8lab.reference.e4m3.encode``
-in ``tests/numba_kernels/test_kv_cache_kernel.py``; ``exp2`` is the simulators'
+in ``tests/numba_kernels/test_kv_cache_kernel.py``; ``divide_by_at_least_one`` against IEEE division in
+``tests/numba_kernels/test_mathops.py`` (and on a GPU inside ``gemm_wgmma_swiglu``); ``exp2`` is the simulators'
 ``exp2_f32`` in simulator mode, so the split-kv kernel tests check it bit for bit there.
 
 - ``exp2(x)``: float32 ``2^x``, the one transcendental of the log2-domain softmax.
