@@ -129,15 +129,17 @@ class Tiling(NamedTuple):
     """Warpgroups per CTA (1 or 2), stacked in weight rows: ``CTA_N = 64 warpgroups``."""
     stages: int = 4
     """Shared-memory stages, 3 to 6 (``stages - 2`` chunks copied ahead of the one placed)."""
-    parts: int = 2
+    parts: int = 4
     """A chunk's A registers are placed and its ``wgmma`` issued in ``parts`` parts (1, 2 or 4) of ``8 / parts`` k16
     steps: part ``p + 1`` is placed while part ``p``'s ``wgmma`` run (other registers than theirs). Two parts were 1
-    to 6% faster than one on an H100 at M = 2,048, four slower (``bench/RESULTS.md``, twentieth session)."""
+    to 6% faster than one on an H100 at M = 2,048, four slower (``bench/RESULTS.md``, twentieth session); with the
+    twenty-second session's cheaper loop, four are the fastest: 2 to 11% faster than two at M = 2,048, up to 13% at
+    512, on the four Qwen3-8B shapes."""
     chains: int = 1
     """Accumulator chains per warpgroup (1 or 2; 2 needs 128 tokens): with 2, each k16 step is two
     ``wgmma.m64n64k16``, tokens 0..63 and 64..127, into the two halves of the accumulators, two independent chains
-    instead of one ``m64n128k16`` chain; each output's order is unchanged. Untimed (the twenty-first session's
-    reading of its measurements: one warpgroup's single chain may not keep the tensor cores busy alone)."""
+    instead of one ``m64n128k16`` chain; each output's order is unchanged. Measured 1 to 10% slower than one chain
+    on an H100 (``bench/RESULTS.md``, twenty-second session): a candidate for deletion."""
 
     @property
     def cta_n(self) -> int:
@@ -268,6 +270,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
     two_chains = tiling.chains == 2
     store_output = STORE[output]
     outputs_per_cta = cta_n // 2  # SwiGLU: each warp's 16 rows are the gate and up rows of 8 outputs
+    lane_outputs = tokens // 4  # SwiGLU: a lane's outputs (one output row, tokens 8 b + 2 t + {0, 1})
 
     @inlined_device_function
     def weight_row(row, row0, half):
@@ -408,11 +411,19 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         2 + i`` (``i`` = 0, 1) are the gate and up of output ``row0 + g`` for token ``token0 + 8 b + 2 t + i``: it
         stores ``silu(gate) * up`` (``silu_times``: what ``silu_mul`` computes from the GEMM's float32)."""
         if swiglu:
-            for b in range(tokens // 8):
-                for i in range(2):
-                    token = token0 + 8 * b + 2 * t + i
-                    if token < out.shape[0] and row0 + g < out.shape[1]:
-                        store_output(out, token, row0 + g, silu_times(c_fin[4 * b + i], c_fin[4 * b + 2 + i]))
+            # The gates and ups out of c_fin first, in a loop small enough for LLVM to unroll (c_fin indexed by
+            # constants stays in registers); the loop of divisions after it is not unrolled, and indexes these
+            # two arrays instead (local memory, once). Indexing c_fin there put all of it in local memory, the
+            # main loop's promotion too: a 256-byte stack frame, 35% slower on an H100 (bench/RESULTS.md).
+            gates = cuda.local.array(lane_outputs, float32)
+            ups = cuda.local.array(lane_outputs, float32)
+            for j in range(lane_outputs):
+                gates[j] = c_fin[4 * (j // 2) + j % 2]
+                ups[j] = c_fin[4 * (j // 2) + 2 + j % 2]
+            for j in range(lane_outputs):
+                token = token0 + 8 * (j // 2) + 2 * t + j % 2
+                if token < out.shape[0] and row0 + g < out.shape[1]:
+                    store_output(out, token, row0 + g, silu_times(gates[j], ups[j]))
             return
         for b in range(tokens // 8):
             for i in range(4):
