@@ -16,7 +16,8 @@ j] = silu(out_g[m, j]) * out_u[m, j]`` (``layers.silu_times`` on the float32 res
 ``I + j``): bit for bit ``gemm_wgmma`` into float32 then ``layers.silu_mul``, without the ``[M, 2 I]`` round trip
 and the second launch. Its CTA's rows are 64 outputs' gate and up rows, each warp's 16 the gate rows of 8 outputs
 then their up rows (``weight_row``), so a lane's accumulator rows ``g`` and ``g + 8`` meet in the epilogue; grid
-``(ceil(I / 64), ...)`` with two warpgroups.
+``(ceil(I / 64), ...)`` with two warpgroups. Measured slower than the two launches it replaces (``bench/RESULTS.md``,
+twenty-second session), so the engine does not launch it yet.
 
 How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Machete does for its W4A16):
 

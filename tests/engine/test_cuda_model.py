@@ -256,29 +256,18 @@ def test_a_decode_batch_feeds_the_tensor_core_lm_head_bf16_from_the_final_norm(g
 @pytest.mark.cudasim
 @pytest.mark.parametrize("prompts, gemm", [(PROMPTS, "gemv_mma"),
                                            (PROMPTS + [list(range(9, 17)), list(range(20, 28)), list(range(30, 38)),
-                                                       [17, 18]], "gemm_mma"),
-                                           (PROMPTS + [list(range(9, 17)), list(range(20, 28)), list(range(30, 38)),
-                                                       [17, 18]], "gemm_wgmma")])
+                                                       [17, 18]], "gemm_mma")])
 def test_bf16_gemm_inputs_and_all_logits(gemm_twins, monkeypatch, prompts, gemm):
     """A prefill longer than ``f32_max_rows``: the norms, attention and SwiGLU write their GEMM's input as BF16 bits
     (no ``bf16_round`` launch), read by the twins of the tensor-core GEMV (7 rows: ``fp8_gemm`` picks
     ``gemv_mma``, the gate/up launch is ``gemv_mma_swiglu``) or of the tensor-core GEMM (33 rows, past ``gemv_mma``'s
-    32: ``gemm_mma``, then ``silu_mul``; or, where the planner is told that ``fp8_gemm`` would take the warpgroup GEMM,
-    as on a Hopper GPU at prefill sizes, one ``gemm_wgmma_swiglu``); every token's logits, computed in chunks of
-    ``max_num_seqs`` rows."""
+    32: ``gemm_mma``, then ``silu_mul``); every token's logits, computed in chunks of ``max_num_seqs`` rows."""
     config = micro_config(head_dim=128)  # the flash prefill over the BF16 cache: few simulated CTAs
     tensors = micro_tensors(config, seed=5)
     reference = Qwen3Model(config, tensors)
     model = CudaQwen3Model(config, tensors, max_num_tokens=40, max_num_seqs=7, f32_max_rows=4)
     swiglu_twin, lm_head_twin, calls, lm_head_rows = plan.gemv_mma_swiglu, plan.gemv_mma_bf16, [], []
     monkeypatch.setattr(plan, "gemv_mma_swiglu", lambda *args, **kwargs: calls.append(1) or swiglu_twin(*args, **kwargs))
-    wgmma_twin, wgmma_calls = plan.gemm_wgmma_swiglu, []
-    monkeypatch.setattr(plan, "gemm_wgmma_swiglu",
-                        lambda *args, **kwargs: wgmma_calls.append(1) or wgmma_twin(*args, **kwargs))
-    if gemm == "gemm_wgmma":
-        choose = plan.choose_path
-        monkeypatch.setattr(plan, "choose_path", lambda *args, **kwargs: {"mma": "wgmma"}.get(
-            choose(*args, **kwargs), choose(*args, **kwargs)))
     monkeypatch.setattr(plan, "gemv_mma_bf16",
                         lambda a, *args, **kwargs: lm_head_rows.append(a.shape[0]) or lm_head_twin(a, *args, **kwargs))
     monkeypatch.setattr(plan.layers, "bf16_round", None)  # a rounding launch would fail: the producers round
@@ -294,7 +283,6 @@ def test_bf16_gemm_inputs_and_all_logits(gemm_twins, monkeypatch, prompts, gemm)
     assert got.shape == (rows, config.vocab_size)
     assert 1e-5 < rel_err(got, want) <= MICRO_BF16_INPUT_BOUND, rel_err(got, want)  # it did round to BF16
     assert len(calls) == (config.num_hidden_layers if gemm == "gemv_mma" else 0)  # which tensor-core kernel ran
-    assert len(wgmma_calls) == (config.num_hidden_layers if gemm == "gemm_wgmma" else 0)
     chunks = [min(7, rows - first) for first in range(0, rows, 7)]  # max_num_seqs rows at a time
     assert lm_head_rows == [c for c in chunks if c > 4]  # on tensor cores past f32_max_rows
 

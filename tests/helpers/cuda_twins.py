@@ -1,8 +1,8 @@
 """Bit-exact NumPy twins of the GPU model's GEMM kernels, and the micro model, for the CUDA-model tests.
 
 In Numba's CUDA simulator a simulated GEMM costs seconds; the GPU model's tests under the simulator
-swap its GEMM kernels (the SIMT GEMV plain, split-K and with SwiGLU, ``fp8_gemm``, ``gemv_mma_swiglu``,
-``gemm_wgmma_swiglu``, the BF16 linear and the tensor-core lm_head) for their
+swap its GEMM kernels (the SIMT GEMV plain, split-K and with SwiGLU, ``fp8_gemm``, ``gemv_mma_swiglu``, the BF16
+linear and the tensor-core lm_head) for their
 simulators (``gemm_twins``), which compute the same float32 operations in the same order, so the rest
 of the forward (norms, RoPE, KV writes, attention, sampling) still runs as simulated kernels.
 """
@@ -68,17 +68,6 @@ def gemv_mma_swiglu_twin(a, q, scale_inv, out, block=(128, 128), stream=0, **kno
     return out
 
 
-def gemm_wgmma_swiglu_twin(a, q, scale_inv, out, block=(128, 128), tiling=None, stream=0):
-    """``fp8lab.numba_kernels.gemm_wgmma.gemm_wgmma_swiglu`` as its simulators compute it: ``gemm_mma`` (the warpgroup
-    GEMM's order) then ``silu_mul`` (a uint16 ``out`` gets the BF16 rounding)."""
-    p = arguments.check_gemm(a, q, scale_inv, out, block, kernel="gemm_wgmma_swiglu", activations=("bf16",),
-                             out_columns=np.asarray(q).shape[0] // 2)
-    assert p.output in ("f32", "bf16")
-    product = sim_dense.silu_mul(sim_mma.gemm_mma(np.asarray(p.a, np.uint16), p.q, p.scale_inv, p.block))
-    out[...] = product if p.output == "f32" else bit_placement.float32_to_bf16_bits(product)
-    return out
-
-
 def fp8_gemm_twin(a, q, scale_inv, out, block=(128, 128), path="auto", stream=0):
     """``fp8lab.numba_kernels.fp8_gemm`` (``auto``: ``choose_path``) by its kernels' simulators."""
     p = arguments.check_gemm(a, q, scale_inv, out, block, kernel="fp8_gemm", activations=("bf16", "f16"),
@@ -113,14 +102,13 @@ def bf16_linear_twin(x, w_bits, out, rows_per_warp=None, stream=0):
 
 
 def install_gemm_twins(monkeypatch) -> None:
-    """Swap the GPU model's eight GEMM kernels for their twins (the ``gemm_twins`` fixture of conftest): in
+    """Swap the GPU model's seven GEMM kernels for their twins (the ``gemm_twins`` fixture of conftest): in
     ``fp8lab.engine.cuda.plan``, whose plans name the kernels every forward launches."""
     monkeypatch.setattr(plan, "gemv_simt", gemv_simt_twin)
     monkeypatch.setattr(plan, "gemv_simt_swiglu", gemv_simt_swiglu_twin)
     monkeypatch.setattr(plan, "gemv_simt_split_k", gemv_simt_split_k_twin)
     monkeypatch.setattr(plan, "fp8_gemm", fp8_gemm_twin)
     monkeypatch.setattr(plan, "gemv_mma_swiglu", gemv_mma_swiglu_twin)
-    monkeypatch.setattr(plan, "gemm_wgmma_swiglu", gemm_wgmma_swiglu_twin)
     monkeypatch.setattr(plan, "bf16_linear", bf16_linear_twin)
     monkeypatch.setattr(plan, "gemv_mma_bf16", gemv_mma_bf16_twin)
 

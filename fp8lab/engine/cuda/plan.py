@@ -18,8 +18,7 @@ GQA group that divides 16, ``prefill_mma.paged_prefill_mma``, one flash-attentio
 (``Planner.prefill_attention_on_tensor_cores``); else ``paged_prefill``, the row expansion, the split kernel and
 maybe the combine), o_proj,
 ``add_parts_rms_norm``, the gate/up GEMM with SwiGLU (on the SIMT path one ``gemv_simt_swiglu`` launch, on
-``gemv_mma``'s one ``gemv_mma_swiglu``, on ``gemm_wgmma``'s one ``gemm_wgmma_swiglu``; else the GEMM then
-``silu_mul``), down_proj. An FP8 GEMM of more than
+``gemv_mma``'s one ``gemv_mma_swiglu``; beyond, the GEMM then ``silu_mul``), down_proj. An FP8 GEMM of more than
 ``f32_max_rows`` rows reads BF16 activations, which the kernel before it (the norm, attention, SwiGLU) writes
 as BF16 bits itself (``Planner.gemm_input``): no rounding launch between them.
 Around the layers: the embedding, the final ``add_parts_rms_norm`` and the lm_head (``bf16_linear`` on float32
@@ -72,7 +71,6 @@ import numpy as np
 from fp8lab.numba_kernels import layers, prefill_mma, splitkv, splitkv_mma
 from fp8lab.numba_kernels.attention_input import qk_norm_rope_cache_write
 from fp8lab.numba_kernels.fp8_gemm import choose_path, fp8_gemm
-from fp8lab.numba_kernels.gemm_wgmma import gemm_wgmma_swiglu
 from fp8lab.numba_kernels.gemv_mma import F32_MAX_ROWS, gemv_mma_bf16, gemv_mma_swiglu
 from fp8lab.numba_kernels.gemv_simt import (
     gemv_simt,
@@ -438,9 +436,9 @@ class Planner:
         """``act = silu(x @ gate^T) * (x @ up^T)`` from the fused gate/up weight (``act`` float32, or BF16 bits for
         a down_proj that reads them), its launches appended to ``plan``: one ``gemv_simt_swiglu`` on the SIMT path
         (the epilogue applies SwiGLU, no ``[T, 2 I]`` round trip), ``gemv_mma_swiglu`` on BF16 inputs of 2 to 32
-        rows (the same, on tensor cores), ``gemm_wgmma_swiglu`` where ``fp8_gemm`` would take the warpgroup GEMM
-        (prefill sizes on a Hopper GPU), else the GEMM into ``gate_up_out`` and ``layers.silu_mul`` (bit for bit
-        the same as that GEMM's kernel then SwiGLU)."""
+        rows (the same, on tensor cores), else the GEMM into ``gate_up_out`` and ``layers.silu_mul`` (bit for bit
+        the same as that GEMM's kernel then SwiGLU; ``gemm_wgmma_swiglu``, the warpgroup GEMM with SwiGLU in its
+        epilogue, measured slower than the two, is not launched: ``bench/RESULTS.md``, twenty-second session)."""
         if gate_up.kind == "fp8" and self.simt_path(x):
             plan.append(Launch(gemv_simt_swiglu, (x, gate_up.weight, gate_up.scale_inv, act, gate_up.block),
                                label="gate/up gemv + swiglu"))
@@ -448,10 +446,6 @@ class Planner:
         if gate_up.kind == "fp8" and is_bf16(x) and choose_path(x.shape[0], gate_up.n) == "gemv_mma":
             plan.append(Launch(gemv_mma_swiglu, (x, gate_up.weight, gate_up.scale_inv, act, gate_up.block),
                                label="gate/up gemv_mma + swiglu"))
-            return
-        if gate_up.kind == "fp8" and is_bf16(x) and choose_path(x.shape[0], gate_up.n) == "wgmma":
-            plan.append(Launch(gemm_wgmma_swiglu, (x, gate_up.weight, gate_up.scale_inv, act, gate_up.block),
-                               label="gate/up gemm_wgmma + swiglu"))
             return
         self.linear(gate_up, x, gate_up_out, "gate/up", plan)
         plan.append(Launch(layers.silu_mul, (gate_up_out, act), label="swiglu"))
