@@ -136,16 +136,20 @@ else:
 
         return copy
 
-    def _shared_window_address(context, builder, array_type, array, index, index_type):
-        """The 32-bit shared-window address of ``array[index]``: ``cvta.to.shared`` of ``array``'s start (a value the
-        compiler computes once), plus the index in 32-bit arithmetic."""
+    def shared_start(context, builder, array_type, array):
+        """The 32-bit shared-window address of a shared array's first element (``cvta.to.shared`` of its generic
+        address: a value the compiler computes once). Also used by ``fp8lab.numba_kernels.wgmma``."""
         data = context.make_array(array_type)(context, builder, value=array).data
         generic = builder.ptrtoint(data, ir.IntType(64))
         start = builder.call(ir.InlineAsm(ir.FunctionType(ir.IntType(64), [ir.IntType(64)]),
                                           "cvta.to.shared.u64 $0, $1;", "=l,l"), [generic])
-        offset = builder.mul(context.cast(builder, index, index_type, types.uint32),
-                             ir.Constant(ir.IntType(32), context.get_abi_sizeof(data.type.pointee)))
-        return builder.add(builder.trunc(start, ir.IntType(32)), offset)
+        return builder.trunc(start, ir.IntType(32))
+
+    def _shared_window_address(context, builder, array_type, array, index, index_type):
+        """The 32-bit shared-window address of ``array[index]``: ``shared_start`` plus the index in 32 bits."""
+        itemsize = context.get_abi_sizeof(context.get_data_type(array_type.dtype))
+        offset = builder.mul(context.cast(builder, index, index_type, types.uint32), ir.Constant(ir.IntType(32), itemsize))
+        return builder.add(shared_start(context, builder, array_type, array), offset)
 
     def _flat_copy_intrinsic(cache: str, size: int):
         # The source address is formed in the PTX (one mad.wide.u32: start + element * itemsize), so that LLVM cannot

@@ -183,19 +183,11 @@ else:
 
     _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 
-    from .cp_async import statement_intrinsic
+    from .cp_async import shared_start, statement_intrinsic
 
     fence = statement_intrinsic("wgmma.fence.sync.aligned;")
     commit_group = statement_intrinsic("wgmma.commit_group.sync.aligned;")
     proxy_fence = statement_intrinsic("fence.proxy.async.shared::cta;")
-
-    def _shared_address_of(context, builder, array_type, array):
-        """The 32-bit shared-window address of ``array[0]`` (``cvta.to.shared`` of its generic address)."""
-        data = context.make_array(array_type)(context, builder, value=array).data
-        generic = builder.ptrtoint(data, _I64)
-        shared = builder.call(ir.InlineAsm(ir.FunctionType(_I64, [_I64]), "cvta.to.shared.u64 $0, $1;", "=l,l"),
-                              [generic])
-        return builder.trunc(shared, _I32)
 
     @intrinsic
     def shared_address(typingctx, smem):
@@ -204,7 +196,7 @@ else:
             return None
 
         def codegen(context, builder, signature, args):
-            return _shared_address_of(context, builder, signature.args[0], args[0])
+            return shared_start(context, builder, signature.args[0], args[0])
 
         return types.uint32(smem), codegen
 
@@ -266,7 +258,7 @@ else:
                 # three terms are multiples of 16, so it is the sum of their shifts: the first two the compiler
                 # computes once per stage, the third is a constant after unrolling.
                 four = ir.Constant(_I32, 4)
-                stage = builder.add(builder.lshr(_shared_address_of(context, builder, smem_type, args[3]), four),
+                stage = builder.add(builder.lshr(shared_start(context, builder, smem_type, args[3]), four),
                                     builder.lshr(context.cast(builder, args[4], stage_type, types.uint32), four))
                 address = builder.add(stage, builder.lshr(context.cast(builder, args[5], offset_type, types.uint32),
                                                           four))
