@@ -23,8 +23,8 @@ How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Mac
 
 - **Tiles**: a CTA owns ``CTA_N = 64 warpgroups`` weight rows times ``TOKENS`` (64 or 128) activation rows.
   Warpgroup ``w`` multiplies weight rows ``64 w .. 64 w + 63`` by all ``TOKENS`` tokens with one
-  ``wgmma.m64n{TOKENS}k16`` per k16 step (``fp8lab.numba_kernels.wgmma``; or, with ``Tiling.chains`` = 2, two
-  ``m64n64k16`` into the two halves of the accumulators): A = the weights, in registers, B = the activations, from
+  ``wgmma.m64n{TOKENS}k16`` per k16 step (``fp8lab.numba_kernels.wgmma``; two independent ``m64n64k16`` chains
+  instead were 1 to 10% slower on an H100, ``bench/RESULTS.md``, twenty-second session): A = the weights, in registers, B = the activations, from
   shared memory. Warp ``v`` of a warpgroup holds the A fragments of its 16 weight rows, which
   it alone needs: it reads a row's 16 codes of a k16 step in one 128-bit shared load, picks its two pairs with
   ``prmt`` and places them into BF16 patterns (``place_selected``: ``decode(q) * 2^-120`` exactly, as
@@ -136,12 +136,6 @@ class Tiling(NamedTuple):
     to 6% faster than one on an H100 at M = 2,048, four slower (``bench/RESULTS.md``, twentieth session); with the
     twenty-second session's cheaper loop, four are the fastest: 2 to 11% faster than two at M = 2,048, up to 13% at
     512, on the four Qwen3-8B shapes."""
-    chains: int = 1
-    """Accumulator chains per warpgroup (1 or 2; 2 needs 128 tokens): with 2, each k16 step is two
-    ``wgmma.m64n64k16``, tokens 0..63 and 64..127, into the two halves of the accumulators, two independent chains
-    instead of one ``m64n128k16`` chain; each output's order is unchanged. Measured 1 to 10% slower than one chain
-    on an H100 (``bench/RESULTS.md``, twenty-second session): a candidate for deletion."""
-
     @property
     def cta_n(self) -> int:
         return wgmma.M_ROWS * self.warpgroups
@@ -170,13 +164,9 @@ class Tiling(NamedTuple):
 
     def check(self) -> Tiling:
         for name, value, choices in (("tokens", self.tokens, wgmma.N_CHOICES), ("warpgroups", self.warpgroups, (1, 2)),
-                                     ("stages", self.stages, (3, 4, 5, 6)), ("parts", self.parts, (1, 2, 4)),
-                                     ("chains", self.chains, (1, 2))):
+                                     ("stages", self.stages, (3, 4, 5, 6)), ("parts", self.parts, (1, 2, 4))):
             if value not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
-        if self.tokens // self.chains not in wgmma.N_CHOICES:
-            raise ValueError(f"chains: {self.chains} chains of {self.tokens} tokens need wgmma of width "
-                             f"{self.tokens // self.chains}, not one of {wgmma.N_CHOICES}")
         if self.shared_bytes > MAX_SHARED_PER_CTA:
             raise ValueError(f"stages: {self} needs {self.shared_bytes} bytes of shared memory, more than the "
                              f"{MAX_SHARED_PER_CTA} a CTA may have")
@@ -258,20 +248,14 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
     a_copy_stride, q_copy_stride = a_token_step * wgmma.ROW_BYTES, q_row_step * CODE_ROW_BYTES  # in a stage
     scale_groups = cta_n // 8
     atom_bytes = tokens * wgmma.ROW_BYTES  # one 64-k atom of every token row
-    chain_tokens = tokens // tiling.chains
-    mma_lo = wgmma.mma_async_function(chain_tokens)  # tokens 0 .. chain_tokens - 1 into accumulators 0 ..
-    # With two chains, the second: tokens 64..127 (rows 64.. of each atom) into accumulators 32..63, which are those
-    # of the same outputs in the m64n128 layout (columns 8 (i >> 2) + ..., rows by (i >> 1) & 1), so promotion and
-    # store are unchanged.
-    mma_hi = wgmma.mma_async_function(chain_tokens, chain_tokens // 2)
-    hi_bytes = chain_tokens * wgmma.ROW_BYTES
+    mma_async = wgmma.mma_async_function(tokens)
     wait_for_wgmma = wgmma.wait_group_function(0, tokens)
     wait_for_chunk = wait_group_function(stages - 3)
     bf16_output = output == "bf16"
-    two_chains = tiling.chains == 2
     store_output = STORE[output]
     outputs_per_cta = cta_n // 2  # SwiGLU: each warp's 16 rows are the gate and up rows of 8 outputs
     lane_outputs = tokens // 4  # SwiGLU: a lane's outputs (one output row, tokens 8 b + 2 t + {0, 1})
+    assert 2 * lane_outputs * threads * 4 <= stages * stage_bytes, "SwiGLU's epilogue stages its values in the stages"
 
     @inlined_device_function
     def weight_row(row, row0, half):
@@ -370,9 +354,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         for i in range(steps_per_part):
             j = part * steps_per_part + i
             start = (j // 4) * atom_bytes + (j % 4) * wgmma.STEP_BYTES
-            mma_lo(c_part, a_regs, 4 * j, smem64, stage_base, start, j > 0)
-            if two_chains:  # the second chain: tokens 64..127, 64 rows further into each atom
-                mma_hi(c_part, a_regs, 4 * j, smem64, stage_base, start + hi_bytes, j > 0)
+            mma_async(c_part, a_regs, 4 * j, smem64, stage_base, start, j > 0)
 
     @inlined_device_function
     def place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector):
@@ -408,24 +390,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
     def store(out, c_fin, token0, row0, g, t):
         """Lane ``(g, t)``'s accumulator ``4 b + i`` is ``out^T[row0 + g + 8 (i >> 1), token0 + 8 b + 2 t + (i & 1)]``;
         only inside ``out``. (Two nested loops, not one of ``tokens / 2``: the compiler unrolls them fully, so
-        ``c_fin`` keeps constant indices and stays in registers.) With SwiGLU, accumulators ``4 b + i`` and ``4 b +
-        2 + i`` (``i`` = 0, 1) are the gate and up of output ``row0 + g`` for token ``token0 + 8 b + 2 t + i``: it
-        stores ``silu(gate) * up`` (``silu_times``: what ``silu_mul`` computes from the GEMM's float32)."""
-        if swiglu:
-            # The gates and ups out of c_fin first, in a loop small enough for LLVM to unroll (c_fin indexed by
-            # constants stays in registers); the loop of divisions after it is not unrolled, and indexes these
-            # two arrays instead (local memory, once). Indexing c_fin there put all of it in local memory, the
-            # main loop's promotion too: a 256-byte stack frame, 35% slower on an H100 (bench/RESULTS.md).
-            gates = cuda.local.array(lane_outputs, float32)
-            ups = cuda.local.array(lane_outputs, float32)
-            for j in range(lane_outputs):
-                gates[j] = c_fin[4 * (j // 2) + j % 2]
-                ups[j] = c_fin[4 * (j // 2) + 2 + j % 2]
-            for j in range(lane_outputs):
-                token = token0 + 8 * (j // 2) + 2 * t + j % 2
-                if token < out.shape[0] and row0 + g < out.shape[1]:
-                    store_output(out, token, row0 + g, silu_times(gates[j], ups[j]))
-            return
+        ``c_fin`` keeps constant indices and stays in registers.)"""
         for b in range(tokens // 8):
             for i in range(4):
                 row = row0 + g + 8 * (i >> 1)
@@ -435,6 +400,29 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
                         out[token, row] = f32_to_bf16_bits_rne(c_fin[4 * b + i])  # a NaN stays NaN
                     else:
                         out[token, row] = c_fin[4 * b + i]
+
+    @inlined_device_function
+    def store_swiglu(out, smemf, base, c_fin, token0, row0, thread, g, t):
+        """SwiGLU's epilogue: accumulators ``4 b + i`` and ``4 b + 2 + i`` (``i`` = 0, 1) are the gate and up of output
+        ``row0 + g`` for token ``token0 + 8 b + 2 t + i``; store ``silu(gate) * up`` (``silu_times``: what
+        ``silu_mul`` computes from the GEMM's float32). The divisions are too long a body for the compiler to unroll
+        over all ``tokens / 4`` outputs, and a loop that is not unrolled indexes its values at run time, which puts
+        them in local memory: with shared memory taking most of L1, that is an L2 round trip per value, and the
+        first build of this epilogue made the kernel 33% slower than ``gemm_wgmma`` (``bench/RESULTS.md``,
+        twenty-third session). So the gates and ups go to the stages' shared memory, idle once every warpgroup has
+        waited for its last ``wgmma`` (the barrier), each thread's in its own column (conflict-free), and the
+        outputs are computed four at a time, four independent chains."""
+        cuda.syncthreads()  # every wgmma has finished reading the stages
+        column = base // 4 + thread
+        for j in range(lane_outputs):  # constant indices into c_fin: unrolled, registers
+            smemf[column + (2 * j) * threads] = c_fin[4 * (j // 2) + j % 2]
+            smemf[column + (2 * j + 1) * threads] = c_fin[4 * (j // 2) + 2 + j % 2]
+        for first in range(0, lane_outputs, 4):
+            for j in range(first, first + 4):
+                token = token0 + 8 * (j // 2) + 2 * t + j % 2
+                if token < out.shape[0] and row0 + g < out.shape[1]:
+                    gate = smemf[column + (2 * j) * threads]
+                    store_output(out, token, row0 + g, silu_times(gate, smemf[column + (2 * j + 1) * threads]))
 
     def gemm_wgmma_kernel(a_words, q_words, scale_inv, out, k, block_n, block_k):
         pdl.prologue()
@@ -490,7 +478,10 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
 
         wait_for_wgmma(c_part)
         promote(smemf, base + ((chunks - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
-        store(out, c_fin, token0, row0 + (warp * uint32(8) if swiglu else warp_row), g, t)
+        if swiglu:
+            store_swiglu(out, smemf, base, c_fin, token0, row0 + warp * uint32(8), thread, g, t)
+        else:
+            store(out, c_fin, token0, row0 + warp_row, g, t)
 
     return gemm_wgmma_kernel
 

@@ -36,7 +36,7 @@ from fp8lab.simulators import dense
 from fp8lab.simulators import gemm_mma as model
 
 TILINGS = [kernel.Tiling(64, 1, 3, 4), kernel.Tiling(64, 2, 5), kernel.Tiling(128, 1, 4), kernel.Tiling(),
-           kernel.Tiling(128, 2, 4, 1), kernel.Tiling(128, 2, 4, 2, 2)]
+           kernel.Tiling(128, 2, 4, 1), kernel.Tiling(128, 2, 4, 2)]
 
 
 @pytest.mark.cudasim
@@ -47,7 +47,7 @@ TILINGS = [kernel.Tiling(64, 1, 3, 4), kernel.Tiling(64, 2, 5), kernel.Tiling(12
     (TILINGS[1], 70, 136, 384, (64, 128), "bf16"),  # two token tiles, a second CTA in N, 3 chunks over 5 stages
     (TILINGS[2], 130, 64, 512, (8, 256), "f32"),  # a scale per 8 rows, a scale block of two chunks, token tail
     (TILINGS[3], 9, 200, 640, (128, 128), "bf16"),  # the default: 5 chunks through 4 stages
-    (TILINGS[5], 130, 72, 512, (8, 256), "f32"),  # two accumulator chains: tokens 64..127 their own, a token tile tail
+    (TILINGS[5], 130, 72, 512, (8, 256), "f32"),  # two parts of 4 k16 steps, a token tile tail
 ])
 def test_bit_for_bit_the_simulator(tiling, m, n, k, block, output, rng):
     a = activations(rng.standard_normal((m, k)).astype(np.float32), "bf16")
@@ -62,7 +62,7 @@ def test_bit_for_bit_the_simulator(tiling, m, n, k, block, output, rng):
 @pytest.mark.parametrize("tiling, m, intermediate, k, block, output", [
     (TILINGS[0], 20, 72, 256, (8, 128), "f32"),  # 72 outputs: three CTAs of 32 (one warpgroup), the last partial
     (TILINGS[3], 9, 200, 384, (128, 128), "bf16"),  # the default: gate and up rows in different scale blocks
-    (TILINGS[5], 130, 40, 256, (16, 128), "f32"),  # two chains, a token tile tail
+    (TILINGS[5], 130, 40, 256, (16, 128), "f32"),  # two parts, a token tile tail
 ])
 def test_swiglu_is_the_gemm_then_silu_mul_bit_for_bit(tiling, m, intermediate, k, block, output, rng):
     """``gemm_wgmma_swiglu`` = ``gemm_wgmma`` into float32, then ``silu_mul`` (its simulator): each warp's 16 rows
@@ -148,7 +148,7 @@ def test_a_nan_scale_or_activation_reaches_exactly_its_outputs(rng):
     (dict(block=(4, 128)), "block_n to be a positive multiple of 8"),
     (dict(tiling=kernel.Tiling(96, 2, 4)), "tokens: expected one of"),
     (dict(tiling=kernel.Tiling(128, 2, 7)), "stages: expected one of"),
-    (dict(tiling=kernel.Tiling(64, 2, 4, 2, 2)), "chains: 2 chains of 64 tokens need wgmma of width 32"),
+    (dict(tiling=kernel.Tiling(64, 2, 4, 3)), "parts: expected one of"),
 ])
 def test_bad_calls_raise_before_launching(change, message):
     args = dict(a=np.zeros((4, 256), np.uint16), q=np.zeros((16, 256), np.uint8),
