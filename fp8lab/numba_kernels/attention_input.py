@@ -19,8 +19,10 @@ a GPU and in the CUDA simulator: the norm is ``fp8lab.simulators.dense.rms_norm`
 ``w * (x / denom)``), RoPE ``fp8lab.simulators.dense.rope``, the cache write
 ``fp8lab.reference.kv_cache.write``.
 
-Launch: grid ``(T, Hq + Hkv)`` x 32 threads, one warp per (token, head). Block ``y < Hq`` is query
-head ``y``: load ``q[t, y D : (y + 1) D]``, norm, rope, store ``q_out[t, y]``. Block ``y >= Hq`` is kv
+Launch: grid ``(T, ceil((Hq + Hkv) / 4))`` x 128 threads, one warp per (token, head): warp ``w`` of CTA
+``(t, b)`` takes head ``y = 4 b + w`` of token ``t``. (A CTA of one warp per head, as before, ran at most 32 warps
+per SM, the SM's limit of resident CTAs.) Head ``y < Hq`` is query
+head ``y``: load ``q[t, y D : (y + 1) D]``, norm, rope, store ``q_out[t, y]``. Head ``y >= Hq`` is kv
 head ``j = y - Hq`` of a token with a slot: load k's and v's row ``j``, norm and rope k, write k's
 cache row, then v's. Lane ``L`` holds elements ``L + 32 i`` (``i < ceil(D / 32)``) in registers, and
 reads all of them before it writes any (so ``q_out`` may be ``q``); ``D`` (even, at most 256) is a
@@ -28,7 +30,7 @@ compile-time constant of the kernel variant (one per head dim and cache format),
 loads (x, weights, cos/sin, v) are issued together, unrolled. ``q``, ``k``, ``v`` are compiled with
 layout "A" (any row stride; elements of a row adjacent). When ``D`` is a multiple of 64 the RoPE
 pair ``(i, i + D/2)`` lies in one lane; otherwise the normed row is staged in shared memory (D
-floats, ``syncwarp``) and each lane reads its elements' partners.
+floats per warp, ``syncwarp``) and each lane reads its elements' partners.
 
 A warp's work on one head row is a set of device functions (``head_row_functions``): the tensor-core decode
 attention with its input (``splitkv_mma.decode_mma_with_input``) runs the same ones, so its queries and cache
@@ -69,6 +71,8 @@ from .warp import WARP_SIZE, warp_sum
 MAX_HEAD_DIM = WARP_PER_ROW_MAX_N
 """256: up to here ``layers.rms_norm`` uses a warp per row, the order this kernel reproduces."""
 NAN = float32(np.nan)
+HEADS_PER_CTA = 4
+"""Warps (heads) per CTA."""
 COMPILED_HEAD_DIMS = (16, 64, 128)
 """Head dims of ``kernel_variants`` (the PTX check): a staged one (16) and in-lane ones (64: tiny model, 128: Qwen3);
 the FP8 cache at each, the float caches at 128."""
@@ -259,11 +263,14 @@ def attention_input_function(head_dim: int, cache_format: str):
                                v_scale, slot_mapping):
         pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         token = cuda.blockIdx.x
-        y = cuda.blockIdx.y
-        lane = cuda.threadIdx.x
-        values = cuda.local.array(E, float32)
-        stage = cuda.shared.array(D, float32)
+        warp, lane = cuda.threadIdx.x // WARP_SIZE, cuda.threadIdx.x % WARP_SIZE
+        y = cuda.blockIdx.y * HEADS_PER_CTA + warp
         q_heads = q_out.shape[1]
+        if y >= q_heads + k_cache.shape[1]:
+            return  # past the last head (the whole warp leaves; no barrier follows)
+        values = cuda.local.array(E, float32)
+        stages = cuda.shared.array((HEADS_PER_CTA, D), float32)
+        stage = stages[warp]
         # D read at run time: the norm divides by it as rms_norm does (see normalize)
         n = float32(q_out.shape[2])
         if y < q_heads:
@@ -400,8 +407,8 @@ def qk_norm_rope_cache_write(q, k, v, q_out, q_norm, k_norm, eps, positions, cos
             positions, cos_sin, k_cache, v_cache, k_scale if fp8 else placeholder(3),
             v_scale if fp8 else placeholder(3), slot_mapping]
     written = (3, 9, 10, 11, 12) if fp8 else (3, 9, 10)
-    _run(_attention_input_kernel(head_dim, cache_format), (tokens, q_heads + kv_heads), WARP_SIZE, stream, args,
-         written)
+    grid = (tokens, -(-(q_heads + kv_heads) // HEADS_PER_CTA))
+    _run(_attention_input_kernel(head_dim, cache_format), grid, WARP_SIZE * HEADS_PER_CTA, stream, args, written)
 
 
 # ---------------------------------------------------------------------------- every variant, for the PTX check
