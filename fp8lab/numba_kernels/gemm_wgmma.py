@@ -136,6 +136,10 @@ class Tiling(NamedTuple):
     to 6% faster than one on an H100 at M = 2,048, four slower (``bench/RESULTS.md``, twentieth session); with the
     twenty-second session's cheaper loop, four are the fastest: 2 to 11% faster than two at M = 2,048, up to 13% at
     512, on the four Qwen3-8B shapes."""
+    ahead: bool = False
+    """Two sets of A registers: chunk ``c`` is placed into set ``c % 2`` before the wait for chunk ``c - 1``'s
+    ``wgmma`` (which read the other set), so that only the promotion lies between one chunk's ``wgmma`` and the
+    next one's; the loop body is unrolled twice (static register sets), ``parts`` is ignored."""
     @property
     def cta_n(self) -> int:
         return wgmma.M_ROWS * self.warpgroups
@@ -164,7 +168,8 @@ class Tiling(NamedTuple):
 
     def check(self) -> Tiling:
         for name, value, choices in (("tokens", self.tokens, wgmma.N_CHOICES), ("warpgroups", self.warpgroups, (1, 2)),
-                                     ("stages", self.stages, (3, 4, 5, 6)), ("parts", self.parts, (1, 2, 4))):
+                                     ("stages", self.stages, (3, 4, 5, 6)), ("parts", self.parts, (1, 2, 4)),
+                                     ("ahead", self.ahead, (False, True))):
             if value not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
         if self.shared_bytes > MAX_SHARED_PER_CTA:
@@ -238,10 +243,13 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         raise ValueError(f"no gemm_wgmma variant for output={output!r}")
     tiling = Tiling(*tiling).check()
     tokens, stages, threads, cta_n = tiling.tokens, tiling.stages, tiling.threads, tiling.cta_n
-    steps_per_part = K_STEPS_PER_CHUNK // tiling.parts
     stage_bytes, code_offset, scale_offset = tiling.stage_bytes, tiling.code_offset, tiling.scale_offset
     accumulators = tokens // 2
     a_registers = 4 * K_STEPS_PER_CHUNK  # 32: 4 per k16 step
+    ahead = tiling.ahead
+    parts = 1 if ahead else tiling.parts
+    a_array_size = 2 * a_registers if ahead else a_registers
+    steps_per_part = K_STEPS_PER_CHUNK // parts
     a_copies = tokens * PIECES_PER_TOKEN // threads  # 16-byte copies per thread and chunk
     q_copies = cta_n * PIECES_PER_CODE_ROW // threads
     a_token_step, q_row_step = threads // PIECES_PER_TOKEN, threads // PIECES_PER_CODE_ROW
@@ -250,6 +258,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
     atom_bytes = tokens * wgmma.ROW_BYTES  # one 64-k atom of every token row
     mma_async = wgmma.mma_async_function(tokens)
     wait_for_wgmma = wgmma.wait_group_function(0, tokens)
+    wait_keeping = wgmma.wait_group_keeping_function(0, tokens, 2 * a_registers)
     wait_for_chunk = wait_group_function(stages - 3)
     bf16_output = output == "bf16"
     store_output = STORE[output]
@@ -329,7 +338,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         commit_group()
 
     @inlined_device_function
-    def place_part(smem32, stage_base, a_regs, warp_row, g, selector, part):
+    def place_part(smem32, stage_base, a_regs, warp_row, g, selector, part, first_reg):
         """The A registers of the warp's 16 weight rows for the k16 steps ``j`` of part ``part`` of the chunk: step
         ``j``'s registers hold codes (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..) of the step as BF16
         patterns. A lane reads each row's 16 codes of a step in one 128-bit load (the row's four lanes read the same
@@ -341,29 +350,52 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
             j = part * steps_per_part + i
             w0, w1, w2, w3 = load_shared_u32x4(smem32, top + 4 * j)
             v0, v1, v2, v3 = load_shared_u32x4(smem32, bottom + 4 * j)
-            a_regs[4 * j] = place_selected(prmt(w0, w1, selector))
-            a_regs[4 * j + 1] = place_selected(prmt(v0, v1, selector))
-            a_regs[4 * j + 2] = place_selected(prmt(w2, w3, selector))
-            a_regs[4 * j + 3] = place_selected(prmt(v2, v3, selector))
+            a_regs[first_reg + 4 * j] = place_selected(prmt(w0, w1, selector))
+            a_regs[first_reg + 4 * j + 1] = place_selected(prmt(v0, v1, selector))
+            a_regs[first_reg + 4 * j + 2] = place_selected(prmt(w2, w3, selector))
+            a_regs[first_reg + 4 * j + 3] = place_selected(prmt(v2, v3, selector))
 
     @inlined_device_function
-    def multiply_part(smem64, stage_base, a_regs, c_part, part):
+    def multiply_part(smem64, stage_base, a_regs, c_part, part, first_reg):
         """The ``wgmma`` k16 steps of part ``part`` into ``c_part``, the chunk's first overwriting it (``c_part = 0 +
         ...``); the fence orders the part's register writes before them."""
         wgmma.fence()
         for i in range(steps_per_part):
             j = part * steps_per_part + i
             start = (j // 4) * atom_bytes + (j % 4) * wgmma.STEP_BYTES
-            mma_async(c_part, a_regs, 4 * j, smem64, stage_base, start, j > 0)
+            mma_async(c_part, a_regs, first_reg + 4 * j, smem64, stage_base, start, j > 0)
 
     @inlined_device_function
     def place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector):
         """Steps 4 and 5 of an iteration: part by part, place the chunk's codes and issue their ``wgmma`` (part ``p +
         1``'s placement runs while part ``p``'s ``wgmma`` do), then commit the chunk's ``wgmma`` as one group."""
-        for part in range(tiling.parts):
-            place_part(smem32, stage_base, a_regs, warp_row, g, selector, part)
-            multiply_part(smem64, stage_base, a_regs, c_part, part)
+        for part in range(parts):
+            place_part(smem32, stage_base, a_regs, warp_row, g, selector, part, 0)
+            multiply_part(smem64, stage_base, a_regs, c_part, part, 0)
         wgmma.commit_group()
+
+    @inlined_device_function
+    def ahead_step(smem8, smem32, smem64, smemf, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row,
+                   block_divider, chunks, a_regs, c_part, c_fin, warp_row, g, selector, first_reg, next_reg):
+        """One iteration with two register sets (``Tiling.ahead``), chunk ``chunk`` already placed into the set at
+        ``first_reg``: wait for chunk ``chunk - 1``'s ``wgmma`` (the other set), promote them, issue this chunk's;
+        then, while they run, receive chunk ``chunk + 1`` and place it into the other set (``next_reg``)."""
+        wait_keeping(c_part, a_regs, 0)  # both sets live through the wait: the compiler keeps them apart
+        promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
+        multiply_part(smem64, base + (chunk % uint32(stages)) * stage_bytes, a_regs, c_part, 0, first_reg)
+        wgmma.commit_group()
+        receive_and_place(smem8, smem32, a_words, q_words, scale_inv, chunk + uint32(1), base, copies, thread,
+                          scale_row, block_divider, chunks, a_regs, warp_row, g, selector, next_reg)
+
+    @inlined_device_function
+    def receive_and_place(smem8, smem32, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row,
+                          block_divider, chunks, a_regs, warp_row, g, selector, first_reg):
+        """``Tiling.ahead``: receive chunk ``chunk`` (if there is one) and place it into the set at ``first_reg``."""
+        if chunk < chunks:
+            receive_chunk(smem8, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row, block_divider,
+                          chunks)
+            place_part(smem32, base + (chunk % uint32(stages)) * stage_bytes, a_regs, warp_row, g, selector, 0,
+                       first_reg)
 
     @inlined_device_function
     def promote(smemf, stage_base, c_part, c_fin, warp_row, g):
@@ -449,7 +481,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         smemf = cuda.shared.array(0, float32)
         base = (uint32(wgmma.ATOM_BYTES) - (wgmma.shared_address(smem64) % uint32(wgmma.ATOM_BYTES))) \
             % uint32(wgmma.ATOM_BYTES)  # the first stage's offset: 1,024-aligned in the shared window
-        a_regs = cuda.local.array(a_registers, uint32)
+        a_regs = cuda.local.array(a_array_size, uint32)
         c_part = cuda.local.array(accumulators, float32)
         c_fin = cuda.local.array(accumulators, float32)
         for i in range(accumulators):
@@ -466,15 +498,36 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         # that depend on a wait in a divergent-looking path).
         receive_chunk(smem8, a_words, q_words, scale_inv, uint32(0), base, copies, thread, scale_row,
                       block_divider, chunks)
-        place_and_multiply(smem32, smem64, base, a_regs, c_part, warp_row, g, selector)
-        for chunk_index in range(1, chunks):
-            chunk = uint32(chunk_index)
-            stage_base = base + (chunk % uint32(stages)) * stage_bytes
-            receive_chunk(smem8, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row,
-                          block_divider, chunks)
-            wait_for_wgmma(c_part)  # chunk - 1's wgmma are done with c_part and with the A registers
-            promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
-            place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector)
+        if ahead:
+            place_part(smem32, base, a_regs, warp_row, g, selector, 0, 0)
+            multiply_part(smem64, base, a_regs, c_part, 0, 0)
+            wgmma.commit_group()
+            receive_and_place(smem8, smem32, a_words, q_words, scale_inv, uint32(1), base, copies, thread, scale_row,
+                              block_divider, chunks, a_regs, warp_row, g, selector, a_registers)
+            chunk = uint32(1)
+            while chunk + uint32(1) < chunks:  # two chunks a pass: sets 1 then 0
+                ahead_step(smem8, smem32, smem64, smemf, a_words, q_words, scale_inv, chunk, base, copies, thread,
+                           scale_row, block_divider, chunks, a_regs, c_part, c_fin, warp_row, g, selector, a_registers,
+                           0)
+                ahead_step(smem8, smem32, smem64, smemf, a_words, q_words, scale_inv, chunk + uint32(1), base, copies,
+                           thread, scale_row, block_divider, chunks, a_regs, c_part, c_fin, warp_row, g, selector, 0,
+                           a_registers)
+                chunk += uint32(2)
+            if chunk < chunks:
+                ahead_step(smem8, smem32, smem64, smemf, a_words, q_words, scale_inv, chunk, base, copies, thread,
+                           scale_row, block_divider, chunks, a_regs, c_part, c_fin, warp_row, g, selector, a_registers,
+                           0)
+        else:
+            place_and_multiply(smem32, smem64, base, a_regs, c_part, warp_row, g, selector)
+            for chunk_index in range(1, chunks):
+                chunk = uint32(chunk_index)
+                stage_base = base + (chunk % uint32(stages)) * stage_bytes
+                receive_chunk(smem8, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row,
+                              block_divider, chunks)
+                wait_for_wgmma(c_part)  # chunk - 1's wgmma are done with c_part and with the A registers
+                promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row,
+                        g)
+                place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector)
 
         wait_for_wgmma(c_part)
         promote(smemf, base + ((chunks - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)

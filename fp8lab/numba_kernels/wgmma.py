@@ -161,6 +161,12 @@ if SIMULATOR:
 
         return wait_group
 
+    def wait_group_keeping_function(n: int, columns: int, registers: int):
+        def wait_group_keeping(acc, a_regs, first):
+            _wait(n)
+
+        return wait_group_keeping
+
     def mma_async_function(n: int, acc_offset: int = 0):
         if n not in N_CHOICES:
             raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
@@ -231,6 +237,33 @@ else:
             return types.void(acc), codegen
 
         return wait_group
+
+    def wait_group_keeping_function(n: int, columns: int, registers: int):
+        """``wait_group_function``'s wait that also takes ``a_regs[first .. first + registers - 1]`` as inputs: those
+        A registers stay live (the compiler gives them to no other value) until the wait, as ``wgmma`` in flight may
+        still read them. Without it the compiler sees them dead once the ``wgmma`` is issued."""
+        count = columns // 2
+
+        @intrinsic
+        def wait_group_keeping(typingctx, acc, a_regs, first):
+            if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and isinstance(a_regs, types.Array)
+                    and a_regs.dtype == types.uint32):
+                return None
+
+            def codegen(context, builder, signature, args):
+                pointers, values = _accumulators(context, builder, signature.args[0], args[0], count)
+                data = context.make_array(signature.args[1])(context, builder, value=args[1]).data
+                first_index = context.cast(builder, args[2], signature.args[2], types.int64)
+                kept = [builder.load(builder.gep(data, [builder.add(first_index, ir.Constant(_I64, i))]))
+                        for i in range(registers)]
+                for p, v in zip(pointers, _through_asm(builder, f"wgmma.wait_group.sync.aligned {int(n)};", values,
+                                                       kept, ["r"] * registers, count)):
+                    builder.store(v, p)
+                return context.get_dummy_value()
+
+            return types.void(acc, a_regs, first), codegen
+
+        return wait_group_keeping
 
     def mma_async_function(n: int, acc_offset: int = 0):
         if n not in N_CHOICES:

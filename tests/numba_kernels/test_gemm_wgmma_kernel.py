@@ -36,7 +36,8 @@ from fp8lab.simulators import dense
 from fp8lab.simulators import gemm_mma as model
 
 TILINGS = [kernel.Tiling(64, 1, 3, 4), kernel.Tiling(64, 2, 5), kernel.Tiling(128, 1, 4), kernel.Tiling(),
-           kernel.Tiling(128, 2, 4, 1), kernel.Tiling(128, 2, 4, 2)]
+           kernel.Tiling(128, 2, 4, 1), kernel.Tiling(128, 2, 4, 2), kernel.Tiling(128, 2, 4, 4, True),
+           kernel.Tiling(64, 1, 3, 4, True)]
 
 
 @pytest.mark.cudasim
@@ -48,6 +49,9 @@ TILINGS = [kernel.Tiling(64, 1, 3, 4), kernel.Tiling(64, 2, 5), kernel.Tiling(12
     (TILINGS[2], 130, 64, 512, (8, 256), "f32"),  # a scale per 8 rows, a scale block of two chunks, token tail
     (TILINGS[3], 9, 200, 640, (128, 128), "bf16"),  # the default: 5 chunks through 4 stages
     (TILINGS[5], 130, 72, 512, (8, 256), "f32"),  # two parts of 4 k16 steps, a token tile tail
+    (TILINGS[6], 130, 72, 640, (8, 256), "bf16"),  # two register sets: 5 chunks (a pass of two, then one)
+    (TILINGS[7], 20, 40, 768, (16, 128), "f32"),  # two register sets: 6 chunks through 3 stages
+    (TILINGS[7], 20, 40, 128, (16, 128), "f32"),  # two register sets: one chunk
 ])
 def test_bit_for_bit_the_simulator(tiling, m, n, k, block, output, rng):
     a = activations(rng.standard_normal((m, k)).astype(np.float32), "bf16")
