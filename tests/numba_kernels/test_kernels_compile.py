@@ -96,7 +96,8 @@ def variants():
              (G.Tiling(128, 2, 4, 4, True), "f32", False)]
     return [Variant(f"{tuple(t)} -> {o}{' swiglu' if s else ''}", G.kernel_function(t, o, s), G.kernel_signature(o),
                     launch_bounds=(t.threads, 1), arch_specific=True,
-                    info={"tokens": t.tokens, "stages": t.stages, "threads": t.threads, "parts": t.parts})
+                    info={"tokens": t.tokens, "stages": t.stages, "threads": t.threads, "parts": t.parts,
+                          "ahead": t.ahead})
             for t, o, s in cases]
 '''
 
@@ -300,8 +301,10 @@ def test_gemm_wgmma_kernels_compile_to_sm90a_ptx(compiled):
         info = c.info
         assert ".target sm_90a" in c.ptx
         wgmmas = c.ptx.count(f"wgmma.mma_async.sync.aligned.m64n{info['tokens']}k16.f32.bf16.bf16")
-        assert wgmmas == 16  # the peeled chunk's and the loop's
-        assert c.ptx.count("wgmma.fence.sync.aligned;") == 2 * info["parts"]  # one before each part's wgmma
+        # the peeled chunk's and the loop's; with two register sets (ahead) also the loop's second step and the tail's,
+        # each one part
+        assert wgmmas == (32 if info["ahead"] else 16)
+        assert c.ptx.count("wgmma.fence.sync.aligned;") == (4 if info["ahead"] else 2 * info["parts"])
         for needle in ("wgmma.fence.sync.aligned;", "wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;",
                        "fence.proxy.async.shared::cta;",
                        "mad.wide.u32 g,", "cp.async.cg.shared.global [%r", "cp.async.ca.shared.global [s], [g], 4,",
