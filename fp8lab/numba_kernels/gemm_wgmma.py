@@ -1,8 +1,9 @@
 """Warpgroup tensor-core W8A16 GEMM for prefill sizes: ``wgmma`` with the FP8 weights placed into registers.
 
 Computes ``fp8lab.reference.blockwise.gemm`` in the float32 order of ``fp8lab.simulators.gemm_mma`` (the same
-simulator as ``gemm_mma``: the order per output is unchanged). Launch: grid ``(ceil(N / CTA_N), ceil(M /
-TOKENS))`` x ``128 warpgroups`` threads, ``launch_info``'s dynamic shared memory; sm_90 (Hopper) only. Checked
+simulator as ``gemm_mma``: the order per output is unchanged). Launch: grid ``ceil(N / CTA_N) * ceil(M / TOKENS)``
+(consecutive CTAs take the token tiles of one weight tile: ``Tiling.token_major``) x ``128 warpgroups`` threads,
+``launch_info``'s dynamic shared memory; sm_90 (Hopper) only. Checked
 (``tests/numba_kernels/test_gemm_wgmma_kernel.py``): bit for bit ``fp8lab.simulators.gemm_mma.gemm_mma`` in the
 CUDA simulator, the oracle within the tensor-core budget on a GPU.
 
@@ -140,6 +141,12 @@ class Tiling(NamedTuple):
     """Two sets of A registers: chunk ``c`` is placed into set ``c % 2`` before the wait for chunk ``c - 1``'s
     ``wgmma`` (which read the other set), so that only the promotion lies between one chunk's ``wgmma`` and the
     next one's; the loop body is unrolled twice (static register sets), ``parts`` is ignored."""
+    token_major: bool = True
+    """The order in which the CTAs take their tiles: a 1-D grid whose consecutive CTAs take the token tiles of one
+    weight tile, then the next weight tile's (``True``), so that the CTAs running together share their weight tiles
+    in L2 and each weight byte comes from HBM about once; or (``False``, the layout before) a 2-D grid, weight tiles
+    along ``x``, whose CTAs running together read as many weight tiles as there are SMs and re-read each from HBM
+    for every token tile (at M = 2,048, 16 times the gate/up weight's 100 MB)."""
     @property
     def cta_n(self) -> int:
         return wgmma.M_ROWS * self.warpgroups
@@ -169,7 +176,8 @@ class Tiling(NamedTuple):
     def check(self) -> Tiling:
         for name, value, choices in (("tokens", self.tokens, wgmma.N_CHOICES), ("warpgroups", self.warpgroups, (1, 2)),
                                      ("stages", self.stages, (3, 4, 5, 6)), ("parts", self.parts, (1, 2, 4)),
-                                     ("ahead", self.ahead, (False, True))):
+                                     ("ahead", self.ahead, (False, True)),
+                                     ("token_major", self.token_major, (False, True))):
             if value not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
         if self.shared_bytes > MAX_SHARED_PER_CTA:
@@ -226,7 +234,9 @@ def launch_info(m: int, n: int, k: int, tiling: Tiling | None = None) -> LaunchI
         raise ValueError(f"shape: expected M, N >= 1 and K a positive multiple of {K_CHUNK}, got {(m, n, k)}")
     tiling = Tiling(*(tiling or Tiling())).check()
     grid = (-(-n // tiling.cta_n), -(-m // tiling.tokens))
-    if grid[1] > MAX_GRID_Y:
+    if tiling.token_major:
+        grid = (grid[0] * grid[1], 1)
+    elif grid[1] > MAX_GRID_Y:
         raise ValueError(f"a: M = {m} needs {grid[1]} token tiles, more than the grid's {MAX_GRID_Y}")
     for name, rows, row_words in (("a", m, k // 4), ("q", n, k // 8)):
         if rows * row_words >= 2**32:
@@ -246,7 +256,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
     stage_bytes, code_offset, scale_offset = tiling.stage_bytes, tiling.code_offset, tiling.scale_offset
     accumulators = tokens // 2
     a_registers = 4 * K_STEPS_PER_CHUNK  # 32: 4 per k16 step
-    ahead = tiling.ahead
+    ahead, token_major = tiling.ahead, tiling.token_major
     parts = 1 if ahead else tiling.parts
     a_array_size = 2 * a_registers if ahead else a_registers
     steps_per_part = K_STEPS_PER_CHUNK // parts
@@ -465,8 +475,14 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         warp_row = warp * ROWS_PER_WARP  # the warp's first weight row in the CTA (warpgroup w: rows 64 w ..)
         m, half = uint32(out.shape[0]), uint32(out.shape[1])  # half: SwiGLU's I
         n = half * uint32(2) if swiglu else half  # weight rows
-        row0 = uint32(cuda.blockIdx.x) * uint32(outputs_per_cta if swiglu else cta_n)  # first weight row, or output
-        token0 = uint32(cuda.blockIdx.y) * uint32(tokens)
+        if token_major:  # consecutive CTAs: the token tiles of one weight tile
+            token_tiles = (m + uint32(tokens - 1)) // uint32(tokens)
+            weight_tile = divide_u32(uint32(cuda.blockIdx.x), token_tiles)
+            token_tile = uint32(cuda.blockIdx.x) - weight_tile * token_tiles
+        else:
+            weight_tile, token_tile = uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y)
+        row0 = weight_tile * uint32(outputs_per_cta if swiglu else cta_n)  # first weight row, or output
+        token0 = token_tile * uint32(tokens)
         chunks = uint32(k // uint32(K_CHUNK))
         # Threads 0 .. CTA_N / 8 - 1 copy the scales of 8-row group `thread` (clamped like the rows). All divisions
         # in 32 bits: a 64-bit one is a subroutine call, which makes ptxas serialize every wgmma.
