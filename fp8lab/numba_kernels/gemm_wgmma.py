@@ -100,7 +100,12 @@ from .gemm_mma import (
     inlined_device_function,
 )
 from .layers import exp_f32
-from .mathops import divide_by_at_least_one, divide_u32, f32_to_bf16_bits_rne
+from .mathops import (
+    divide_u32,
+    f32_to_bf16_bits_rne,
+    finish_division,
+    quotient_estimate,
+)
 from .warp import WARP_SIZE, load_shared_u32x4
 
 K_CHUNK = 128
@@ -205,14 +210,6 @@ def place_selected(spread):
     what the shift brings in. A shift and a mask (three instructions with the ``prmt``, where sign and magnitude
     masked apart took four)."""
     return (spread << uint32(4)) & uint32(PLACED_MASK_X2)
-
-
-@inlined_device_function
-def silu_times(gate, up):
-    """``layers.silu_times``, ``gate / (1 + e^-gate) * up``, bit for bit, its division (by ``1 + e^-gate >= 1``)
-    done by ``mathops.divide_by_at_least_one``: a division instruction's slow path is a subroutine call, and ptxas
-    serializes every ``wgmma`` of a kernel that has one (C7509)."""
-    return divide_by_at_least_one(gate, float32(1) + exp_f32(-gate)) * up
 
 
 @inlined_device_function
@@ -446,25 +443,40 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
     @inlined_device_function
     def store_swiglu(out, smemf, base, c_fin, token0, row0, thread, g, t):
         """SwiGLU's epilogue: accumulators ``4 b + i`` and ``4 b + 2 + i`` (``i`` = 0, 1) are the gate and up of output
-        ``row0 + g`` for token ``token0 + 8 b + 2 t + i``; store ``silu(gate) * up`` (``silu_times``: what
+        ``row0 + g`` for token ``token0 + 8 b + 2 t + i``; store ``silu(gate) * up`` (``layers.silu_times``: what
         ``silu_mul`` computes from the GEMM's float32). The divisions are too long a body for the compiler to unroll
         over all ``tokens / 4`` outputs, and a loop that is not unrolled indexes its values at run time, which puts
         them in local memory: with shared memory taking most of L1, that is an L2 round trip per value, and the
         first build of this epilogue made the kernel 33% slower than ``gemm_wgmma`` (``bench/RESULTS.md``,
         twenty-third session). So the gates and ups go to the stages' shared memory, idle once every warpgroup has
         waited for its last ``wgmma`` (the barrier), each thread's in its own column (conflict-free), and the
-        outputs are computed four at a time, four independent chains."""
+        outputs are computed four at a time: ``layers.silu_times``' arithmetic with the division split into its float64
+        estimate and its rounding (``mathops.quotient_estimate``, ``finish_division``), the four estimates side by
+        side so that their float64 latencies overlap."""
         cuda.syncthreads()  # every wgmma has finished reading the stages
         column = base // 4 + thread
         for j in range(lane_outputs):  # constant indices into c_fin: unrolled, registers
             smemf[column + (2 * j) * threads] = c_fin[4 * (j // 2) + j % 2]
             smemf[column + (2 * j + 1) * threads] = c_fin[4 * (j // 2) + 2 + j % 2]
         for first in range(0, lane_outputs, 4):
-            for j in range(first, first + 4):
-                token = token0 + 8 * (j // 2) + 2 * t + j % 2
-                if token < out.shape[0] and row0 + g < out.shape[1]:
-                    gate = smemf[column + (2 * j) * threads]
-                    store_output(out, token, row0 + g, silu_times(gate, smemf[column + (2 * j + 1) * threads]))
+            gate0, gate1 = smemf[column + (2 * first) * threads], smemf[column + (2 * first + 2) * threads]
+            gate2, gate3 = smemf[column + (2 * first + 4) * threads], smemf[column + (2 * first + 6) * threads]
+            d0, d1 = float32(1) + exp_f32(-gate0), float32(1) + exp_f32(-gate1)
+            d2, d3 = float32(1) + exp_f32(-gate2), float32(1) + exp_f32(-gate3)
+            # the four float64 quotient chains side by side (straight-line code), then each one's rounding
+            q0, q1 = quotient_estimate(gate0, d0), quotient_estimate(gate1, d1)
+            q2, q3 = quotient_estimate(gate2, d2), quotient_estimate(gate3, d3)
+            store_silu(out, smemf, column, first, finish_division(q0, gate0, d0), token0, row0, g, t)
+            store_silu(out, smemf, column, first + 1, finish_division(q1, gate1, d1), token0, row0, g, t)
+            store_silu(out, smemf, column, first + 2, finish_division(q2, gate2, d2), token0, row0, g, t)
+            store_silu(out, smemf, column, first + 3, finish_division(q3, gate3, d3), token0, row0, g, t)
+
+    @inlined_device_function
+    def store_silu(out, smemf, column, j, silu, token0, row0, g, t):
+        """Output ``j`` of the lane (token ``token0 + 8 (j // 2) + 2 t + j % 2``, row ``row0 + g``): ``silu * up``."""
+        token = token0 + 8 * (j // 2) + 2 * t + j % 2
+        if token < out.shape[0] and row0 + g < out.shape[1]:
+            store_output(out, token, row0 + g, silu * smemf[column + (2 * j + 1) * threads])
 
     def gemm_wgmma_kernel(a_words, q_words, scale_inv, out, k, block_n, block_k):
         pdl.prologue()

@@ -126,19 +126,33 @@ else:
 def divide_by_at_least_one(x, d):
     """float32 ``x / d``, correctly rounded (ties to even), for ``d >= 1``, ``+inf`` or NaN, without a division
     instruction (see the module docstring: ``div.rn``'s slow path is a call, which serializes ``wgmma``)."""
+    return finish_division(quotient_estimate(x, d), x, d)
+
+
+@cuda.jit(device=True, inline=True)
+def quotient_estimate(x, d):
+    """float64 ``x / d`` within about an ulp of float64, for finite ``x != 0`` and finite ``d >= 1`` (any other
+    operands give some float64 that ``finish_division`` ignores). Straight-line code: a caller with several
+    quotients computes their estimates first, so that their float64 chains overlap."""
+    big_x, big_d = float64(x), float64(d)
+    r = reciprocal_approx_f64(big_d)
+    r = fma_f64(r, fma_f64(-big_d, r, float64(1.0)), r)  # Newton: about 2^-40 relative
+    r = fma_f64(r, fma_f64(-big_d, r, float64(1.0)), r)  # to float64's precision
+    q = big_x * r
+    return fma_f64(fma_f64(-q, big_d, big_x), r, q)  # within about an ulp of float64 of x / d
+
+
+@cuda.jit(device=True, inline=True)
+def finish_division(q, x, d):
+    """``divide_by_at_least_one(x, d)`` from ``q = quotient_estimate(x, d)``: the special operands first, then
+    ``round_quotient``."""
     if d != d or x != x:
         return d + x  # NaN
     if d == float32(math.inf):
         return x * float32(0.0)  # +-0 for finite x, NaN for +-inf
     if x == float32(0.0) or abs(x) == float32(math.inf):
         return x  # +-0 / d, +-inf / d (d finite >= 1)
-    big_x, big_d = float64(x), float64(d)
-    r = reciprocal_approx_f64(big_d)
-    r = fma_f64(r, fma_f64(-big_d, r, float64(1.0)), r)  # Newton: about 2^-40 relative
-    r = fma_f64(r, fma_f64(-big_d, r, float64(1.0)), r)  # to float64's precision
-    q = big_x * r
-    q = fma_f64(fma_f64(-q, big_d, big_x), r, q)  # within about an ulp of float64 of x / d
-    return round_quotient(q, big_x, big_d)
+    return round_quotient(q, float64(x), float64(d))
 
 
 @cuda.jit(device=True, inline=True)
