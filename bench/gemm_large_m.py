@@ -61,7 +61,7 @@ WGMMA_SWEEP = [
     # (H100, against (128, 2, 4, 1): (128, 2, 3), (128, 1, 4), (64, 2, 4) slower in the nineteenth session; a second
     # set of A registers, at 64 or 128 tokens, slower in the twentieth; producer warps slower in the twenty-first;
     # two accumulator chains per warpgroup slower in the twenty-second)
-    (128, 2, 4, 4, False, False), (128, 2, 4, 4, True), (128, 2, 4, 4, True, False),
+    (128, 2, 4, 4, False, True), (128, 2, 4, 4, True), (128, 2, 4, 4, True, True),
 ]
 
 def knobs_of(tiling) -> dict:

@@ -1,8 +1,9 @@
 """Warpgroup tensor-core W8A16 GEMM for prefill sizes: ``wgmma`` with the FP8 weights placed into registers.
 
 Computes ``fp8lab.reference.blockwise.gemm`` in the float32 order of ``fp8lab.simulators.gemm_mma`` (the same
-simulator as ``gemm_mma``: the order per output is unchanged). Launch: grid ``ceil(N / CTA_N) * ceil(M / TOKENS)``
-(consecutive CTAs take the token tiles of one weight tile: ``Tiling.token_major``) x ``128 warpgroups`` threads,
+simulator as ``gemm_mma``: the order per output is unchanged). Launch: grid ``(ceil(N / CTA_N), ceil(M /
+TOKENS))`` (or, ``Tiling.token_major``, ``ceil(N / CTA_N) * ceil(M / TOKENS)`` with token tiles fastest) x ``128
+warpgroups`` threads,
 ``launch_info``'s dynamic shared memory; sm_90 (Hopper) only. Checked
 (``tests/numba_kernels/test_gemm_wgmma_kernel.py``): bit for bit ``fp8lab.simulators.gemm_mma.gemm_mma`` in the
 CUDA simulator, the oracle within the tensor-core budget on a GPU.
@@ -146,12 +147,13 @@ class Tiling(NamedTuple):
     """Two sets of A registers: chunk ``c`` is placed into set ``c % 2`` before the wait for chunk ``c - 1``'s
     ``wgmma`` (which read the other set), so that only the promotion lies between one chunk's ``wgmma`` and the
     next one's; the loop body is unrolled twice (static register sets), ``parts`` is ignored."""
-    token_major: bool = True
-    """The order in which the CTAs take their tiles: a 1-D grid whose consecutive CTAs take the token tiles of one
-    weight tile, then the next weight tile's (``True``), so that the CTAs running together share their weight tiles
-    in L2 and each weight byte comes from HBM about once; or (``False``, the layout before) a 2-D grid, weight tiles
-    along ``x``, whose CTAs running together read as many weight tiles as there are SMs and re-read each from HBM
-    for every token tile (at M = 2,048, 16 times the gate/up weight's 100 MB)."""
+    token_major: bool = False
+    """The order in which the CTAs take their tiles: (``False``, measured, the default) a 2-D grid, weight tiles along
+    ``x``, whose CTAs running together read as many weight tiles as there are SMs and re-read each from HBM for
+    every token tile (at M = 2,048, 16 times the gate/up weight's 100 MB); or (``True``) a 1-D grid whose consecutive
+    CTAs take the token tiles of one weight tile, then the next weight tile's, so that the CTAs running together
+    share their weight tiles in L2 and each weight byte comes from HBM about once. Built in the twenty-third
+    session without a GPU to time it (``bench/gemm_large_m.py --sweep`` times both)."""
     @property
     def cta_n(self) -> int:
         return wgmma.M_ROWS * self.warpgroups

@@ -37,7 +37,7 @@ from fp8lab.simulators import gemm_mma as model
 
 TILINGS = [kernel.Tiling(64, 1, 3, 4), kernel.Tiling(64, 2, 5), kernel.Tiling(128, 1, 4), kernel.Tiling(),
            kernel.Tiling(128, 2, 4, 1), kernel.Tiling(128, 2, 4, 2), kernel.Tiling(128, 2, 4, 4, True),
-           kernel.Tiling(64, 1, 3, 4, True), kernel.Tiling(128, 2, 4, 4, False, False)]
+           kernel.Tiling(64, 1, 3, 4, True), kernel.Tiling(128, 2, 4, 4, False, True)]
 
 
 @pytest.mark.cudasim
@@ -52,7 +52,7 @@ TILINGS = [kernel.Tiling(64, 1, 3, 4), kernel.Tiling(64, 2, 5), kernel.Tiling(12
     (TILINGS[6], 130, 72, 640, (8, 256), "bf16"),  # two register sets: 5 chunks (a pass of two, then one)
     (TILINGS[7], 20, 40, 768, (16, 128), "f32"),  # two register sets: 6 chunks through 3 stages
     (TILINGS[7], 20, 40, 128, (16, 128), "f32"),  # two register sets: one chunk
-    (TILINGS[8], 300, 200, 256, (128, 128), "bf16"),  # the 2-D grid (weight tiles along x): 2 x 3 CTAs
+    (TILINGS[8], 300, 200, 256, (128, 128), "bf16"),  # token-major CTA order: 2 x 3 tiles, token tiles fastest
 ])
 def test_bit_for_bit_the_simulator(tiling, m, n, k, block, output, rng):
     a = activations(rng.standard_normal((m, k)).astype(np.float32), "bf16")
