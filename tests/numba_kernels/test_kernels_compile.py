@@ -93,7 +93,7 @@ def variants():
              (G.Tiling(64, 1, 6), "bf16", False), (G.Tiling(128, 1, 4), "f32", False),
              (G.Tiling(128, 2, 4, 1), "f32", False), (G.Tiling(64, 2, 4, 4), "bf16", False),
              (G.Tiling(128, 2, 4, 2), "bf16", False), (G.Tiling(), "bf16", True),
-             (G.Tiling(128, 2, 4, 4, True), "f32", False)]
+             (G.Tiling(128, 2, 4, 4, True), "f32", False), (G.Tiling(token_major=True), "bf16", False)]
     return [Variant(f"{tuple(t)} -> {o}{' swiglu' if s else ''}", G.kernel_function(t, o, s), G.kernel_signature(o),
                     launch_bounds=(t.threads, 1), arch_specific=True,
                     info={"tokens": t.tokens, "stages": t.stages, "threads": t.threads, "parts": t.parts,
