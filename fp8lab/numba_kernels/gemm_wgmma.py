@@ -3,8 +3,7 @@
 Computes ``fp8lab.reference.blockwise.gemm`` in the float32 order of ``fp8lab.simulators.gemm_mma`` (the same
 simulator as ``gemm_mma``: the order per output is unchanged). Launch: grid ``(ceil(N / CTA_N), ceil(M /
 TOKENS))`` (or, ``Tiling.token_major``, ``ceil(N / CTA_N) * ceil(M / TOKENS)`` with token tiles fastest) x ``128
-warpgroups`` threads,
-``launch_info``'s dynamic shared memory; sm_90 (Hopper) only. Checked
+warpgroups`` threads, ``launch_info``'s dynamic shared memory; sm_90 (Hopper) only. Checked
 (``tests/numba_kernels/test_gemm_wgmma_kernel.py``): bit for bit ``fp8lab.simulators.gemm_mma.gemm_mma`` in the
 CUDA simulator, the oracle within the tensor-core budget on a GPU.
 
@@ -26,10 +25,10 @@ How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Mac
 - **Tiles**: a CTA owns ``CTA_N = 64 warpgroups`` weight rows times ``TOKENS`` (64 or 128) activation rows.
   Warpgroup ``w`` multiplies weight rows ``64 w .. 64 w + 63`` by all ``TOKENS`` tokens with one
   ``wgmma.m64n{TOKENS}k16`` per k16 step (``fp8lab.numba_kernels.wgmma``; two independent ``m64n64k16`` chains
-  instead were 1 to 10% slower on an H100, ``bench/RESULTS.md``, twenty-second session): A = the weights, in registers, B = the activations, from
-  shared memory. Warp ``v`` of a warpgroup holds the A fragments of its 16 weight rows, which
-  it alone needs: it reads a row's 16 codes of a k16 step in one 128-bit shared load, picks its two pairs with
-  ``prmt`` and places them into BF16 patterns (``place_selected``: ``decode(q) * 2^-120`` exactly, as
+  instead were 1 to 10% slower on an H100, ``bench/RESULTS.md``, twenty-second session): A = the weights, in
+  registers, B = the activations, from shared memory. Warp ``v`` of a warpgroup holds the A fragments of its 16
+  weight rows, which it alone needs: it reads a row's 16 codes of a k16 step in one 128-bit shared load, picks its
+  two pairs with ``prmt`` and places them into BF16 patterns (``place_selected``: ``decode(q) * 2^-120`` exactly, as
   ``gemm_mma.place_code_pair``), 32 registers per 128-wide chunk.
 - **K loop**, ``stages`` deep (3 to 6): chunk ``c`` (128 k) lives in stage ``c % stages``: the activations in two
   128-byte-swizzled atoms of 64 k (``wgmma``'s B layout; ``cp.async`` writes each 16-byte piece where the swizzle
@@ -154,6 +153,7 @@ class Tiling(NamedTuple):
     CTAs take the token tiles of one weight tile, then the next weight tile's, so that the CTAs running together
     share their weight tiles in L2 and each weight byte comes from HBM about once. Built in the twenty-third
     session without a GPU to time it (``bench/gemm_large_m.py --sweep`` times both)."""
+
     @property
     def cta_n(self) -> int:
         return wgmma.M_ROWS * self.warpgroups
@@ -276,6 +276,11 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
     assert 2 * lane_outputs * threads * 4 <= stages * stage_bytes, "SwiGLU's epilogue stages its values in the stages"
 
     @inlined_device_function
+    def stage_of(base, chunk):
+        """The byte offset of chunk ``chunk``'s stage (``chunk % stages``)."""
+        return base + (chunk % uint32(stages)) * stage_bytes
+
+    @inlined_device_function
     def weight_row(row, row0, half):
         """The weight row that CTA-local row ``row`` holds: ``row0 + row``; with SwiGLU (``half`` = I, ``row0`` =
         the CTA's first output), rows ``0..7`` of each warp's 16 are the gate rows of its 8 outputs and rows
@@ -342,7 +347,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         cuda.syncthreads()  # ... and so are everyone's
         ahead = chunk + uint32(stages - 2)
         if ahead < chunks:
-            copy_chunk(smem8, a_words, q_words, scale_inv, ahead, base + (ahead % uint32(stages)) * stage_bytes,
+            copy_chunk(smem8, a_words, q_words, scale_inv, ahead, stage_of(base, ahead),
                        copies, thread, scale_row, block_divider)
         commit_group()
 
@@ -390,8 +395,8 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         ``first_reg``: wait for chunk ``chunk - 1``'s ``wgmma`` (the other set), promote them, issue this chunk's;
         then, while they run, receive chunk ``chunk + 1`` and place it into the other set (``next_reg``)."""
         wait_keeping(c_part, a_regs, 0)  # both sets live through the wait: the compiler keeps them apart
-        promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
-        multiply_part(smem64, base + (chunk % uint32(stages)) * stage_bytes, a_regs, c_part, 0, first_reg)
+        promote(smemf, stage_of(base, chunk - uint32(1)), c_part, c_fin, warp_row, g)
+        multiply_part(smem64, stage_of(base, chunk), a_regs, c_part, 0, first_reg)
         wgmma.commit_group()
         receive_and_place(smem8, smem32, a_words, q_words, scale_inv, chunk + uint32(1), base, copies, thread,
                           scale_row, block_divider, chunks, a_regs, warp_row, g, selector, next_reg)
@@ -403,8 +408,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         if chunk < chunks:
             receive_chunk(smem8, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row, block_divider,
                           chunks)
-            place_part(smem32, base + (chunk % uint32(stages)) * stage_bytes, a_regs, warp_row, g, selector, 0,
-                       first_reg)
+            place_part(smem32, stage_of(base, chunk), a_regs, warp_row, g, selector, 0, first_reg)
 
     @inlined_device_function
     def promote(smemf, stage_base, c_part, c_fin, warp_row, g):
@@ -452,9 +456,9 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         first build of this epilogue made the kernel 33% slower than ``gemm_wgmma`` (``bench/RESULTS.md``,
         twenty-third session). So the gates and ups go to the stages' shared memory, idle once every warpgroup has
         waited for its last ``wgmma`` (the barrier), each thread's in its own column (conflict-free), and the
-        outputs are computed four at a time: ``layers.silu_times``' arithmetic with the division split into its float64
-        estimate and its rounding (``mathops.quotient_estimate``, ``finish_division``), the four estimates side by
-        side so that their float64 latencies overlap."""
+        outputs are computed four at a time: ``layers.silu_times``' arithmetic with the division split into its
+        float64 estimate and its rounding (``mathops.quotient_estimate``, ``finish_division``), the four estimates
+        side by side so that their float64 latencies overlap."""
         cuda.syncthreads()  # every wgmma has finished reading the stages
         column = base // 4 + thread
         for j in range(lane_outputs):  # constant indices into c_fin: unrolled, registers
@@ -551,16 +555,15 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
             place_and_multiply(smem32, smem64, base, a_regs, c_part, warp_row, g, selector)
             for chunk_index in range(1, chunks):
                 chunk = uint32(chunk_index)
-                stage_base = base + (chunk % uint32(stages)) * stage_bytes
+                stage_base = stage_of(base, chunk)
                 receive_chunk(smem8, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row,
                               block_divider, chunks)
                 wait_for_wgmma(c_part)  # chunk - 1's wgmma are done with c_part and with the A registers
-                promote(smemf, base + ((chunk - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row,
-                        g)
+                promote(smemf, stage_of(base, chunk - uint32(1)), c_part, c_fin, warp_row, g)
                 place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector)
 
         wait_for_wgmma(c_part)
-        promote(smemf, base + ((chunks - uint32(1)) % uint32(stages)) * stage_bytes, c_part, c_fin, warp_row, g)
+        promote(smemf, stage_of(base, chunks - uint32(1)), c_part, c_fin, warp_row, g)
         if swiglu:
             store_swiglu(out, smemf, base, c_fin, token0, row0 + warp * uint32(8), thread, g, t)
         else:

@@ -219,6 +219,21 @@ else:
         result = builder.call(ir.InlineAsm(function, text, constraints, side_effect=True), values + extra)
         return [builder.extract_value(result, i) for i in range(count)]
 
+    def _a_registers(context, builder, regs_type, regs, first_type, first, count):
+        """The values of ``regs[first .. first + count - 1]`` (a uint32 array of A registers)."""
+        data = context.make_array(regs_type)(context, builder, value=regs).data
+        first_index = context.cast(builder, first, first_type, types.int64)
+        return [builder.load(builder.gep(data, [builder.add(first_index, ir.Constant(_I64, i))])) for i in range(count)]
+
+    def _wait(context, builder, n, count, acc_type, acc, kept):
+        """``wgmma.wait_group n`` with the ``count`` accumulators passed through it (and ``kept`` as further inputs),
+        so that the compiler reads none of them before it and keeps ``kept`` live until it."""
+        pointers, values = _accumulators(context, builder, acc_type, acc, count)
+        for p, v in zip(pointers, _through_asm(builder, f"wgmma.wait_group.sync.aligned {int(n)};", values, kept,
+                                               ["r"] * len(kept), count)):
+            builder.store(v, p)
+        return context.get_dummy_value()
+
     def wait_group_function(n: int, columns: int):
         count = columns // 2
 
@@ -228,11 +243,7 @@ else:
                 return None
 
             def codegen(context, builder, signature, args):
-                pointers, values = _accumulators(context, builder, signature.args[0], args[0], count)
-                for p, v in zip(pointers, _through_asm(builder, f"wgmma.wait_group.sync.aligned {int(n)};", values,
-                                                       [], [], count)):
-                    builder.store(v, p)
-                return context.get_dummy_value()
+                return _wait(context, builder, n, count, signature.args[0], args[0], [])
 
             return types.void(acc), codegen
 
@@ -251,15 +262,8 @@ else:
                 return None
 
             def codegen(context, builder, signature, args):
-                pointers, values = _accumulators(context, builder, signature.args[0], args[0], count)
-                data = context.make_array(signature.args[1])(context, builder, value=args[1]).data
-                first_index = context.cast(builder, args[2], signature.args[2], types.int64)
-                kept = [builder.load(builder.gep(data, [builder.add(first_index, ir.Constant(_I64, i))]))
-                        for i in range(registers)]
-                for p, v in zip(pointers, _through_asm(builder, f"wgmma.wait_group.sync.aligned {int(n)};", values,
-                                                       kept, ["r"] * registers, count)):
-                    builder.store(v, p)
-                return context.get_dummy_value()
+                kept = _a_registers(context, builder, signature.args[1], args[1], signature.args[2], args[2], registers)
+                return _wait(context, builder, n, count, signature.args[0], args[0], kept)
 
             return types.void(acc, a_regs, first), codegen
 
@@ -283,10 +287,7 @@ else:
 
             def codegen(context, builder, signature, args):
                 acc_type, regs_type, first_type, smem_type, stage_type, offset_type, accumulate_type = signature.args
-                data = context.make_array(regs_type)(context, builder, value=args[1]).data
-                first_index = context.cast(builder, args[2], first_type, types.int64)
-                registers = [builder.load(builder.gep(data, [builder.add(first_index, ir.Constant(_I64, i))]))
-                             for i in range(4)]
+                registers = _a_registers(context, builder, regs_type, args[1], first_type, args[2], 4)
                 # The descriptor's start field is address >> 4 (14 bits: every shared window, <= 228 KB, fits). All
                 # three terms are multiples of 16, so it is the sum of their shifts: the first two the compiler
                 # computes once per stage, the third is a constant after unrolling.
