@@ -60,8 +60,10 @@ WGMMA_SWEEP = [
     # gemm_wgmma's Tiling (tokens, warpgroups, stages, parts): CTA of 64 warpgroups weight rows x tokens
     # (H100, against (128, 2, 4, 1): (128, 2, 3), (128, 1, 4), (64, 2, 4) slower in the nineteenth session; a second
     # set of A registers, at 64 or 128 tokens, slower in the twentieth; producer warps slower in the twenty-first;
-    # two accumulator chains per warpgroup slower in the twenty-second)
-    (128, 2, 4, 4, False, True), (128, 2, 4, 4, True), (128, 2, 4, 4, True, True),
+    # two accumulator chains per warpgroup slower in the twenty-second; two register sets slower, and the token-major
+    # CTA order on three of the four shapes, in the twenty-fourth). Parts 2 and 4, stages 3 and 4; 5 stages fit only
+    # a smaller CTA.
+    (128, 2, 4, 2), (128, 2, 3, 4), (128, 2, 3, 2), (128, 1, 5, 4), (64, 2, 5, 4),
 ]
 
 def knobs_of(tiling) -> dict:

@@ -2,8 +2,7 @@
 
 Computes ``fp8lab.reference.blockwise.gemm`` in the float32 order of ``fp8lab.simulators.gemm_mma`` (the same
 simulator as ``gemm_mma``: the order per output is unchanged). Launch: grid ``(ceil(N / CTA_N), ceil(M /
-TOKENS))`` (or, ``Tiling.token_major``, ``ceil(N / CTA_N) * ceil(M / TOKENS)`` with token tiles fastest) x ``128
-warpgroups`` threads, ``launch_info``'s dynamic shared memory; sm_90 (Hopper) only. Checked
+TOKENS))`` x ``128 warpgroups`` threads, ``launch_info``'s dynamic shared memory; sm_90 (Hopper) only. Checked
 (``tests/numba_kernels/test_gemm_wgmma_kernel.py``): bit for bit ``fp8lab.simulators.gemm_mma.gemm_mma`` in the
 CUDA simulator, the oracle within the tensor-core budget on a GPU.
 
@@ -12,13 +11,6 @@ What it computes::
     out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]
 
 ``a`` BF16 bits ``[M, K]``, ``q`` E4M3 codes ``[N, K]``, ``out`` float32 or BF16 bits (rounded once).
-``gemm_wgmma_swiglu`` (the prefill's gate/up projection): ``q`` the fused ``[2 I, K]`` gate/up weight and ``out[m,
-j] = silu(out_g[m, j]) * out_u[m, j]`` (``layers.silu_times`` on the float32 results of gate row ``j`` and up row
-``I + j``): bit for bit ``gemm_wgmma`` into float32 then ``layers.silu_mul``, without the ``[M, 2 I]`` round trip
-and the second launch. Its CTA's rows are 64 outputs' gate and up rows, each warp's 16 the gate rows of 8 outputs
-then their up rows (``weight_row``), so a lane's accumulator rows ``g`` and ``g + 8`` meet in the epilogue; grid
-``(ceil(I / 64), ...)`` with two warpgroups. Measured slower than the two launches it replaces (``bench/RESULTS.md``,
-twenty-second session), so the engine does not launch it yet.
 
 How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Machete does for its W4A16):
 
@@ -72,7 +64,12 @@ the shared window)::
                               each row read by its 4 lanes, fall into 8 distinct 16-byte bank groups)
     TOKENS * 256 + CTA_N*144  scales: CTA_N / 8 float32
 
-Dated measurements are in ``bench/RESULTS.md``.
+Three variants were measured on an H100 and removed (``bench/RESULTS.md``, twenty-fourth session): two sets of A
+registers, the next chunk placed while this one's ``wgmma`` run (5 to 9% slower at M = 2,048 on the four Qwen3-8B
+shapes); a token-major CTA order, the token tiles of one weight tile on consecutive CTAs (2 to 5% slower on three
+shapes, 6% faster on 4096 x 12288 only); and SwiGLU fused into the gate/up GEMM's epilogue (equal to this GEMM then
+``layers.silu_mul`` within 1% at M = 1,000 and 2,048, so the engine keeps the two launches). Dated measurements are
+in ``bench/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -84,7 +81,7 @@ import numpy as np
 from numba import cuda, float32, uint8, uint32, uint64
 
 from . import bits, pdl, wgmma
-from .arguments import as_kernel_array, check_gemm, require, require_load_alignment
+from .arguments import check_gemm, require_load_alignment
 from .bits import prmt
 from .cp_async import (
     commit_group,
@@ -92,20 +89,13 @@ from .cp_async import (
     copy_16_cg_flat,
     wait_group_function,
 )
-from .dequantize import STORE
 from .gemm_mma import (
     _allow_shared_memory,
     at,
     fold_scale,
     inlined_device_function,
 )
-from .layers import exp_f32
-from .mathops import (
-    divide_u32,
-    f32_to_bf16_bits_rne,
-    finish_division,
-    quotient_estimate,
-)
+from .mathops import divide_u32, f32_to_bf16_bits_rne
 from .warp import WARP_SIZE, load_shared_u32x4
 
 K_CHUNK = 128
@@ -142,17 +132,6 @@ class Tiling(NamedTuple):
     to 6% faster than one on an H100 at M = 2,048, four slower (``bench/RESULTS.md``, twentieth session); with the
     twenty-second session's cheaper loop, four are the fastest: 2 to 11% faster than two at M = 2,048, up to 13% at
     512, on the four Qwen3-8B shapes."""
-    ahead: bool = False
-    """Two sets of A registers: chunk ``c`` is placed into set ``c % 2`` before the wait for chunk ``c - 1``'s
-    ``wgmma`` (which read the other set), so that only the promotion lies between one chunk's ``wgmma`` and the
-    next one's; the loop body is unrolled twice (static register sets), ``parts`` is ignored."""
-    token_major: bool = False
-    """The order in which the CTAs take their tiles: (``False``, measured, the default) a 2-D grid, weight tiles along
-    ``x``, whose CTAs running together read as many weight tiles as there are SMs and re-read each from HBM for
-    every token tile (at M = 2,048, 16 times the gate/up weight's 100 MB); or (``True``) a 1-D grid whose consecutive
-    CTAs take the token tiles of one weight tile, then the next weight tile's, so that the CTAs running together
-    share their weight tiles in L2 and each weight byte comes from HBM about once. Built in the twenty-third
-    session without a GPU to time it (``bench/gemm_large_m.py --sweep`` times both)."""
 
     @property
     def cta_n(self) -> int:
@@ -182,9 +161,7 @@ class Tiling(NamedTuple):
 
     def check(self) -> Tiling:
         for name, value, choices in (("tokens", self.tokens, wgmma.N_CHOICES), ("warpgroups", self.warpgroups, (1, 2)),
-                                     ("stages", self.stages, (3, 4, 5, 6)), ("parts", self.parts, (1, 2, 4)),
-                                     ("ahead", self.ahead, (False, True)),
-                                     ("token_major", self.token_major, (False, True))):
+                                     ("stages", self.stages, (3, 4, 5, 6)), ("parts", self.parts, (1, 2, 4))):
             if value not in choices:
                 raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
         if self.shared_bytes > MAX_SHARED_PER_CTA:
@@ -233,9 +210,7 @@ def launch_info(m: int, n: int, k: int, tiling: Tiling | None = None) -> LaunchI
         raise ValueError(f"shape: expected M, N >= 1 and K a positive multiple of {K_CHUNK}, got {(m, n, k)}")
     tiling = Tiling(*(tiling or Tiling())).check()
     grid = (-(-n // tiling.cta_n), -(-m // tiling.tokens))
-    if tiling.token_major:
-        grid = (grid[0] * grid[1], 1)
-    elif grid[1] > MAX_GRID_Y:
+    if grid[1] > MAX_GRID_Y:
         raise ValueError(f"a: M = {m} needs {grid[1]} token tiles, more than the grid's {MAX_GRID_Y}")
     for name, rows, row_words in (("a", m, k // 4), ("q", n, k // 8)):
         if rows * row_words >= 2**32:
@@ -244,7 +219,7 @@ def launch_info(m: int, n: int, k: int, tiling: Tiling | None = None) -> LaunchI
     return LaunchInfo(grid, (tiling.threads,), tiling.shared_bytes, tiling)
 
 
-def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
+def kernel_function(tiling: Tiling, output: str):
     """The Python source of one variant before ``cuda.jit``. Arguments: ``(a_words uint64 [M * K/4], q_words uint64
     [N * K/8]`` (the flat arrays), ``scale_inv float32 [ceil(N/BN), ceil(K/BK)], out [M, N], k uint32, block_n
     uint32, block_k uint32)``."""
@@ -255,9 +230,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
     stage_bytes, code_offset, scale_offset = tiling.stage_bytes, tiling.code_offset, tiling.scale_offset
     accumulators = tokens // 2
     a_registers = 4 * K_STEPS_PER_CHUNK  # 32: 4 per k16 step
-    ahead, token_major = tiling.ahead, tiling.token_major
-    parts = 1 if ahead else tiling.parts
-    a_array_size = 2 * a_registers if ahead else a_registers
+    parts = tiling.parts
     steps_per_part = K_STEPS_PER_CHUNK // parts
     a_copies = tokens * PIECES_PER_TOKEN // threads  # 16-byte copies per thread and chunk
     q_copies = cta_n * PIECES_PER_CODE_ROW // threads
@@ -267,30 +240,13 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
     atom_bytes = tokens * wgmma.ROW_BYTES  # one 64-k atom of every token row
     mma_async = wgmma.mma_async_function(tokens)
     wait_for_wgmma = wgmma.wait_group_function(0, tokens)
-    wait_keeping = wgmma.wait_group_keeping_function(0, tokens, 2 * a_registers)
     wait_for_chunk = wait_group_function(stages - 3)
     bf16_output = output == "bf16"
-    store_output = STORE[output]
-    outputs_per_cta = cta_n // 2  # SwiGLU: each warp's 16 rows are the gate and up rows of 8 outputs
-    lane_outputs = tokens // 4  # SwiGLU: a lane's outputs (one output row, tokens 8 b + 2 t + {0, 1})
-    assert 2 * lane_outputs * threads * 4 <= stages * stage_bytes, "SwiGLU's epilogue stages its values in the stages"
 
     @inlined_device_function
     def stage_of(base, chunk):
         """The byte offset of chunk ``chunk``'s stage (``chunk % stages``)."""
         return base + (chunk % uint32(stages)) * stage_bytes
-
-    @inlined_device_function
-    def weight_row(row, row0, half):
-        """The weight row that CTA-local row ``row`` holds: ``row0 + row``; with SwiGLU (``half`` = I, ``row0`` =
-        the CTA's first output), rows ``0..7`` of each warp's 16 are the gate rows of its 8 outputs and rows
-        ``8..15`` their up rows (``I`` further), so that a lane's accumulator rows ``g`` and ``g + 8`` are the
-        gate and up of one output."""
-        if swiglu:
-            within = row % uint32(ROWS_PER_WARP)
-            output_row = row0 + (row // uint32(ROWS_PER_WARP)) * uint32(8) + within % uint32(8)
-            return output_row + half if within >= uint32(8) else output_row
-        return row0 + row
 
     @inlined_device_function
     def copy_chunk(smem8, a_words, q_words, scale_inv, chunk, stage_base, copies, thread, scale_row,
@@ -316,7 +272,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
             copy_4_ca(smem8, stage_base + scale_offset + 4 * thread, scale_inv, scale_row, column, 4)
 
     @inlined_device_function
-    def thread_copies(thread, token0, row0, half, m, n, k, a_first, q_first):
+    def thread_copies(thread, token0, row0, m, n, k, a_first, q_first):
         """Where this thread's copies of every chunk go in a stage and come from in chunk 0. The ``threads``
         threads copy a chunk's pieces in order (activation piece ``p`` of token ``t`` is number ``16 t + p``, code
         piece ``p`` of row ``r`` number ``8 r + p``), ``threads`` at a time: so a thread's piece within a row is
@@ -331,7 +287,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         q_row, q_piece = thread // uint32(PIECES_PER_CODE_ROW), thread % uint32(PIECES_PER_CODE_ROW)
         q_destination = uint32(code_offset) + q_row * uint32(CODE_ROW_BYTES) + q_piece * uint32(wgmma.PIECE_BYTES)
         for j in range(q_copies):
-            row = weight_row(q_row + uint32(j * q_row_step), row0, half)
+            row = row0 + q_row + uint32(j * q_row_step)
             q_first[j] = clamp32(row, n) * (k // uint32(8)) + uint32(2) * q_piece
         return a_first, q_first, a_destination, q_destination
 
@@ -352,7 +308,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         commit_group()
 
     @inlined_device_function
-    def place_part(smem32, stage_base, a_regs, warp_row, g, selector, part, first_reg):
+    def place_part(smem32, stage_base, a_regs, warp_row, g, selector, part):
         """The A registers of the warp's 16 weight rows for the k16 steps ``j`` of part ``part`` of the chunk: step
         ``j``'s registers hold codes (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..) of the step as BF16
         patterns. A lane reads each row's 16 codes of a step in one 128-bit load (the row's four lanes read the same
@@ -364,51 +320,29 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
             j = part * steps_per_part + i
             w0, w1, w2, w3 = load_shared_u32x4(smem32, top + 4 * j)
             v0, v1, v2, v3 = load_shared_u32x4(smem32, bottom + 4 * j)
-            a_regs[first_reg + 4 * j] = place_selected(prmt(w0, w1, selector))
-            a_regs[first_reg + 4 * j + 1] = place_selected(prmt(v0, v1, selector))
-            a_regs[first_reg + 4 * j + 2] = place_selected(prmt(w2, w3, selector))
-            a_regs[first_reg + 4 * j + 3] = place_selected(prmt(v2, v3, selector))
+            a_regs[4 * j] = place_selected(prmt(w0, w1, selector))
+            a_regs[4 * j + 1] = place_selected(prmt(v0, v1, selector))
+            a_regs[4 * j + 2] = place_selected(prmt(w2, w3, selector))
+            a_regs[4 * j + 3] = place_selected(prmt(v2, v3, selector))
 
     @inlined_device_function
-    def multiply_part(smem64, stage_base, a_regs, c_part, part, first_reg):
+    def multiply_part(smem64, stage_base, a_regs, c_part, part):
         """The ``wgmma`` k16 steps of part ``part`` into ``c_part``, the chunk's first overwriting it (``c_part = 0 +
         ...``); the fence orders the part's register writes before them."""
         wgmma.fence()
         for i in range(steps_per_part):
             j = part * steps_per_part + i
             start = (j // 4) * atom_bytes + (j % 4) * wgmma.STEP_BYTES
-            mma_async(c_part, a_regs, first_reg + 4 * j, smem64, stage_base, start, j > 0)
+            mma_async(c_part, a_regs, 4 * j, smem64, stage_base, start, j > 0)
 
     @inlined_device_function
     def place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector):
         """Steps 4 and 5 of an iteration: part by part, place the chunk's codes and issue their ``wgmma`` (part ``p +
         1``'s placement runs while part ``p``'s ``wgmma`` do), then commit the chunk's ``wgmma`` as one group."""
         for part in range(parts):
-            place_part(smem32, stage_base, a_regs, warp_row, g, selector, part, 0)
-            multiply_part(smem64, stage_base, a_regs, c_part, part, 0)
+            place_part(smem32, stage_base, a_regs, warp_row, g, selector, part)
+            multiply_part(smem64, stage_base, a_regs, c_part, part)
         wgmma.commit_group()
-
-    @inlined_device_function
-    def ahead_step(smem8, smem32, smem64, smemf, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row,
-                   block_divider, chunks, a_regs, c_part, c_fin, warp_row, g, selector, first_reg, next_reg):
-        """One iteration with two register sets (``Tiling.ahead``), chunk ``chunk`` already placed into the set at
-        ``first_reg``: wait for chunk ``chunk - 1``'s ``wgmma`` (the other set), promote them, issue this chunk's;
-        then, while they run, receive chunk ``chunk + 1`` and place it into the other set (``next_reg``)."""
-        wait_keeping(c_part, a_regs, 0)  # both sets live through the wait: the compiler keeps them apart
-        promote(smemf, stage_of(base, chunk - uint32(1)), c_part, c_fin, warp_row, g)
-        multiply_part(smem64, stage_of(base, chunk), a_regs, c_part, 0, first_reg)
-        wgmma.commit_group()
-        receive_and_place(smem8, smem32, a_words, q_words, scale_inv, chunk + uint32(1), base, copies, thread,
-                          scale_row, block_divider, chunks, a_regs, warp_row, g, selector, next_reg)
-
-    @inlined_device_function
-    def receive_and_place(smem8, smem32, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row,
-                          block_divider, chunks, a_regs, warp_row, g, selector, first_reg):
-        """``Tiling.ahead``: receive chunk ``chunk`` (if there is one) and place it into the set at ``first_reg``."""
-        if chunk < chunks:
-            receive_chunk(smem8, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row, block_divider,
-                          chunks)
-            place_part(smem32, stage_of(base, chunk), a_regs, warp_row, g, selector, 0, first_reg)
 
     @inlined_device_function
     def promote(smemf, stage_base, c_part, c_fin, warp_row, g):
@@ -446,44 +380,6 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
                     else:
                         out[token, row] = c_fin[4 * b + i]
 
-    @inlined_device_function
-    def store_swiglu(out, smemf, base, c_fin, token0, row0, thread, g, t):
-        """SwiGLU's epilogue: accumulators ``4 b + i`` and ``4 b + 2 + i`` (``i`` = 0, 1) are the gate and up of output
-        ``row0 + g`` for token ``token0 + 8 b + 2 t + i``; store ``silu(gate) * up`` (``layers.silu_times``: what
-        ``silu_mul`` computes from the GEMM's float32). The divisions are too long a body for the compiler to unroll
-        over all ``tokens / 4`` outputs, and a loop that is not unrolled indexes its values at run time, which puts
-        them in local memory: with shared memory taking most of L1, that is an L2 round trip per value, and the
-        first build of this epilogue made the kernel 33% slower than ``gemm_wgmma`` (``bench/RESULTS.md``,
-        twenty-third session). So the gates and ups go to the stages' shared memory, idle once every warpgroup has
-        waited for its last ``wgmma`` (the barrier), each thread's in its own column (conflict-free), and the
-        outputs are computed four at a time: ``layers.silu_times``' arithmetic with the division split into its
-        float64 estimate and its rounding (``mathops.quotient_estimate``, ``finish_division``), the four estimates
-        side by side so that their float64 latencies overlap."""
-        cuda.syncthreads()  # every wgmma has finished reading the stages
-        column = base // 4 + thread
-        for j in range(lane_outputs):  # constant indices into c_fin: unrolled, registers
-            smemf[column + (2 * j) * threads] = c_fin[4 * (j // 2) + j % 2]
-            smemf[column + (2 * j + 1) * threads] = c_fin[4 * (j // 2) + 2 + j % 2]
-        for first in range(0, lane_outputs, 4):
-            gate0, gate1 = smemf[column + (2 * first) * threads], smemf[column + (2 * first + 2) * threads]
-            gate2, gate3 = smemf[column + (2 * first + 4) * threads], smemf[column + (2 * first + 6) * threads]
-            d0, d1 = float32(1) + exp_f32(-gate0), float32(1) + exp_f32(-gate1)
-            d2, d3 = float32(1) + exp_f32(-gate2), float32(1) + exp_f32(-gate3)
-            # the four float64 quotient chains side by side (straight-line code), then each one's rounding
-            q0, q1 = quotient_estimate(gate0, d0), quotient_estimate(gate1, d1)
-            q2, q3 = quotient_estimate(gate2, d2), quotient_estimate(gate3, d3)
-            store_silu(out, smemf, column, first, finish_division(q0, gate0, d0), token0, row0, g, t)
-            store_silu(out, smemf, column, first + 1, finish_division(q1, gate1, d1), token0, row0, g, t)
-            store_silu(out, smemf, column, first + 2, finish_division(q2, gate2, d2), token0, row0, g, t)
-            store_silu(out, smemf, column, first + 3, finish_division(q3, gate3, d3), token0, row0, g, t)
-
-    @inlined_device_function
-    def store_silu(out, smemf, column, j, silu, token0, row0, g, t):
-        """Output ``j`` of the lane (token ``token0 + 8 (j // 2) + 2 t + j % 2``, row ``row0 + g``): ``silu * up``."""
-        token = token0 + 8 * (j // 2) + 2 * t + j % 2
-        if token < out.shape[0] and row0 + g < out.shape[1]:
-            store_output(out, token, row0 + g, silu * smemf[column + (2 * j + 1) * threads])
-
     def gemm_wgmma_kernel(a_words, q_words, scale_inv, out, k, block_n, block_k):
         pdl.prologue()
         thread = uint32(cuda.threadIdx.x)
@@ -491,22 +387,15 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         g, t = lane >> 2, lane & 3
         selector = pair_selector(t)
         warp_row = warp * ROWS_PER_WARP  # the warp's first weight row in the CTA (warpgroup w: rows 64 w ..)
-        m, half = uint32(out.shape[0]), uint32(out.shape[1])  # half: SwiGLU's I
-        n = half * uint32(2) if swiglu else half  # weight rows
-        if token_major:  # consecutive CTAs: the token tiles of one weight tile
-            token_tiles = (m + uint32(tokens - 1)) // uint32(tokens)
-            weight_tile = divide_u32(uint32(cuda.blockIdx.x), token_tiles)
-            token_tile = uint32(cuda.blockIdx.x) - weight_tile * token_tiles
-        else:
-            weight_tile, token_tile = uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y)
-        row0 = weight_tile * uint32(outputs_per_cta if swiglu else cta_n)  # first weight row, or output
-        token0 = token_tile * uint32(tokens)
+        m, n = uint32(out.shape[0]), uint32(out.shape[1])
+        row0 = uint32(cuda.blockIdx.x) * uint32(cta_n)
+        token0 = uint32(cuda.blockIdx.y) * uint32(tokens)
         chunks = uint32(k // uint32(K_CHUNK))
         # Threads 0 .. CTA_N / 8 - 1 copy the scales of 8-row group `thread` (clamped like the rows). All divisions
         # in 32 bits: a 64-bit one is a subroutine call, which makes ptxas serialize every wgmma.
-        scale_row = divide_u32(clamp32(weight_row(thread * uint32(8), row0, half), n), block_n)
+        scale_row = divide_u32(clamp32(row0 + thread * uint32(8), n), block_n)
         block_divider = uint64(divide_u32(uint32(0xFFFFFFFF), divide_u32(block_k, K_CHUNK))) + uint64(1)  # <= 2^32
-        copies = thread_copies(thread, token0, row0, half, m, n, k, cuda.local.array(a_copies, uint32),
+        copies = thread_copies(thread, token0, row0, m, n, k, cuda.local.array(a_copies, uint32),
                                cuda.local.array(q_copies, uint32))
 
         smem8 = cuda.shared.array(0, uint8)
@@ -515,7 +404,7 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         smemf = cuda.shared.array(0, float32)
         base = (uint32(wgmma.ATOM_BYTES) - (wgmma.shared_address(smem64) % uint32(wgmma.ATOM_BYTES))) \
             % uint32(wgmma.ATOM_BYTES)  # the first stage's offset: 1,024-aligned in the shared window
-        a_regs = cuda.local.array(a_array_size, uint32)
+        a_regs = cuda.local.array(a_registers, uint32)
         c_part = cuda.local.array(accumulators, float32)
         c_fin = cuda.local.array(accumulators, float32)
         for i in range(accumulators):
@@ -532,42 +421,19 @@ def kernel_function(tiling: Tiling, output: str, swiglu: bool = False):
         # that depend on a wait in a divergent-looking path).
         receive_chunk(smem8, a_words, q_words, scale_inv, uint32(0), base, copies, thread, scale_row,
                       block_divider, chunks)
-        if ahead:
-            place_part(smem32, base, a_regs, warp_row, g, selector, 0, 0)
-            multiply_part(smem64, base, a_regs, c_part, 0, 0)
-            wgmma.commit_group()
-            receive_and_place(smem8, smem32, a_words, q_words, scale_inv, uint32(1), base, copies, thread, scale_row,
-                              block_divider, chunks, a_regs, warp_row, g, selector, a_registers)
-            chunk = uint32(1)
-            while chunk + uint32(1) < chunks:  # two chunks a pass: sets 1 then 0
-                ahead_step(smem8, smem32, smem64, smemf, a_words, q_words, scale_inv, chunk, base, copies, thread,
-                           scale_row, block_divider, chunks, a_regs, c_part, c_fin, warp_row, g, selector, a_registers,
-                           0)
-                ahead_step(smem8, smem32, smem64, smemf, a_words, q_words, scale_inv, chunk + uint32(1), base, copies,
-                           thread, scale_row, block_divider, chunks, a_regs, c_part, c_fin, warp_row, g, selector, 0,
-                           a_registers)
-                chunk += uint32(2)
-            if chunk < chunks:
-                ahead_step(smem8, smem32, smem64, smemf, a_words, q_words, scale_inv, chunk, base, copies, thread,
-                           scale_row, block_divider, chunks, a_regs, c_part, c_fin, warp_row, g, selector, a_registers,
-                           0)
-        else:
-            place_and_multiply(smem32, smem64, base, a_regs, c_part, warp_row, g, selector)
-            for chunk_index in range(1, chunks):
-                chunk = uint32(chunk_index)
-                stage_base = stage_of(base, chunk)
-                receive_chunk(smem8, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row,
-                              block_divider, chunks)
-                wait_for_wgmma(c_part)  # chunk - 1's wgmma are done with c_part and with the A registers
-                promote(smemf, stage_of(base, chunk - uint32(1)), c_part, c_fin, warp_row, g)
-                place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector)
+        place_and_multiply(smem32, smem64, base, a_regs, c_part, warp_row, g, selector)
+        for chunk_index in range(1, chunks):
+            chunk = uint32(chunk_index)
+            stage_base = stage_of(base, chunk)
+            receive_chunk(smem8, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row,
+                          block_divider, chunks)
+            wait_for_wgmma(c_part)  # chunk - 1's wgmma are done with c_part and with the A registers
+            promote(smemf, stage_of(base, chunk - uint32(1)), c_part, c_fin, warp_row, g)
+            place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector)
 
         wait_for_wgmma(c_part)
         promote(smemf, stage_of(base, chunks - uint32(1)), c_part, c_fin, warp_row, g)
-        if swiglu:
-            store_swiglu(out, smemf, base, c_fin, token0, row0 + warp * uint32(8), thread, g, t)
-        else:
-            store(out, c_fin, token0, row0 + warp_row, g, t)
+        store(out, c_fin, token0, row0 + warp_row, g, t)
 
     return gemm_wgmma_kernel
 
@@ -579,9 +445,9 @@ def kernel_signature(output: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_kernel(tiling: Tiling, output: str, swiglu: bool = False):
+def compiled_kernel(tiling: Tiling, output: str):
     options = {} if bits.SIMULATOR else {"launch_bounds": (tiling.threads, 1)}
-    return cuda.jit(kernel_function(tiling, output, swiglu), **options)
+    return cuda.jit(kernel_function(tiling, output), **options)
 
 
 def gemm_wgmma(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = None, stream=0):
@@ -593,46 +459,17 @@ def gemm_wgmma(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = N
     8, ``BK`` of 128; ``K`` a multiple of 128. ``tiling``: ``Tiling`` (default ``Tiling()``). Needs a
     compute-capability-9.0 GPU (or the CUDA simulator). Every problem is a ``ValueError`` raised before launch.
     """
-    problem = _check(a, q, scale_inv, out, block, swiglu=False)
-    _launch(problem, tiling, stream, swiglu=False)
-    return problem.out
-
-
-def gemm_wgmma_swiglu(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = None, stream=0):
-    """``out[M, I] = silu(g) * u`` of ``[g | u] = a @ (decode(q) * scale_inv)^T`` (``q``: the fused gate/up weight,
-    gate rows ``0 .. I - 1``, up rows ``I .. 2I - 1``), in one launch; returns ``out``. Bit for bit ``gemm_wgmma``
-    into float32 then ``layers.silu_mul``: the SwiGLU epilogue reads the float32 accumulators, and no ``[M, 2I]``
-    result goes through memory. ``I`` a multiple of 8; otherwise ``gemm_wgmma``'s arguments (``out`` float32 or
-    BF16 bits ``[M, I]``)."""
-    problem = _check(a, q, scale_inv, out, block, swiglu=True)
-    _launch(problem, tiling, stream, swiglu=True)
-    return problem.out
-
-
-def _check(a, q, scale_inv, out, block, swiglu: bool):
-    kernel = "gemm_wgmma_swiglu" if swiglu else "gemm_wgmma"
-    out_columns = None
-    if swiglu:
-        q = as_kernel_array("q", q)
-        require("q", q, "uint8 E4M3 codes [2 I, K]", q.ndim == 2 and q.dtype == np.uint8)
-        if q.shape[0] == 0 or q.shape[0] % 16:
-            raise ValueError(f"q: {kernel} needs the fused gate/up weight's 2 I rows, I a positive multiple of 8, "
-                             f"got {q.shape[0]} rows")
-        out_columns = q.shape[0] // 2
-    problem = check_gemm(a, q, scale_inv, out, block, kernel=kernel, activations=("bf16",),
-                         block_n_multiple=BLOCK_N_MULTIPLE, out_columns=out_columns)
+    problem = check_gemm(a, q, scale_inv, out, block, kernel="gemm_wgmma", activations=("bf16",),
+                         block_n_multiple=BLOCK_N_MULTIPLE)
     if problem.output not in ("f32", "bf16"):
-        raise ValueError(f"out: {kernel} writes float32 or BF16 bits, got {problem.output}")
-    require_load_alignment("a", problem.a, kernel)
-    require_load_alignment("q", problem.q, kernel)
-    return problem
-
-
-def _launch(problem, tiling, stream, swiglu: bool) -> None:
+        raise ValueError(f"out: gemm_wgmma writes float32 or BF16 bits, got {problem.output}")
+    require_load_alignment("a", problem.a, "gemm_wgmma")
+    require_load_alignment("q", problem.q, "gemm_wgmma")
     launch = launch_info(problem.m, problem.n, problem.k, tiling)
     out_view = problem.out.view(np.uint16) if problem.output == "bf16" else problem.out
-    kernel = compiled_kernel(launch.tiling, problem.output, swiglu)
+    kernel = compiled_kernel(launch.tiling, problem.output)
     args = (problem.a.view(np.uint64).reshape(-1), problem.q.view(np.uint64).reshape(-1), problem.scale_inv, out_view,
             np.uint32(problem.k), np.uint32(problem.block[0]), np.uint32(problem.block[1]))
     _allow_shared_memory(kernel, args, launch.shared_bytes)
     pdl.launch(kernel, launch.grid, launch.block, stream, *args, shared_bytes=launch.shared_bytes)
+    return problem.out

@@ -161,12 +161,6 @@ if SIMULATOR:
 
         return wait_group
 
-    def wait_group_keeping_function(n: int, columns: int, registers: int):
-        def wait_group_keeping(acc, a_regs, first):
-            _wait(n)
-
-        return wait_group_keeping
-
     def mma_async_function(n: int, acc_offset: int = 0):
         if n not in N_CHOICES:
             raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
@@ -225,12 +219,12 @@ else:
         first_index = context.cast(builder, first, first_type, types.int64)
         return [builder.load(builder.gep(data, [builder.add(first_index, ir.Constant(_I64, i))])) for i in range(count)]
 
-    def _wait(context, builder, n, count, acc_type, acc, kept):
-        """``wgmma.wait_group n`` with the ``count`` accumulators passed through it (and ``kept`` as further inputs),
-        so that the compiler reads none of them before it and keeps ``kept`` live until it."""
+    def _wait(context, builder, n, count, acc_type, acc):
+        """``wgmma.wait_group n`` with the ``count`` accumulators passed through it, so that the compiler reads none
+        of them before it."""
         pointers, values = _accumulators(context, builder, acc_type, acc, count)
-        for p, v in zip(pointers, _through_asm(builder, f"wgmma.wait_group.sync.aligned {int(n)};", values, kept,
-                                               ["r"] * len(kept), count)):
+        for p, v in zip(pointers, _through_asm(builder, f"wgmma.wait_group.sync.aligned {int(n)};", values, [], [],
+                                               count)):
             builder.store(v, p)
         return context.get_dummy_value()
 
@@ -243,31 +237,11 @@ else:
                 return None
 
             def codegen(context, builder, signature, args):
-                return _wait(context, builder, n, count, signature.args[0], args[0], [])
+                return _wait(context, builder, n, count, signature.args[0], args[0])
 
             return types.void(acc), codegen
 
         return wait_group
-
-    def wait_group_keeping_function(n: int, columns: int, registers: int):
-        """``wait_group_function``'s wait that also takes ``a_regs[first .. first + registers - 1]`` as inputs: those
-        A registers stay live (the compiler gives them to no other value) until the wait, as ``wgmma`` in flight may
-        still read them. Without it the compiler sees them dead once the ``wgmma`` is issued."""
-        count = columns // 2
-
-        @intrinsic
-        def wait_group_keeping(typingctx, acc, a_regs, first):
-            if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and isinstance(a_regs, types.Array)
-                    and a_regs.dtype == types.uint32):
-                return None
-
-            def codegen(context, builder, signature, args):
-                kept = _a_registers(context, builder, signature.args[1], args[1], signature.args[2], args[2], registers)
-                return _wait(context, builder, n, count, signature.args[0], args[0], kept)
-
-            return types.void(acc, a_regs, first), codegen
-
-        return wait_group_keeping
 
     def mma_async_function(n: int, acc_offset: int = 0):
         if n not in N_CHOICES:

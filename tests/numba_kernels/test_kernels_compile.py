@@ -89,16 +89,12 @@ from fp8lab.numba_kernels import gemm_wgmma as G
 from helpers.ptx import Variant
 
 def variants():
-    cases = [(G.Tiling(), "f32", False), (G.Tiling(), "bf16", False), (G.Tiling(64, 2, 5), "f32", False),
-             (G.Tiling(64, 1, 6), "bf16", False), (G.Tiling(128, 1, 4), "f32", False),
-             (G.Tiling(128, 2, 4, 1), "f32", False), (G.Tiling(64, 2, 4, 4), "bf16", False),
-             (G.Tiling(128, 2, 4, 2), "bf16", False), (G.Tiling(), "bf16", True),
-             (G.Tiling(128, 2, 4, 4, True), "f32", False), (G.Tiling(token_major=True), "bf16", False)]
-    return [Variant(f"{tuple(t)} -> {o}{' swiglu' if s else ''}", G.kernel_function(t, o, s), G.kernel_signature(o),
-                    launch_bounds=(t.threads, 1), arch_specific=True,
-                    info={"tokens": t.tokens, "stages": t.stages, "threads": t.threads, "parts": t.parts,
-                          "ahead": t.ahead})
-            for t, o, s in cases]
+    cases = [(G.Tiling(), "f32"), (G.Tiling(), "bf16"), (G.Tiling(64, 2, 5), "f32"), (G.Tiling(64, 1, 6), "bf16"),
+             (G.Tiling(128, 1, 4), "f32"), (G.Tiling(128, 2, 4, 1), "f32"), (G.Tiling(64, 2, 4, 4), "bf16"),
+             (G.Tiling(128, 2, 4, 2), "bf16")]
+    return [Variant(f"{tuple(t)} -> {o}", G.kernel_function(t, o), G.kernel_signature(o), launch_bounds=(t.threads, 1),
+                    arch_specific=True, info={"tokens": t.tokens, "stages": t.stages, "threads": t.threads, "parts": t.parts})
+            for t, o in cases]
 '''
 
 GEMV_MMA = r'''
@@ -301,20 +297,17 @@ def test_gemm_wgmma_kernels_compile_to_sm90a_ptx(compiled):
         info = c.info
         assert ".target sm_90a" in c.ptx
         wgmmas = c.ptx.count(f"wgmma.mma_async.sync.aligned.m64n{info['tokens']}k16.f32.bf16.bf16")
-        # the peeled chunk's and the loop's; with two register sets (ahead) also the loop's second step and the tail's,
-        # each one part
-        assert wgmmas == (32 if info["ahead"] else 16)
-        assert c.ptx.count("wgmma.fence.sync.aligned;") == (4 if info["ahead"] else 2 * info["parts"])
+        assert wgmmas == 16  # the peeled chunk's and the loop's
+        assert c.ptx.count("wgmma.fence.sync.aligned;") == 2 * info["parts"]  # one before each part's wgmma
         for needle in ("wgmma.fence.sync.aligned;", "wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;",
                        "fence.proxy.async.shared::cta;",
                        "mad.wide.u32 g,", "cp.async.cg.shared.global [%r", "cp.async.ca.shared.global [s], [g], 4,",
                        f"cp.async.wait_group {info['stages'] - 3};", "prmt.b32", f".maxntid {info['threads']}"):
             assert needle in c.ptx, needle
         assert "cp.async.ca.shared.global [s], [g], 16," not in c.ptx  # activations bypass L1 (15 to 20% faster)
-        # float64 only in the SwiGLU epilogue's division (mathops.divide_by_at_least_one), and no division
-        # instruction or call at all: div.rn's slow path and a 64-bit integer division are subroutine calls, and a
-        # call makes ptxas serialize every wgmma
-        assert (".f64" in c.ptx) == c.name.endswith("swiglu")
+        # no float64, and no division instruction or call at all: div.rn's slow path and a 64-bit integer division
+        # are subroutine calls, and a call makes ptxas serialize every wgmma
+        assert ".f64" not in c.ptx
         assert not re.search(r"(div|rem)\.[us]64|div\.rn|\bcall", c.ptx)
         check_pdl_rules(c.ptx)
         if c.resources is not None:
