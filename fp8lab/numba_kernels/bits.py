@@ -17,9 +17,19 @@ without conversion. On a GPU these are LLVM ``bitcast`` intrinsics (free: no ins
   conversion ``cvt.rn.f16x2.e4m3x2`` (sm_89 and later: one instruction for two codes) as inline
   PTX; in the simulator, ``fp8lab.reference.e4m3.decode`` cast to float16 (every E4M3 value is an F16
   value, so the cast is exact);
+- ``e4m3x2_high_to_f16x2(word)``: the same for the two codes in the high 16 bits of ``word`` (the PTX names the
+  word's high half, so that no shift is spent on it);
 - ``prmt(a, b, selector)``: PTX's byte permute ``prmt.b32`` (default mode): byte ``i`` of the result is byte
   ``selector >> 4 i & 7`` of the eight bytes ``b:a`` (``a`` bytes 0-3, ``b`` bytes 4-7), or, where bit 3 of that
-  nibble is set, that byte's sign bit copied to all 8 bits; one instruction on a GPU.
+  nibble is set, that byte's sign bit copied to all 8 bits; one instruction on a GPU;
+- ``f32x2_to_f16x2(low, high)``: two float32 values as two F16 patterns (``low`` in the low half), each
+  ``f32_to_f16_bits``: ``cvt.rn.f16x2.f32``, one instruction for two;
+- ``f32x2_to_bf16x2(low, high)``: the same in BF16 (nearest, ties to even): ``cvt.rn.bf16x2.f32``; in the simulator
+  ``mathops.f32_to_bf16_bits_rne``'s rule (a NaN becomes a quiet NaN of its sign; the hardware's NaN is canonical:
+  NaN either way);
+- ``max_nan(a, b)``: the larger of ``a`` and ``b``, NaN if either is NaN (``mathops.nan_max``'s rule): ``max.NaN.f32``,
+  one instruction (a NaN result is then the canonical NaN, and ``max(-0, +0)`` may be either zero: neither changes a
+  softmax that uses it).
 """
 
 from __future__ import annotations
@@ -50,6 +60,26 @@ if SIMULATOR:
         codes = np.array([int(pair) & 0xFF, (int(pair) >> 8) & 0xFF], np.uint8)
         halves = decode(codes).astype(np.float16).view(np.uint16).astype(np.uint32)
         return np.uint32(halves[0] | (halves[1] << np.uint32(16)))
+
+    def e4m3x2_high_to_f16x2(word):
+        return e4m3x2_to_f16x2(int(word) >> 16)
+
+    def f32x2_to_f16x2(low, high):
+        return f32_to_f16_bits(low) | (f32_to_f16_bits(high) << np.uint32(16))
+
+    def _bf16_bits(x):
+        u = int(np.float32(x).view(np.uint32))
+        if x != x:
+            return ((u >> 16) & 0x8000) | 0x7FC0
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+    def f32x2_to_bf16x2(low, high):
+        return np.uint32(_bf16_bits(low) | (_bf16_bits(high) << 16))
+
+    def max_nan(a, b):
+        if a != a:
+            return a
+        return a if b <= a else b  # b > a, or b is NaN
 
     def prmt(a, b, selector):
         source = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
@@ -114,6 +144,19 @@ else:
         return _cvt_e4m3x2_f16x2(types.uint32(pair))
 
     @intrinsic
+    def _cvt_high_e4m3x2_f16x2(typingctx, word):
+        def codegen(context, builder, signature, args):
+            text = "{ .reg .b16 low, high; mov.b32 {low, high}, $1; cvt.rn.f16x2.e4m3x2 $0, high; }"
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.IntType(32)]), text, "=r,r")
+            return builder.call(asm, [args[0]])
+
+        return types.uint32(types.uint32), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def e4m3x2_high_to_f16x2(word):
+        return _cvt_high_e4m3x2_f16x2(types.uint32(word))
+
+    @intrinsic
     def prmt(typingctx, a, b, selector):
         if not all(isinstance(x, types.Integer) for x in (a, b, selector)):
             return None
@@ -125,6 +168,46 @@ else:
             return builder.call(asm, words)
 
         return types.uint32(a, b, selector), codegen
+
+
+    @intrinsic
+    def f32x2_to_f16x2(typingctx, low, high):
+        if not all(isinstance(x, types.Float) for x in (low, high)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            values = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.FloatType()] * 2), "cvt.rn.f16x2.f32 $0, $1, $2;",
+                               "=r,f,f")
+            return builder.call(asm, [values[1], values[0]])  # PTX: the first source goes to the high half
+
+        return types.uint32(low, high), codegen
+
+    @intrinsic
+    def f32x2_to_bf16x2(typingctx, low, high):
+        if not all(isinstance(x, types.Float) for x in (low, high)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            values = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.FloatType()] * 2), "cvt.rn.bf16x2.f32 $0, $1, $2;",
+                               "=r,f,f")
+            return builder.call(asm, [values[1], values[0]])  # PTX: the first source goes to the high half
+
+        return types.uint32(low, high), codegen
+
+    @intrinsic
+    def max_nan(typingctx, a, b):
+        if not all(isinstance(x, types.Float) for x in (a, b)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            values = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()] * 2), "max.NaN.f32 $0, $1, $2;",
+                               "=f,f,f")
+            return builder.call(asm, values)
+
+        return types.float32(a, b), codegen
 
 
 @cuda.jit(device=True, inline=True)

@@ -4,57 +4,104 @@ float32 out).
 Computes ``fp8lab.reference.attention.prefill`` per sequence over ``fp8lab.reference.kv_cache.gather`` (FP8 or BF16
 cache, head size 128, ``G`` query heads per kv head with ``G`` dividing 16, no ALiBi), with the arguments of
 ``fp8lab.numba_kernels.prefill.paged_prefill``. Launch: ``prefill_kernel`` grid ``(query blocks, num_kv_heads,
-num_seqs)`` x 128 threads (4 warps), one launch, no workspace. Checked (``tests/numba_kernels/test_prefill_mma_kernel.py``):
-bit for bit against ``fp8lab.simulators.prefill_mma`` in the CUDA simulator (whose ``mma`` twin is the model the
-simulator uses), against the oracle within the tensor-core decode's error bound per query on a GPU; sm_90 PTX in
-``tests/numba_kernels/test_kernels_compile.py``.
+num_seqs)`` x 128 threads (4 warps), ``stage_layout``'s dynamic shared memory, one launch, no workspace. Checked
+(``tests/numba_kernels/test_prefill_mma_kernel.py``): bit for bit against ``fp8lab.simulators.prefill_mma`` in the
+CUDA simulator (whose ``mma`` twin is the model the simulator uses), against the oracle within the tensor-core
+decode's error bound per query on a GPU; sm_90 PTX in ``tests/numba_kernels/test_kernels_compile.py``.
 
 Why: ``prefill.paged_prefill`` decodes every query token over its whole prefix with the SIMT decode kernel, so a
 prompt of ``T`` tokens reads about ``T^2 / 2`` K/V rows per kv head and multiplies them on CUDA cores. Here the rows
-of an mma tile are ``16 / G`` query tokens times the ``G`` query heads of a kv head: each K/V tile a warp loads serves
-16 query rows (the GQA group shares it), and the 4 warps of a CTA, which own consecutive query tokens, read the same
-tiles (from L1 after the first).
+of an mma tile are ``16 / G`` query tokens times the ``G`` query heads of a kv head, and the 4 warps of a CTA (64
+rows) share each K/V tile through shared memory.
 
-The schedule is the simulator's (read ``fp8lab.simulators.prefill_mma`` first). Per warp: query tokens ``i0 ..
-i0 + 16/G - 1`` of sequence ``blockIdx.z`` (CTA ``x`` of the grid takes query block ``gridDim.x - 1 - x``, so the
-longest walks start first; ``i0 = (block * 4 + warp) * 16 / G``), kv head ``blockIdx.y``. The warp walks key tiles
-``0, 1, ...`` up to its last token's position with the tile functions of the tensor-core decode
-(``splitkv_mma.tile_functions``: the same lane layouts, conversions and mma chains; the loads of the next tile go out
-before the current tile's arithmetic), with ``causal=True``: row ``r``'s key ``j`` counts when ``j <=`` its position
-(``limit[r]``; -1 for rows past the sequence's queries). At the end each row's ``l`` is summed over its four lanes
-and the lane stores its ``D / 4`` elements of rows ``g`` and ``g + 8``, ``acc / l`` (0 where ``l = 0``), in float32
-or BF16 bits. A NaN value (code or BF16 element) or V scale of a key after a query's position but inside its warp's
-last tile reaches that query (the simulator's docstring says why); the reference keeps it out.
+The schedule is the simulator's (read ``fp8lab.simulators.prefill_mma`` first). Per CTA: query block ``gridDim.x - 1
+- x`` (the longest walks start first) of sequence ``blockIdx.z``, kv head ``blockIdx.y``; warp ``w`` owns query
+tokens ``i0 = (block * 4 + w) * 16 / G ..``. The CTA walks tiles of 64 keys (``KEYS``) up to its last query's
+position through ``STAGES = 3`` stages of dynamic shared memory: its 128 threads copy a tile's K and V rows (16-byte
+``cp.async`` pieces, L2 only; each 16-key chunk's row looked up once in the block table; rows padded to 144 bytes so
+that a quarter-warp's 128-bit reads hit distinct banks) and scales two tiles ahead of the one the warps compute. Per
+tile a warp computes, per 16-key chunk before its own end, the tensor-core decode's lane layouts (a lane reads its
+``D / 4`` key bytes of keys ``g``, ``8 + g`` and its ``D / 8`` value bytes of keys ``2t, 2t + 1, 8 + 2t, 9 + 2t``
+with ``ld.shared.v4``; ``cvt.rn.f16x2.e4m3x2``; F16 ``mma``), then one online-softmax step per tile, ``acc``
+rescaled, and ``P V`` chained through ``acc`` (flash attention's order). At the end each row's ``l`` is summed over
+its four lanes and the lane stores its ``D / 4`` elements of rows ``g`` and ``g + 8``, ``acc * pow / l`` (0 where
+``l = 0``), in float32 or BF16 bits. A NaN value (code or BF16 element) or V scale of a key after a query's position
+but before its warp's end reaches that query (the simulator's docstring says why); the reference keeps it out.
 
-**Over a BF16 cache** (``bf16_cache``): the same walk with ``tile_functions(..., bf16_cache=True)``: a lane's key and
-value words are twice as many (``D / 4`` and ``D / 8`` elements of 2 bytes), the key words are the B registers as
-they are, a value register is one halfword of two tokens' words (``splitkv_mma.half_pair``), the queries and weights
-are BF16 patterns and the ``mma`` is the BF16 one; no scales are read. Those 64 words do not fit twice in the
-registers, so a warp issues a tile's loads, then computes it (the other warps of the SM hide the wait) where the FP8
-kernel has the next tile's loads in flight.
+**Two versions of a tile** (``tile_functions(masked)``): every tile before the warp's first query position, where
+every key counts for every row, runs without a check per key; only the walk's last one or two tiles (the causal
+diagonal, the warp's end, rows past the queries) run the checks: keys past the warp's end read as zero values and
+zero V scales, after a row's position as ``-inf`` scores. The instructions a tile costs are what bound this kernel
+(the twenty-fourth session's SASS counts and timings, ``bench/RESULTS.md``), so the unmasked tile is kept lean:
+``prmt`` pairs the value codes of two keys (one instruction for two pairs), ``cvt.rn.f16x2.f32`` (``cvt.rn.bf16x2.f32``) packs two weights,
+``max.NaN.f32`` is the NaN-propagating max (``bits``), and the walk's indices are 32-bit.
+
+**Over a BF16 cache** (``bf16_cache``): the same walk with rows of 272 bytes (104,448 bytes of shared memory, over
+the 48 KiB default: ``gemm_mma._allow_shared_memory``), the key words as the B registers as they are, a value
+register one halfword of two keys' words (``splitkv_mma.half_pair``), BF16 queries, weights and ``mma``; no scales.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
-from numba import cuda, float32, types, uint32
+from numba import cuda, float32, types, uint32, uint64
 
-from fp8lab.simulators.prefill_mma import supports, tokens_per_cta, tokens_per_warp
+from fp8lab.simulators.prefill_mma import (
+    CHUNKS,
+    KEYS,
+    supports,
+    tokens_per_cta,
+    tokens_per_warp,
+)
 from fp8lab.simulators.splitkv_mma import HEAD_DIMS, LOG2E, MAX_GROUP, TILE, WARPS
 
-from . import pdl
+from . import mathops, pdl
 from .arguments import as_kernel_array
+from .bits import (
+    e4m3x2_high_to_f16x2,
+    e4m3x2_to_f16x2,
+    f32x2_to_bf16x2,
+    f32x2_to_f16x2,
+    max_nan,
+    prmt,
+)
+from .cp_async import commit_group, copy_4_ca, copy_16_cg_flat, wait_group_function
+from .gemm_mma import _allow_shared_memory
+from .gemv_simt import unrolled
 from .kv_cache import on_device, placeholder, to_host
+from .mathops import divide_u32
+from .mma import mma_bf16_inline as mma_bf16
+from .mma import mma_f16_inline as mma_f16
 from .prefill import check_prefill
 from .splitkv import _as_int32, flat_cache, normalized, output_store
-from .splitkv_mma import query_pair, query_pair_bf16, tile_functions
-from .warp import FULL_MASK, WARP_SIZE, load_u32x4
+from .splitkv_mma import half_pair, power_of_two_below, query_pair, query_pair_bf16
+from .warp import FULL_MASK, WARP_SIZE, load_shared_u32x4
 
 THREADS = WARPS * WARP_SIZE
 MAX_GRID_Z = 65535
 """The grid's z extent at most: the sequences of one call."""
+HEAD_DIM = 128
+STAGES = 3
+"""Shared-memory stages: the copies of the next two tiles land while the warps compute the current one."""
+ROW_PADDING_WORDS = 4
+"""16 bytes after each K/V row in shared memory (rows of 144 bytes for FP8 codes): the 8 lanes of a 128-bit read's
+quarter-warp then read 8 distinct 16-byte bank groups, for the key reads (rows ``g``, bytes ``32 t ..``) and the value
+reads (rows ``2 t``, bytes ``16 g ..``) alike."""
+LOW_BYTES_OF_TWO, HIGH_BYTES_OF_TWO = 0x5140, 0x7362
+"""``prmt`` selectors: bytes 0, 1 (``LOW``) or 2, 3 (``HIGH``) of two words interleaved, ``a0 b0 a1 b1``: two pairs of
+codes of two keys at two head elements, each pair one conversion's input."""
+
+
+def stage_layout(bf16_cache: bool) -> tuple[int, int, int]:
+    """``(row_words, stage_words, shared_bytes)`` of the kernel's shared memory: a K/V tile's row of ``D`` elements
+    padded by 16 bytes (``ROW_PADDING_WORDS``), a stage = ``KEYS`` K rows, ``KEYS`` V rows and (FP8) the ``KEYS`` K and
+    V scales, ``STAGES`` stages."""
+    row_words = HEAD_DIM * (2 if bf16_cache else 1) // 4 + ROW_PADDING_WORDS
+    stage_words = 2 * KEYS * row_words + (0 if bf16_cache else 2 * KEYS)
+    return row_words, stage_words, STAGES * stage_words * 4
 
 
 def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, bf16_cache: bool = False):
@@ -62,33 +109,41 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
     format (E4M3 codes, or ``bf16_cache``: BF16 patterns).
 
     Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, context_lens, query_lens, scale_log2,
-    num_kv_heads, block_size, out``: the caches flat as uint32 words and their scales flat (``splitkv.flat_cache``;
-    placeholders for a BF16 cache, never read). Launch ``[(query_blocks, num_kv_heads, num_seqs), THREADS]`` with
-    ``query_blocks * tokens_per_cta(group)`` at least the longest ``query_lens`` (a CTA past its sequence's queries
-    returns at once).
+    num_kv_heads, block_size, out``: the caches flat as uint32 words (``splitkv.flat_cache``) and their scales as
+    ``[rows, 1]`` (placeholders for a BF16 cache, never read). Launch ``[(query_blocks, num_kv_heads, num_seqs),
+    THREADS]`` with ``stage_layout(bf16_cache)[2]`` bytes of dynamic shared memory and ``query_blocks *
+    tokens_per_cta(group)`` at least the longest ``query_lens`` (a CTA past its sequence's queries returns at once).
     """
     D, G = head_dim, group
+    if D != HEAD_DIM:
+        raise ValueError(f"head_dim: the flash prefill kernel compiles for {HEAD_DIM}, got {D}")
     TOKENS = tokens_per_warp(G)
-    STEPS = D // 16
+    STEPS = D // 16  # k-steps of the scores
     NTILES = D // 8  # n tiles of P V
     QUERY_WORDS, ACC_SIZE = 4 * STEPS, 4 * NTILES
+    TILE_SCORES = 8 * CHUNKS  # a lane's scores of a tile: 4 per row and chunk
+    TILE_WEIGHT_WORDS = 4 * CHUNKS  # its weights, two per word: the A registers of the chunks' P V
+    LANE_KEYS = 4 * CHUNKS  # the keys of a lane's scores in a tile (4 per chunk): its V scales times inv
+    FP8 = not bf16_cache
     ELEMENT_BYTES = 2 if bf16_cache else 1
-    KEY_WORDS, VALUE_WORDS = 2 * (D * ELEMENT_BYTES // 16), 4 * (D * ELEMENT_BYTES // 32)
-    # One tile's loads in flight during the arithmetic of the one before: the FP8 tile's 32 words fit twice in the
-    # registers, the BF16 tile's 64 do not (ptxas, sm_90: 255 registers and 72 to 80 bytes of spills; 176 registers
-    # without), so a BF16 warp loads, then computes.
-    LOAD_AHEAD = not bf16_cache
+    ROW_WORDS = D * ELEMENT_BYTES // 4  # a cache row in global memory
+    PIECES = ROW_WORDS // 4  # 16-byte copies per row
+    ROWS_PER_PASS = THREADS // PIECES  # rows the CTA's threads copy at once
+    COPIES = KEYS // ROWS_PER_PASS  # per thread per tile, K and V each
+    SROW, STAGE_WORDS, _ = stage_layout(bf16_cache)
+    V_OFFSET, SCALE_OFFSET = KEYS * SROW, 2 * KEYS * SROW
+    K_WORDS = ROW_WORDS // 4  # a lane's words of a key row: D / 4 elements
+    V_WORDS = ROW_WORDS // 8  # a lane's words of a value row: D / 8 elements
     store = output_store(bf16_out)
     pair = query_pair_bf16 if bf16_cache else query_pair
-    tiles_of = tile_functions(D, True, load_u32x4, causal=True, bf16_cache=bf16_cache)  # rows g, g + 8: queries
-    load_tile, tile_row, table_chunk, attend_tile = (tiles_of.load_tile, tiles_of.tile_row, tiles_of.table_chunk,
-                                                     tiles_of.attend_tile)
+    wait_for_tile = wait_group_function(STAGES - 2)
+    assert ROWS_PER_PASS % TILE == 0 or TILE % ROWS_PER_PASS == 0
 
     @cuda.jit(device=True, inline=True)
     def query_registers(q, first_row, i0, query_len, kv, g, t, scale_log2, qa):
         """The A registers of the scores: row ``g + 8 r`` is query token ``i0 + (g + 8 r) // G`` (``q``'s row
-        ``first_row`` + that) and head ``kv G + (g + 8 r) % G``, as F16 pairs of ``q * scale_log2``; 0 past the
-        sequence's queries."""
+        ``first_row`` + that) and head ``kv G + (g + 8 r) % G``, as F16 (BF16) pairs of ``q * scale_log2``; 0 past
+        the sequence's queries."""
         for s in range(STEPS):
             d = (D // 4) * t + 4 * s
             for r in range(2):
@@ -102,90 +157,304 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
                     qa[4 * s + r] = uint32(0)
                     qa[4 * s + 2 + r] = uint32(0)
 
+    @cuda.jit(device=True, inline=True)
+    def chunk_row(table, chunk, walk):
+        """The cache row of the first key of 16-key chunk ``chunk`` (one KV block holds a chunk), clamped to the
+        CTA's last chunk: a chunk past the CTA's keys copies rows that no warp reads (``attend_tile`` masks them),
+        and the block table is never read past the sequence. ``walk``: ``(last_chunk, chunks_per_block,
+        block_divider, rows_per_block, kv_row)``, unsigned 32-bit (``block_divider`` 64-bit). ``chunk //
+        chunks_per_block`` is a multiply by ``ceil(2^32 / chunks_per_block)`` taking the high word (exact while
+        ``chunk * chunks_per_block < 2^32``), as ``gemm_wgmma`` does: a division is a subroutine."""
+        last_chunk, chunks_per_block, block_divider, rows_per_block, kv_row = walk
+        chunk = min(chunk, last_chunk)
+        block_index = uint32((uint64(chunk) * block_divider) >> uint64(32))
+        slot = (chunk - block_index * chunks_per_block) * uint32(TILE)
+        return uint32(table[block_index]) * rows_per_block + kv_row + slot
+
+    @cuda.jit(device=True, inline=True)
+    def copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, table, tile, walk, stage_base, thread):
+        """Issue this thread's ``cp.async`` copies of tile ``tile`` (keys ``[64 tile, 64 tile + 64)``) into the stage
+        at word ``stage_base``: 16-byte pieces ``j THREADS + thread`` of the K and V rows, and (FP8) threads ``0 ..
+        KEYS - 1`` one K scale, ``KEYS .. 2 KEYS - 1`` one V scale. The rows of keys past the CTA's end are copied
+        too (rows of the last chunk's block, or of the last chunk): no warp reads them. All arguments unsigned
+        32-bit; the four chunks' rows are looked up once each."""
+        first = cuda.local.array(CHUNKS, uint32)
+        for c in range(CHUNKS):
+            first[c] = chunk_row(table, tile * uint32(CHUNKS) + uint32(c), walk)
+        row_in_pass, piece = thread // uint32(PIECES), thread % uint32(PIECES)
+        for j in range(COPIES):
+            row = j * ROWS_PER_PASS  # + row_in_pass
+            source = first[row // TILE] + uint32(row % TILE) + row_in_pass
+            element = source * uint32(ROW_WORDS) + uint32(4) * piece
+            index = stage_base + (uint32(row) + row_in_pass) * uint32(SROW) + uint32(4) * piece
+            copy_16_cg_flat(smem, index, k_words, element)
+            copy_16_cg_flat(smem, index + uint32(V_OFFSET), v_words, element)
+        if FP8:
+            key = thread % uint32(KEYS)
+            chunk = key // uint32(TILE)
+            source = first[0]
+            for c in range(1, CHUNKS):
+                if chunk == uint32(c):
+                    source = first[c]
+            copy_4_ca(smemf, stage_base + uint32(SCALE_OFFSET) + thread, k_scales if thread < uint32(KEYS) else v_scales,
+                      source + key % uint32(TILE), uint32(0), uint32(4))
+
+    def tile_functions(masked: bool):
+        """The device functions of one tile for the warp, ``masked``: with the per-key checks of the walk's last tiles
+        (keys past the warp's end, the causal mask per row, rows past the queries), or without (every key of the tile
+        counts for every row: the tiles before the warp's first query)."""
+
+        @cuda.jit(device=True, inline=True)
+        def chunk_scores(c, args):
+            """Chunk ``c``'s scores (keys ``16 c ..`` of the tile; two 8-key n tiles, ``D / 16`` chained k-steps each)
+            times their K scales, into ``scores[8 c ..]``: ``8 c + 4 r + u`` is row ``g + 8 r``, key ``2t + (u & 1) + 8
+            (u >> 1)`` of the chunk. The lane's B registers are words of its ``D / 4`` elements of key row ``g`` (and
+            ``8 + g``). A chunk wholly past the warp's end is not computed (its scores are masked)."""
+            smem, smemf, kbase, qa, chunks, g, t, scores = args
+            if not masked or c < chunks:
+                for half in range(2):
+                    first = kbase + (TILE * c + 8 * half + g) * SROW + K_WORDS * t
+                    c0 = c1 = c2 = c3 = float32(0)
+                    for quad in range(K_WORDS // 4):
+                        w = load_shared_u32x4(smem, first + 4 * quad)
+                        for i in range(4):
+                            if FP8:  # one word: k-step 4 quad + i, two conversions
+                                s = 4 * quad + i
+                                b0 = e4m3x2_to_f16x2(w[i] & uint32(0xFFFF))
+                                b1 = e4m3x2_high_to_f16x2(w[i])
+                                c0, c1, c2, c3 = mma_f16(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3], b0,
+                                                         b1, c0, c1, c2, c3)
+                            elif i % 2 == 0:  # two words: k-step (4 quad + i) / 2, the B registers as they are
+                                s = (4 * quad + i) // 2
+                                c0, c1, c2, c3 = mma_bf16(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3],
+                                                          w[i], w[i + 1], c0, c1, c2, c3)
+                    if FP8:  # the K scales of keys 2t, 2t + 1 (this n tile's columns of the lane)
+                        ks0 = smemf[kbase + SCALE_OFFSET + TILE * c + 8 * half + 2 * t]
+                        ks1 = smemf[kbase + SCALE_OFFSET + TILE * c + 8 * half + 2 * t + 1]
+                        c0, c1, c2, c3 = c0 * ks0, c1 * ks1, c2 * ks0, c3 * ks1
+                    scores[8 * c + 2 * half] = c0
+                    scores[8 * c + 2 * half + 1] = c1
+                    scores[8 * c + 4 + 2 * half] = c2
+                    scores[8 * c + 4 + 2 * half + 1] = c3
+
+        @cuda.jit(device=True, inline=True)
+        def softmax_row(r, args):
+            """One tile's online-softmax step of row ``g + 8 r``: the scores (``-inf`` where the key does not count:
+            past the warp's ``end`` or after the row's position), the row max, ``corr``, ``p``, this lane's ``l``
+            (chunk sums, then ``(c_0 + c_1) + (c_2 + c_3)``); the weights ``p * (v_scale * inv)`` (``vsi``) as F16
+            (BF16) pairs into ``weights[4 c + r]`` (keys ``2t, 2t + 1``) and ``weights[4 c + 2 + r]`` (``8 + 2t, 9 +
+            2t``)."""
+            scores, vsi, tile0, warp_end, limit, t, m, lsum, corr, weights = args
+            p = cuda.local.array(4, float32)
+            chunk_sums = cuda.local.array(CHUNKS, float32)
+            tile_max = float32(-math.inf)
+            for c in range(CHUNKS):
+                for u in range(4):
+                    i = 8 * c + 4 * r + u
+                    if masked:
+                        key = tile0 + TILE * c + 2 * t + (u & 1) + 8 * (u >> 1)
+                        if not (key < warp_end and key <= limit[r]):
+                            scores[i] = float32(-math.inf)
+                    tile_max = max_nan(tile_max, scores[i])
+            row_max = max_nan(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 1))  # over the row's 4 lanes
+            row_max = max_nan(row_max, cuda.shfl_xor_sync(FULL_MASK, row_max, 2))
+            m_new = max_nan(m[r], row_max)
+            corr[r] = float32(1) if m_new == m[r] else mathops.exp2(m[r] - m_new)
+            for c in range(CHUNKS):
+                for u in range(4):
+                    if masked:
+                        key = tile0 + TILE * c + 2 * t + (u & 1) + 8 * (u >> 1)
+                        counts = key < warp_end and key <= limit[r]
+                        # selects, not branches (a branch around exp2 costs registers); no -inf - -inf computed
+                        difference = scores[8 * c + 4 * r + u] - m_new if counts else float32(0)
+                        p_u = mathops.exp2(difference)
+                        p[u] = p_u if counts else float32(0)
+                    else:
+                        p[u] = mathops.exp2(scores[8 * c + 4 * r + u] - m_new)
+                # the A registers of chunk c's P V: (row g, keys 2t, 2t + 1), (g + 8, ...), (g, 8 + 2t, 9 + 2t), ...
+                if FP8:
+                    weights[4 * c + r] = f32x2_to_f16x2(p[0] * vsi[4 * c], p[1] * vsi[4 * c + 1])
+                    weights[4 * c + 2 + r] = f32x2_to_f16x2(p[2] * vsi[4 * c + 2], p[3] * vsi[4 * c + 3])
+                else:
+                    weights[4 * c + r] = f32x2_to_bf16x2(p[0], p[1])
+                    weights[4 * c + 2 + r] = f32x2_to_bf16x2(p[2], p[3])
+                chunk_sums[c] = (p[0] + p[1]) + (p[2] + p[3])
+            lsum[r] = cuda.fma(lsum[r], corr[r], (chunk_sums[0] + chunk_sums[1]) + (chunk_sums[2] + chunk_sums[3]))
+            m[r] = m_new
+
+        @cuda.jit(device=True, inline=True)
+        def chunk_values(c, args):
+            """Chunk ``c``'s ``P V``: the weights of its 16 keys (A) times their values (B: pairs of consecutive keys
+            at one head element), one mma per n tile ``s`` (head elements ``(D/8) n + s``) into ``acc[4 s ..]``. The
+            lane's value words are its ``D / 8`` elements of keys ``2t, 2t + 1, 8 + 2t, 9 + 2t``, zeroed for keys past
+            the warp's ``end`` (masked tiles); a chunk wholly past it is skipped."""
+            smem, vbase, weights, chunks, tile0, warp_end, g, t, acc = args
+            if not masked or c < chunks:
+                pa0, pa1, pa2, pa3 = weights[4 * c], weights[4 * c + 1], weights[4 * c + 2], weights[4 * c + 3]
+                for quad in range(V_WORDS // 4):  # 16 n tiles (FP8) or 8 (BF16) per quad of value words
+                    rows = (TILE * c + 2 * t, TILE * c + 2 * t + 1, TILE * c + 8 + 2 * t, TILE * c + 9 + 2 * t)
+                    w0 = load_shared_u32x4(smem, vbase + rows[0] * SROW + V_WORDS * g + 4 * quad)
+                    w1 = load_shared_u32x4(smem, vbase + rows[1] * SROW + V_WORDS * g + 4 * quad)
+                    w2 = load_shared_u32x4(smem, vbase + rows[2] * SROW + V_WORDS * g + 4 * quad)
+                    w3 = load_shared_u32x4(smem, vbase + rows[3] * SROW + V_WORDS * g + 4 * quad)
+                    if masked:  # keys past the warp's end: zero values, as the model reads them
+                        if tile0 + rows[0] >= warp_end:
+                            w0 = (uint32(0), uint32(0), uint32(0), uint32(0))
+                        if tile0 + rows[1] >= warp_end:
+                            w1 = (uint32(0), uint32(0), uint32(0), uint32(0))
+                        if tile0 + rows[2] >= warp_end:
+                            w2 = (uint32(0), uint32(0), uint32(0), uint32(0))
+                        if tile0 + rows[3] >= warp_end:
+                            w3 = (uint32(0), uint32(0), uint32(0), uint32(0))
+                    for i in range(4):
+                        if FP8:  # word i: head elements 4 i .. 4 i + 3 of the lane's 16, n tiles s = 4 (4 quad + i) + k
+                            pairs01 = (prmt(w0[i], w1[i], LOW_BYTES_OF_TWO), prmt(w0[i], w1[i], HIGH_BYTES_OF_TWO))
+                            pairs23 = (prmt(w2[i], w3[i], LOW_BYTES_OF_TWO), prmt(w2[i], w3[i], HIGH_BYTES_OF_TWO))
+                            for k in range(4):
+                                s = 4 * (4 * quad + i) + k
+                                if k % 2 == 0:
+                                    b0 = e4m3x2_to_f16x2(pairs01[k // 2])  # keys 2t, 2t + 1
+                                    b1 = e4m3x2_to_f16x2(pairs23[k // 2])  # keys 8 + 2t, 9 + 2t
+                                else:
+                                    b0 = e4m3x2_high_to_f16x2(pairs01[k // 2])
+                                    b1 = e4m3x2_high_to_f16x2(pairs23[k // 2])
+                                acc[4 * s], acc[4 * s + 1], acc[4 * s + 2], acc[4 * s + 3] = mma_f16(
+                                    pa0, pa1, pa2, pa3, b0, b1, acc[4 * s], acc[4 * s + 1], acc[4 * s + 2],
+                                    acc[4 * s + 3])
+                        else:
+                            for k in range(2):
+                                s = 2 * (4 * quad + i) + k
+                                b0 = half_pair(w0[i], w1[i], k)
+                                b1 = half_pair(w2[i], w3[i], k)
+                                acc[4 * s], acc[4 * s + 1], acc[4 * s + 2], acc[4 * s + 3] = mma_bf16(
+                                    pa0, pa1, pa2, pa3, b0, b1, acc[4 * s], acc[4 * s + 1], acc[4 * s + 2],
+                                    acc[4 * s + 3])
+
+        all_chunk_scores = unrolled(chunk_scores, CHUNKS)  # straight-line code: the arrays stay in registers
+        both_softmax_rows = unrolled(softmax_row, 2)
+        all_chunk_values = unrolled(chunk_values, CHUNKS)
+
+        @cuda.jit(device=True, inline=True)
+        def attend_tile(smem, smemf, kbase, tile0, warp_end, limit, qa, g, t, v_max, pow_, m, lsum, corr, scores,
+                        vsi, weights, acc):
+            """The warp's share of one tile in shared memory (stage at word ``kbase``): the scores of its chunks
+            before ``warp_end``, the online softmax of both rows, ``acc`` rescaled to the running V-scale power
+            (``fp8lab.simulators.prefill_mma``), then ``P V`` chained into ``acc``."""
+            chunks = min(CHUNKS, (warp_end - tile0 + TILE - 1) // TILE) if masked else CHUNKS
+            all_chunk_scores((smem, smemf, kbase, qa, chunks, g, t, scores))
+            inv, ratio = float32(1), float32(1)
+            if FP8:  # the largest V scale the warp has loaded, over the row's 4 lanes; acc's unit follows its power
+                tile_vmax = float32(0)
+                for c in range(CHUNKS):
+                    for u in range(4):
+                        j = TILE * c + 2 * t + (u & 1) + 8 * (u >> 1)
+                        v_scale = smemf[kbase + SCALE_OFFSET + KEYS + j]
+                        if masked and tile0 + j >= warp_end:
+                            v_scale = float32(0)  # a key past the warp's end: the model's "not loaded"
+                        vsi[4 * c + u] = v_scale
+                        tile_vmax = max_nan(tile_vmax, v_scale)
+                tile_vmax = max_nan(tile_vmax, cuda.shfl_xor_sync(FULL_MASK, tile_vmax, 1))
+                tile_vmax = max_nan(tile_vmax, cuda.shfl_xor_sync(FULL_MASK, tile_vmax, 2))
+                v_max[0] = max_nan(v_max[0], tile_vmax)
+                new_pow, inv = power_of_two_below(v_max[0])
+                ratio = pow_[0] * inv
+                pow_[0] = new_pow
+                for i in range(LANE_KEYS):
+                    vsi[i] = vsi[i] * inv
+            both_softmax_rows((scores, vsi, tile0, warp_end, limit, t, m, lsum, corr, weights))
+            for r in range(2):
+                rescale = corr[r] * ratio if FP8 else corr[r]  # a BF16 cache: ratio is 1
+                for s in range(NTILES):
+                    acc[4 * s + 2 * r] *= rescale
+                    acc[4 * s + 2 * r + 1] *= rescale
+            all_chunk_values((smem, kbase + V_OFFSET, weights, chunks, tile0, warp_end, g, t, acc))
+
+        return attend_tile
+
+    attend_full_tile = tile_functions(masked=False)
+    attend_masked_tile = tile_functions(masked=True)
+
     def prefill_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, context_lens, query_lens, scale_log2,
                        num_kv_heads, block_size, out):
         pdl.prologue()  # q and the cache write come from the kernels before: wait for them
         kv, seq = cuda.blockIdx.y, cuda.blockIdx.z
         query_block = cuda.gridDim.x - 1 - cuda.blockIdx.x  # the last queries (the longest walks) first
-        warp, lane = cuda.threadIdx.x // WARP_SIZE, cuda.threadIdx.x % WARP_SIZE
+        thread = cuda.threadIdx.x
+        warp, lane = thread // WARP_SIZE, thread % WARP_SIZE
         g, t = lane >> 2, lane & 3
         query_len = query_lens[seq]
-        i0 = (query_block * WARPS + warp) * TOKENS
-        if i0 >= query_len:  # no query of this sequence here (the whole warp leaves; no barrier follows)
+        cta_i0 = query_block * WARPS * TOKENS
+        if cta_i0 >= query_len:  # no query of this sequence here (the whole CTA leaves; no barrier yet)
             return
+        i0 = cta_i0 + warp * TOKENS
         first_row = 0  # q's row of the sequence's query 0
         for s in range(seq):
             first_row += query_lens[s]
         start = context_lens[seq] - query_len  # position of query 0
-        end = start + min(i0 + TOKENS, query_len)  # keys loaded: up to the warp's last query's position
-        limit = cuda.local.array(2, types.int64)  # rows g, g + 8: the last key each counts (-1: none)
+        cta_end = uint32(start + min(cta_i0 + WARPS * TOKENS, query_len))  # keys the CTA loads
+        warp_end = uint32(start + min(i0 + TOKENS, query_len) if i0 < query_len else 0)  # keys this warp reads
+        limit = cuda.local.array(2, types.int32)  # rows g, g + 8: the last key each counts (-1: none)
         for r in range(2):
             token = i0 + (g + 8 * r) // G
             limit[r] = start + token if token < query_len else -1
+        # keys before this are before every row's position, and every row is a query: no check per key
+        unmasked_end = uint32(start + i0 + 1 if i0 + TOKENS <= query_len else 0)
+
+        smem = cuda.shared.array(0, uint32)  # STAGES stages of K rows, V rows, K scales, V scales
+        smemf = cuda.shared.array(0, float32)  # the same memory, for the scales
+        table = block_tables[seq]
+        chunks_per_block = divide_u32(uint32(block_size), uint32(TILE))
+        walk = (divide_u32(cta_end - uint32(1), uint32(TILE)), chunks_per_block,
+                uint64(divide_u32(uint32(0xFFFFFFFF), chunks_per_block)) + uint64(1),
+                uint32(num_kv_heads) * uint32(block_size), uint32(kv) * uint32(block_size))
+        copy_thread = uint32(thread)
+        tiles = divide_u32(cta_end + uint32(KEYS - 1), uint32(KEYS))
+        for ahead in range(STAGES - 1):  # prologue: tiles 0 .. STAGES - 2, one group each
+            if uint32(ahead) < tiles:
+                copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, table, uint32(ahead), walk,
+                          uint32(ahead * STAGE_WORDS), copy_thread)
+            commit_group()
 
         qa = cuda.local.array(QUERY_WORDS, uint32)
         query_registers(q, first_row, i0, query_len, kv, g, t, scale_log2, qa)
         m = cuda.local.array(2, float32)
         lsum = cuda.local.array(2, float32)
         corr = cuda.local.array(2, float32)
-        weights = cuda.local.array(8, uint32)
+        v_max = cuda.local.array(1, float32)
+        pow_ = cuda.local.array(1, float32)
+        scores = cuda.local.array(TILE_SCORES, float32)
+        vsi = cuda.local.array(LANE_KEYS, float32)
+        weights = cuda.local.array(TILE_WEIGHT_WORDS, uint32)
         acc = cuda.local.array(ACC_SIZE, float32)
-        p = cuda.local.array(4, float32)
-        scores = cuda.local.array(8, float32)
         for r in range(2):
-            m[r] = float32(-np.inf)
+            m[r] = float32(-math.inf)
             lsum[r] = float32(0)
             corr[r] = float32(1)
+        v_max[0], pow_[0] = float32(0), float32(1)
         for i in range(ACC_SIZE):
             acc[i] = float32(0)
-        for i in range(8):
-            weights[i] = uint32(0)
-        kw = cuda.local.array(KEY_WORDS, uint32)
-        vw = cuda.local.array(VALUE_WORDS, uint32)
-        k_scale = cuda.local.array(4, float32)
-        v_scale = cuda.local.array(4, float32)
-        valid = cuda.local.array(4, types.int32)
-        next_kw = cuda.local.array(KEY_WORDS, uint32)
-        next_vw = cuda.local.array(VALUE_WORDS, uint32)
-        next_k_scale = cuda.local.array(4, float32)
-        next_v_scale = cuda.local.array(4, float32)
-        next_valid = cuda.local.array(4, types.int32)
 
-        table = block_tables[seq]
-        rows_per_block, kv_row = num_kv_heads * block_size, kv * block_size
-        tiles = (end + TILE - 1) // TILE
-        lane_block = table_chunk(table, 0, end, block_size, 0, lane)
-        if LOAD_AHEAD:
-            load_tile(k_words, v_words, k_scales, v_scales,
-                      tile_row(lane_block, 0, 0, block_size, rows_per_block, kv_row), 0, end, g, t, kw, vw, k_scale,
-                      v_scale, valid)
-        for tile in range(tiles):
-            if LOAD_AHEAD:
-                ahead = tile + 1
-                if ahead < tiles:  # the next tile's loads go out before this tile's arithmetic
-                    if ahead % WARP_SIZE == 0:
-                        lane_block = table_chunk(table, 0, end, block_size, ahead, lane)
-                    load_tile(k_words, v_words, k_scales, v_scales,
-                              tile_row(lane_block, ahead, 0, block_size, rows_per_block, kv_row), TILE * ahead, end,
-                              g, t, next_kw, next_vw, next_k_scale, next_v_scale, next_valid)
-            else:  # this tile's loads, then its arithmetic
-                if tile > 0 and tile % WARP_SIZE == 0:
-                    lane_block = table_chunk(table, 0, end, block_size, tile, lane)
-                load_tile(k_words, v_words, k_scales, v_scales,
-                          tile_row(lane_block, tile, 0, block_size, rows_per_block, kv_row), TILE * tile, end, g, t,
-                          kw, vw, k_scale, v_scale, valid)
-            attend_tile(qa, kw, vw, k_scale, v_scale, valid, limit, TILE * tile, t, m, lsum, corr, p, scores, weights,
-                        acc)
-            if LOAD_AHEAD:
-                for i in range(KEY_WORDS):
-                    kw[i] = next_kw[i]
-                for i in range(VALUE_WORDS):
-                    vw[i] = next_vw[i]
-                for u in range(4):
-                    k_scale[u] = next_k_scale[u]
-                    v_scale[u] = next_v_scale[u]
-                    valid[u] = next_valid[u]
+        tile = uint32(0)
+        while tile < tiles:
+            wait_for_tile()  # this thread's copies of `tile` have landed ...
+            cuda.syncthreads()  # ... and everyone's; and everyone is done with tile - 1's stage
+            ahead = tile + uint32(STAGES - 1)
+            if ahead < tiles:  # the copies of the tile STAGES - 1 ahead go out before this tile's arithmetic
+                copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, table, ahead, walk,
+                          (ahead % uint32(STAGES)) * uint32(STAGE_WORDS), copy_thread)
+            commit_group()
+            tile0 = tile * uint32(KEYS)
+            kbase = (tile % uint32(STAGES)) * uint32(STAGE_WORDS)
+            if tile0 + uint32(KEYS) <= unmasked_end:
+                attend_full_tile(smem, smemf, kbase, tile0, warp_end, limit, qa, g, t, v_max, pow_, m, lsum, corr,
+                                 scores, vsi, weights, acc)
+            elif tile0 < warp_end:
+                attend_masked_tile(smem, smemf, kbase, tile0, warp_end, limit, qa, g, t, v_max, pow_, m, lsum, corr,
+                                   scores, vsi, weights, acc)
+            tile += uint32(1)
 
+        if i0 >= query_len:
+            return
         for r in range(2):  # rows g, g + 8: l over the row's four lanes, then this lane's D / 4 elements
             l = lsum[r] + cuda.shfl_xor_sync(FULL_MASK, lsum[r], 1)
             l += cuda.shfl_xor_sync(FULL_MASK, l, 2)
@@ -196,7 +465,7 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
                 for s in range(NTILES):
                     for e in range(2):
                         store(out, first_row + token, head, (D // 8) * (2 * t + e) + s,
-                              normalized(acc[4 * s + 2 * r + e], l))
+                              normalized(acc[4 * s + 2 * r + e] * pow_[0], l))
 
     return prefill_kernel
 
@@ -234,22 +503,30 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
     if call.block_tables.shape[0] > MAX_GRID_Z:
         raise ValueError(f"block_tables: at most {MAX_GRID_Z} sequences per call (the grid's z), got "
                          f"{call.block_tables.shape[0]}")
+    if k_cache.size * k_cache.dtype.itemsize // 4 >= 2**32:
+        raise ValueError(f"k_cache: {k_cache.shape} is {k_cache.size * k_cache.dtype.itemsize} bytes, more than the "
+                         "kernel's 32-bit word indices reach (16 GiB)")
     if num_tokens == 0 or num_heads == 0:
         return out
     longest = int(to_host(call.query_lens).max(initial=0)) if call.host_indices else num_tokens
     fp8 = call.kv_format.scaled
+    rows = k_cache.shape[0] * k_cache.shape[1] * k_cache.shape[2]
     k_words, k_scales = flat_cache(k_cache, as_kernel_array("k_scale", k_scale) if fp8 else None)
     v_words, v_scales = flat_cache(v_cache, as_kernel_array("v_scale", v_scale) if fp8 else None)
-    if not fp8:  # a BF16 cache: the kernel never reads its scale arguments
-        k_scales, v_scales = placeholder(1), placeholder(1)
+    if fp8:  # [rows, 1]: the 2-D form cp.async's 4-byte copy takes
+        k_scales, v_scales = k_scales.reshape(rows, 1), v_scales.reshape(rows, 1)
+    else:  # a BF16 cache: the kernel never reads its scale arguments
+        k_scales = v_scales = placeholder(2)
     arrays = (call.q, k_words, v_words, k_scales, v_scales, _as_int32(call.block_tables), _as_int32(call.context_lens),
               _as_int32(call.query_lens))
     device = [on_device(x, stream) for x in arrays]
     out_device = on_device(call.out, stream)
     grid = (max(1, -(-longest // tokens_per_cta(group))), num_kv_heads, call.block_tables.shape[0])
     kernel = _prefill_kernel(head_dim, group, np.dtype(call.out.dtype) == np.uint16, not fp8)
-    pdl.launch(kernel, grid, THREADS, stream, *device, np.float32(float(softmax_scale) * LOG2E), num_kv_heads,
-               call.block_size, out_device)
+    args = (*device, np.float32(float(softmax_scale) * LOG2E), num_kv_heads, call.block_size, out_device)
+    shared_bytes = stage_layout(not fp8)[2]
+    _allow_shared_memory(kernel, args, shared_bytes)
+    pdl.launch(kernel, grid, THREADS, stream, *args, shared_bytes=shared_bytes)
     if out_device is not call.out:  # a NumPy out on a GPU
         out_device.copy_to_host(call.out, stream=stream)
     return out
@@ -261,12 +538,12 @@ def kernel_variants():
     per warp); over a BF16 cache, groups of 4 and 2 (BF16 out)."""
     f32 = types.float32
     words = types.Array(types.uint32, 1, "C")
-    f32_1d, f32_3d = types.Array(f32, 1, "C"), types.Array(f32, 3, "C")
+    f32_2d, f32_3d = types.Array(f32, 2, "C"), types.Array(f32, 3, "C")
     i32_1d = types.Array(types.int32, 1, "C")
 
     def signature(bf16_out: bool):
         out = types.Array(types.uint16 if bf16_out else f32, 3, "C")
-        return types.void(f32_3d, words, words, f32_1d, f32_1d, types.Array(types.int32, 2, "C"), i32_1d, i32_1d, f32,
+        return types.void(f32_3d, words, words, f32_2d, f32_2d, types.Array(types.int32, 2, "C"), i32_1d, i32_1d, f32,
                           types.int64, types.int64, out)
 
     shapes = ((128, 4, False, False), (128, 2, True, False), (128, 16, False, False), (128, 4, False, True),

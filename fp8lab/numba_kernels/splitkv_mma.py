@@ -24,8 +24,9 @@ Measured (``bench/attention_mma.py``, ``bench/RESULTS.md``, H200): against the S
 split counts, 1.0 times its time at batch 1 and 512 tokens, 1.2 at batches 4 to 16, 1.3 at 16,384 tokens and
 at batches 8 and 16 over 2,048.
 
-The device functions of one tile (``tile_functions``: its loads, the scores, the online softmax, ``P V``) are shared
-with the flash prefill (``fp8lab.numba_kernels.prefill_mma``), which adds a causal mask per row.
+The device functions of one tile (``tile_functions``: its loads, the scores, the online softmax, ``P V``) are the
+split kernel's; the flash prefill (``fp8lab.numba_kernels.prefill_mma``) shares their lane layouts through shared
+memory.
 
 The schedule is the simulator's (read ``fp8lab.simulators.splitkv_mma`` first); per lane ``L`` of a warp, ``g = L >> 2``,
 ``t = L & 3``, tile ``[tile0, tile0 + 16)`` (one KV block holds it: the block size is a multiple of 16):
@@ -86,7 +87,6 @@ from .attention_input import check_head_inputs, head_row_functions, host_contigu
 from .bits import e4m3x2_to_f16x2, f32_as_u32, f32_to_f16_bits, u32_as_f32
 from .gemv_simt import unrolled
 from .kv_cache import on_device, placeholder
-from .mma import mma_bf16_inline as mma_bf16
 from .mma import mma_f16_inline as mma_f16
 from .splitkv import (
     check_decode,
@@ -161,44 +161,30 @@ def row_max(x):
     return mathops.nan_max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
 
 
-def tile_functions(head_dim: int, wide: bool, load_words, causal: bool = False, bf16_cache: bool = False):
-    """The device functions of one key tile, shared by the decode split kernel and the flash prefill
-    (``fp8lab.numba_kernels.prefill_mma``): ``load_tile`` (a lane's key and value words, scales and which tokens are
-    loaded), ``tile_row`` and ``table_chunk`` (the block table, 32 tiles per load), and ``attend_tile`` (the scores'
-    mma chain, the online softmax, ``P V``). ``wide``: rows ``g + 8`` hold queries too; ``load_words``: the 128-bit
-    load; ``causal``: a key counts for row ``r`` only at or before position ``limit[r]`` (the prefill's mask; the
-    decode's rows all count every loaded token); ``bf16_cache``: the cache holds BF16 patterns, not E4M3 codes
-    (the flash prefill over a BF16 cache): twice the words per element, no scales, BF16 mma with the query pairs
-    and the weights in BF16 (``query_pair_bf16``). Returned as a namespace of ``cuda.jit`` device functions."""
+def tile_functions(head_dim: int, wide: bool, load_words):
+    """The device functions of one key tile of the decode split kernel: ``load_tile`` (a lane's key and value words,
+    scales and which tokens are loaded), ``tile_row`` and ``table_chunk`` (the block table, 32 tiles per load), and
+    ``attend_tile`` (the scores' mma chain, the online softmax, ``P V``). ``wide``: rows ``g + 8`` hold queries too;
+    ``load_words``: the 128-bit load. Returned as a namespace of ``cuda.jit`` device functions."""
     D = head_dim
     STEPS = D // 16  # k-steps of the scores
-    ELEMENT_BYTES = 2 if bf16_cache else 1
-    K_WORDS = D * ELEMENT_BYTES // 16  # the lane's key words per token (D / 4 elements)
-    V_WORDS = D * ELEMENT_BYTES // 32  # the lane's value words per token (D / 8 elements)
-    TILES_PER_V_WORD = 4 // ELEMENT_BYTES  # n tiles of P V whose values one value word holds
-    ROW_WORDS = uint64(D * ELEMENT_BYTES // 4)
+    K_WORDS = D // 16  # the lane's key words per token (D / 4 codes)
+    V_WORDS = D // 32  # the lane's value words per token (D / 8 codes)
+    ROW_WORDS = uint64(D // 4)
     ROWS = 2 if wide else 1  # accumulator rows g (and g + 8) a lane works on
-    CAUSAL = causal
-    BF16 = bf16_cache
 
     @cuda.jit(device=True, inline=True)
     def value_word(w, args):
-        """The n tiles ``s = TILES_PER_V_WORD w + k`` of ``P V`` whose values are in word ``w`` of the lane's tokens
-        (n tile ``s``: head elements ``(D/8) n + s`` of lane group ``n``; 4 E4M3 codes or 2 BF16 patterns a word), into
-        ``acc[4 s : 4 s + 4]``."""
+        """The 4 n tiles ``s = 4 w + k`` of ``P V`` whose values are in word ``w`` of the lane's tokens (n tile ``s``:
+        head elements ``(D/8) n + s`` of lane group ``n``), into ``acc[4 s : 4 s + 4]``."""
         vw, pa0, pa1, pa2, pa3, corr, pow_, acc = args
-        for k in range(TILES_PER_V_WORD):
-            s = TILES_PER_V_WORD * w + k
-            if BF16:  # element k of the word: the B registers are the two tokens' patterns, no conversion
-                b0 = half_pair(vw[w], vw[V_WORDS + w], k)  # tokens 2t, 2t + 1
-                b1 = half_pair(vw[2 * V_WORDS + w], vw[3 * V_WORDS + w], k)  # 8 + 2t, 9 + 2t
-                o0, o1, o2, o3 = mma_bf16(pa0, pa1, pa2, pa3, b0, b1, float32(0), float32(0), float32(0), float32(0))
-            else:
-                shift = uint32(8 * k)
-                b0 = e4m3x2_to_f16x2(byte_pair(vw[w], vw[V_WORDS + w], shift))  # tokens 2t, 2t + 1
-                b1 = e4m3x2_to_f16x2(byte_pair(vw[2 * V_WORDS + w], vw[3 * V_WORDS + w], shift))  # 8 + 2t, 9 + 2t
-                o0, o1, o2, o3 = mma_f16(pa0, pa1, pa2, pa3, b0, b1, float32(0), float32(0), float32(0), float32(0))
-            acc[4 * s] = cuda.fma(acc[4 * s], corr[0], o0 * pow_)  # pow_ = 1 for BF16: the multiply folds away
+        for k in range(4):
+            s = 4 * w + k
+            shift = uint32(8 * k)
+            b0 = e4m3x2_to_f16x2(byte_pair(vw[w], vw[V_WORDS + w], shift))  # tokens 2t, 2t + 1
+            b1 = e4m3x2_to_f16x2(byte_pair(vw[2 * V_WORDS + w], vw[3 * V_WORDS + w], shift))  # 8 + 2t, 9 + 2t
+            o0, o1, o2, o3 = mma_f16(pa0, pa1, pa2, pa3, b0, b1, float32(0), float32(0), float32(0), float32(0))
+            acc[4 * s] = cuda.fma(acc[4 * s], corr[0], o0 * pow_)
             acc[4 * s + 1] = cuda.fma(acc[4 * s + 1], corr[0], o1 * pow_)
             if wide:
                 acc[4 * s + 2] = cuda.fma(acc[4 * s + 2], corr[1], o2 * pow_)
@@ -206,30 +192,19 @@ def tile_functions(head_dim: int, wide: bool, load_words, causal: bool = False, 
 
     @cuda.jit(device=True, inline=True)
     def softmax_row(r, args):
-        """One tile's online-softmax step of row ``g + 8 r``: scores times ``k_scale`` (``-inf`` past the end and, causal,
-        after the row's position ``limit[r]``), the row max, ``corr``, ``p``, this lane's ``l``; the F16 weights ``p *
-        (v_scale * inv)`` into ``weights[4 r ..]``."""
-        scores, k_scale, v_scale, valid, inv, m, lsum, corr, p, weights, limit, tile0, t = args
-        counts = cuda.local.array(4, types.int32)
-        for u in range(4):  # the key counts for this row: loaded, and (causal) at or before the row's position
-            j = 2 * t + (u & 1) + 8 * (u >> 1)
-            counts[u] = valid[u] if not CAUSAL else (1 if valid[u] and tile0 + j <= limit[r] else 0)
+        """One tile's online-softmax step of row ``g + 8 r``: scores times ``k_scale`` (``-inf`` past the end), the row
+        max, ``corr``, ``p``, this lane's ``l``; the F16 weights ``p * (v_scale * inv)`` into ``weights[4 r ..]``."""
+        scores, k_scale, v_scale, valid, inv, m, lsum, corr, p, weights = args
         tile_max = float32(-math.inf)
         for u in range(4):
-            if BF16:  # no scale
-                s_u = scores[4 * r + u] if counts[u] else float32(-math.inf)
-            else:
-                s_u = scores[4 * r + u] * k_scale[u] if counts[u] else float32(-math.inf)
+            s_u = scores[4 * r + u] * k_scale[u] if valid[u] else float32(-math.inf)
             scores[4 * r + u] = s_u
             tile_max = mathops.nan_max(tile_max, s_u)
         m_new = mathops.nan_max(m[r], row_max(tile_max))
         corr[r] = float32(1) if m_new == m[r] else mathops.exp2(m[r] - m_new)
         for u in range(4):
-            p[u] = mathops.exp2(scores[4 * r + u] - m_new) if counts[u] else float32(0)
-            if BF16:
-                weights[4 * r + u] = mathops.f32_to_bf16_bits_rne(p[u])
-            else:
-                weights[4 * r + u] = f32_to_f16_bits(p[u] * (v_scale[u] * inv))
+            p[u] = mathops.exp2(scores[4 * r + u] - m_new) if valid[u] else float32(0)
+            weights[4 * r + u] = f32_to_f16_bits(p[u] * (v_scale[u] * inv))
         lsum[r] = cuda.fma(lsum[r], corr[r], (p[0] + p[1]) + (p[2] + p[3]))
         m[r] = m_new
 
@@ -265,9 +240,8 @@ def tile_functions(head_dim: int, wide: bool, load_words, causal: bool = False, 
                     vw[u * V_WORDS + 4 * i + 1] = w1
                     vw[u * V_WORDS + 4 * i + 2] = w2
                     vw[u * V_WORDS + 4 * i + 3] = w3
-                if not BF16:
-                    k_scale[u] = k_scales[row]
-                    v_scale[u] = v_scales[row]
+                k_scale[u] = k_scales[row]
+                v_scale[u] = v_scales[row]
             else:
                 for i in range(V_WORDS):
                     vw[u * V_WORDS + i] = uint32(0)
@@ -288,32 +262,25 @@ def tile_functions(head_dim: int, wide: bool, load_words, causal: bool = False, 
         return table[tile0 // block_size] if tile0 < end else 0
 
     @cuda.jit(device=True, inline=True)
-    def attend_tile(qa, kw, vw, k_scale, v_scale, valid, limit, tile0, t, m, lsum, corr, p, scores, weights, acc):
+    def attend_tile(qa, kw, vw, k_scale, v_scale, valid, m, lsum, corr, p, scores, weights, acc):
         """One loaded tile: the scores (two 8-token n tiles, ``D / 16`` k-steps each), the online softmax of each row
         with the V scales relative to the tile's largest, then ``P V`` into ``acc``."""
         for half in range(2):
             c0 = c1 = c2 = c3 = float32(0)
             for s in range(STEPS):
-                if BF16:  # elements 4 s .. 4 s + 3 of the lane's D / 4: words 2 s and 2 s + 1, the B registers as they are
-                    b0, b1 = kw[half * K_WORDS + 2 * s], kw[half * K_WORDS + 2 * s + 1]
-                    c0, c1, c2, c3 = mma_bf16(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3], b0, b1,
-                                              c0, c1, c2, c3)
-                else:
-                    word = kw[half * K_WORDS + s]
-                    b0 = e4m3x2_to_f16x2(word & uint32(0xFFFF))
-                    b1 = e4m3x2_to_f16x2(word >> uint32(16))
-                    c0, c1, c2, c3 = mma_f16(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3], b0, b1,
-                                             c0, c1, c2, c3)
+                word = kw[half * K_WORDS + s]
+                b0 = e4m3x2_to_f16x2(word & uint32(0xFFFF))
+                b1 = e4m3x2_to_f16x2(word >> uint32(16))
+                c0, c1, c2, c3 = mma_f16(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3], b0, b1,
+                                         c0, c1, c2, c3)
             scores[2 * half] = c0
             scores[2 * half + 1] = c1
             scores[4 + 2 * half] = c2
             scores[4 + 2 * half + 1] = c3
 
-        pow_, inv = float32(1), float32(1)  # a BF16 cache has no V scales
-        if not BF16:
-            vmax = mathops.nan_max(mathops.nan_max(v_scale[0], v_scale[1]), mathops.nan_max(v_scale[2], v_scale[3]))
-            pow_, inv = power_of_two_below(row_max(vmax))
-        softmax_rows((scores, k_scale, v_scale, valid, inv, m, lsum, corr, p, weights, limit, tile0, t))
+        vmax = mathops.nan_max(mathops.nan_max(v_scale[0], v_scale[1]), mathops.nan_max(v_scale[2], v_scale[3]))
+        pow_, inv = power_of_two_below(row_max(vmax))
+        softmax_rows((scores, k_scale, v_scale, valid, inv, m, lsum, corr, p, weights))
 
         # P V: one mma per n tile s (head elements (D/8) n + s of the lane group n)
         pa0 = weights[0] | (weights[1] << uint32(16))
@@ -441,7 +408,6 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
         after_valid = cuda.local.array(4, types.int32)
         p = cuda.local.array(4, float32)
         scores = cuda.local.array(8, float32)  # [row r][u]
-        limit = cuda.local.array(2, types.int64)  # unused: every loaded token counts for every row (not causal)
 
         rows_per_block = num_kv_heads * block_size
         kv_row = kv * block_size
@@ -463,7 +429,7 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
                                     rows_per_block, kv_row, ahead, g, t, next_kw, next_vw, next_k_scale,
                                     next_v_scale, next_valid)
 
-            attend_tile(qa, kw, vw, k_scale, v_scale, valid, limit, start + TILE * tile, t, m, lsum, corr, p, scores,
+            attend_tile(qa, kw, vw, k_scale, v_scale, valid, m, lsum, corr, p, scores,
                         weights, acc)
             for i in range(KEY_WORDS):  # the next tile becomes this one, the one after the next (register moves)
                 kw[i] = next_kw[i]

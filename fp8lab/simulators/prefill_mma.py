@@ -13,25 +13,34 @@ query heads per kv head with ``G`` dividing 16, without ALiBi. The batch is laid
 num_heads, D]``, sequence ``s``'s ``query_lens[s]`` new tokens back to back, its query ``i`` at position
 ``context_lens[s] - query_lens[s] + i``, attending keys ``0 ..`` that position.
 
-How (the kernel's schedule, operation by operation). It is the tile math of the tensor-core decode
-(``fp8lab.simulators.splitkv_mma``: F16 queries times ``scale_log2``, scores by ``D / 16`` chained mma k-steps,
-scores times ``k_scale``, the log2-domain online softmax with a lane's four partial sums, the weights ``p * v_scale``
-relative to the tile's largest V scale in F16, ``P V`` by one mma per 8 head elements) with the *query tokens* in
-the rows:
+How (the kernel's schedule, operation by operation). The scores and weights are the tile math of the tensor-core
+decode (``fp8lab.simulators.splitkv_mma``: F16 queries times ``scale_log2``, scores by ``D / 16`` chained mma
+k-steps, scores times ``k_scale``, the log2-domain online softmax with a lane's four partial sums, the weights ``p *
+v_scale`` relative to a power of two in F16), with the *query tokens* in the rows and 64 keys per step:
 
 - **Rows**: a warp owns ``TOKENS = 16 / G`` consecutive query tokens of one sequence and one kv head; row ``r`` of its
   mma tiles is query token ``i0 + r // G`` and query head ``kv G + r % G``. So the ``G`` heads that share the kv head
   share each K/V tile, and every row of the tile is used. Rows of tokens past ``query_lens[s]`` are zero queries and
-  are not stored.
-- **Keys**: the warp walks key tiles of 16 (``TILE``) from position 0 in ascending order, up to its last token's
-  position, alone (no split, no merge: the rows are whole when the walk ends). Its loads stop at ``end = start +
-  min(i0 + TOKENS, query_lens[s])`` (the last row's position + 1): codes past it read as 0, ``k_scale`` as 1,
-  ``v_scale`` as 0, as the decode's past its shard.
+  are not stored. The 4 warps of a CTA own consecutive tokens and share each K/V tile through shared memory.
+- **Keys**: the warp walks key tiles of 64 (``KEYS``, four 16-key chunks) from position 0 in ascending order, up to
+  its last token's position (no split, no merge: the rows are whole when the walk ends). Its keys stop at ``end =
+  start + min(i0 + TOKENS, query_lens[s])`` (the last row's position + 1): keys past it count as not loaded, codes 0,
+  ``k_scale`` 1, ``v_scale`` 0 (the kernel zeroes them in its registers; its CTA loaded them for a later warp).
+- **Scores**: per chunk the decode's ``tile_scores``; then ``s = S * k_scale``, ``-inf`` where the key does not count.
 - **Causal mask per row**: key ``j`` counts for row ``r`` when it was loaded and ``j <= position(r)``; otherwise its
-  score is ``-inf`` and its weight ``p`` 0, exactly as the decode's tokens past the end. Only the rows differ now.
-  The V scale of the tile is the largest over the *loaded* keys, so it is one for all rows (the ``P V`` mma is one
-  for all rows).
-- **End**: ``l = (l_0 + l_1) + (l_2 + l_3)`` per row, ``out = acc / l`` (0 where ``l = 0``; ``splitkv.normalized``).
+  score is ``-inf`` and its weight ``p`` 0, exactly as the decode's tokens past the end.
+- **Online softmax per row and tile**: ``m_new = max(m, max_j s_j)``, ``corr = 1 if m_new == m else exp2(m -
+  m_new)``, ``p_j = exp2(s_j - m_new)``, ``l_t = fma(l_t, corr, (c_0 + c_1) + (c_2 + c_3))`` with ``c_i`` chunk
+  ``i``'s ``(p_2t + p_2t+1) + (p_2t+8 + p_2t+9)`` (``chunk_lane_sums``).
+- **Values** (flash-attention's order: the accumulator is rescaled, then the mma chain adds to it): ``acc`` is kept
+  in units of ``pow = 2^floor(log2 vmax)``, ``vmax`` the largest V scale the warp has loaded so far (one for all its
+  rows; ``power_of_two_below``, ``inv = 1 / pow``). Per tile: ``acc = fl32(acc * fl32(corr * (pow_old * inv)))`` (the
+  ratio of the powers is a power of two at most 1, exact), ``w_j = f16(fl32(p_j * fl32(v_scale_j * inv)))``, then
+  per chunk ``acc = fl32(acc + fl32(S))`` with ``S`` the exact 16-key sum of ``w_j v_j`` (one mma per 8 head
+  elements, chained through the accumulator); a chunk wholly past the warp's ``end`` is skipped (it would add only
+  zeros, but not always a zero of ``acc``'s sign).
+- **End**: ``l = (l_0 + l_1) + (l_2 + l_3)`` per row, ``out = fl32(acc * pow) / l`` (0 where ``l = 0``;
+  ``splitkv.normalized``).
 - **A BF16 cache** (``OPERANDS``): the same schedule in BF16 operands, since a BF16 key is no F16 value (F16's range
   ends at 65504): the queries ``bf16(fl32(q * scale_log2))``, the keys and values as stored (exact), the weights
   ``bf16(p)``, BF16 ``mma``. There are no scales: the model multiplies by ``k_scale = 1`` and ``v_scale = 1`` (``pow =
@@ -41,7 +50,8 @@ the rows:
 
 One difference from the reference, stated: a key *after* a query's position but inside its warp's last tile (at most
 ``TOKENS - 1`` keys) enters the ``P V`` mma with weight exactly 0, so a NaN value (an E4M3 code, a BF16 element) or a
-non-finite V scale of that key reaches the query's output (``0 * NaN``), where the reference says a later key is never part of a query's math.
+non-finite V scale of that key reaches the query's output (``0 * NaN``; a V scale through ``pow``, of every row of the
+warp), where the reference says a later key is never part of a query's math.
 Keys past the warp's last query are not loaded at all. Finite caches (what quantization writes) are unaffected.
 """
 
@@ -59,6 +69,7 @@ from fp8lab.reference.checks import (
 )
 
 from .fma import fma_f32
+from .mma import MMA_N, k16_sum
 from .splitkv_mma import (
     HEAD_DIMS,
     LOG2E,
@@ -70,11 +81,14 @@ from .splitkv_mma import (
     lane_sums,
     power_of_two_below,
     tile_scores,
-    tile_values,
 )
 
 ROWS = 16
 """Rows of an mma tile: ``TOKENS`` query tokens times ``G`` query heads."""
+KEYS = 64
+"""Keys per step: the K/V tile a CTA shares through shared memory, and one online-softmax step of each row."""
+CHUNKS = KEYS // TILE
+"""16-key chunks of a tile: the k of one ``P V`` mma each, and two 8-key n tiles of the scores each."""
 OPERANDS = {"fp8": "f16", "bf16": "bf16"}
 """The 16-bit format of the mma operands (queries, keys, weights, values) per cache format: every E4M3 value is an
 F16 value (11 significant bits for the query and the weights); a BF16 key is not (F16's range ends at 65504), so a
@@ -162,6 +176,31 @@ def cache_values(entries) -> np.ndarray:
     return dense.bf16_bits_to_float32(entries).astype(np.float64)
 
 
+def tile_scores_of_chunks(qh: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """``S [..., 16 rows, KEYS]`` (float32) of F16 or BF16 queries ``qh [..., 16, D]`` and exact keys ``keys [...,
+    KEYS, D]``: per 16-key chunk the decode's ``tile_scores`` (``D / 16`` chained k-steps from 0, two 8-key mma tiles)."""
+    chunked = keys.reshape(keys.shape[:-2] + (CHUNKS, TILE, keys.shape[-1]))
+    s = tile_scores(qh[..., None, :, :], chunked)  # [..., chunks, 16 rows, 16 keys]
+    return np.moveaxis(s, -3, -2).reshape(s.shape[:-3] + (ROWS, KEYS))
+
+
+def chunk_lane_sums(p: np.ndarray) -> np.ndarray:
+    """``[..., 4]``: lane ``t``'s sum of weights ``p [..., KEYS]`` (float32): per chunk the decode's ``lane_sums``
+    (``(p_2t + p_2t+1) + (p_2t+8 + p_2t+9)``), then the four chunks pairwise, ``(c_0 + c_1) + (c_2 + c_3)``."""
+    c = lane_sums(p.reshape(p.shape[:-1] + (CHUNKS, TILE)))  # [..., chunks, 4]
+    return (c[..., 0, :] + c[..., 1, :]) + (c[..., 2, :] + c[..., 3, :])
+
+
+def chunk_values(weights: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``fl32(S)``, ``S [..., 16 rows, D]`` the exact sum over one chunk's 16 keys of ``weights [..., 16, 16]`` (F16 or
+    BF16 values) times ``values [..., 16, D]`` (exact), one mma per 8 head elements: what each mma of the chain adds
+    to its accumulator (``fp8lab.simulators.mma``: ``d = fl32(c + fl32(S))``; a zero ``S`` keeps its sign)."""
+    head_dim = values.shape[-1]
+    b = values.reshape(values.shape[:-1] + (head_dim // MMA_N, MMA_N)).swapaxes(-2, -3)  # [..., D/8, 16 keys, 8]
+    s = k16_sum(weights[..., None, :, :], b).astype(np.float32)  # [..., D/8, 16 rows, 8]
+    return s.swapaxes(-2, -3).reshape(weights.shape[:-1] + (head_dim,))
+
+
 def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, softmax_scale: float, k_scale,
                   v_scale) -> np.ndarray:
     """Causal prefill attention as the tensor-core kernel computes it: float32 ``[num_query_tokens, num_heads, D]``,
@@ -205,37 +244,46 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
     shape = (len(seq), num_kv_heads, ROWS)
     m = np.full(shape, -np.inf, np.float32)
     l = np.zeros(shape + (4,), np.float32)
-    acc = np.zeros(shape + (head_dim,), np.float32)
-    for step in range(int(np.max(-(-end // TILE)))):
-        key = TILE * step + np.arange(TILE)  # [16]
-        loaded = key[None, :] < end[:, None]  # [W, 16]
+    acc = np.zeros(shape + (head_dim,), np.float32)  # in units of `pow`, the running largest V scale's power of 2
+    v_max = np.zeros(shape[:2], np.float32)  # the largest V scale the warp has loaded (NaN-propagating)
+    pow_ = np.ones(shape[:2], np.float32)
+    for step in range(int(np.max(-(-end // KEYS)))):
+        key = KEYS * step + np.arange(KEYS)  # [64]
+        loaded = key[None, :] < end[:, None]  # [W, 64]
         block = np.where(loaded, tables[seq[:, None], np.minimum(key // block_size, tables.shape[1] - 1)], 0)
         offset = key % block_size
         k = np.where(loaded[..., None, None], cache_values(k_cache[block, :, offset]), 0.0).transpose(0, 2, 1, 3)
         v = np.where(loaded[..., None, None], cache_values(v_cache[block, :, offset]), 0.0).transpose(0, 2, 1, 3)
         if fp8:
-            ks = np.where(loaded[..., None], k_scale[block, :, offset], np.float32(1)).transpose(0, 2, 1)  # [W, kv, 16]
+            ks = np.where(loaded[..., None], k_scale[block, :, offset], np.float32(1)).transpose(0, 2, 1)  # [W, kv, 64]
             vs = np.where(loaded[..., None], v_scale[block, :, offset], np.float32(0)).transpose(0, 2, 1)
         else:  # no scales: 1 for a loaded key (each multiply below is then exact, and the kernel skips it)
             ks = np.ones(loaded.shape, np.float32)[:, None, :]
             vs = loaded.astype(np.float32)[:, None, :]
         counts = (loaded[:, None, :] & (key[None, None, :] <= position[:, :, None]))[:, None]  # [W, 1, rows, keys]
         with np.errstate(invalid="ignore", over="ignore"):
-            s = np.where(counts, tile_scores(qh, k) * ks[..., None, :], np.float32(-np.inf))
+            s = np.where(counts, tile_scores_of_chunks(qh, k) * ks[..., None, :], np.float32(-np.inf))
             m_new = np.maximum(m, np.max(s, axis=-1))  # NaN-propagating, as the kernel's nan_max
             corr = np.where(m_new == m, np.float32(1), _exp2(m - m_new))
             p = np.where(counts, _exp2(s - m_new[..., None]), np.float32(0))
-        l = fma_f32(l, corr[..., None], lane_sums(p))
-        pow_, inv = power_of_two_below(np.max(vs, axis=-1))
+        l = fma_f32(l, corr[..., None], chunk_lane_sums(p))
+        v_max = np.maximum(v_max, np.max(vs, axis=-1))  # NaN-propagating
+        pow_new, inv = power_of_two_below(v_max)
         with np.errstate(invalid="ignore", over="ignore"):
+            rescale = corr * (pow_ * inv)[..., None]  # pow / pow_new: a power of two at most 1, exact
+            acc = acc * rescale[..., None]
             weights = operand(p * (vs * inv[..., None])[..., None, :])
-            o = tile_values(weights, v)  # [W, kv, 16, D]
-            acc = fma_f32(acc, corr[..., None], o * pow_[..., None, None])
-        m = m_new
+            chunk_loaded = (KEYS * step + TILE * np.arange(CHUNKS))[None, :] < end[:, None]  # [W, chunks]
+            for c in range(CHUNKS):  # P V: one mma chain through the accumulator; a chunk past the warp's end skipped
+                part = slice(TILE * c, TILE * (c + 1))
+                summed = acc + chunk_values(weights[..., part], v[..., part, :])
+                acc = np.where(chunk_loaded[:, c, None, None, None], summed, acc)
+        m, pow_ = m_new, pow_new
 
     l_row = (l[..., 0] + l[..., 1]) + (l[..., 2] + l[..., 3])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        result = np.where(l_row[..., None] == 0, np.float32(0), acc / l_row[..., None])
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        total = acc * pow_[..., None, None]
+        result = np.where(l_row[..., None] == 0, np.float32(0), total / l_row[..., None])
     w_index, kv_index, row_index = np.nonzero(np.broadcast_to(real[:, None, :], shape))
     out[q_index[w_index, row_index], heads[kv_index, row_index]] = result[w_index, kv_index, row_index]
     return out

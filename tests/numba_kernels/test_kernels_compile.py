@@ -440,7 +440,8 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
     the combine for float32 and BF16 output, 2 tensor-core split kernels (``splitkv_mma``: head_dim 128 with
     4 query heads per kv head and float32 output, 16 with BF16 output and the attention input), 5 tensor-core
     prefill kernels (``prefill_mma``: over an FP8 cache groups of 4 and 16 with float32 output, 2 with BF16; over a
-    BF16 cache groups of 4 and 2): no local memory, no float64, the expected load widths (the attention with its
+    BF16 cache groups of 4 and 2; their tiles by ``cp.async`` into shared memory, 128-bit shared reads,
+    ``max.NaN.f32``, FP8 weights two per ``cvt.rn.f16x2.f32``): no local memory, no float64, the expected load widths (the attention with its
     input reads its cache with coherent 128-bit loads: it writes the new token there), 16-bit stores for BF16
     output, the F16 ``mma`` and the E4M3 pair conversion in the tensor-core ones over an FP8 cache, the BF16 ``mma``
     and no conversion over a BF16 cache, the norm's square root in the one with its input; no spills where nvJitLink
@@ -460,7 +461,10 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
             assert not with_input or "sqrt.rn.f32" in ptx
         if name.startswith("prefill_mma"):
             assert "shfl.sync.bfly.b32" in ptx and "ex2.approx.f32" in ptx and "fma.rn.f32" in ptx
-            assert re.search(r"ld\.global\.nc\.v4\.[uf]32\b", ptx)  # the tiles in 128-bit loads
+            assert "cp.async.cg.shared.global" in ptx and "ld.global.nc.v4" not in ptx  # tiles through shared memory
+            assert re.search(r"ld\.shared\.v4\.[uf]32\b", ptx)  # a lane reads its fragments in 128-bit loads
+            assert "max.NaN.f32" in ptx  # the NaN-propagating max in one instruction
+            assert "cache=bf16" in name or "cvt.rn.f16x2.f32" in ptx  # two F16 weights per conversion
         if name.startswith(("split_mma", "prefill_mma")) and "cache=bf16" not in name:
             assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
             assert "cvt.rn.f16.f32" in ptx  # the query and the weights rounded to F16

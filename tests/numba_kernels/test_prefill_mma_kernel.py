@@ -7,8 +7,10 @@ and 16 (16, 8, 4 and 1 query tokens per warp), block sizes 16 and 32, pure prefi
 prefix before the new tokens), query counts that end inside a warp, a sequence without new tokens, a walk over more
 than 32 key tiles (the block table's second chunk), NaN-poisoned unused cache slots and a NaN-poisoned ``out``; device
 index arrays with ``max_context_len`` (nothing read back: the grid covers ``len(q)`` tokens per sequence); BF16 output
-bit for bit ``layers.bf16_round`` of the float32 output; padding rows past the queries left unwritten; caches the kernel does not take are a ``ValueError``. Over a
-BF16 cache (the variant that loads a tile, then computes it): group 16, and group 8 over the 34-tile walk.
+bit for bit ``layers.bf16_round`` of the float32 output; padding rows past the queries left unwritten; caches the kernel
+does not take are a ``ValueError``; a NaN that a CTA loads for a later warp stays out of the earlier warps. Over a
+BF16 cache: group 16, group 2 over 90 and 70 queries, and group 8 over the 34-block walk. The cases with more than 64
+keys before a warp's first query run the unmasked tile (``prefill_mma.tile_functions(masked=False)``).
 
 On a GPU (``gpu``, run by hand on an H200): Qwen3-8B heads (32 query, 8 kv) over a 1,000-token prompt and 4 x 512
 tokens, Qwen3-0.6B heads (16, 8) over 2,048 tokens after a 100-token prefix, against ``fp8lab.reference.attention``
@@ -56,6 +58,8 @@ def same_bits(a, b) -> bool:
     ([23], [23], 1, 1, 16, "fp8"),  # 16 tokens per warp
     ([19, 6], [3, 2], 16, 1, 16, "fp8"),  # one token per warp, rows g + 8 are heads 8..15
     ([19, 6], [3, 2], 16, 1, 16, "bf16"),  # the BF16 cache (its chunked prefill: the engine's test)
+    ([150], [150], 4, 1, 16, "fp8"),  # tiles before a warp's first query: the unmasked tile, then the diagonal's
+    ([100, 70], [90, 70], 2, 1, 32, "bf16"),  # the same over a BF16 cache, after a 10-token prefix
 ])
 def test_bit_for_bit_the_simulator(context_lens, query_lens, group, num_kv_heads, block_size, cache):
     rng = np.random.default_rng(sum(context_lens) * group + block_size)
@@ -68,11 +72,29 @@ def test_bit_for_bit_the_simulator(context_lens, query_lens, group, num_kv_heads
 @pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
 @pytest.mark.parametrize("cache", ["fp8", "bf16"])
 def test_a_walk_past_32_tiles_bit_for_bit_the_simulator(cache):
-    """Two queries at positions 527 and 528 after a cached prefix: 34 key tiles, the block table's second chunk
-    (tiles 32 and 33) read by the lanes; group 8 (2 tokens per warp)."""
+    """Two queries at positions 527 and 528 after a cached prefix: 9 tiles of 64 keys, 8 of them unmasked, over 34
+    KV blocks; group 8 (2 tokens per warp)."""
     rng = np.random.default_rng(4)
     data, q, query_lens = prefill_batch(rng, [529], [2], 8, 1, 16, cache)
     out = run_kernel(data, q, query_lens)
+    assert same_bits(out, simulated(data, q, query_lens))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
+@pytest.mark.parametrize("poisoned", ["code", "scale"])
+def test_a_nan_the_cta_loads_for_a_later_warp_stays_out_of_the_earlier_warps(poisoned):
+    """A NaN V code (or V scale) of key 10, in the CTA of queries 0-15 (group 4: warps of 4 queries): the CTA loads it
+    into shared memory for the warp of queries 8-11, but warps 0-3 and 4-7 end before it and must read it as a zero
+    code with scale 0 (zeroed in their registers): their queries stay finite. Queries 8 and 9, before key 10 in its
+    warp, see it (the documented weight-0 case), and so does every query from 10 on; bit for bit the simulator."""
+    rng = np.random.default_rng(12)
+    data, q, query_lens = prefill_batch(rng, [30], [30], 4, 1, 16)
+    if poisoned == "code":
+        data.v_cache[data.block_tables[0, 0], 0, 10, 7] = 0x7F
+    else:
+        data.v_scale[data.block_tables[0, 0], 0, 10] = np.nan
+    out = run_kernel(data, q, query_lens)
+    assert np.isnan(out).any(axis=(1, 2)).tolist() == [i >= 8 for i in range(30)]
     assert same_bits(out, simulated(data, q, query_lens))
 
 
