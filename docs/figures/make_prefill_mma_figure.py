@@ -4,13 +4,13 @@ Two panels, a GQA group of 4 query heads (Qwen3-8B's), so 4 query tokens per war
 (``fp8lab.simulators.prefill_mma.tokens_per_warp``):
 
 - **The walk**: a 40-token prompt, query tokens (rows) against key positions (columns). Each warp's 4 tokens are one
-  band; the band is shaded over the 16-key tiles the warp loads (up to its last token's position), and the keys each
+  band; the band is shaded over the 16-key chunks the warp computes (up to its last token's position), and the keys each
   token counts (the causal triangle) are dark. Inside a band, the light cells right of the triangle are keys the warp
   loaded that its earlier tokens do not count.
-- **One warp's last tile** (tokens 8 to 11, keys 0 to 15): the 16 mma rows are (token, head) pairs; a cell is the
+- **One warp's last chunk** (tokens 8 to 11, keys 0 to 15): the 16 mma rows are (token, head) pairs; a cell is the
   score of that row and key: counted (times ``k_scale[key]``, then a weight ``p * v_scale / 2^e`` in ``P V``), or
   ``-inf`` and weight 0 (after the row's position). The V scale ``2^e`` is the largest over the 12 loaded keys, one
-  for all 16 rows.
+  for all 16 rows (the warp's first tile: its running largest V scale).
 
 Usage::
 
@@ -57,7 +57,7 @@ def walk_panel(ax):
         ax.axhline(edge - 0.5, color="white", lw=0.6)
     for edge in range(TILE, PROMPT, TILE):
         ax.axvline(edge - 0.5, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("key position (dashed: 16-key tiles)")
+    ax.set_xlabel("key position (dashed: 16-key chunks)")
     ax.set_ylabel(f"query token (bands: one warp, {tokens} tokens)")
     ax.set_title(f"A {PROMPT}-token prompt: each warp walks its tiles alone")
 
