@@ -169,45 +169,29 @@ else:
 
         return types.uint32(a, b, selector), codegen
 
+    def _two_floats_intrinsic(text: str, result, swap: bool):
+        """An intrinsic ``f(a, b)`` of two float32 values running the PTX ``text`` (``$0`` the result, ``$1``, ``$2``
+        the sources: ``b, a`` where ``swap``: a two-half conversion puts its first source in the high half)."""
+        result_ir = ir.FloatType() if result == types.float32 else ir.IntType(32)
+        constraint = "=f,f,f" if result == types.float32 else "=r,f,f"
 
-    @intrinsic
-    def f32x2_to_f16x2(typingctx, low, high):
-        if not all(isinstance(x, types.Float) for x in (low, high)):
-            return None
+        @intrinsic
+        def two_floats(typingctx, a, b):
+            if not all(isinstance(x, types.Float) for x in (a, b)):
+                return None
 
-        def codegen(context, builder, signature, args):
-            values = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
-            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.FloatType()] * 2), "cvt.rn.f16x2.f32 $0, $1, $2;",
-                               "=r,f,f")
-            return builder.call(asm, [values[1], values[0]])  # PTX: the first source goes to the high half
+            def codegen(context, builder, signature, args):
+                values = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
+                asm = ir.InlineAsm(ir.FunctionType(result_ir, [ir.FloatType()] * 2), text, constraint)
+                return builder.call(asm, values[::-1] if swap else values)
 
-        return types.uint32(low, high), codegen
+            return result(a, b), codegen
 
-    @intrinsic
-    def f32x2_to_bf16x2(typingctx, low, high):
-        if not all(isinstance(x, types.Float) for x in (low, high)):
-            return None
+        return two_floats
 
-        def codegen(context, builder, signature, args):
-            values = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
-            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.FloatType()] * 2), "cvt.rn.bf16x2.f32 $0, $1, $2;",
-                               "=r,f,f")
-            return builder.call(asm, [values[1], values[0]])  # PTX: the first source goes to the high half
-
-        return types.uint32(low, high), codegen
-
-    @intrinsic
-    def max_nan(typingctx, a, b):
-        if not all(isinstance(x, types.Float) for x in (a, b)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            values = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
-            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()] * 2), "max.NaN.f32 $0, $1, $2;",
-                               "=f,f,f")
-            return builder.call(asm, values)
-
-        return types.float32(a, b), codegen
+    f32x2_to_f16x2 = _two_floats_intrinsic("cvt.rn.f16x2.f32 $0, $1, $2;", types.uint32, swap=True)
+    f32x2_to_bf16x2 = _two_floats_intrinsic("cvt.rn.bf16x2.f32 $0, $1, $2;", types.uint32, swap=True)
+    max_nan = _two_floats_intrinsic("max.NaN.f32 $0, $1, $2;", types.float32, swap=False)
 
 
 @cuda.jit(device=True, inline=True)

@@ -169,6 +169,30 @@ def test_bf16_and_f32_bit_helpers(rng):
     np.testing.assert_array_equal(rounded, x.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
+def test_paired_conversions_max_nan_and_the_high_code_pair(rng):
+    """The flash prefill's helpers against independent oracles: two float32 values to an F16 pair (NumPy's float16
+    cast) and to a BF16 pair (ml_dtypes), ``max_nan`` as ``np.maximum`` (NaN wins), and the E4M3 pair in a word's
+    high half as ml_dtypes decodes it."""
+    x = (rng.standard_normal(400) * 10.0 ** rng.uniform(-9, 9, 400)).astype(np.float32)
+    x[:4] = [np.nan, -np.inf, 70000.0, -0.0]
+    low, high = x[:200], x[200:]
+    with np.errstate(over="ignore"):  # 70000 overflows F16: inf, as the conversion gives
+        f16 = x.astype(np.float16).view(np.uint16).astype(np.uint32)
+    got = [int(bits.f32x2_to_f16x2(a, b)) for a, b in zip(low, high)]
+    assert got[1:] == (f16[1:200] | (f16[201:] << 16)).tolist()
+    assert np.isnan(np.uint16(got[0] & 0xFFFF).view(np.float16))
+    bf16 = x.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+    got = [int(bits.f32x2_to_bf16x2(a, b)) for a, b in zip(low, high)]
+    assert got[1:] == (bf16[1:200] | (bf16[201:] << 16)).tolist()
+    assert np.isnan(np.uint16(got[0] & 0xFFFF).view(ml_dtypes.bfloat16))
+    maxima = [bits.max_nan(a, b) for a, b in zip(low, high)]
+    np.testing.assert_array_equal(np.array(maxima, np.float32), np.maximum(low, high))
+    words = rng.integers(0, 1 << 32, 300, dtype=np.uint64).astype(np.uint32)
+    decoded = words.view(np.uint8).reshape(-1, 4).view(ml_dtypes.float8_e4m3fn).astype(np.float16).view(np.uint16)
+    want = decoded[:, 2].astype(np.uint32) | (decoded[:, 3].astype(np.uint32) << 16)
+    assert [int(bits.e4m3x2_high_to_f16x2(w)) for w in words] == want.tolist()
+
+
 @cuda.jit
 def fused(a, b, c, out):
     i = cuda.threadIdx.x
