@@ -38,7 +38,7 @@ zero V scales, after a row's position as ``-inf`` scores. The instructions a til
 
 **Over a BF16 cache** (``bf16_cache``): the same walk with rows of 272 bytes (104,448 bytes of shared memory, over
 the 48 KiB default: ``gemm_mma._allow_shared_memory``), the key words as the B registers as they are, a value
-register one halfword of two keys' words (``splitkv_mma.half_pair``), BF16 queries, weights and ``mma``; no scales.
+register one halfword of two keys' words (``half_pair``), BF16 queries, weights and ``mma``; no scales.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from .mma import mma_bf16_inline as mma_bf16
 from .mma import mma_f16_inline as mma_f16
 from .prefill import check_prefill
 from .splitkv import _as_int32, flat_cache, normalized, output_store
-from .splitkv_mma import half_pair, power_of_two_below, query_pair, query_pair_bf16
+from .splitkv_mma import power_of_two_below, query_pair
 from .warp import FULL_MASK, WARP_SIZE, load_shared_u32x4
 
 THREADS = WARPS * WARP_SIZE
@@ -93,6 +93,22 @@ reads (rows ``2 t``, bytes ``16 g ..``) alike."""
 LOW_BYTES_OF_TWO, HIGH_BYTES_OF_TWO = 0x5140, 0x7362
 """``prmt`` selectors: bytes 0, 1 (``LOW``) or 2, 3 (``HIGH``) of two words interleaved, ``a0 b0 a1 b1``: two pairs of
 codes of two keys at two head elements, each pair one conversion's input."""
+
+
+@cuda.jit(device=True, inline=True)
+def half_pair(first, second, k):
+    """Halfword ``k`` of ``first`` (low half) and of ``second`` (high half): two BF16 patterns for one register."""
+    if k == 0:
+        return (first & uint32(0xFFFF)) | (second << uint32(16))
+    return (first >> uint32(16)) | (second & uint32(0xFFFF0000))
+
+
+@cuda.jit(device=True, inline=True)
+def query_pair_bf16(q_rows, row, d, scale_log2):
+    """``query_pair`` in BF16: the patterns of ``q_rows[row, d] * scale_log2`` (low half) and of element ``d + 1``."""
+    low = mathops.f32_to_bf16_bits_rne(q_rows[row, d] * scale_log2)
+    high = mathops.f32_to_bf16_bits_rne(q_rows[row, d + 1] * scale_log2)
+    return low | (high << uint32(16))
 
 
 def stage_layout(bf16_cache: bool) -> tuple[int, int, int]:

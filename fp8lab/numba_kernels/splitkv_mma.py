@@ -128,22 +128,6 @@ def byte_pair(first, second, shift):
 
 
 @cuda.jit(device=True, inline=True)
-def half_pair(first, second, k):
-    """Halfword ``k`` of ``first`` (low half) and of ``second`` (high half): two BF16 patterns for one register."""
-    if k == 0:
-        return (first & uint32(0xFFFF)) | (second << uint32(16))
-    return (first >> uint32(16)) | (second & uint32(0xFFFF0000))
-
-
-@cuda.jit(device=True, inline=True)
-def query_pair_bf16(q_rows, row, d, scale_log2):
-    """``query_pair`` in BF16: the patterns of ``q_rows[row, d] * scale_log2`` (low half) and of element ``d + 1``."""
-    low = mathops.f32_to_bf16_bits_rne(q_rows[row, d] * scale_log2)
-    high = mathops.f32_to_bf16_bits_rne(q_rows[row, d + 1] * scale_log2)
-    return low | (high << uint32(16))
-
-
-@cuda.jit(device=True, inline=True)
 def power_of_two_below(vmax):
     """``(pow, inv)``: ``2^floor(log2 vmax)`` and its inverse from the exponent bits (``(1, 1)`` where they are 0;
     ``inv = 0`` from ``2^127`` on): ``fp8lab.simulators.splitkv_mma.power_of_two_below``."""
