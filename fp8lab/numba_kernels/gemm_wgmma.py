@@ -121,7 +121,8 @@ class Tiling(NamedTuple):
     """Compile-time shape knobs; none changes a bit of the result."""
 
     tokens: int = 128
-    """Activation rows per CTA: the ``N`` of ``wgmma.m64nNk16`` (64 or 128)."""
+    """Activation rows per CTA: the ``N`` of ``wgmma.m64nNk16`` (64, 128 or 192; 192 with two warpgroups needs 3
+    stages, all the shared memory there is, and spills 32 bytes: untimed, in the benchmark's sweep)."""
     warpgroups: int = 2
     """Warpgroups per CTA (1 or 2), stacked in weight rows: ``CTA_N = 64 warpgroups``."""
     stages: int = 4

@@ -59,8 +59,9 @@ from numba import cuda
 from .bits import SIMULATOR
 from .warp import FULL_MASK
 
-N_CHOICES = (64, 128)
-"""Columns of D per instruction that kernels here use: ``N / 2`` float32 accumulators per lane."""
+N_CHOICES = (64, 128, 192)
+"""Columns of D per instruction that kernels here use: ``N / 2`` float32 accumulators per lane (PTX allows any
+multiple of 8 up to 256 for BF16)."""
 M_ROWS, K_STEP = 64, 16
 ROW_BYTES = 128
 """A swizzle row: 64 BF16 k of one column."""

@@ -35,7 +35,7 @@ from fp8lab.simulators import bit_placement as bp
 from fp8lab.simulators import gemm_mma as model
 
 TILINGS = [kernel.Tiling(64, 1, 3, 4), kernel.Tiling(64, 2, 5), kernel.Tiling(128, 1, 4), kernel.Tiling(),
-           kernel.Tiling(128, 2, 4, 1), kernel.Tiling(128, 2, 4, 2)]
+           kernel.Tiling(128, 2, 4, 1), kernel.Tiling(128, 2, 4, 2), kernel.Tiling(192, 2, 3, 4)]
 
 
 @pytest.mark.cudasim
@@ -47,6 +47,7 @@ TILINGS = [kernel.Tiling(64, 1, 3, 4), kernel.Tiling(64, 2, 5), kernel.Tiling(12
     (TILINGS[2], 130, 64, 512, (8, 256), "f32"),  # a scale per 8 rows, a scale block of two chunks, token tail
     (TILINGS[3], 9, 200, 640, (128, 128), "bf16"),  # the default: 5 chunks through 4 stages
     (TILINGS[5], 130, 72, 512, (8, 256), "f32"),  # two parts of 4 k16 steps, a token tile tail
+    (TILINGS[6], 200, 136, 512, (128, 128), "bf16"),  # 192 tokens (m64n192k16): a token tail, 4 chunks, 3 stages
 ])
 def test_bit_for_bit_the_simulator(tiling, m, n, k, block, output, rng):
     a = activations(rng.standard_normal((m, k)).astype(np.float32), "bf16")
