@@ -47,7 +47,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, types, uint32, uint64
+from numba import cuda, float32, int32, types, uint32, uint64
 
 from fp8lab.simulators.prefill_mma import (
     CHUNKS,
@@ -182,10 +182,10 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         chunks_per_block`` is a multiply by ``ceil(2^32 / chunks_per_block)`` taking the high word (exact while
         ``chunk * chunks_per_block < 2^32``), as ``gemm_wgmma`` does: a division is a subroutine."""
         last_chunk, chunks_per_block, block_divider, rows_per_block, kv_row = walk
-        chunk = min(chunk, last_chunk)
+        chunk = uint32(min(chunk, last_chunk))
         block_index = uint32((uint64(chunk) * block_divider) >> uint64(32))
-        slot = (chunk - block_index * chunks_per_block) * uint32(TILE)
-        return uint32(table[block_index]) * rows_per_block + kv_row + slot
+        slot = uint32((chunk - block_index * chunks_per_block) * uint32(TILE))
+        return uint32(uint32(table[block_index]) * rows_per_block + kv_row + slot)
 
     @cuda.jit(device=True, inline=True)
     def copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, table, tile, walk, stage_base, thread):
@@ -193,18 +193,21 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         at word ``stage_base``: 16-byte pieces ``j THREADS + thread`` of the K and V rows, and (FP8) threads ``0 ..
         KEYS - 1`` one K scale, ``KEYS .. 2 KEYS - 1`` one V scale. The rows of keys past the CTA's end are copied
         too (rows of the last chunk's block, or of the last chunk): no warp reads them. All arguments unsigned
-        32-bit; the four chunks' rows are looked up once each."""
+        32-bit (Numba widens unsigned arithmetic to 64 bits; each result is cast back, so that the compiler keeps 32).
+        The four chunks' rows are looked up once per warp: lane ``i`` looks up chunk ``i % 4``, and every lane takes
+        the four from lanes 0 to 3 (the copies are called by whole warps)."""
+        mine = int32(chunk_row(table, uint32(tile * uint32(CHUNKS) + (thread & uint32(CHUNKS - 1))), walk))
         first = cuda.local.array(CHUNKS, uint32)
-        for c in range(CHUNKS):
-            first[c] = chunk_row(table, tile * uint32(CHUNKS) + uint32(c), walk)
+        for c in range(CHUNKS):  # (shfl takes signed words)
+            first[c] = uint32(cuda.shfl_sync(FULL_MASK, mine, c))
         row_in_pass, piece = thread // uint32(PIECES), thread % uint32(PIECES)
         for j in range(COPIES):
             row = j * ROWS_PER_PASS  # + row_in_pass
-            source = first[row // TILE] + uint32(row % TILE) + row_in_pass
-            element = source * uint32(ROW_WORDS) + uint32(4) * piece
-            index = stage_base + (uint32(row) + row_in_pass) * uint32(SROW) + uint32(4) * piece
+            source = uint32(first[row // TILE] + uint32(row % TILE) + row_in_pass)
+            element = uint32(source * uint32(ROW_WORDS) + uint32(4) * piece)
+            index = uint32(stage_base + (uint32(row) + row_in_pass) * uint32(SROW) + uint32(4) * piece)
             copy_16_cg_flat(smem, index, k_words, element)
-            copy_16_cg_flat(smem, index + uint32(V_OFFSET), v_words, element)
+            copy_16_cg_flat(smem, uint32(index + uint32(V_OFFSET)), v_words, element)
         if FP8:
             key = thread % uint32(KEYS)
             chunk = key // uint32(TILE)
@@ -212,8 +215,9 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
             for c in range(1, CHUNKS):
                 if chunk == uint32(c):
                     source = first[c]
-            copy_4_ca(smemf, stage_base + uint32(SCALE_OFFSET) + thread, k_scales if thread < uint32(KEYS) else v_scales,
-                      source + key % uint32(TILE), uint32(0), uint32(4))
+            copy_4_ca(smemf, uint32(stage_base + uint32(SCALE_OFFSET) + thread),
+                      k_scales if thread < uint32(KEYS) else v_scales, uint32(source + key % uint32(TILE)), uint32(0),
+                      uint32(4))
 
     def tile_functions(masked: bool):
         """The device functions of one tile for the warp, ``masked``: with the per-key checks of the walk's last tiles
@@ -450,17 +454,19 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         for i in range(ACC_SIZE):
             acc[i] = float32(0)
 
-        tile = uint32(0)
+        tile, stage = uint32(0), uint32(0)  # stage = tile % STAGES
         while tile < tiles:
             wait_for_tile()  # this thread's copies of `tile` have landed ...
             cuda.syncthreads()  # ... and everyone's; and everyone is done with tile - 1's stage
-            ahead = tile + uint32(STAGES - 1)
+            ahead = uint32(tile + uint32(STAGES - 1))
             if ahead < tiles:  # the copies of the tile STAGES - 1 ahead go out before this tile's arithmetic
+                ahead_stage = uint32(stage - uint32(1)) if stage > uint32(0) else uint32(STAGES - 1)  # tile - 1's
                 copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, table, ahead, walk,
-                          (ahead % uint32(STAGES)) * uint32(STAGE_WORDS), copy_thread)
+                          uint32(ahead_stage * uint32(STAGE_WORDS)), copy_thread)
             commit_group()
-            tile0 = tile * uint32(KEYS)
-            kbase = (tile % uint32(STAGES)) * uint32(STAGE_WORDS)
+            tile0 = uint32(tile * uint32(KEYS))
+            kbase = uint32(stage * uint32(STAGE_WORDS))
+            stage = uint32(stage + uint32(1)) if stage + uint32(1) < uint32(STAGES) else uint32(0)
             if tile0 + uint32(KEYS) <= unmasked_end:
                 attend_full_tile(smem, smemf, kbase, tile0, warp_end, limit, qa, g, t, v_max, pow_, m, lsum, corr,
                                  scores, vsi, weights, acc)
