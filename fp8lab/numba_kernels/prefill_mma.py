@@ -153,7 +153,7 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
     store = output_store(bf16_out)
     pair = query_pair_bf16 if bf16_cache else query_pair
     wait_for_tile = wait_group_function(STAGES - 2)
-    assert ROWS_PER_PASS % TILE == 0 or TILE % ROWS_PER_PASS == 0
+    assert TILE % ROWS_PER_PASS == 0, "copy_tile: the rows a pass copies must lie in one 16-key chunk"
 
     @cuda.jit(device=True, inline=True)
     def query_registers(q, first_row, i0, query_len, kv, g, t, scale_log2, qa):
