@@ -14,7 +14,7 @@ What it computes::
 
 How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Machete does for its W4A16):
 
-- **Tiles**: a CTA owns ``CTA_N = 64 warpgroups`` weight rows times ``TOKENS`` (64 or 128) activation rows.
+- **Tiles**: a CTA owns ``CTA_N = 64 warpgroups`` weight rows times ``TOKENS`` (64, 128 or 192) activation rows.
   Warpgroup ``w`` multiplies weight rows ``64 w .. 64 w + 63`` by all ``TOKENS`` tokens with one
   ``wgmma.m64n{TOKENS}k16`` per k16 step (``fp8lab.numba_kernels.wgmma``; two independent ``m64n64k16`` chains
   instead were 1 to 10% slower on an H100, ``bench/RESULTS.md``, twenty-second session): A = the weights, in
