@@ -58,8 +58,8 @@ def same_bits(a, b) -> bool:
     ([23], [23], 1, 1, 16, "fp8"),  # 16 tokens per warp
     ([19, 6], [3, 2], 16, 1, 16, "fp8"),  # one token per warp, rows g + 8 are heads 8..15
     ([19, 6], [3, 2], 16, 1, 16, "bf16"),  # the BF16 cache (its chunked prefill: the engine's test)
-    ([150], [150], 4, 1, 16, "fp8"),  # tiles before a warp's first query: the unmasked tile, then the diagonal's
-    ([100, 70], [90, 70], 2, 1, 32, "bf16"),  # the same over a BF16 cache, after a 10-token prefix
+    ([90], [20], 4, 1, 16, "fp8"),  # after a 70-token prefix: every warp's tile 0 unmasked, then the diagonal's
+    ([84, 75], [12, 3], 2, 1, 32, "bf16"),  # the same over a BF16 cache, two sequences
 ])
 def test_bit_for_bit_the_simulator(context_lens, query_lens, group, num_kv_heads, block_size, cache):
     rng = np.random.default_rng(sum(context_lens) * group + block_size)
