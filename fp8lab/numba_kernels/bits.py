@@ -67,10 +67,14 @@ if SIMULATOR:
     def f32x2_to_f16x2(low, high):
         return f32_to_f16_bits(low) | (f32_to_f16_bits(high) << np.uint32(16))
 
-    def f32x2_to_bf16x2(low, high):
-        from .mathops import f32_to_bf16_bits_rne  # (mathops imports this module)
+    def _bf16_bits(x):
+        u = int(np.float32(x).view(np.uint32))
+        if x != x:
+            return ((u >> 16) & 0x8000) | 0x7FC0
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
 
-        return np.uint32(int(f32_to_bf16_bits_rne(low)) | (int(f32_to_bf16_bits_rne(high)) << 16))
+    def f32x2_to_bf16x2(low, high):
+        return np.uint32(_bf16_bits(low) | (_bf16_bits(high) << 16))
 
     def max_nan(a, b):
         if a != a:
