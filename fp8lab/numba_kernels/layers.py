@@ -23,8 +23,10 @@ Kernels and launch shapes (CTAs x threads):
 2. ``rope(x, positions, cos_sin, out)``: NeoX rotation of ``x[T, heads, head_dim]`` (in place allowed)
    by the float32 table of ``rope_table`` (``reference.dense.rope_cos_sin``, once at load). Launch
    ``(T, heads)``, a thread per pair ``(i, i + head_dim / 2)``.
-3. ``silu_mul(gate_up, out)``: ``silu(gate) * up`` of a fused ``gate_up[T, 2I]``. Launch
-   ``(T, ceil(I / 256))`` x 256, a thread per element. A uint16 ``out`` gets BF16 bits, as the norms'.
+3. ``silu_mul(gate_up, out)``: ``silu(gate) * up`` of a fused ``gate_up[T, 2I]``. For ``I`` a multiple of 4
+   (every model's) launch ``(T, ceil(I / 1024))`` x 256, four elements a thread from two 128-bit loads;
+   otherwise ``(T, ceil(I / 256))`` x 256, a thread per element. A uint16 ``out`` gets BF16 bits, as the
+   norms'. Each element's operations are the same either way.
 4. ``embedding(table, ids, out)``: BF16 table rows as float32 (exact). Launch ``(T, ceil(hidden / 256))`` x 256.
 5. ``bf16_linear(x, w_bits, out)``: ``out[M, N] = x[M, K] @ W^T``, ``W`` BF16 bit patterns. Launch
    ``(ceil(N / (4 rows_per_warp)), ceil(M / 8))`` x 128: a warp per ``rows_per_warp`` weight rows and
@@ -69,7 +71,7 @@ from .arguments import (
     require_c_contiguous,
     require_load_alignment,
 )
-from .bits import SIMULATOR, bf16_bits_to_f32, u32_as_f32
+from .bits import SIMULATOR, bf16_bits_to_f32, f32_as_u32, u32_as_f32
 from .dequantize import STORE
 from .kv_cache import on_device
 from .warp import (
@@ -538,7 +540,7 @@ def silu_times(gate, up):
 def silu_mul_function(bf16_out: bool):
     """The ``silu_mul`` kernel ``(gate_up, out)`` writing float32 or (``bf16_out``) the BF16 bits of each
     float32 result (``STORE``). Launch ``[(T, ceil(I / 256)), 256]``: thread ``j`` of CTA ``(t, b)``
-    computes ``out[t, 256 b + j]``."""
+    computes ``out[t, 256 b + j]``. Any ``I``; the engine's shapes take ``silu_mul_quads_function``."""
     store = STORE["bf16" if bf16_out else "f32"]
 
     def silu_mul_kernel(gate_up, out):
@@ -554,8 +556,47 @@ def silu_mul_function(bf16_out: bool):
     return silu_mul_kernel
 
 
+def silu_mul_quads_function(bf16_out: bool):
+    """The same values four at a time, for ``I`` a multiple of 4 (16-byte aligned rows): the kernel
+    ``(gate_up_words, out_words)`` takes ``gate_up`` as its flat uint32 bits and writes a float32 ``out`` as
+    its flat uint32 bits, a BF16 ``out`` as flat uint32 pairs (element ``2 i`` in the low half). Launch
+    ``[(T, ceil(I / 1024)), 256]``: thread ``j`` of CTA ``(t, b)`` computes ``out[t, 4 (256 b + j) .. + 3]``
+    from one 128-bit load of the gates and one of the ups. Why: one element per thread kept two 4-byte loads
+    in flight per thread, too few to cover the memory's latency; it ran at about a third of the copy
+    bandwidth at prefill sizes (``bench/RESULTS.md``, twenty-fifth session)."""
+
+    def silu_mul_quads_kernel(gate_up_words, out_words):
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
+        token = cuda.blockIdx.x
+        intermediate = gate_up_words.shape[0] // (2 * cuda.gridDim.x)
+        j = 4 * (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x)
+        if j < intermediate:
+            row = token * 2 * intermediate
+            g0, g1, g2, g3 = load_u32x4(gate_up_words, row + j)
+            u0, u1, u2, u3 = load_u32x4(gate_up_words, row + intermediate + j)
+            r0 = silu_times(u32_as_f32(g0), u32_as_f32(u0))
+            r1 = silu_times(u32_as_f32(g1), u32_as_f32(u1))
+            r2 = silu_times(u32_as_f32(g2), u32_as_f32(u2))
+            r3 = silu_times(u32_as_f32(g3), u32_as_f32(u3))
+            if bf16_out:
+                first = (token * intermediate + j) // 2
+                out_words[first] = mathops.f32_to_bf16_bits_rne(r0) | mathops.f32_to_bf16_bits_rne(r1) << uint32(16)
+                out_words[first + 1] = (mathops.f32_to_bf16_bits_rne(r2)
+                                        | mathops.f32_to_bf16_bits_rne(r3) << uint32(16))
+            else:
+                first = token * intermediate + j
+                out_words[first] = f32_as_u32(r0)
+                out_words[first + 1] = f32_as_u32(r1)
+                out_words[first + 2] = f32_as_u32(r2)
+                out_words[first + 3] = f32_as_u32(r3)
+
+    return silu_mul_quads_kernel
+
+
 _silu_mul_kernels = {bf16_out: cuda.jit(silu_mul_function(bf16_out)) for bf16_out in (False, True)}
+_silu_mul_quads_kernels = {bf16_out: cuda.jit(silu_mul_quads_function(bf16_out)) for bf16_out in (False, True)}
 """By ``bf16_out`` (compiled at the first call of each)."""
+SILU_QUAD = 4
 
 
 def silu_mul(gate_up, out, stream=0):
@@ -584,6 +625,15 @@ def silu_mul(gate_up, out, stream=0):
     if bf16_out and overlaps(out, gate_up):
         raise ValueError("out: a uint16 (BF16 bits) out must not share memory with gate_up")
     if tokens == 0:
+        return out
+    if intermediate % SILU_QUAD == 0:  # the engine's shapes: four elements a thread, from 128-bit loads
+        gate_up_device, out_device = on_device(gate_up, stream), on_device(out, stream)
+        require_load_alignment("gate_up", gate_up_device, "silu_mul")
+        grid = (tokens, -(-intermediate // (SILU_QUAD * ELEMENTWISE_THREADS)))
+        words = [a.view(np.uint32).reshape(-1) for a in (gate_up_device, out_device)]
+        _run(_silu_mul_quads_kernels[bf16_out], grid, ELEMENTWISE_THREADS, stream, words, ())
+        if out_device is not out:
+            out_device.copy_to_host(out, stream=stream)
         return out
     grid = (tokens, -(-intermediate // ELEMENTWISE_THREADS))
     _run(_silu_mul_kernels[bf16_out], grid, ELEMENTWISE_THREADS, stream, [gate_up, out], (1,))
@@ -1123,6 +1173,9 @@ def kernel_variants():
     variants.append(("rope", rope_kernel, types.void(f32_3d, i32_1d, f32_2d, f32_3d)))
     variants.append(("silu_mul", silu_mul_function(False), types.void(f32_2d, f32_2d)))
     variants.append(("silu_mul[bf16 out]", silu_mul_function(True), types.void(f32_2d, u16_2d)))
+    for bf16_out in (False, True):
+        variants.append((f"silu_mul[quads{', bf16 out' if bf16_out else ''}]", silu_mul_quads_function(bf16_out),
+                         types.void(u32_1d, u32_1d)))
     variants.append(("embedding", embedding_kernel, types.void(u16_2d, i32_1d, f32_2d)))
     for m_tile in range(1, LINEAR_MAX_M_TILE + 1):
         rows = default_rows_per_warp(m_tile)

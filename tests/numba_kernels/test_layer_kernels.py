@@ -291,15 +291,21 @@ def gate_up_values(rng, tokens, intermediate):
     return gate_up
 
 
+SILU_WIDTHS = [70, 1028]
+"""I = 70: the one-element kernel; 1,028 (a multiple of 4): the four-element kernel, its second CTA holding one
+thread's quad."""
+
+
 @pytest.mark.cudasim
-def test_silu_mul_matches_the_simulator_and_its_bound(rng):
-    gate_up = gate_up_values(rng, 3, 70)
-    out = poisoned((3, 70))
+@pytest.mark.parametrize("intermediate", SILU_WIDTHS)
+def test_silu_mul_matches_the_simulator_and_its_bound(rng, intermediate):
+    gate_up = gate_up_values(rng, 3, intermediate)
+    out = poisoned((3, intermediate))
     assert layers.silu_mul(gate_up, out) is out
     np.testing.assert_array_equal(out.view(np.uint32), sim.silu_mul(gate_up).view(np.uint32))
     exact, bound = silu_mul_bound(gate_up)
     assert np.all(np.abs(out - exact) <= bound)
-    reference = dense.silu_mul(gate_up[:, :70], gate_up[:, 70:])
+    reference = dense.silu_mul(gate_up[:, :intermediate], gate_up[:, intermediate:])
     assert np.all(np.abs(out - reference) <= 2 * bound)
 
 
@@ -426,18 +432,19 @@ def silu_mul_inputs(rng, tokens, intermediate):
 
 
 @pytest.mark.cudasim
-def test_silu_mul_writes_the_bf16_bits_of_its_float32_result(rng):
-    gate_up = silu_mul_inputs(rng, 3, 70)
-    float_out, bf16_out = poisoned((3, 70)), bf16_poisoned((3, 70))
+@pytest.mark.parametrize("intermediate", SILU_WIDTHS)
+def test_silu_mul_writes_the_bf16_bits_of_its_float32_result(rng, intermediate):
+    gate_up = silu_mul_inputs(rng, 3, intermediate)
+    float_out, bf16_out = poisoned((3, intermediate)), bf16_poisoned((3, intermediate))
     layers.silu_mul(gate_up, float_out)
     assert layers.silu_mul(gate_up, bf16_out) is bf16_out
     assert np.all(float_out[1].view(np.uint32) & 0xFFFF == 0x8000)  # row 1 holds ties, as built
     # one NaN gate makes one NaN element: the last row is not all NaN here
-    np.testing.assert_array_equal(bf16_out, layers.bf16_round(float_out, bf16_poisoned((3, 70))))
+    np.testing.assert_array_equal(bf16_out, layers.bf16_round(float_out, bf16_poisoned((3, intermediate))))
     finite = np.isfinite(float_out)
     np.testing.assert_array_equal(bf16_out[finite], float_out[finite].astype(ml_dtypes.bfloat16).view(np.uint16))
     np.testing.assert_array_equal(is_bf16_nan(bf16_out), np.isnan(float_out))
-    assert is_bf16_nan(bf16_out[-1, 35])
+    assert is_bf16_nan(bf16_out[-1, intermediate // 2])
 
 
 # ---------------------------------------------------------------------------- embedding
@@ -786,7 +793,11 @@ def check_layer_kernel_ptx(c) -> None:
         assert ptx.count("fma.rn.f32") >= 2
     if name.startswith("silu_mul"):
         assert "div.rn.f32" in ptx and "ex2.approx" in ptx
-    if "rms_norm" in name or name.startswith("silu_mul"):  # out's stores: BF16 bits for a bf16_out kernel only
+    if name.startswith("silu_mul[quads"):  # two 128-bit loads; BF16 pairs (or float32 bits) as 32-bit stores
+        assert len(re.findall(r"ld\.global\.nc\.v4\.[uf]32", ptx)) == 2
+        stores = len(re.findall(r"st\.global\.[uf]32", ptx))
+        assert stores == (2 if "bf16 out" in name else 4) and "st.global.u16" not in ptx, stores
+    elif "rms_norm" in name or name.startswith("silu_mul"):  # out's stores: BF16 bits for a bf16_out kernel only
         assert ("st.global.u16" in ptx) == ("bf16 out" in name)
     if name.startswith("bf16_linear"):
         m_tile, rows = (int(v) for v in re.findall(r"=(\d+)", name))
@@ -895,12 +906,13 @@ def test_gpu_rope_bit_for_bit():
 
 
 @pytest.mark.gpu
-def test_gpu_silu_mul_within_its_bound():
+@pytest.mark.parametrize("intermediate", [INTERMEDIATE, 70])  # four elements a thread; one
+def test_gpu_silu_mul_within_its_bound(intermediate):
     from numba import cuda
 
     seed, rng = fresh_rng()
-    gate_up = gate_up_values(rng, 4, INTERMEDIATE)
-    out = cuda.to_device(poisoned((4, INTERMEDIATE)))
+    gate_up = gate_up_values(rng, 4, intermediate)
+    out = cuda.to_device(poisoned((4, intermediate)))
     layers.silu_mul(cuda.to_device(gate_up), out)
     exact, bound = silu_mul_bound(gate_up)
     assert np.all(np.abs(out.copy_to_host() - exact) <= bound), f"seed {seed}"
