@@ -68,8 +68,10 @@ Three variants were measured on an H100 and removed (``bench/RESULTS.md``, twent
 registers, the next chunk placed while this one's ``wgmma`` run (5 to 9% slower at M = 2,048 on the four Qwen3-8B
 shapes); a token-major CTA order, the token tiles of one weight tile on consecutive CTAs (2 to 5% slower on three
 shapes, 6% faster on 4096 x 12288 only); and SwiGLU fused into the gate/up GEMM's epilogue (equal to this GEMM then
-``layers.silu_mul`` within 1% at M = 1,000 and 2,048, so the engine keeps the two launches). Dated measurements are
-in ``bench/RESULTS.md``.
+``layers.silu_mul`` within 1% at M = 1,000 and 2,048, so the engine keeps the two launches). A fourth, the two
+warpgroups taking turns to issue their ``wgmma`` (named barriers, FlashAttention-3's ping-pong), was 3 to 15% slower
+(twenty-fifth session): the warpgroups overlap on their own, and the placement is on the critical path. Dated
+measurements are in ``bench/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ class Tiling(NamedTuple):
 
     tokens: int = 128
     """Activation rows per CTA: the ``N`` of ``wgmma.m64nNk16`` (64, 128 or 192; 192 with two warpgroups needs 3
-    stages, all the shared memory there is, and spills 32 bytes: untimed, in the benchmark's sweep)."""
+    stages, all the shared memory there is, and spills 32 bytes: on an H100 2 to 4% faster than 128 on the two
+    large Qwen3-8B shapes at M = 2,048, up to 45% slower at M = 1,000, ``bench/RESULTS.md``, twenty-fifth session)."""
     warpgroups: int = 2
     """Warpgroups per CTA (1 or 2), stacked in weight rows: ``CTA_N = 64 warpgroups``."""
     stages: int = 4
