@@ -97,7 +97,12 @@ from .gemm_mma import (
     fold_scale,
     inlined_device_function,
 )
-from .mathops import divide_u32, f32_to_bf16_bits_rne
+from .mathops import (
+    divide_by_reciprocal,
+    divide_u32,
+    f32_to_bf16_bits_rne,
+    reciprocal_u32,
+)
 from .warp import WARP_SIZE, load_shared_u32x4
 
 K_CHUNK = 128
@@ -270,9 +275,9 @@ def kernel_function(tiling: Tiling, output: str):
         for j in range(q_copies):
             copy_16_cg_flat(smem8, stage_base + q_destination + j * q_copy_stride, q_chunk, q_first[j])
         if thread < scale_groups:
-            # chunk // chunks_per_block as a multiply by ceil(2^32 / chunks_per_block), taking the high word: exact
-            # while chunk * chunks_per_block < 2^32 (K < 2^23), and no division in the loop.
-            column = uint32((uint64(chunk) * block_divider) >> uint64(32))
+            # chunk // chunks_per_block without a division in the loop: exact while chunk * chunks_per_block < 2^32
+            # (K < 2^23)
+            column = divide_by_reciprocal(chunk, block_divider)
             copy_4_ca(smem8, stage_base + scale_offset + 4 * thread, scale_inv, scale_row, column, 4)
 
     @inlined_device_function
@@ -398,7 +403,7 @@ def kernel_function(tiling: Tiling, output: str):
         # Threads 0 .. CTA_N / 8 - 1 copy the scales of 8-row group `thread` (clamped like the rows). All divisions
         # in 32 bits: a 64-bit one is a subroutine call, which makes ptxas serialize every wgmma.
         scale_row = divide_u32(clamp32(row0 + thread * uint32(8), n), block_n)
-        block_divider = uint64(divide_u32(uint32(0xFFFFFFFF), divide_u32(block_k, K_CHUNK))) + uint64(1)  # <= 2^32
+        block_divider = reciprocal_u32(divide_u32(block_k, K_CHUNK))
         copies = thread_copies(thread, token0, row0, m, n, k, cuda.local.array(a_copies, uint32),
                                cuda.local.array(q_copies, uint32))
 

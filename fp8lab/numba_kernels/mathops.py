@@ -22,6 +22,9 @@ in ``tests/numba_kernels/test_kv_cache_kernel.py``; ``exp2`` is the simulators'
   arithmetic to 64 bits, and a 64-bit division is a subroutine call on the GPU, which, among other costs, makes
   ptxas serialize every ``wgmma`` of the kernel).
 
+- ``reciprocal_u32(d)`` and ``divide_by_reciprocal(n, reciprocal)``: ``n // d`` in a kernel's loop as a multiply
+  by ``ceil(2^32 / d)`` (computed once, with one division) taking the high word: exact while ``n * d < 2^32``.
+
 - ``nan_max(a, b)``: ``max`` that keeps a NaN (like ``np.maximum``), so a NaN in the data reaches
   the output instead of being dropped by a comparison.
 
@@ -38,7 +41,7 @@ code widens to uint32 before it shifts.
 
 from __future__ import annotations
 
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .bits import SIMULATOR, f32_as_u32, u32_as_f32
 
@@ -74,6 +77,21 @@ else:
             return builder.udiv(a32, b32)
 
         return types.uint32(a, b), codegen
+
+
+@cuda.jit(device=True, inline=True)
+def reciprocal_u32(d):
+    """``ceil(2^32 / d)`` as a uint64 for a uint32 ``d >= 1`` (``floor((2^32 - 1) / d) + 1``: one 32-bit division;
+    at most ``2^32``), for ``divide_by_reciprocal``."""
+    return uint64(divide_u32(uint32(0xFFFFFFFF), d)) + uint64(1)
+
+
+@cuda.jit(device=True, inline=True)
+def divide_by_reciprocal(n, reciprocal):
+    """``n // d`` for a uint32 ``n`` with ``reciprocal = reciprocal_u32(d)``: the high word of ``n * ceil(2^32 / d)``,
+    exact while ``n * d < 2^32`` (the product's excess over ``n / d`` is ``n e / (d 2^32)`` with ``e < d``, below
+    ``1 / d``). A multiply and a shift where a division in a loop would be a subroutine call."""
+    return uint32((uint64(n) * reciprocal) >> uint64(32))
 
 
 @cuda.jit(device=True, inline=True)

@@ -47,7 +47,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, types, uint32, uint64
+from numba import cuda, float32, int32, types, uint32
 
 from fp8lab.simulators.prefill_mma import (
     CHUNKS,
@@ -72,7 +72,7 @@ from .cp_async import commit_group, copy_4_ca, copy_16_cg_flat, wait_group_funct
 from .gemm_mma import _allow_shared_memory
 from .gemv_simt import unrolled
 from .kv_cache import on_device, placeholder, to_host
-from .mathops import divide_u32
+from .mathops import divide_by_reciprocal, divide_u32, reciprocal_u32
 from .mma import mma_bf16_inline as mma_bf16
 from .mma import mma_f16_inline as mma_f16
 from .prefill import check_prefill
@@ -83,6 +83,8 @@ from .warp import FULL_MASK, WARP_SIZE, load_shared_u32x4
 THREADS = WARPS * WARP_SIZE
 MAX_GRID_Z = 65535
 """The grid's z extent at most: the sequences of one call."""
+MAX_CACHE_WORDS = 2**32
+"""The kernel indexes a cache as uint32 words with 32-bit indices: fewer than this many words (16 GiB)."""
 HEAD_DIM = 128
 STAGES = 3
 """Shared-memory stages: the copies of the next two tiles land while the warps compute the current one."""
@@ -178,12 +180,12 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         """The cache row of the first key of 16-key chunk ``chunk`` (one KV block holds a chunk), clamped to the
         CTA's last chunk: a chunk past the CTA's keys copies rows that no warp reads (``attend_tile`` masks them),
         and the block table is never read past the sequence. ``walk``: ``(last_chunk, chunks_per_block,
-        block_divider, rows_per_block, kv_row)``, unsigned 32-bit (``block_divider`` 64-bit). ``chunk //
-        chunks_per_block`` is a multiply by ``ceil(2^32 / chunks_per_block)`` taking the high word (exact while
-        ``chunk * chunks_per_block < 2^32``), as ``gemm_wgmma`` does: a division is a subroutine."""
+        block_divider, rows_per_block, kv_row)``, unsigned 32-bit (``block_divider``: ``mathops.reciprocal_u32``
+        of ``chunks_per_block``, 64-bit). ``chunk // chunks_per_block`` is ``mathops.divide_by_reciprocal`` (exact
+        while ``chunk * chunks_per_block < 2^32``): a division is a subroutine."""
         last_chunk, chunks_per_block, block_divider, rows_per_block, kv_row = walk
         chunk = uint32(min(chunk, last_chunk))
-        block_index = uint32((uint64(chunk) * block_divider) >> uint64(32))
+        block_index = divide_by_reciprocal(chunk, block_divider)
         slot = uint32((chunk - block_index * chunks_per_block) * uint32(TILE))
         return uint32(uint32(table[block_index]) * rows_per_block + kv_row + slot)
 
@@ -425,7 +427,7 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         table = block_tables[seq]
         chunks_per_block = divide_u32(uint32(block_size), uint32(TILE))
         walk = (divide_u32(cta_end - uint32(1), uint32(TILE)), chunks_per_block,
-                uint64(divide_u32(uint32(0xFFFFFFFF), chunks_per_block)) + uint64(1),
+                reciprocal_u32(chunks_per_block),
                 uint32(num_kv_heads) * uint32(block_size), uint32(kv) * uint32(block_size))
         copy_thread = uint32(thread)
         tiles = divide_u32(cta_end + uint32(KEYS - 1), uint32(KEYS))
@@ -525,9 +527,9 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
     if call.block_tables.shape[0] > MAX_GRID_Z:
         raise ValueError(f"block_tables: at most {MAX_GRID_Z} sequences per call (the grid's z), got "
                          f"{call.block_tables.shape[0]}")
-    if k_cache.size * k_cache.dtype.itemsize // 4 >= 2**32:
+    if k_cache.size * k_cache.dtype.itemsize // 4 >= MAX_CACHE_WORDS:
         raise ValueError(f"k_cache: {k_cache.shape} is {k_cache.size * k_cache.dtype.itemsize} bytes, more than the "
-                         "kernel's 32-bit word indices reach (16 GiB)")
+                         f"kernel's 32-bit word indices reach ({MAX_CACHE_WORDS * 4 / 2**30:g} GiB)")
     if num_tokens == 0 or num_heads == 0:
         return out
     longest = int(to_host(call.query_lens).max(initial=0)) if call.host_indices else num_tokens

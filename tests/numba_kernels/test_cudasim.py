@@ -298,3 +298,18 @@ def test_finished_blocks_are_not_kept_alive():
     gc.collect()
     assert len(cudasim._threads) <= before[0] and len(cudasim._warps) <= before[1]
     assert len(gc.get_objects()) < before[2] + 1000  # 10 blocks of 256 threads: ~30,000 objects were kept
+
+
+def test_division_by_a_reciprocal_is_exact_where_it_claims(rng):
+    """``mathops.divide_by_reciprocal(n, reciprocal_u32(d))`` is ``n // d`` for every ``n * d < 2^32``: random cases,
+    and the edges (``d`` 1, powers of two, ``n`` at multiples of ``d`` and just below, the largest ``n``)."""
+    cases = [(n, 1) for n in (0, 1, 2**32 - 1)]
+    for d in [2, 3, 7, 8, 16, 255, 256, 1000, 65535, 65536, 2**20 + 1]:
+        top = (2**32 - 1) // d  # every n <= top has n * d < 2^32
+        cases += [(n, d) for n in (0, 1, d - 1, d, d + 1, top - 1, top, (top // d) * d, (top // d) * d - 1) if 0 <= n <= top]
+    for _ in range(2000):
+        d = int(rng.integers(1, 2**20))
+        cases.append((int(rng.integers(0, (2**32 - 1) // d + 1)), d))
+    for n, d in cases:
+        got = mathops.divide_by_reciprocal(np.uint32(n), mathops.reciprocal_u32(np.uint32(d)))
+        assert int(got) == n // d, (n, d)

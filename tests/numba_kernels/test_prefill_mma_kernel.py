@@ -144,7 +144,7 @@ def test_unsupported_caches_are_refused(change, message):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the CUDA simulator's argument checks")
-def test_a_float_cache_and_wrong_lengths_are_refused_a_nan_scale_propagates():
+def test_a_float_cache_and_wrong_lengths_are_refused_a_nan_scale_propagates(monkeypatch):
     rng = np.random.default_rng(1)
     data, q, query_lens = prefill_batch(rng, [9], [9], 2, 1, 16)
     floats = np.zeros(data.k_cache.shape, np.float32)
@@ -158,6 +158,10 @@ def test_a_float_cache_and_wrong_lengths_are_refused_a_nan_scale_propagates():
         prefill_mma.paged_prefill_mma(q[:0], data.k_cache, data.v_cache, np.zeros((many, 1), np.int32),
                                       np.zeros(many, np.int32), np.zeros(many, np.int32), data.softmax_scale,
                                       np.zeros_like(q[:0]), data.k_scale, data.v_scale)
+    monkeypatch.setattr(prefill_mma, "MAX_CACHE_WORDS", data.k_cache.nbytes // 4)  # a 16 GiB cache, scaled down
+    with pytest.raises(ValueError, match="k_cache: .* bytes, more than the kernel's 32-bit word indices reach"):
+        run_kernel(data, q, np.array([9]))
+    monkeypatch.undo()
     nan_scale = prefill_mma.paged_prefill_mma(q[:1], data.k_cache, data.v_cache, data.block_tables, np.array([1]),
                                               np.array([1]), float("nan"), np.zeros_like(q[:1]), data.k_scale,
                                               data.v_scale)
