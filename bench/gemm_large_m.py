@@ -1,6 +1,6 @@
 """The FP8 GEMM at prefill sizes (large M) on the GPU: TFLOP/s against cuBLAS BF16, and a tiling sweep.
 
-    python bench/gemm_large_m.py [--batches 512,1024,4096] [--paths mma,wgmma] [--sweep] [--out DIR]
+    python bench/gemm_large_m.py [--batches 512,1024,4096] [--paths mma,wgmma,wgmma_ss] [--sweep] [--out DIR]
 
 For each Qwen3-8B projection shape (N, K) and each M it
 
@@ -103,12 +103,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated M values")
     parser.add_argument("--sweep", action="store_true", help="also time (and check bit for bit) the sweep's tilings")
-    parser.add_argument("--paths", default="mma,wgmma", help="comma-separated: mma (gemm_mma), wgmma (gemm_wgmma)")
+    parser.add_argument("--paths", default="mma,wgmma", help="comma-separated: mma (gemm_mma), wgmma (gemm_wgmma), "
+                        "wgmma_ss (gemm_wgmma_ss)")
     args = parser.parse_args(argv)
     import torch
     from timing import graph_time_us, torch_time_us
 
-    from fp8lab.numba_kernels import gemm_wgmma
+    from fp8lab.numba_kernels import gemm_wgmma, gemm_wgmma_ss
     from fp8lab.numba_kernels.gemm_mma import gemm_mma, launch_info
 
     def variants(m, n, k):
@@ -125,8 +126,10 @@ def main(argv=None) -> int:
                 for t in tilings:
                     yield path, t, t == default, functools.partial(gemm_wgmma.gemm_wgmma,
                                                                    tiling=gemm_wgmma.Tiling(*t))
+            elif path == "wgmma_ss":  # one tiling: 128 x 128, a producer warpgroup
+                yield path, "producer warpgroup", True, gemm_wgmma_ss.gemm_wgmma_ss
             else:
-                raise SystemExit(f"--paths: unknown path {path!r} (expected mma, wgmma)")
+                raise SystemExit(f"--paths: unknown path {path!r} (expected mma, wgmma, wgmma_ss)")
 
     rng = np.random.default_rng(2026)
     lines = [

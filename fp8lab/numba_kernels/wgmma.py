@@ -40,6 +40,12 @@ descriptor is one addition: the stage's part the compiler computes once per stag
 after unrolling (one offset, a run-time sum, costs a shift and a mask per instruction). (An offset lets two
 instructions of half the width keep two independent accumulator chains in one array.)
 
+``mma_async_ss(acc, smem, a_offset, a_step, b_offset, b_step, accumulate)`` (from ``mma_async_ss_function(N)``):
+the same product with A in shared memory too, in B's layout (the warpgroup's 64 rows as 128-byte K-major rows,
+swizzled, 8-row atoms 1,024 bytes apart), at ``smem``'s byte ``a_offset + a_step``, B at ``b_offset + b_step``
+(each a multiple of 16): two descriptors, no A registers (``fp8lab.numba_kernels.gemm_wgmma_ss``). The twin reads
+warp ``w``'s rows ``16 w .. 16 w + 15`` from shared memory at the wait, as it reads B.
+
 - On a GPU: LLVM inline assembly in the calling kernel (the arrays indexed with constants only after unrolling,
   so they live in registers; the wait passes every accumulator through the instruction so the compiler reads
   none of them earlier).
@@ -128,11 +134,14 @@ if SIMULATOR:
     def _perform(pooled):
         """The warp's queued operations (``pooled``: each lane's list, by lane) in order: every lane's accumulators
         updated in place. The operations' shared-memory operands are the same on every lane; lane 0's are used."""
-        for index, (_, _, smem, byte_offset, accumulate, n, _, _) in enumerate(pooled[0]):
+        for index, (_, _, smem, byte_offset, accumulate, n, a_regs, first) in enumerate(pooled[0]):
             rows, cols = _accumulator_coordinates(n)
-            registers = np.array([pooled[lane][index][1] for lane in range(cudasim.WARP_SIZE)], dtype=np.uint32)
-            a_bits = mma_model.unpack_registers(registers)  # [32, 8] 16-bit patterns
-            a = mma_model.assemble_a(bit_placement.bits_to_float32(a_bits, "bf16")).astype(np.float64)
+            if a_regs is None:  # A in shared memory (``mma_async_ss``): ``first`` is the warp's rows' byte offset
+                a = _b_operand(smem, first, 16).T  # the warp's 16 rows, K-major like B's columns
+            else:
+                registers = np.array([pooled[lane][index][1] for lane in range(cudasim.WARP_SIZE)], dtype=np.uint32)
+                a_bits = mma_model.unpack_registers(registers)  # [32, 8] 16-bit patterns
+                a = mma_model.assemble_a(bit_placement.bits_to_float32(a_bits, "bf16")).astype(np.float64)
             b = _b_operand(smem, byte_offset, n)
             b_tiles = np.stack([b[:, 8 * j: 8 * j + 8] for j in range(n // 8)])  # [n/8, 16, 8]
             sums = mma_model.k16_sum(a[None], b_tiles).astype(np.float32)  # fl32(S) per block
@@ -151,7 +160,7 @@ if SIMULATOR:
             raise RuntimeError("wgmma.wait_group: mma_async issued since the last commit_group")
         ready = _groups.take_all_but(n_younger)
         for _, registers, _, _, _, _, a_regs, first in ready:
-            if tuple(int(x) & 0xFFFFFFFF for x in a_regs[first: first + 4]) != registers:
+            if a_regs is not None and tuple(int(x) & 0xFFFFFFFF for x in a_regs[first: first + 4]) != registers:
                 raise RuntimeError(f"wgmma: A registers {first}..{first + 3} were written before the wait_group of the "
                                    "wgmma that reads them (undefined: a GPU may read them late)")
         cudasim.exchange("wgmma.wait_group", FULL_MASK, ready, combine=_perform)
@@ -176,6 +185,21 @@ if SIMULATOR:
             _groups.issue((accumulators, registers, smem, int(byte_offset), bool(accumulate), n, a_regs, first))
 
         return mma_async
+
+    def mma_async_ss_function(n: int):
+        if n not in N_CHOICES:
+            raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
+
+        def mma_async_ss(acc, smem, a_offset, a_step, b_offset, b_step, accumulate):
+            offsets = [int(x) for x in (a_offset, a_step, b_offset, b_step)]
+            if any(x % PIECE_BYTES for x in offsets):
+                raise RuntimeError(f"wgmma: the operands' offsets {offsets} are not all multiples of 16")
+            warp = cudasim._current_thread().thread_id // cudasim.WARP_SIZE % 4  # rows 16 warp .. of the 64
+            a_rows = offsets[0] + offsets[1] + warp * 2 * ATOM_BYTES  # 16 rows: two 8-row atoms on
+            accumulators = acc[: n // 2]
+            _groups.issue((accumulators, None, smem, offsets[2] + offsets[3], bool(accumulate), n, None, a_rows))
+
+        return mma_async_ss
 
 else:
     from llvmlite import ir
@@ -283,3 +307,41 @@ else:
             return types.void(acc, a_regs, first, smem, stage_offset, byte_offset, accumulate), codegen
 
         return mma_async
+
+    def _descriptor(context, builder, smem_type, smem, offsets):
+        """The matrix descriptor of the operand at ``smem``'s byte ``sum(offsets)`` (each ``(type, value)``, a
+        multiple of 16): the start field is the sum of the shifted terms, the rest ``DESCRIPTOR_TAIL``."""
+        four = ir.Constant(_I32, 4)
+        address = builder.lshr(shared_start(context, builder, smem_type, smem), four)
+        for offset_type, offset in offsets:
+            address = builder.add(address, builder.lshr(context.cast(builder, offset, offset_type, types.uint32), four))
+        return builder.or_(builder.zext(address, _I64), ir.Constant(_I64, DESCRIPTOR_TAIL))
+
+    def mma_async_ss_function(n: int):
+        if n not in N_CHOICES:
+            raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
+        count = n // 2
+        d = ", ".join(f"${i}" for i in range(count))
+        text = ("{ .reg .pred p; "
+                f"setp.ne.b32 p, ${2 * count + 2}, 0; "
+                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, ${2 * count}, ${2 * count + 1}, p, 1, 1, "
+                "0, 0; }")
+
+        @intrinsic
+        def mma_async_ss(typingctx, acc, smem, a_offset, a_step, b_offset, b_step, accumulate):
+            if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and isinstance(smem, types.Array)):
+                return None
+
+            def codegen(context, builder, signature, args):
+                acc_type, smem_type, *offset_types, accumulate_type = signature.args
+                a = _descriptor(context, builder, smem_type, args[1], list(zip(offset_types[:2], args[2:4])))
+                b = _descriptor(context, builder, smem_type, args[1], list(zip(offset_types[2:], args[4:6])))
+                scale_d = context.cast(builder, args[6], accumulate_type, types.uint32)
+                pointers, values = _accumulators(context, builder, acc_type, args[0], count)
+                for p, v in zip(pointers, _through_asm(builder, text, values, [a, b, scale_d], ["l", "l", "r"], count)):
+                    builder.store(v, p)
+                return context.get_dummy_value()
+
+            return types.void(acc, smem, a_offset, a_step, b_offset, b_step, accumulate), codegen
+
+        return mma_async_ss

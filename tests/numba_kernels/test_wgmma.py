@@ -155,3 +155,42 @@ def test_two_half_width_chains_fill_the_accumulators_of_one_full_width_product(r
     cols = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)
     for warp in range(4):
         np.testing.assert_array_equal(out[32 * warp: 32 * warp + 32], expected[16 * warp + rows, cols])
+
+
+mma_async_ss = wgmma.mma_async_ss_function(N)
+A_BYTES = 64 * wgmma.ROW_BYTES  # A's 64 rows of 64 k, swizzled like B
+
+
+def both_in_shared_kernel(ab_bytes, out):
+    """A (64 rows) then B (N columns) in shared memory, two k16 steps with both operands as descriptors."""
+    thread = cuda.threadIdx.x
+    smem = cuda.shared.array(A_BYTES + N * 128, np.uint8)
+    for i in range(thread, A_BYTES + N * 128, 128):
+        smem[i] = ab_bytes[i]
+    cuda.syncthreads()
+    acc = cuda.local.array(N // 2, float32)
+    wgmma.fence()
+    for step in range(2):
+        mma_async_ss(acc, smem, 0, step * wgmma.STEP_BYTES, A_BYTES, step * wgmma.STEP_BYTES, step > 0)
+    wgmma.commit_group()
+    wait_all(acc)
+    for i in range(N // 2):
+        out[thread, i] = acc[i]
+
+
+@pytest.mark.cudasim
+def test_the_twin_with_a_in_shared_memory_computes_a_at_b(rng):
+    """``mma_async_ss``: A read from the same swizzled K-major layout as B (row ``r`` of A where B has column
+    ``n``), warp ``w`` of the warpgroup getting rows ``16 w ..``: exactly the float64 ``A @ B`` on integers."""
+    a = rng.integers(-8, 9, size=(64, 32)).astype(np.float32)
+    b = rng.integers(-8, 9, size=(32, N)).astype(np.float32)
+    a_bits, b_bits = bp.float32_to_bf16_bits(a), bp.float32_to_bf16_bits(b)
+    out = np.full((128, N // 2), np.nan, np.float32)
+    cuda.jit(both_in_shared_kernel)[1, 128](np.concatenate([swizzled_b(a_bits.T), swizzled_b(b_bits)]), out)
+    expected = a.astype(np.float64) @ b.astype(np.float64)
+    lane = np.arange(32)[:, None]
+    i = np.arange(N // 2)[None, :]
+    rows = (lane >> 2) + 8 * ((i >> 1) & 1)
+    cols = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)
+    for warp in range(4):
+        np.testing.assert_array_equal(out[32 * warp: 32 * warp + 32], expected[16 * warp + rows, cols])
