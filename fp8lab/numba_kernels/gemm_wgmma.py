@@ -213,18 +213,72 @@ def pair_selector(t):
     return (2 * t) | (8 | 2 * t) << 4 | (2 * t + 1) << 8 | (8 | (2 * t + 1)) << 12
 
 
-def launch_info(m: int, n: int, k: int, tiling: Tiling | None = None) -> LaunchInfo:
-    """Grid ``(ceil(N / CTA_N), ceil(M / tokens))``, block, dynamic shared memory and the tiling."""
+def promotion_function(accumulators: int):
+    """``promote(c_part, c_fin, s_top, s_bottom)``: ``c_fin = fma(s * 2^120, c_part, c_fin)``
+    (``fp8lab.simulators.gemm_mma.promote``) over ``accumulators`` per lane, ``s_top`` for the lane's row ``g``,
+    ``s_bottom`` for ``g + 8``. One fma per accumulator where both scales fold exactly (``|s| < 2^8``: every real
+    checkpoint); else the general form, with a multiply per accumulator (``gemm_mma.fold_scale``)."""
+
+    @inlined_device_function
+    def promote(c_part, c_fin, s_top, s_bottom):
+        if abs(s_top) < FOLD_LIMIT and abs(s_bottom) < FOLD_LIMIT:
+            top, bottom = s_top * BF16_UNPLACE, s_bottom * BF16_UNPLACE  # exact
+            for i in range(accumulators):
+                c_fin[i] = cuda.fma(bottom if (i >> 1) & 1 else top, c_part[i], c_fin[i])
+        else:
+            top, top_restore = fold_scale(s_top, BF16_UNPLACE, FOLD_LIMIT)
+            bottom, bottom_restore = fold_scale(s_bottom, BF16_UNPLACE, FOLD_LIMIT)
+            for i in range(accumulators):
+                if (i >> 1) & 1:
+                    c_fin[i] = cuda.fma(bottom, c_part[i] * bottom_restore, c_fin[i])  # * 1 or * 2^120: exact
+                else:
+                    c_fin[i] = cuda.fma(top, c_part[i] * top_restore, c_fin[i])
+
+    return promote
+
+
+def store_function(tokens: int, bf16_output: bool):
+    """``store(out, c_fin, token0, row0, g, t)``: lane ``(g, t)``'s accumulator ``4 b + i`` is ``out^T[row0 + g + 8 (i
+    >> 1), token0 + 8 b + 2 t + (i & 1)]``; only inside ``out``, float32 or rounded once to BF16 bits. (Two nested
+    loops, not one of ``tokens / 2``: the compiler unrolls them fully, so ``c_fin`` keeps constant indices and stays
+    in registers.)"""
+
+    @inlined_device_function
+    def store(out, c_fin, token0, row0, g, t):
+        for b in range(tokens // 8):
+            for i in range(4):
+                row = row0 + g + 8 * (i >> 1)
+                token = token0 + 8 * b + 2 * t + (i & 1)
+                if token < out.shape[0] and row < out.shape[1]:
+                    if bf16_output:
+                        out[token, row] = f32_to_bf16_bits_rne(c_fin[4 * b + i])  # a NaN stays NaN
+                    else:
+                        out[token, row] = c_fin[4 * b + i]
+
+    return store
+
+
+def check_launch(m: int, n: int, k: int, tokens: int, cta_n: int) -> tuple[int, int]:
+    """The grid ``(ceil(N / cta_n), ceil(M / tokens))`` of a warpgroup GEMM launch; a ``ValueError`` for a shape it
+    cannot take (``K`` not a positive multiple of 128, too many token tiles, element indices past 32 bits)."""
     if m < 1 or n < 1 or k < K_CHUNK or k % K_CHUNK:
         raise ValueError(f"shape: expected M, N >= 1 and K a positive multiple of {K_CHUNK}, got {(m, n, k)}")
-    tiling = Tiling(*(tiling or Tiling())).check()
-    grid = (-(-n // tiling.cta_n), -(-m // tiling.tokens))
+    grid = (-(-n // cta_n), -(-m // tokens))
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"a: M = {m} needs {grid[1]} token tiles, more than the grid's {MAX_GRID_Y}")
     for name, rows, row_words in (("a", m, k // 4), ("q", n, k // 8)):
         if rows * row_words >= 2**32:
             raise ValueError(f"{name}: {rows} x {k} is {rows * row_words} 8-byte words, more than the kernel's 32-bit "
                              "element indices reach (2^32)")
+    return grid
+
+
+def launch_info(m: int, n: int, k: int, tiling: Tiling | None = None) -> LaunchInfo:
+    """Grid ``(ceil(N / CTA_N), ceil(M / tokens))``, block, dynamic shared memory and the tiling."""
+    if m < 1 or n < 1 or k < K_CHUNK or k % K_CHUNK:  # before the tiling, so a bad shape is named first
+        raise ValueError(f"shape: expected M, N >= 1 and K a positive multiple of {K_CHUNK}, got {(m, n, k)}")
+    tiling = Tiling(*(tiling or Tiling())).check()
+    grid = check_launch(m, n, k, tiling.tokens, tiling.cta_n)
     return LaunchInfo(grid, (tiling.threads,), tiling.shared_bytes, tiling)
 
 
@@ -353,41 +407,16 @@ def kernel_function(tiling: Tiling, output: str):
             multiply_part(smem64, stage_base, a_regs, c_part, part)
         wgmma.commit_group()
 
-    @inlined_device_function
-    def promote(smemf, stage_base, c_part, c_fin, warp_row, g):
-        """``c_fin = fma(s * 2^120, c_part, c_fin)`` (``fp8lab.simulators.gemm_mma.promote``): rows g and g + 8 of
-        the warp lie in 8-row groups ``warp_row / 8`` and ``warp_row / 8 + 1``, one scale each. One fma per
-        accumulator where both scales fold exactly (``|s| < 2^8``: every real checkpoint); else the general form,
-        with a multiply per accumulator (``gemm_mma.fold_scale``)."""
-        s_top = at(smemf, (stage_base + scale_offset) // 4 + warp_row // 8)
-        s_bottom = at(smemf, (stage_base + scale_offset) // 4 + warp_row // 8 + 1)
-        if abs(s_top) < FOLD_LIMIT and abs(s_bottom) < FOLD_LIMIT:
-            top, bottom = s_top * BF16_UNPLACE, s_bottom * BF16_UNPLACE  # exact
-            for i in range(accumulators):
-                c_fin[i] = cuda.fma(bottom if (i >> 1) & 1 else top, c_part[i], c_fin[i])
-        else:
-            top, top_restore = fold_scale(s_top, BF16_UNPLACE, FOLD_LIMIT)
-            bottom, bottom_restore = fold_scale(s_bottom, BF16_UNPLACE, FOLD_LIMIT)
-            for i in range(accumulators):
-                if (i >> 1) & 1:
-                    c_fin[i] = cuda.fma(bottom, c_part[i] * bottom_restore, c_fin[i])  # * 1 or * 2^120: exact
-                else:
-                    c_fin[i] = cuda.fma(top, c_part[i] * top_restore, c_fin[i])
+    promote_scaled = promotion_function(accumulators)
+    store = store_function(tokens, bf16_output)
 
     @inlined_device_function
-    def store(out, c_fin, token0, row0, g, t):
-        """Lane ``(g, t)``'s accumulator ``4 b + i`` is ``out^T[row0 + g + 8 (i >> 1), token0 + 8 b + 2 t + (i & 1)]``;
-        only inside ``out``. (Two nested loops, not one of ``tokens / 2``: the compiler unrolls them fully, so
-        ``c_fin`` keeps constant indices and stays in registers.)"""
-        for b in range(tokens // 8):
-            for i in range(4):
-                row = row0 + g + 8 * (i >> 1)
-                token = token0 + 8 * b + 2 * t + (i & 1)
-                if token < out.shape[0] and row < out.shape[1]:
-                    if bf16_output:
-                        out[token, row] = f32_to_bf16_bits_rne(c_fin[4 * b + i])  # a NaN stays NaN
-                    else:
-                        out[token, row] = c_fin[4 * b + i]
+    def promote(smemf, stage_base, c_part, c_fin, warp_row):
+        """``promote_scaled`` with the stage's scales of the warp's rows g and g + 8: 8-row groups ``warp_row / 8``
+        and ``warp_row / 8 + 1``."""
+        s_top = at(smemf, (stage_base + scale_offset) // 4 + warp_row // 8)
+        s_bottom = at(smemf, (stage_base + scale_offset) // 4 + warp_row // 8 + 1)
+        promote_scaled(c_part, c_fin, s_top, s_bottom)
 
     def gemm_wgmma_kernel(a_words, q_words, scale_inv, out, k, block_n, block_k):
         pdl.prologue()
@@ -437,11 +466,11 @@ def kernel_function(tiling: Tiling, output: str):
             receive_chunk(smem8, a_words, q_words, scale_inv, chunk, base, copies, thread, scale_row,
                           block_divider, chunks)
             wait_for_wgmma(c_part)  # chunk - 1's wgmma are done with c_part and with the A registers
-            promote(smemf, stage_of(base, chunk - uint32(1)), c_part, c_fin, warp_row, g)
+            promote(smemf, stage_of(base, chunk - uint32(1)), c_part, c_fin, warp_row)
             place_and_multiply(smem32, smem64, stage_base, a_regs, c_part, warp_row, g, selector)
 
         wait_for_wgmma(c_part)
-        promote(smemf, stage_of(base, chunks - uint32(1)), c_part, c_fin, warp_row, g)
+        promote(smemf, stage_of(base, chunks - uint32(1)), c_part, c_fin, warp_row)
         store(out, c_fin, token0, row0 + warp_row, g, t)
 
     return gemm_wgmma_kernel

@@ -53,21 +53,16 @@ from . import bits, named_barrier, pdl, wgmma
 from .arguments import check_gemm, require_load_alignment
 from .bits import prmt
 from .cp_async import commit_group, copy_4_ca, copy_16_cg_flat, wait_group_function
-from .gemm_mma import _allow_shared_memory, at, fold_scale, inlined_device_function
+from .gemm_mma import _allow_shared_memory, at, inlined_device_function
 from .gemm_wgmma import (
-    BF16_UNPLACE,
-    FOLD_LIMIT,
     K_CHUNK,
-    MAX_GRID_Y,
+    check_launch,
     clamp32,
     place_selected,
+    promotion_function,
+    store_function,
 )
-from .mathops import (
-    divide_by_reciprocal,
-    divide_u32,
-    f32_to_bf16_bits_rne,
-    reciprocal_u32,
-)
+from .mathops import divide_by_reciprocal, divide_u32, reciprocal_u32
 from .warp import WARP_SIZE, load_shared_u32x4
 
 TOKENS = 128
@@ -181,40 +176,14 @@ def multiply_chunk(smem64, stage, c_part, warpgroup):
     wgmma.commit_group()
 
 
-@inlined_device_function
-def promote(c_part, c_fin, s_top, s_bottom):
-    """``gemm_wgmma.promote`` with the two scales read already."""
-    if abs(s_top) < FOLD_LIMIT and abs(s_bottom) < FOLD_LIMIT:
-        top, bottom = s_top * BF16_UNPLACE, s_bottom * BF16_UNPLACE  # exact
-        for i in range(ACCUMULATORS):
-            c_fin[i] = cuda.fma(bottom if (i >> 1) & 1 else top, c_part[i], c_fin[i])
-    else:
-        top, top_restore = fold_scale(s_top, BF16_UNPLACE, FOLD_LIMIT)
-        bottom, bottom_restore = fold_scale(s_bottom, BF16_UNPLACE, FOLD_LIMIT)
-        for i in range(ACCUMULATORS):
-            if (i >> 1) & 1:
-                c_fin[i] = cuda.fma(bottom, c_part[i] * bottom_restore, c_fin[i])
-            else:
-                c_fin[i] = cuda.fma(top, c_part[i] * top_restore, c_fin[i])
+promote = promotion_function(ACCUMULATORS)
 
 
 def kernel_function(output: str):
     """The Python source of the kernel before ``cuda.jit``; arguments as ``gemm_wgmma.kernel_function``'s."""
     if output not in ("f32", "bf16"):
         raise ValueError(f"no gemm_wgmma_ss variant for output={output!r}")
-    bf16_output = output == "bf16"
-
-    @inlined_device_function
-    def store(out, c_fin, token0, row0, g, t):
-        for b in range(TOKENS // 8):
-            for i in range(4):
-                row = row0 + g + 8 * (i >> 1)
-                token = token0 + 8 * b + 2 * t + (i & 1)
-                if token < out.shape[0] and row < out.shape[1]:
-                    if bf16_output:
-                        out[token, row] = f32_to_bf16_bits_rne(c_fin[4 * b + i])  # a NaN stays NaN
-                    else:
-                        out[token, row] = c_fin[4 * b + i]
+    store = store_function(TOKENS, output == "bf16")
 
     @inlined_device_function
     def scales(smemf, stage, warp_row):
@@ -305,20 +274,11 @@ def gemm_wgmma_ss(a, q, scale_inv, out, block=(128, 128), stream=0):
         raise ValueError(f"out: gemm_wgmma_ss writes float32 or BF16 bits, got {problem.output}")
     require_load_alignment("a", problem.a, "gemm_wgmma_ss")
     require_load_alignment("q", problem.q, "gemm_wgmma_ss")
-    m, n, k = problem.m, problem.n, problem.k
-    if k < K_CHUNK or k % K_CHUNK:
-        raise ValueError(f"shape: expected K a positive multiple of {K_CHUNK}, got {k}")
-    grid = (-(-n // CTA_N), -(-m // TOKENS))
-    if grid[1] > MAX_GRID_Y:
-        raise ValueError(f"a: M = {m} needs {grid[1]} token tiles, more than the grid's {MAX_GRID_Y}")
-    for name, rows, row_words in (("a", m, k // 4), ("q", n, k // 8)):
-        if rows * row_words >= 2**32:
-            raise ValueError(f"{name}: {rows} x {k} is {rows * row_words} 8-byte words, more than the kernel's 32-bit "
-                             "element indices reach (2^32)")
+    grid = check_launch(problem.m, problem.n, problem.k, TOKENS, CTA_N)
     out_view = problem.out.view(np.uint16) if problem.output == "bf16" else problem.out
     kernel = compiled_kernel(problem.output)
     args = (problem.a.view(np.uint64).reshape(-1), problem.q.view(np.uint64).reshape(-1), problem.scale_inv, out_view,
-            np.uint32(k), np.uint32(problem.block[0]), np.uint32(problem.block[1]))
+            np.uint32(problem.k), np.uint32(problem.block[0]), np.uint32(problem.block[1]))
     _allow_shared_memory(kernel, args, SHARED_BYTES)
     pdl.launch(kernel, grid, (THREADS,), stream, *args, shared_bytes=SHARED_BYTES)
     return problem.out

@@ -59,6 +59,17 @@ def warpgroup_kernel(a_regs, b_bytes, later_b_bytes, out, overwrite, write_a_ear
         out[thread, i] = acc[i]
 
 
+def check_accumulators(out, expected):
+    """Thread ``32 w + lane``'s accumulators ``out`` are ``expected``'s rows and columns in D's layout (warp ``w``:
+    rows ``16 w ..``)."""
+    lane = np.arange(32)[:, None]
+    i = np.arange(N // 2)[None, :]
+    rows = (lane >> 2) + 8 * ((i >> 1) & 1)
+    cols = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)
+    for warp in range(4):
+        np.testing.assert_array_equal(out[32 * warp: 32 * warp + 32], expected[16 * warp + rows, cols])
+
+
 def run(rng, overwrite, write_a_early=False):
     a = rng.integers(-8, 9, size=(64, 32)).astype(np.float32)  # 64 rows (4 warps x 16), k 0..31
     b = rng.integers(-8, 9, size=(32, N)).astype(np.float32)
@@ -76,12 +87,7 @@ def run(rng, overwrite, write_a_early=False):
                                        write_a_early)
     used_b = later_b if overwrite else b
     expected = a.astype(np.float64) @ used_b.astype(np.float64)  # exact: integer products and sums
-    lane = np.arange(32)[:, None]
-    i = np.arange(N // 2)[None, :]
-    rows = (lane >> 2) + 8 * ((i >> 1) & 1)
-    cols = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)
-    for warp in range(4):
-        np.testing.assert_array_equal(out[32 * warp: 32 * warp + 32], expected[16 * warp + rows, cols])
+    check_accumulators(out, expected)
 
 
 @pytest.mark.cudasim
@@ -188,9 +194,4 @@ def test_the_twin_with_a_in_shared_memory_computes_a_at_b(rng):
     out = np.full((128, N // 2), np.nan, np.float32)
     cuda.jit(both_in_shared_kernel)[1, 128](np.concatenate([swizzled_b(a_bits.T), swizzled_b(b_bits)]), out)
     expected = a.astype(np.float64) @ b.astype(np.float64)
-    lane = np.arange(32)[:, None]
-    i = np.arange(N // 2)[None, :]
-    rows = (lane >> 2) + 8 * ((i >> 1) & 1)
-    cols = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)
-    for warp in range(4):
-        np.testing.assert_array_equal(out[32 * warp: 32 * warp + 32], expected[16 * warp + rows, cols])
+    check_accumulators(out, expected)
