@@ -63,7 +63,7 @@ from .gemm_wgmma import (
     store_function,
 )
 from .mathops import divide_by_reciprocal, divide_u32, reciprocal_u32
-from .warp import WARP_SIZE, load_shared_u32x4
+from .warp import WARP_SIZE, load_shared_u32x4, store_shared_u32x4
 
 TOKENS = 128
 CTA_N = 128
@@ -137,21 +137,26 @@ def copy_chunk(smem8, a_words, q_words, scale_inv, chunk, stage, p, token0, row0
 def place_row(smem32, stage, row):
     """Weight row ``row``'s 128 codes (in the weights' second half) -> its 128 BF16 patterns (``place_selected``:
     ``decode(q) * 2^-120``) over both halves, k ``16 i .. 16 i + 15`` of code piece ``i`` to BF16 pieces ``2 i, 2 i +
-    1``. All loads first: the stores overwrite the codes."""
+    1``, each one 128-bit store at a 32-bit address from the row's start. All loads first: the stores overwrite the
+    codes."""
     codes_row = (stage + uint32(WEIGHTS_OFFSET + HALF_BYTES)) // uint32(4)
     words = cuda.local.array(32, uint32)
     for i in range(8):
         w0, w1, w2, w3 = load_shared_u32x4(smem32, codes_row + swizzled(row, uint32(i)) // uint32(4))
         words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3] = w0, w1, w2, w3
+    row_start = (stage + uint32(WEIGHTS_OFFSET) + row * uint32(wgmma.ROW_BYTES)) // uint32(4)  # in words
+    swizzle = row & uint32(7)
     for i in range(8):
-        for half_piece in range(2):  # BF16 piece 2 i + half_piece: k 16 i + 8 half_piece ..
+        for half_piece in range(2):  # BF16 piece 2 i + half_piece: k 16 i + 8 half_piece .., one 128-bit store
             bf16_piece = 2 * i + half_piece
-            destination = (stage + uint32(WEIGHTS_OFFSET + (bf16_piece // 8) * HALF_BYTES)
-                           + swizzled(row, uint32(bf16_piece % 8))) // uint32(4)
-            for w in range(2):
-                word = words[4 * i + 2 * half_piece + w]
-                smem32[destination + uint32(2 * w)] = place_selected(prmt(word, word, SELECT_LOW))
-                smem32[destination + uint32(2 * w + 1)] = place_selected(prmt(word, word, SELECT_HIGH))
+            first, second = words[4 * i + 2 * half_piece], words[4 * i + 2 * half_piece + 1]
+            destination = uint32(row_start + uint32((bf16_piece // 8) * HALF_BYTES // 4)
+                                 + ((uint32(bf16_piece % 8) ^ swizzle) << uint32(2)))
+            store_shared_u32x4(smem32, destination,
+                               place_selected(prmt(first, first, SELECT_LOW)),
+                               place_selected(prmt(first, first, SELECT_HIGH)),
+                               place_selected(prmt(second, second, SELECT_LOW)),
+                               place_selected(prmt(second, second, SELECT_HIGH)))
 
 
 @inlined_device_function

@@ -9,7 +9,9 @@ from here. Device functions, no kernel; checked through the kernels that use the
 - ``load_u32x4(words, index)``: four uint32 words in one 128-bit global load (``ld.global.nc.v4.u32``
   on a GPU; in the simulator a plain read that refuses a misaligned index, as the GPU would fault);
   ``load_u32x4_coherent`` the same as ``ld.global.v4.u32``, for memory the kernel itself writes;
-  ``load_shared_u32x4`` the same from shared memory (``ld.shared.v4.u32``);
+  ``load_shared_u32x4`` the same from shared memory (``ld.shared.v4.u32``), and
+  ``store_shared_u32x4(words, index, w0, w1, w2, w3)`` four words into it in one ``st.shared.v4.u32``
+  (``gemm_wgmma_ss``'s placed weights);
 - ``warp_sum(value)``: the butterfly reduction ``value += shfl_xor(value, off)`` for
   ``off = 16, 8, 4, 2, 1``, after which every lane holds the total. Its float32 order is that of
   ``fp8lab.simulators.common.butterfly_sum``.
@@ -42,6 +44,14 @@ if SIMULATOR:
 
     load_u32x4_coherent = load_u32x4
     load_shared_u32x4 = load_u32x4
+
+    def store_shared_u32x4(words, index, w0, w1, w2, w3):
+        """``words[index : index + 4] = w0 .. w3`` of a 1-D uint32 shared array (one 128-bit store on a GPU)."""
+        index = int(index)
+        if index % WORDS_PER_LOAD:
+            raise RuntimeError(f"store_shared_u32x4: index {index} is not a multiple of 4 (the GPU store would be "
+                               "misaligned)")
+        words[index], words[index + 1], words[index + 2], words[index + 3] = w0, w1, w2, w3
 
 else:
     from llvmlite import ir
@@ -92,6 +102,29 @@ else:
     load_u32x4_coherent = _load_u32x4_intrinsic(invariant=False)
     """The same load as a plain ``ld.global.v4.u32``: for memory that this kernel also writes (a CTA reading what
     its own threads stored before a barrier; the non-coherent path may return the stale line)."""
+
+    @intrinsic
+    def store_shared_u32x4(typingctx, words, index, w0, w1, w2, w3):
+        """``words[index : index + 4] = w0 .. w3`` as one ``st.shared.v4.u32`` (``index % 4 == 0``, a shared array
+        that starts on 16 bytes)."""
+        if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            array_type, index_type, *value_types = signature.args
+            array = context.make_array(array_type)(context, builder, value=args[0])
+            index = [context.cast(builder, args[1], index_type, types.intp)]
+            pointer = cgutils.get_item_pointer(context, builder, array_type, array, index, wraparound=False)
+            vector = ir.VectorType(ir.IntType(32), WORDS_PER_LOAD)
+            value = ir.Constant(vector, ir.Undefined)
+            for i, (v, t) in enumerate(zip(args[2:], value_types)):
+                value = builder.insert_element(value, context.cast(builder, v, t, types.uint32), ir.Constant(ir.IntType(32), i))
+            space_pointer = builder.addrspacecast(pointer, ir.PointerType(ir.IntType(32), _SHARED_ADDRESS_SPACE))
+            builder.store(value, builder.bitcast(space_pointer, ir.PointerType(vector, _SHARED_ADDRESS_SPACE)),
+                          align=LOAD_ALIGNMENT)
+            return context.get_dummy_value()
+
+        return types.void(words, index, w0, w1, w2, w3), codegen
 
     load_shared_u32x4 = _load_u32x4_intrinsic(invariant=False, address_space=_SHARED_ADDRESS_SPACE)
     """``words[index : index + 4]`` of a 1-D uint32 *shared-memory* array as one ``ld.shared.v4.u32`` (16-byte

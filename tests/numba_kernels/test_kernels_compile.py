@@ -328,15 +328,15 @@ def test_gemm_wgmma_kernels_compile_to_sm90a_ptx(compiled):
 
 def test_gemm_wgmma_ss_compiles_to_sm90a_ptx(compiled):
     """fp8lab.numba_kernels.gemm_wgmma_ss for sm_90a: 16 warpgroup mma with both operands as descriptors (the peeled
-    chunk's and the loop's), the named barriers' non-aligned sync and arrive, the proxy fence after the producer's
-    stores, no float64, no division or call, and within the 168 registers of a 384-thread CTA without spills or
+    chunk's and the loop's), the named barriers' non-aligned sync and arrive, the producer's 128-bit stores and the
+    proxy fence after them, no float64, no division or call, and within the 168 registers of a 384-thread CTA without spills or
     serialized wgmma."""
     def check(c):
         assert ".target sm_90a" in c.ptx and ".maxntid 384" in c.ptx
         assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+,",
                               c.ptx)) == 16
         for needle in ("barrier.sync %r", "barrier.arrive %r", "fence.proxy.async.shared::cta;",
-                       "wgmma.wait_group.sync.aligned 0;", "cp.async.wait_group 1;", "prmt.b32"):
+                       "wgmma.wait_group.sync.aligned 0;", "cp.async.wait_group 1;", "prmt.b32", "st.shared.v4.u32"):
             assert needle in c.ptx, needle
         assert ".f64" not in c.ptx and ".local" not in c.ptx
         assert not re.search(r"(div|rem)\.[us]64|div\.rn|\bcall", c.ptx)
