@@ -440,8 +440,7 @@ def kernel_function(tiling: Tiling, output: str):
         smem64 = cuda.shared.array(0, uint64)
         smem32 = cuda.shared.array(0, uint32)
         smemf = cuda.shared.array(0, float32)
-        base = (uint32(wgmma.ATOM_BYTES) - (wgmma.shared_address(smem64) % uint32(wgmma.ATOM_BYTES))) \
-            % uint32(wgmma.ATOM_BYTES)  # the first stage's offset: 1,024-aligned in the shared window
+        base = wgmma.atom_aligned_offset(smem64)  # the first stage's offset
         a_regs = cuda.local.array(a_registers, uint32)
         c_part = cuda.local.array(accumulators, float32)
         c_fin = cuda.local.array(accumulators, float32)
@@ -482,6 +481,26 @@ def kernel_signature(output: str) -> str:
     return f"void(uint64[::1], uint64[::1], float32[:, ::1], {out_type}[:, ::1], uint32, uint32, uint32)"
 
 
+def checked_problem(a, q, scale_inv, out, block, kernel: str):
+    """``check_gemm`` for a warpgroup GEMM named ``kernel``: BF16 activations, a float32 or BF16 ``out``, a scale per
+    8 weight rows or more, ``a`` and ``q`` 16-byte aligned on the device."""
+    problem = check_gemm(a, q, scale_inv, out, block, kernel=kernel, activations=("bf16",),
+                         block_n_multiple=BLOCK_N_MULTIPLE)
+    if problem.output not in ("f32", "bf16"):
+        raise ValueError(f"out: {kernel} writes float32 or BF16 bits, got {problem.output}")
+    require_load_alignment("a", problem.a, kernel)
+    require_load_alignment("q", problem.q, kernel)
+    return problem
+
+
+def kernel_arguments(problem) -> tuple:
+    """The arguments of ``kernel_signature``: the flat uint64 words of ``a`` and ``q``, the scales, ``out`` (BF16 as
+    uint16 bits), ``K`` and the scale block."""
+    out_view = problem.out.view(np.uint16) if problem.output == "bf16" else problem.out
+    return (problem.a.view(np.uint64).reshape(-1), problem.q.view(np.uint64).reshape(-1), problem.scale_inv, out_view,
+            np.uint32(problem.k), np.uint32(problem.block[0]), np.uint32(problem.block[1]))
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_kernel(tiling: Tiling, output: str):
     options = {} if bits.SIMULATOR else {"launch_bounds": (tiling.threads, 1)}
@@ -497,17 +516,10 @@ def gemm_wgmma(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = N
     8, ``BK`` of 128; ``K`` a multiple of 128. ``tiling``: ``Tiling`` (default ``Tiling()``). Needs a
     compute-capability-9.0 GPU (or the CUDA simulator). Every problem is a ``ValueError`` raised before launch.
     """
-    problem = check_gemm(a, q, scale_inv, out, block, kernel="gemm_wgmma", activations=("bf16",),
-                         block_n_multiple=BLOCK_N_MULTIPLE)
-    if problem.output not in ("f32", "bf16"):
-        raise ValueError(f"out: gemm_wgmma writes float32 or BF16 bits, got {problem.output}")
-    require_load_alignment("a", problem.a, "gemm_wgmma")
-    require_load_alignment("q", problem.q, "gemm_wgmma")
+    problem = checked_problem(a, q, scale_inv, out, block, "gemm_wgmma")
     launch = launch_info(problem.m, problem.n, problem.k, tiling)
-    out_view = problem.out.view(np.uint16) if problem.output == "bf16" else problem.out
     kernel = compiled_kernel(launch.tiling, problem.output)
-    args = (problem.a.view(np.uint64).reshape(-1), problem.q.view(np.uint64).reshape(-1), problem.scale_inv, out_view,
-            np.uint32(problem.k), np.uint32(problem.block[0]), np.uint32(problem.block[1]))
+    args = kernel_arguments(problem)
     _allow_shared_memory(kernel, args, launch.shared_bytes)
     pdl.launch(kernel, launch.grid, launch.block, stream, *args, shared_bytes=launch.shared_bytes)
     return problem.out

@@ -46,18 +46,19 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 from numba import cuda, float32, uint8, uint32, uint64
 
 from . import bits, named_barrier, pdl, wgmma
-from .arguments import check_gemm, require_load_alignment
 from .bits import prmt
 from .cp_async import commit_group, copy_4_ca, copy_16_cg_flat, wait_group_function
 from .gemm_mma import _allow_shared_memory, at, inlined_device_function
 from .gemm_wgmma import (
     K_CHUNK,
     check_launch,
+    checked_problem,
     clamp32,
+    kernel_arguments,
+    kernel_signature,  # noqa: F401  (the same arguments: this kernel's signature too)
     place_selected,
     promotion_function,
     store_function,
@@ -208,8 +209,7 @@ def kernel_function(output: str):
         smem32 = cuda.shared.array(0, uint32)
         smem64 = cuda.shared.array(0, uint64)
         smemf = cuda.shared.array(0, float32)
-        base = (uint32(wgmma.ATOM_BYTES) - (wgmma.shared_address(smem64) % uint32(wgmma.ATOM_BYTES))) \
-            % uint32(wgmma.ATOM_BYTES)  # the first stage's offset: 1,024-aligned in the shared window
+        base = wgmma.atom_aligned_offset(smem64)  # the first stage's offset
 
         if warpgroup == uint32(CONSUMERS):  # the producer
             p = thread - uint32(CONSUMERS * WARPGROUP_THREADS)
@@ -258,12 +258,6 @@ def kernel_function(output: str):
     return gemm_wgmma_ss_kernel
 
 
-def kernel_signature(output: str) -> str:
-    """The Numba signature the host wrapper launches with (for ``cuda.compile_ptx``)."""
-    out_type = {"f32": "float32", "bf16": "uint16"}[output]
-    return f"void(uint64[::1], uint64[::1], float32[:, ::1], {out_type}[:, ::1], uint32, uint32, uint32)"
-
-
 @functools.lru_cache(maxsize=None)
 def compiled_kernel(output: str):
     options = {} if bits.SIMULATOR else {"launch_bounds": (THREADS, 1)}
@@ -273,17 +267,10 @@ def compiled_kernel(output: str):
 def gemm_wgmma_ss(a, q, scale_inv, out, block=(128, 128), stream=0):
     """``out[M, N] = a[M, K] @ (decode(q) * scale_inv)^T``, the weights placed by a producer warpgroup; returns
     ``out``. Arguments and checks as ``gemm_wgmma.gemm_wgmma``'s (no tiling: one shape)."""
-    problem = check_gemm(a, q, scale_inv, out, block, kernel="gemm_wgmma_ss", activations=("bf16",),
-                         block_n_multiple=8)
-    if problem.output not in ("f32", "bf16"):
-        raise ValueError(f"out: gemm_wgmma_ss writes float32 or BF16 bits, got {problem.output}")
-    require_load_alignment("a", problem.a, "gemm_wgmma_ss")
-    require_load_alignment("q", problem.q, "gemm_wgmma_ss")
+    problem = checked_problem(a, q, scale_inv, out, block, "gemm_wgmma_ss")
     grid = check_launch(problem.m, problem.n, problem.k, TOKENS, CTA_N)
-    out_view = problem.out.view(np.uint16) if problem.output == "bf16" else problem.out
     kernel = compiled_kernel(problem.output)
-    args = (problem.a.view(np.uint64).reshape(-1), problem.q.view(np.uint64).reshape(-1), problem.scale_inv, out_view,
-            np.uint32(problem.k), np.uint32(problem.block[0]), np.uint32(problem.block[1]))
+    args = kernel_arguments(problem)
     _allow_shared_memory(kernel, args, SHARED_BYTES)
     pdl.launch(kernel, grid, (THREADS,), stream, *args, shared_bytes=SHARED_BYTES)
     return problem.out

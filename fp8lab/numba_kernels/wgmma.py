@@ -345,3 +345,10 @@ else:
             return types.void(acc, smem, a_offset, a_step, b_offset, b_step, accumulate), codegen
 
         return mma_async_ss
+
+
+@cuda.jit(device=True, inline="always")
+def atom_aligned_offset(smem):
+    """The first byte offset into the dynamic shared array ``smem`` that is 1,024-aligned in the shared window (where
+    a kernel's swizzled stages start: the swizzle is a function of the address)."""
+    return (np.uint32(ATOM_BYTES) - (shared_address(smem) % np.uint32(ATOM_BYTES))) % np.uint32(ATOM_BYTES)
