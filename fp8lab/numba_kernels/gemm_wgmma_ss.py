@@ -5,8 +5,9 @@ Computes ``fp8lab.reference.blockwise.gemm`` in the float32 order of ``fp8lab.si
 ``gemm_wgmma``: the order per output is the same). Launch: grid ``(ceil(N / 128), ceil(M / 128))`` x 384 threads
 (three warpgroups), ``SHARED_BYTES`` of dynamic shared memory; sm_90 (Hopper) only. Checked
 (``tests/numba_kernels/test_gemm_wgmma_ss_kernel.py``): bit for bit ``fp8lab.simulators.gemm_mma.gemm_mma`` in the
-CUDA simulator; on a GPU within the tensor-core budget of the oracle (untimed: built in the twenty-fifth session
-without device time).
+CUDA simulator; on a GPU bit for bit ``gemm_wgmma``. Measured 8 to 10% slower than ``gemm_wgmma`` on an H100
+(``bench/RESULTS.md``, twenty-sixth session: the producer's copies and placement bound it), so the engine does not
+use it; it stays as the worked example of a warp-specialized kernel.
 
 Why a second warpgroup GEMM. ``gemm_wgmma`` places each chunk's codes into A registers in the two warpgroups that
 multiply, so every chunk those warps issue about 380 instructions per warp (placement, copies, promotion) for 8
