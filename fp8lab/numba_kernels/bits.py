@@ -24,8 +24,10 @@ without conversion. On a GPU these are LLVM ``bitcast`` intrinsics (free: no ins
   nibble is set, that byte's sign bit copied to all 8 bits; one instruction on a GPU;
 - ``f32x2_to_f16x2(low, high)``: two float32 values as two F16 patterns (``low`` in the low half), each
   ``f32_to_f16_bits``: ``cvt.rn.f16x2.f32``, one instruction for two;
+- ``f32_to_bf16_bits_rne(x)``: float32 to a BF16 pattern, nearest even, a NaN a quiet NaN of its sign (the rule the
+  kernels' BF16 outputs follow; ``mathops`` re-exports it);
 - ``f32x2_to_bf16x2(low, high)``: the same in BF16 (nearest, ties to even): ``cvt.rn.bf16x2.f32``; in the simulator
-  ``mathops.f32_to_bf16_bits_rne``'s rule (a NaN becomes a quiet NaN of its sign; the hardware's NaN is canonical:
+  ``f32_to_bf16_bits_rne``'s rule (a NaN becomes a quiet NaN of its sign; the hardware's NaN is canonical:
   NaN either way);
 - ``max_nan(a, b)``: the larger of ``a`` and ``b``, NaN if either is NaN (``mathops.nan_max``'s rule): ``max.NaN.f32``,
   one instruction (a NaN result is then the canonical NaN, and ``max(-0, +0)`` may be either zero: neither changes a
@@ -35,7 +37,7 @@ without conversion. On a GPU these are LLVM ``bitcast`` intrinsics (free: no ins
 from __future__ import annotations
 
 import numpy as np
-from numba import config, cuda
+from numba import config, cuda, uint32
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 
@@ -67,14 +69,8 @@ if SIMULATOR:
     def f32x2_to_f16x2(low, high):
         return f32_to_f16_bits(low) | (f32_to_f16_bits(high) << np.uint32(16))
 
-    def _bf16_bits(x):
-        u = int(np.float32(x).view(np.uint32))
-        if x != x:
-            return ((u >> 16) & 0x8000) | 0x7FC0
-        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-
     def f32x2_to_bf16x2(low, high):
-        return np.uint32(_bf16_bits(low) | (_bf16_bits(high) << 16))
+        return np.uint32(int(f32_to_bf16_bits_rne(low)) | (int(f32_to_bf16_bits_rne(high)) << 16))
 
     def max_nan(a, b):
         if a != a:
@@ -198,3 +194,19 @@ else:
 def bf16_bits_to_f32(h):
     """A BF16 pattern is the high half of a float32 pattern."""
     return u32_as_f32((h & 0xFFFF) << 16)
+
+
+@cuda.jit(device=True, inline=True)
+def f32_to_bf16_bits_rne(x):
+    """float32 to a BF16 bit pattern, round to nearest even; NaN stays a (quiet) NaN.
+
+    The add-and-shift rounding (``(u + 0x7FFF + lsb) >> 16``) alone would carry a NaN into the sign bit or into
+    infinity (the GPU's own NaN, ``0x7FFFFFFF``, becomes ``0x8000``, -0.0); so a NaN is handled first and keeps
+    its sign: 0x7FC0 or 0xFFC0. The only BF16 rounding rule in the kernels (the simulator's ``f32x2_to_bf16x2``
+    uses it too).
+    """
+    if x != x:
+        return ((uint32(f32_as_u32(x)) >> 16) & 0x8000) | 0x7FC0
+    u = uint32(f32_as_u32(x))
+    rounding = 0x7FFF + ((u >> 16) & 1)
+    return ((u + rounding) >> 16) & 0xFFFF

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from .bits import SIMULATOR, f32_as_u32, u32_as_f32
+from .bits import SIMULATOR, f32_as_u32, f32_to_bf16_bits_rne, u32_as_f32  # noqa: F401  (re-exported)
 
 if SIMULATOR:
     from fp8lab.simulators.common import exp2_f32
@@ -182,17 +182,3 @@ def e4m3_encode_saturating(x):
     steps = (mantissa + halfway - 1 + (kept & 1)) >> shift
     return sign | steps
 
-
-@cuda.jit(device=True, inline=True)
-def f32_to_bf16_bits_rne(x):
-    """float32 to a BF16 bit pattern, round to nearest even; NaN stays a (quiet) NaN.
-
-    The add-and-shift rounding (``(u + 0x7FFF + lsb) >> 16``) alone would carry a NaN into the sign bit or into
-    infinity (the GPU's own NaN, ``0x7FFFFFFF``, becomes ``0x8000``, -0.0); so a NaN is handled first and keeps
-    its sign: 0x7FC0 or 0xFFC0. The only BF16 rounding in the kernels.
-    """
-    if x != x:
-        return ((uint32(f32_as_u32(x)) >> 16) & 0x8000) | 0x7FC0
-    u = uint32(f32_as_u32(x))
-    rounding = 0x7FFF + ((u >> 16) & 1)
-    return ((u + rounding) >> 16) & 0xFFFF
