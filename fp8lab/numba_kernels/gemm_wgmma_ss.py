@@ -147,13 +147,12 @@ def place_row(smem32, stage, row):
         w0, w1, w2, w3 = load_shared_u32x4(smem32, codes_row + swizzled(row, uint32(i)) // uint32(4))
         words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3] = w0, w1, w2, w3
     row_start = (stage + uint32(WEIGHTS_OFFSET) + row * uint32(wgmma.ROW_BYTES)) // uint32(4)  # in words
-    swizzle = row & uint32(7)
     for i in range(8):
         for half_piece in range(2):  # BF16 piece 2 i + half_piece: k 16 i + 8 half_piece .., one 128-bit store
             bf16_piece = 2 * i + half_piece
             first, second = words[4 * i + 2 * half_piece], words[4 * i + 2 * half_piece + 1]
             destination = uint32(row_start + uint32((bf16_piece // 8) * HALF_BYTES // 4)
-                                 + ((uint32(bf16_piece % 8) ^ swizzle) << uint32(2)))
+                                 + wgmma.swizzled_piece(row, uint32(bf16_piece % 8)) * uint32(wgmma.PIECE_BYTES // 4))
             store_shared_u32x4(smem32, destination,
                                place_selected(prmt(first, first, SELECT_LOW)),
                                place_selected(prmt(first, first, SELECT_HIGH)),
