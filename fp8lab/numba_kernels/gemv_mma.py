@@ -5,7 +5,8 @@ activations: 16)::
 
     out[m, n] = sum_k a[m, k] * decode(q[n, k]) * scale_inv[n // BN, k // BK]
 
-Launch: grid ``(N / 16,)`` (``gemv_mma``) or ``(I / 8,)`` (``gemv_mma_swiglu``) x ``32 k_slices`` threads.
+Launch: grid ``(N / 16 c,)`` (``gemv_mma``) or ``(I / 8 c,)`` (``gemv_mma_swiglu``) x ``32 k_slices`` threads, ``c`` the
+column tiles per CTA (1 or 2).
 Checked (``tests/numba_kernels/test_gemv_mma_kernel.py``): bit for bit against ``fp8lab.simulators.gemv_mma`` in
 the CUDA simulator, against the oracle within the tensor-core error budget of ``fp8lab.simulators.gemm_mma`` on a
 GPU. Read the simulator's docstring first: it fixes which k each mma step sums and the order of everything.
@@ -23,6 +24,11 @@ How, per warp (lane ``(g, t)`` = ``(lane >> 2, lane & 3)``):
 - **Columns**: the CTA's 16 weight rows are ``16 x .. 16 x + 15`` (SwiGLU: gate rows ``8 x + g`` and the
   matching up rows ``I + 8 x + g``, so a lane's two accumulator rows are the gate and up of one output).
   Lane ``(g, t)`` loads rows ``g`` and ``g + 8`` of the tile.
+- **Column tiles**: with ``column_tiles=2`` the CTA takes two such tiles (32 weight rows; SwiGLU: 16 outputs) and
+  each warp multiplies both by the same activation registers (one more mma per batch tile and k16 step), so the
+  activations cross the L2 once per 32 weight rows instead of 16: at 32 rows of K = 4,096 a warp's activations are
+  16 times its codes' bytes. Half the CTAs and more registers each, so ``default_column_tiles`` takes two only where
+  one tile's grid needs a second wave and two tiles' fits one. No output's order changes.
 - **K slices**: the CTA's ``k_slices`` warps each take a contiguous slice of the 128-wide chunks
   (``fp8lab.simulators.gemv_mma.slice_chunks``); more warps per column where the grid is narrow.
 - **Spans of 64 k**: per span a lane loads 16 codes of each of its two rows (one 128-bit load each) and
@@ -113,6 +119,8 @@ the ring in local memory (ptxas, sm_90: a 576-byte stack frame at four tiles and
 
 DEPTH_CHOICES = (1, 2, 3, 4)
 """Chunks a warp keeps in flight (its register ring)."""
+COLUMN_TILES_CHOICES = (1, 2)
+"""Tiles of 16 weight rows per CTA (``gemv_mma_kernel``'s ``column_tiles``)."""
 
 
 def default_k_slices(n_tiles: int, num_chunks: int) -> int:
@@ -125,23 +133,50 @@ def default_k_slices(n_tiles: int, num_chunks: int) -> int:
     return K_SLICES_CHOICES[-1]
 
 
-REGISTERS = {(False, 1): (78, 108, 144), (False, 2): (102, 144, 196), (False, 3): (114, 182, 248), (False, 4): (143, 226),
-             (True, 1): (78, 102, 140), (True, 2): (94, 144, 194), (True, 3): (112, 182, 246), (True, 4): (142, 226)}
+REGISTERS = {(False, 1): (77, 110, 144), (False, 2): (102, 142, 198), (False, 3): (116, 184, 250), (False, 4): (145, 230),
+             (True, 1): (77, 106, 140), (True, 2): (102, 142, 196), (True, 3): (114, 184, 248), (True, 4): (143, 226)}
 """Registers per thread of the BF16-activation kernels at ring depths 1, 2 and 3, by (SwiGLU, batch tiles): ptxas
 for sm_90 (``tests/numba_kernels/test_kernels_compile.py`` checks the variants it compiles against this table).
 Four batch tiles spill at depth 3 (255 registers and 892 bytes), so their entry stops at depth 2."""
+REGISTERS_TWO_TILES = {(False, 1): (95, 162, 237), (False, 2): (156, 232), (False, 3): (162, 248), (False, 4): (209,),
+                       (True, 1): (95, 162, 237), (True, 2): (156, 232), (True, 3): (162, 248), (True, 4): (209,)}
+"""The same with two column tiles per CTA (``column_tiles=2``), up to the deepest ring without spills (ptxas, sm_90;
+depth 3 spills from two batch tiles on, depth 2 at four)."""
 SM_REGISTERS, SM_MAX_WARPS, SM_MAX_CTAS, REGISTER_UNIT = 65536, 64, 32, 256
 """An sm_90 SM's register file, its most resident warps and CTAs, and the registers a warp is given at a time."""
 
 
 def resident_ctas(k_slices: int, registers: int) -> int:
     """CTAs of ``k_slices`` warps that one SM holds at once when each thread uses ``registers`` registers (shared
-    memory, at most 8 KB a CTA here, never binds)."""
+    memory never binds: at most 32 KB a CTA, at eight warps of four batch tiles and two column tiles, where the
+    registers allow one CTA)."""
     per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
     return min(SM_MAX_CTAS, SM_MAX_WARPS // k_slices, SM_REGISTERS // (per_warp * k_slices))
 
 
-def default_depth(activation: str, k_slices: int, batch_tiles: int, swiglu: bool, grid: int, sms: int) -> int:
+def _resident_depths(registers: tuple, k_slices: int, grid: int, sms: int) -> list[int]:
+    """The ring depths (deepest first) at which all ``grid`` CTAs are resident at once on ``sms`` SMs."""
+    return [depth for depth in range(len(registers), 0, -1)
+            if resident_ctas(k_slices, registers[depth - 1]) * sms >= grid]
+
+
+def default_column_tiles(activation: str, k_slices: int, batch_tiles: int, swiglu: bool, n_tiles: int,
+                         sms: int) -> int:
+    """Tiles of 16 weight rows per CTA: 1, unless no ring of one tile keeps the whole grid (``n_tiles`` CTAs)
+    resident at once and a ring of two tiles does (half the CTAs, more registers each). Two tiles read each
+    activation once per 32 weight rows, but give half the warps; on an H100 (``bench/RESULTS.md``, twenty-sixth
+    session) they were faster exactly where one tile needed a second wave: the Qwen3-8B o_proj and down_proj at 32
+    rows (15.4 against 17.6 us; 33.6 against 39.5), gate/up with SwiGLU at 16 rows (41.0 against 49.9), and slower
+    wherever one tile fitted (q/k/v at 32 rows: 19.3 against 16.8)."""
+    if activation != "bf16" or n_tiles % 2:
+        return 1
+    if _resident_depths(REGISTERS[swiglu, batch_tiles], k_slices, n_tiles, sms):
+        return 1
+    return 2 if _resident_depths(REGISTERS_TWO_TILES[swiglu, batch_tiles], k_slices, n_tiles // 2, sms) else 1
+
+
+def default_depth(activation: str, k_slices: int, batch_tiles: int, swiglu: bool, grid: int, sms: int,
+                  column_tiles: int = 1) -> int:
     """Chunks in flight per warp: the deepest ring (up to 3) at which all ``grid`` CTAs are resident at once on
     ``sms`` SMs (one wave), else 1, the most warps at once. A deeper ring keeps more bytes in flight per warp but
     costs registers, and once the grid needs a second wave the SMs idle through its tail. On an H200 (the sweeps
@@ -151,11 +186,8 @@ def default_depth(activation: str, k_slices: int, batch_tiles: int, swiglu: bool
     activation words per chunk: 168 registers at depth 2)."""
     if activation != "bf16":
         return 2
-    registers = REGISTERS[swiglu, batch_tiles]
-    for depth in (3, 2):
-        if depth <= len(registers) and resident_ctas(k_slices, registers[depth - 1]) * sms >= grid:
-            return depth
-    return 1
+    registers = (REGISTERS if column_tiles == 1 else REGISTERS_TWO_TILES)[swiglu, batch_tiles]
+    return max([1] + _resident_depths(registers, k_slices, grid, sms))
 
 
 def batch_tiles_for(m: int) -> int:
@@ -165,7 +197,7 @@ def batch_tiles_for(m: int) -> int:
 
 @functools.cache
 def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3, batch_tiles: int = 1,
-                    output: str = "f32", weights: str = "e4m3"):
+                    output: str = "f32", weights: str = "e4m3", column_tiles: int = 1):
     """One kernel variant: ``depth`` chunks in flight per warp (a register ring), ``k_slices`` warps per CTA,
     ``activation`` ``'bf16'`` (uint16 pairs as uint32 words) or ``'f32'`` (float32 bits as uint32 words), plain or
     SwiGLU, ``batch_tiles`` n8 tiles of batch rows (1: rows 0..7; 2: rows 0..15, two mma per k16 step on the same
@@ -173,7 +205,12 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
     ``(a_words uint32 [M * K / 2 or M * K], q_words uint32 [N * K / 4], scale_inv float32 [ceil(N/BN),
     ceil(K/BK)], out float32 or uint16 [M, N or I], m, k, block_n, block_k)``, all flat words row-major.
     ``weights='bf16'``: ``q_words`` holds BF16 weight patterns (``N * K / 2`` words), the A registers take them as
-    they are, and there are no block scales (``scale_inv`` is not read; the promotion is ``c_fin += c_part``)."""
+    they are, and there are no block scales (``scale_inv`` is not read; the promotion is ``c_fin += c_part``).
+    ``column_tiles`` (1 or 2): tiles of 16 weight rows (SwiGLU: 8 outputs) per CTA, each warp multiplying every
+    tile by the same activation registers, so the activations are read from L2 once per ``16 column_tiles`` rows;
+    every output's order is unchanged."""
+    if column_tiles not in COLUMN_TILES_CHOICES:
+        raise ValueError(f"column_tiles: expected one of {COLUMN_TILES_CHOICES}, got {column_tiles!r}")
     scaled = weights == "e4m3"
     row_words = WEIGHT_WORDS[weights]  # per weight row and span
     code_words = 2 * SPANS_PER_CHUNK * row_words  # per chunk: 2 rows x 2 spans
@@ -181,8 +218,11 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
     unplace = UNPLACE if scaled else np.float32(1)
     activation_words = ACTIVATION_WORDS[activation]
     slot_words = batch_tiles * activation_words  # a ring slot holds every batch tile's activations
-    code_ring, activation_ring, scale_ring = depth * code_words, depth * slot_words, 2 * depth  # constants
-    accumulators = 4 * batch_tiles  # C registers: 4 per n8 tile
+    code_ring, activation_ring = depth * column_tiles * code_words, depth * slot_words  # constants
+    scale_ring = 2 * depth * column_tiles
+    accumulators = 4 * batch_tiles  # C registers: 4 per n8 tile, per column tile
+    all_accumulators = column_tiles * accumulators
+    rows_per_tile = 8 if swiglu else ROWS_PER_WARP
     words_per_k = 2 if activation == "bf16" else 1  # k per activation word
 
     @inlined_device_function
@@ -267,30 +307,54 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
 
     @inlined_device_function
     def multiply_chunk(codes, values, slot, c_part):
-        """``c_part = 0``, then the 8 mma steps of the chunk in ring slot ``slot`` (one mma per batch tile, on the
-        same A registers): span ``s``, step ``j`` take word ``j`` of the span's codes."""
-        for i in range(accumulators):
+        """``c_part = 0``, then the 8 mma steps of the chunk in ring slot ``slot`` (one mma per batch tile and
+        column tile, the batch tiles on the same A registers, the column tiles on the same B registers): span
+        ``s``, step ``j`` take word ``j`` of the span's codes."""
+        for i in range(all_accumulators):
             c_part[i] = float32(0)
         for span in range(SPANS_PER_CHUNK):
-            base = code_words * slot + 2 * row_words * span  # the span's weight words
             for j in range(4):
-                a0, a1, a2, a3 = a_registers(codes, base, j)
-                for tile in range(batch_tiles):
-                    v = slot_words * slot + activation_words * tile  # the tile's words, from span 0
-                    c = 4 * tile
-                    d = mma_bf16(a0, a1, a2, a3, b_register(values, v, span, 2 * j),
-                                 b_register(values, v, span, 2 * j + 1), c_part[c], c_part[c + 1], c_part[c + 2],
-                                 c_part[c + 3])
-                    c_part[c], c_part[c + 1], c_part[c + 2], c_part[c + 3] = d[0], d[1], d[2], d[3]
+                for column in range(column_tiles):
+                    base = code_words * (column_tiles * slot + column) + 2 * row_words * span  # the span's words
+                    a0, a1, a2, a3 = a_registers(codes, base, j)
+                    for tile in range(batch_tiles):
+                        v = slot_words * slot + activation_words * tile  # the tile's words, from span 0
+                        c = accumulators * column + 4 * tile
+                        d = mma_bf16(a0, a1, a2, a3, b_register(values, v, span, 2 * j),
+                                     b_register(values, v, span, 2 * j + 1), c_part[c], c_part[c + 1], c_part[c + 2],
+                                     c_part[c + 3])
+                        c_part[c], c_part[c + 1], c_part[c + 2], c_part[c + 3] = d[0], d[1], d[2], d[3]
+
+    @inlined_device_function
+    def lane_rows(tile, g, width):
+        """The lane's two weight rows in column tile ``tile`` (``width``: the output's columns)."""
+        row0 = tile * uint32(rows_per_tile) + g
+        # SwiGLU: the up row of the same output; else the lane's second row of the tile
+        return row0, (width + row0 if swiglu else row0 + uint32(8))
+
+    @inlined_device_function
+    def of_column(column, pairs):
+        """Column tile ``column``'s pair of ``pairs`` (the first tile's two values, then the second's)."""
+        return (pairs[0], pairs[1]) if column == 0 else (pairs[2], pairs[3])
+
+    @inlined_device_function
+    def load_weights(q_words, scale_inv, rows, scale_rows, k_words, block_k, chunk, t, codes, scales, slot):
+        """Ring slot ``slot`` <- every column tile's codes and scales of ``chunk`` (sub-slot ``column_tiles slot +
+        column``)."""
+        for column in range(column_tiles):
+            sub_slot = column_tiles * slot + column
+            row0, row1 = of_column(column, rows)
+            scale_row0, scale_row1 = of_column(column, scale_rows)
+            load_codes(q_words, row0, row1, k_words, chunk, t, codes, sub_slot)
+            load_scales(scale_inv, scale_row0, scale_row1, chunk, block_k, scales, sub_slot)
 
     @inlined_device_function
     def prefetch_weights(slot, args):
         """Ring slot ``slot`` <- chunk ``first + slot``'s codes and scales (if the slice has it)."""
-        q_words, scale_inv, row0, row1, scale_row0, scale_row1, k_words, block_k, first, last, t, codes, scales = args
+        q_words, scale_inv, rows, scale_rows, k_words, block_k, first, last, t, codes, scales = args
         chunk = first + uint32(slot)
         if chunk < last:
-            load_codes(q_words, row0, row1, k_words, chunk, t, codes, slot)
-            load_scales(scale_inv, scale_row0, scale_row1, chunk, block_k, scales, slot)
+            load_weights(q_words, scale_inv, rows, scale_rows, k_words, block_k, chunk, t, codes, scales, slot)
 
     @inlined_device_function
     def prefetch_activations(slot, args):
@@ -303,21 +367,23 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
     def ring_step(slot, args):
         """Chunk ``round_start + slot`` from ring slot ``slot``: its 8 mma and promotion, then the slot refilled
         with the chunk ``depth`` ahead."""
-        (q_words, a_words, scale_inv, row0, row1, scale_row0, scale_row1, k_words, k, block_k, g, m, t,
+        (q_words, a_words, scale_inv, rows, scale_rows, k_words, k, block_k, g, m, t,
          round_start, last, codes, values, scales, c_part, c_fin) = args
         chunk = round_start + uint32(slot)
         if chunk < last:
             multiply_chunk(codes, values, slot, c_part)
-            s0, s1 = scales[2 * slot], scales[2 * slot + 1]
-            for c in range(0, accumulators, 4):  # C registers c, c + 1: weight row g; c + 2, c + 3: row g + 8
-                c_fin[c] = cuda.fma(s0, c_part[c] * unplace, c_fin[c])  # * 2^120: exact (BF16 weights: 1, 1)
-                c_fin[c + 1] = cuda.fma(s0, c_part[c + 1] * unplace, c_fin[c + 1])
-                c_fin[c + 2] = cuda.fma(s1, c_part[c + 2] * unplace, c_fin[c + 2])
-                c_fin[c + 3] = cuda.fma(s1, c_part[c + 3] * unplace, c_fin[c + 3])
+            for column in range(column_tiles):
+                sub_slot = column_tiles * slot + column
+                s0, s1 = scales[2 * sub_slot], scales[2 * sub_slot + 1]
+                for c in range(accumulators * column, accumulators * (column + 1), 4):
+                    # C registers c, c + 1: weight row g; c + 2, c + 3: row g + 8
+                    c_fin[c] = cuda.fma(s0, c_part[c] * unplace, c_fin[c])  # * 2^120: exact (BF16 weights: 1, 1)
+                    c_fin[c + 1] = cuda.fma(s0, c_part[c + 1] * unplace, c_fin[c + 1])
+                    c_fin[c + 2] = cuda.fma(s1, c_part[c + 2] * unplace, c_fin[c + 2])
+                    c_fin[c + 3] = cuda.fma(s1, c_part[c + 3] * unplace, c_fin[c + 3])
             ahead = uint32(chunk + uint32(depth))
             if ahead < last:
-                load_codes(q_words, row0, row1, k_words, ahead, t, codes, slot)
-                load_scales(scale_inv, scale_row0, scale_row1, ahead, block_k, scales, slot)
+                load_weights(q_words, scale_inv, rows, scale_rows, k_words, block_k, ahead, t, codes, scales, slot)
                 load_activations(a_words, g, m, k, ahead, t, values, slot)
 
     prefetch_all_weights = unrolled(prefetch_weights, depth)
@@ -328,19 +394,18 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
         thread = uint32(cuda.threadIdx.x)
         warp, lane = thread // uint32(WARP_SIZE), thread % uint32(WARP_SIZE)
         g, t = lane >> uint32(2), lane & uint32(3)
-        tile = uint32(cuda.blockIdx.x)
-        if swiglu:
-            row0 = tile * uint32(8) + g
-            row1 = uint32(out.shape[1]) + row0  # the up row of the same output
-        else:
-            row0 = tile * uint32(ROWS_PER_WARP) + g
-            row1 = row0 + uint32(8)
+        first_tile = uint32(cuda.blockIdx.x) * uint32(column_tiles)
+        width = uint32(out.shape[1])
+        # the lane's rows and their scale rows, once: (tile 0's two, tile 1's two); one tile repeats its own
+        row0, row1 = lane_rows(first_tile, g, width)
+        row2, row3 = lane_rows(first_tile + uint32(column_tiles - 1), g, width)
+        rows = (row0, row1, row2, row3)
+        scale_rows = (row0 // block_n, row1 // block_n, row2 // block_n, row3 // block_n)
         k_words = k // uint32(weight_k_per_word)
         num_chunks = k // uint32(K_CHUNK)
         per_slice = (num_chunks + uint32(k_slices - 1)) // uint32(k_slices)
         first = uint32(min(warp * per_slice, num_chunks))
         last = uint32(min(first + per_slice, num_chunks))
-        scale_row0, scale_row1 = row0 // block_n, row1 // block_n
 
         # A ring of `depth` chunks in registers: chunk c lives in slot (c - first) % depth. A round of the loop
         # is `depth` steps written out (``unrolled``), so that every slot index is a constant (registers, not
@@ -349,48 +414,49 @@ def gemv_mma_kernel(k_slices: int, activation: str, swiglu: bool, depth: int = 3
         codes = cuda.local.array(code_ring, uint32)
         values = cuda.local.array(activation_ring, uint32)
         scales = cuda.local.array(scale_ring, float32)
-        c_part = cuda.local.array(accumulators, float32)
-        c_fin = cuda.local.array(accumulators, float32)
-        for i in range(accumulators):
+        c_part = cuda.local.array(all_accumulators, float32)
+        c_fin = cuda.local.array(all_accumulators, float32)
+        for i in range(all_accumulators):
             c_fin[i] = float32(0)
 
         # weights and scales: before the wait (PDL; nothing in the stream writes them)
-        prefetch_all_weights((q_words, scale_inv, row0, row1, scale_row0, scale_row1, k_words, block_k, first, last, t,
-                              codes, scales))
+        prefetch_all_weights((q_words, scale_inv, rows, scale_rows, k_words, block_k, first, last, t, codes, scales))
         pdl.prologue()
         prefetch_all_activations((a_words, g, m, k, first, last, t, values))
         round_start = uint32(first)
         while round_start < last:  # uint32 throughout: a signed/unsigned comparison would be done in float64
-            ring_round((q_words, a_words, scale_inv, row0, row1, scale_row0, scale_row1, k_words, k, block_k, g,
-                        m, t, round_start, last, codes, values, scales, c_part, c_fin))
+            ring_round((q_words, a_words, scale_inv, rows, scale_rows, k_words, k, block_k, g, m, t, round_start, last,
+                        codes, values, scales, c_part, c_fin))
             round_start = uint32(round_start + uint32(depth))
 
         if k_slices > 1:  # the warps' results, added in warp order by warp 0
-            partial = cuda.shared.array((k_slices, WARP_SIZE, accumulators), float32)
-            for i in range(accumulators):
+            partial = cuda.shared.array((k_slices, WARP_SIZE, all_accumulators), float32)
+            for i in range(all_accumulators):
                 partial[warp, lane, i] = c_fin[i]
             cuda.syncthreads()
             if warp == uint32(0):
                 for w in range(1, k_slices):
-                    for i in range(accumulators):
+                    for i in range(all_accumulators):
                         c_fin[i] = c_fin[i] + partial[w, lane, i]
         if warp == uint32(0):
-            for tile in range(batch_tiles):  # the accumulator columns are the batch rows 8 tile + 2 t, + 1
-                c = 4 * tile
-                batch0 = uint32(BATCH_TILE * tile) + uint32(2) * t
-                batch1 = batch0 + uint32(1)
-                if swiglu:
-                    if batch0 < m:
-                        store(out, batch0, row0, silu_times(c_fin[c], c_fin[c + 2]))
-                    if batch1 < m:
-                        store(out, batch1, row0, silu_times(c_fin[c + 1], c_fin[c + 3]))
-                else:
-                    if batch0 < m:
-                        store(out, batch0, row0, c_fin[c])
-                        store(out, batch0, row1, c_fin[c + 2])
-                    if batch1 < m:
-                        store(out, batch1, row0, c_fin[c + 1])
-                        store(out, batch1, row1, c_fin[c + 3])
+            for column in range(column_tiles):
+                row0, row1 = of_column(column, rows)
+                for tile in range(batch_tiles):  # the accumulator columns are the batch rows 8 tile + 2 t, + 1
+                    c = accumulators * column + 4 * tile
+                    batch0 = uint32(BATCH_TILE * tile) + uint32(2) * t
+                    batch1 = batch0 + uint32(1)
+                    if swiglu:
+                        if batch0 < m:
+                            store(out, batch0, row0, silu_times(c_fin[c], c_fin[c + 2]))
+                        if batch1 < m:
+                            store(out, batch1, row0, silu_times(c_fin[c + 1], c_fin[c + 3]))
+                    else:
+                        if batch0 < m:
+                            store(out, batch0, row0, c_fin[c])
+                            store(out, batch0, row1, c_fin[c + 2])
+                        if batch1 < m:
+                            store(out, batch1, row0, c_fin[c + 1])
+                            store(out, batch1, row1, c_fin[c + 3])
 
     return cuda.jit(kernel)
 
@@ -440,20 +506,27 @@ def _knob(name: str, value, choices: tuple, default):
     return value
 
 
-def _launch(problem: arguments.GemmProblem, k_slices, depth, stream, swiglu: bool) -> None:
+def _launch(problem: arguments.GemmProblem, k_slices, depth, column_tiles, stream, swiglu: bool) -> None:
     n_tiles = problem.n // ROWS_PER_WARP
     k_slices = _knob("k_slices", k_slices, K_SLICES_CHOICES, lambda: default_k_slices(n_tiles, problem.k // K_CHUNK))
     batch_tiles = batch_tiles_for(problem.m)
+    column_tiles = _knob("column_tiles", column_tiles, COLUMN_TILES_CHOICES, lambda: default_column_tiles(
+        problem.activation, k_slices, batch_tiles, swiglu, n_tiles, device_num_sms()))
+    if n_tiles % column_tiles:
+        raise ValueError(f"column_tiles: {column_tiles} tiles per CTA need N to be a multiple of "
+                         f"{ROWS_PER_WARP * column_tiles}, got N = {problem.n}")
+    grid = n_tiles // column_tiles
     depth = _knob("depth", depth, DEPTH_CHOICES, lambda: default_depth(problem.activation, k_slices, batch_tiles,
-                                                                        swiglu, n_tiles, device_num_sms()))
-    kernel = gemv_mma_kernel(k_slices, problem.activation, swiglu, depth, batch_tiles, problem.output)
+                                                                        swiglu, grid, device_num_sms(), column_tiles))
+    kernel = gemv_mma_kernel(k_slices, problem.activation, swiglu, depth, batch_tiles, problem.output,
+                             column_tiles=column_tiles)
     bn, bk = problem.block
-    pdl.launch(kernel, (n_tiles,), (WARP_SIZE * k_slices,), stream,
+    pdl.launch(kernel, (grid,), (WARP_SIZE * k_slices,), stream,
                problem.a.view(np.uint32).reshape(-1), problem.q.view(np.uint32).reshape(-1), problem.scale_inv,
                problem.out, np.uint32(problem.m), np.uint32(problem.k), np.uint32(bn), np.uint32(bk))
 
 
-def gemv_mma(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth=None, stream=0):
+def gemv_mma(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth=None, column_tiles=None, stream=0):
     """``out[M, N] = a[M, K] @ (decode(q) * scale_inv)^T`` on tensor cores for ``1 <= M <= 32``; returns ``out``.
 
     ``a``: BF16 bits (uint16/int16) or float32 (rounded to BF16 on load, at most 16 rows) ``[M, K]``; ``q``: uint8
@@ -467,17 +540,17 @@ def gemv_mma(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth=None, 
     Numba stream or a ``cuda.core`` GraphBuilder. Bad calls raise ``ValueError`` before any launch.
     """
     problem = _check(a, q, scale_inv, out, block, swiglu=False)
-    _launch(problem, k_slices, depth, stream, swiglu=False)
+    _launch(problem, k_slices, depth, column_tiles, stream, swiglu=False)
     return out
 
 
-def gemv_mma_swiglu(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth=None, stream=0):
+def gemv_mma_swiglu(a, q, scale_inv, out, block=(128, 128), k_slices=None, depth=None, column_tiles=None, stream=0):
     """``out[M, I] = silu(a @ gate^T) * (a @ up^T)`` from the fused gate/up weight ``q[2 I, K]`` (gate rows, then
     up rows), on tensor cores for ``1 <= M <= 32`` (float32: 16): bit for bit ``gemv_mma`` into ``[M, 2 I]`` then
     ``layers.silu_mul`` (with a uint16 ``out``: then ``layers.bf16_round``), in one launch. ``I`` a multiple of 8;
     the rest as ``gemv_mma``."""
     problem = _check(a, q, scale_inv, out, block, swiglu=True)
-    _launch(problem, k_slices, depth, stream, swiglu=True)
+    _launch(problem, k_slices, depth, column_tiles, stream, swiglu=True)
     return out
 
 

@@ -18,6 +18,7 @@ import pytest
 
 import fp8lab.numba_kernels  # noqa: F401  (installs the simulator's warp intrinsics)
 from fp8lab.numba_kernels.gemv_mma import (
+    default_column_tiles,
     default_depth,
     default_k_slices,
     gemv_mma,
@@ -63,6 +64,28 @@ def test_matches_the_simulator_bit_for_bit(rng, m, n, k, block, k_slices, activa
     out = np.full((m, n), np.nan, np.float32)
     gemv_mma(x, q, scales, out, block, k_slices=k_slices)
     np.testing.assert_array_equal(bits(out), bits(model.gemv_mma(a, q, scales, block, k_slices=k_slices)))
+
+
+@pytest.mark.parametrize("m, n, k, block, k_slices, depth, activation", [
+    (3, 64, 640, (8, 128), 4, 2, "f32"),  # two CTAs of two column tiles, a scale per 8 rows, uneven slices
+    (27, 32, 384, (16, 128), 2, 1, "bf16"),  # four batch tiles, the last of 3 rows, on both column tiles
+])
+def test_two_column_tiles_give_the_simulators_bits(rng, m, n, k, block, k_slices, depth, activation):
+    """Two tiles of 16 weight rows per CTA on the same activation registers: every output's order is that of one
+    tile per CTA, so the simulator's bits."""
+    a, q, scales = problem(rng, m, n, k, block)
+    x = a if activation == "f32" else bit_placement.float32_to_bf16_bits(a)
+    out = np.full((m, n), np.nan, np.float32)
+    gemv_mma(x, q, scales, out, block, k_slices=k_slices, depth=depth, column_tiles=2)
+    np.testing.assert_array_equal(bits(out), bits(model.gemv_mma(a, q, scales, block, k_slices=k_slices)))
+
+
+def test_two_column_tiles_with_swiglu_give_the_simulators_bits(rng):
+    a, q, scales = problem(rng, 12, 64, 256, (8, 128))  # I = 32: two CTAs of two 8-output tiles
+    x = bit_placement.float32_to_bf16_bits(a)
+    out = np.full((12, 32), np.nan, np.float32)
+    gemv_mma_swiglu(x, q, scales, out, (8, 128), k_slices=2, column_tiles=2)
+    np.testing.assert_array_equal(bits(out), bits(model.gemv_mma_swiglu(a, q, scales, (8, 128), k_slices=2)))
 
 
 @pytest.mark.parametrize("depth, m", [(1, 3), (2, 3), (3, 3), (4, 3), (3, 13), (2, 27)])
@@ -120,6 +143,8 @@ def test_swiglu_matches_the_simulator_and_a_nan_stays_in_its_row(rng, m):
     (dict(out=np.zeros((2, 16), np.float16)), "^out: gemv_mma writes float32 or uint16"),
     (dict(k_slices=3), "^k_slices: expected one of"),
     (dict(depth=5), "^depth: expected one of"),
+    (dict(column_tiles=3), "^column_tiles: expected one of"),
+    (dict(column_tiles=2), "^column_tiles: 2 tiles per CTA need N to be a multiple of 32, got N = 16"),
     (dict(a=np.ones((2, 128), np.float16)), "^a: expected activations"),
 ])
 def test_bad_calls_raise_before_launching(change, message):
@@ -144,6 +169,25 @@ def test_the_default_depth_is_the_deepest_ring_whose_grid_fits_one_wave(n, k, sw
     assert default_depth("f32", k_slices, 1, swiglu, n_tiles, 132) == 2
     assert default_depth("bf16", k_slices, 4, swiglu, n_tiles, 132) <= 2  # four batch tiles spill at depth 3
     assert resident_ctas(2, 78) == 12 and resident_ctas(8, 144) == 1 and resident_ctas(1, 32) == 32  # the CTA cap
+
+
+@pytest.mark.parametrize("n, k, swiglu, tiles, expected", [
+    # (N, K, SwiGLU, batch tiles) -> (column tiles, depth) on 132 SMs; the faster of the two measured on an H100
+    (4096, 4096, False, 4, (2, 1)),    # 8B o at 32 rows: one tile needs two waves (256 CTAs of 8 warps, 1 per SM)
+    (4096, 12288, False, 4, (2, 1)),   # 8B down at 32 rows: the same grid
+    (24576, 4096, True, 2, (2, 1)),    # 8B gate/up at 16 rows: 1,536 CTAs need two waves, 768 of two tiles fit
+    (24576, 4096, True, 4, (1, 1)),    # at 32 rows neither fits: one tile, more warps
+    (6144, 4096, False, 4, (1, 1)),    # 8B q/k/v at 32 rows: one tile fits (384 CTAs, 3 per SM)
+    (4096, 4096, False, 2, (1, 1)),    # 8B o at 16 rows: one tile fits
+])
+def test_two_column_tiles_only_where_one_needs_a_second_wave(n, k, swiglu, tiles, expected):
+    n_tiles = n // 16
+    k_slices = default_k_slices(n_tiles, k // 128)
+    column_tiles = default_column_tiles("bf16", k_slices, tiles, swiglu, n_tiles, 132)
+    depth = default_depth("bf16", k_slices, tiles, swiglu, n_tiles // column_tiles, 132, column_tiles)
+    assert (column_tiles, depth) == expected
+    assert default_column_tiles("f32", k_slices, tiles, swiglu, n_tiles, 132) == 1  # two tiles measured on BF16 only
+    assert default_column_tiles("bf16", k_slices, tiles, swiglu, n_tiles + 1, 132) == 1  # an odd tile count
 
 
 # ---------------------------------------------------------------------------- BF16 weights (the lm_head)
@@ -222,6 +266,25 @@ def test_gpu_bit_for_bit_the_simulator_where_sums_are_exact(rng, k_slices):
     out = cuda.to_device(np.full((m, n), np.nan, np.float32))
     gemv_mma(cuda.to_device(a), cuda.to_device(q), cuda.to_device(scales), out, k_slices=k_slices)
     np.testing.assert_array_equal(bits(out.copy_to_host()), bits(model.gemv_mma(a, q, scales, k_slices=k_slices)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, swiglu", [(32, 4096, 4096, False), (16, 24576, 4096, True), (27, 4096, 12288, False)])
+def test_gpu_two_column_tiles_are_one_tiles_bits(rng, m, n, k, swiglu):
+    """Two column tiles per CTA change no output's order: the same bits as one tile, at the shapes where the
+    default takes two (and at a partial last batch tile)."""
+    from numba import cuda
+
+    a, q, scales = problem(rng, m, n, k, (128, 128))
+    kernel, width = (gemv_mma_swiglu, n // 2) if swiglu else (gemv_mma, n)
+    x, q_d, s_d = (cuda.to_device(v) for v in (bit_placement.float32_to_bf16_bits(a), q, scales))
+    outs = []
+    for column_tiles in (1, 2):
+        out = cuda.to_device(np.full((m, width), np.nan, np.float32))
+        kernel(x, q_d, s_d, out, column_tiles=column_tiles, depth=1)
+        outs.append(out.copy_to_host())
+    assert np.all(np.isfinite(outs[0]))
+    np.testing.assert_array_equal(bits(outs[1]), bits(outs[0]))
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ from helpers.ptx import (
     run_compiled,
 )
 
-from fp8lab.numba_kernels.gemv_mma import REGISTERS
+from fp8lab.numba_kernels.gemv_mma import REGISTERS, REGISTERS_TWO_TILES
 
 # ---------------------------------------------------------------------------- the variant sets (run with the simulator off)
 
@@ -121,12 +121,16 @@ def variants():
     cases = [case + ("e4m3",) for case in cases]
     cases += [(2, "bf16", False, 2, 1, "f32", "bf16"), (2, "bf16", False, 2, 2, "f32", "bf16"),  # the lm_head form,
               (2, "f32", False, 2, 2, "f32", "bf16")]  # and on a prefill's float32 rows (250 registers, no spill)
+    cases = [case + (1,) for case in cases]
+    # two column tiles where the defaults take them (8B o / down at 32 rows, gate/up at 16), and the deepest ring
+    cases += [(8, "bf16", False, 1, 4, "f32", "e4m3", 2), (2, "bf16", True, 1, 2, "bf16", "e4m3", 2),
+              (4, "bf16", False, 3, 1, "f32", "e4m3", 2)]
     return [Variant(f"gemv_mma{'_swiglu' if swiglu else ''} k_slices={ks} {activation} depth={depth}"
-                    f" batch_tiles={tiles} out={output} weights={weights}",
-                    G.gemv_mma_kernel(ks, activation, swiglu, depth, tiles, output, weights).py_func,
+                    f" batch_tiles={tiles} out={output} weights={weights} column_tiles={ct}",
+                    G.gemv_mma_kernel(ks, activation, swiglu, depth, tiles, output, weights, ct).py_func,
                     G.kernel_signature(output), lto=True,
-                    info={"k_slices": ks, "ring": [activation, weights, swiglu, tiles, depth]})
-            for ks, activation, swiglu, depth, tiles, output, weights in cases]
+                    info={"k_slices": ks, "ring": [activation, weights, swiglu, tiles, depth, ct]})
+            for ks, activation, swiglu, depth, tiles, output, weights, ct in cases]
 '''
 
 GEMV_SIMT = r'''
@@ -364,10 +368,12 @@ def test_gemv_mma_kernels_compile_to_sm90_ptx(compiled):
         check_pdl_rules(c.ptx, weights_before_wait=True)  # the first chunk's codes load before the wait
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in c.resources, c.resources
         print(c.name, registers(c.resources))
-        activation, weights, swiglu, tiles, depth = c.info["ring"]
+        activation, weights, swiglu, tiles, depth, column_tiles = c.info["ring"]
         if activation == "bf16" and weights == "e4m3" and depth <= 3:  # the registers default_depth counts on
             used = int(re.search(r"Used (\d+) registers", c.resources).group(1))
-            assert used == REGISTERS[bool(swiglu), tiles][depth - 1], (c.name, used)
+            table = REGISTERS if column_tiles == 1 else REGISTERS_TWO_TILES
+            # the same allocation (registers are given 8 a thread): k_slices = 1 (no CTA sum) may use 2 fewer
+            assert -(-used // 8) == -(-table[bool(swiglu), tiles][depth - 1] // 8), (c.name, used)
 
     each_variant(compiled["gemv_mma"], check)
 
