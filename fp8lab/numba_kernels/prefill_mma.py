@@ -18,8 +18,10 @@ The schedule is the simulator's (read ``fp8lab.simulators.prefill_mma`` first). 
 - x`` (the longest walks start first) of sequence ``blockIdx.z``, kv head ``blockIdx.y``; warp ``w`` owns query
 tokens ``i0 = (block * 4 + w) * 16 / G ..``. The CTA walks tiles of 64 keys (``KEYS``) up to its last query's
 position through ``STAGES = 3`` stages of dynamic shared memory: its 128 threads copy a tile's K and V rows (16-byte
-``cp.async`` pieces, L2 only; each 16-key chunk's row looked up once in the block table; rows padded to 144 bytes so
-that a quarter-warp's 128-bit reads hit distinct banks) and scales two tiles ahead of the one the warps compute. Per
+``cp.async`` pieces, L2 only; rows padded to 144 bytes so that a quarter-warp's 128-bit reads hit distinct banks)
+and scales two tiles ahead of the one the warps compute. Each 16-key chunk's block-table entry comes by ``cp.async``
+too, into a small ring in shared memory (``TABLE_RING_WORDS``), two tiles before the copies that need it, so that
+no thread waits for a global load inside the walk. Per
 tile a warp computes, per 16-key chunk before its own end, the tensor-core decode's lane layouts (a lane reads its
 ``D / 4`` key bytes of keys ``g``, ``8 + g`` and its ``D / 8`` value bytes of keys ``2t, 2t + 1, 8 + 2t, 9 + 2t``
 with ``ld.shared.v4``; ``cvt.rn.f16x2.e4m3x2``; F16 ``mma``), then one online-softmax step per tile, ``acc``
@@ -47,7 +49,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, types, uint32
+from numba import cuda, float32, types, uint32
 
 from fp8lab.simulators.prefill_mma import (
     CHUNKS,
@@ -92,6 +94,11 @@ ROW_PADDING_WORDS = 4
 """16 bytes after each K/V row in shared memory (rows of 144 bytes for FP8 codes): the 8 lanes of a 128-bit read's
 quarter-warp then read 8 distinct 16-byte bank groups, for the key reads (rows ``g``, bytes ``32 t ..``) and the value
 reads (rows ``2 t``, bytes ``16 g ..``) alike."""
+TABLE_RING_WORDS = STAGES * CHUNKS
+"""The block-table entries of the tiles whose copies go out next, one slot of ``CHUNKS`` words per tile (slot
+``tile % STAGES``): each lands by ``cp.async`` two tiles before that tile's copies read it, so no thread waits for a
+global load of the table inside the walk (``bench/RESULTS.md``, twenty-seventh session: that wait was the kernel's
+largest single stall)."""
 LOW_BYTES_OF_TWO, HIGH_BYTES_OF_TWO = 0x5140, 0x7362
 """``prmt`` selectors: bytes 0, 1 (``LOW``) or 2, 3 (``HIGH``) of two words interleaved, ``a0 b0 a1 b1``: two pairs of
 codes of two keys at two head elements, each pair one conversion's input."""
@@ -116,10 +123,11 @@ def query_pair_bf16(q_rows, row, d, scale_log2):
 def stage_layout(bf16_cache: bool) -> tuple[int, int, int]:
     """``(row_words, stage_words, shared_bytes)`` of the kernel's shared memory: a K/V tile's row of ``D`` elements
     padded by 16 bytes (``ROW_PADDING_WORDS``), a stage = ``KEYS`` K rows, ``KEYS`` V rows and (FP8) the ``KEYS`` K and
-    V scales, ``STAGES`` stages."""
+    V scales, ``STAGES`` stages, then ``STAGES`` slots of a tile's ``CHUNKS`` block-table entries
+    (``TABLE_RING_WORDS``)."""
     row_words = HEAD_DIM * (2 if bf16_cache else 1) // 4 + ROW_PADDING_WORDS
     stage_words = 2 * KEYS * row_words + (0 if bf16_cache else 2 * KEYS)
-    return row_words, stage_words, STAGES * stage_words * 4
+    return row_words, stage_words, (STAGES * stage_words + TABLE_RING_WORDS) * 4
 
 
 def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, bf16_cache: bool = False):
@@ -150,6 +158,7 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
     COPIES = KEYS // ROWS_PER_PASS  # per thread per tile, K and V each
     SROW, STAGE_WORDS, _ = stage_layout(bf16_cache)
     V_OFFSET, SCALE_OFFSET = KEYS * SROW, 2 * KEYS * SROW
+    TABLE_OFFSET = STAGES * STAGE_WORDS  # the ring of block-table entries
     K_WORDS = ROW_WORDS // 4  # a lane's words of a key row: D / 4 elements
     V_WORDS = ROW_WORDS // 8  # a lane's words of a value row: D / 8 elements
     store = output_store(bf16_out)
@@ -176,6 +185,22 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
                     qa[4 * s + 2 + r] = uint32(0)
 
     @cuda.jit(device=True, inline=True)
+    def chunk_block(chunk, walk):
+        """``(chunk, block index)`` of 16-key chunk ``chunk`` clamped to the CTA's last chunk (``chunk_row``)."""
+        last_chunk, chunks_per_block, block_divider, rows_per_block, kv_row = walk
+        chunk = uint32(min(chunk, last_chunk))
+        return chunk, divide_by_reciprocal(chunk, block_divider)
+
+    @cuda.jit(device=True, inline=True)
+    def row_of_entry(entry, chunk, walk):
+        """The cache row of the first key of chunk ``chunk`` whose block-table entry (for ``chunk_block``'s block
+        index) is ``entry``."""
+        last_chunk, chunks_per_block, block_divider, rows_per_block, kv_row = walk
+        chunk, block_index = chunk_block(chunk, walk)
+        slot = uint32((chunk - block_index * chunks_per_block) * uint32(TILE))
+        return uint32(uint32(entry) * rows_per_block + kv_row + slot)
+
+    @cuda.jit(device=True, inline=True)
     def chunk_row(table, chunk, walk):
         """The cache row of the first key of 16-key chunk ``chunk`` (one KV block holds a chunk), clamped to the
         CTA's last chunk: a chunk past the CTA's keys copies rows that no warp reads (``attend_tile`` masks them),
@@ -183,25 +208,34 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         block_divider, rows_per_block, kv_row)``, unsigned 32-bit (``block_divider``: ``mathops.reciprocal_u32``
         of ``chunks_per_block``, 64-bit). ``chunk // chunks_per_block`` is ``mathops.divide_by_reciprocal`` (exact
         while ``chunk * chunks_per_block < 2^32``): a division is a subroutine."""
-        last_chunk, chunks_per_block, block_divider, rows_per_block, kv_row = walk
-        chunk = uint32(min(chunk, last_chunk))
-        block_index = divide_by_reciprocal(chunk, block_divider)
-        slot = uint32((chunk - block_index * chunks_per_block) * uint32(TILE))
-        return uint32(uint32(table[block_index]) * rows_per_block + kv_row + slot)
+        return row_of_entry(table[chunk_block(chunk, walk)[1]], chunk, walk)
 
     @cuda.jit(device=True, inline=True)
-    def copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, table, tile, walk, stage_base, thread):
-        """Issue this thread's ``cp.async`` copies of tile ``tile`` (keys ``[64 tile, 64 tile + 64)``) into the stage
-        at word ``stage_base``: 16-byte pieces ``j THREADS + thread`` of the K and V rows, and (FP8) threads ``0 ..
-        KEYS - 1`` one K scale, ``KEYS .. 2 KEYS - 1`` one V scale. The rows of keys past the CTA's end are copied
-        too (rows of the last chunk's block, or of the last chunk): no warp reads them. All arguments unsigned
-        32-bit (Numba widens unsigned arithmetic to 64 bits; each result is cast back, so that the compiler keeps 32).
-        The four chunks' rows are looked up once per warp: lane ``i`` looks up chunk ``i % 4``, and every lane takes
-        the four from lanes 0 to 3 (the copies are called by whole warps)."""
-        mine = int32(chunk_row(table, uint32(tile * uint32(CHUNKS) + (thread & uint32(CHUNKS - 1))), walk))
-        first = cuda.local.array(CHUNKS, uint32)
-        for c in range(CHUNKS):  # (shfl takes signed words)
-            first[c] = uint32(cuda.shfl_sync(FULL_MASK, mine, c))
+    def fetch_entries(smem, block_tables, seq, tile, walk, thread):
+        """Threads ``0 .. CHUNKS - 1``: ``cp.async`` the block-table entry of chunk ``thread`` of tile ``tile`` into the
+        ring slot ``tile % STAGES`` (in the thread's current copy group)."""
+        if thread < uint32(CHUNKS):
+            block_index = chunk_block(uint32(tile * uint32(CHUNKS) + thread), walk)[1]
+            slot = uint32(tile % uint32(STAGES))
+            copy_4_ca(smem, uint32(uint32(TABLE_OFFSET) + slot * uint32(CHUNKS) + thread), block_tables, seq,
+                      block_index, uint32(4))
+
+    @cuda.jit(device=True, inline=True)
+    def ring_rows(smem, tile, walk, first):
+        """``first[c]`` <- the cache row of chunk ``c`` of tile ``tile``, from the entries ``fetch_entries`` landed."""
+        slot = uint32(tile % uint32(STAGES))
+        for c in range(CHUNKS):
+            entry = smem[uint32(uint32(TABLE_OFFSET) + slot * uint32(CHUNKS) + uint32(c))]
+            first[c] = row_of_entry(entry, uint32(tile * uint32(CHUNKS) + uint32(c)), walk)
+
+    @cuda.jit(device=True, inline=True)
+    def copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, first, stage_base, thread):
+        """Issue this thread's ``cp.async`` copies of a tile (keys ``[64 tile, 64 tile + 64)``, the cache rows of its
+        chunks' first keys in ``first``) into the stage at word ``stage_base``: 16-byte pieces ``j THREADS + thread``
+        of the K and V rows, and (FP8) threads ``0 .. KEYS - 1`` one K scale, ``KEYS .. 2 KEYS - 1`` one V scale. The
+        rows of keys past the CTA's end are copied too (rows of the last chunk's block, or of the last chunk): no
+        warp reads them. All arguments unsigned 32-bit (Numba widens unsigned arithmetic to 64 bits; each result is
+        cast back, so that the compiler keeps 32)."""
         row_in_pass, piece = thread // uint32(PIECES), thread % uint32(PIECES)
         for j in range(COPIES):
             row = j * ROWS_PER_PASS  # + row_in_pass
@@ -431,10 +465,15 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
                 uint32(num_kv_heads) * uint32(block_size), uint32(kv) * uint32(block_size))
         copy_thread = uint32(thread)
         tiles = divide_u32(cta_end + uint32(KEYS - 1), uint32(KEYS))
-        for ahead in range(STAGES - 1):  # prologue: tiles 0 .. STAGES - 2, one group each
+        first = cuda.local.array(CHUNKS, uint32)  # a tile's chunk rows
+        for ahead in range(STAGES - 1):  # prologue: tiles 0 .. STAGES - 2 and the table entries of the next ones
             if uint32(ahead) < tiles:
-                copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, table, uint32(ahead), walk,
-                          uint32(ahead * STAGE_WORDS), copy_thread)
+                for c in range(CHUNKS):  # (these lookups wait for the table; the walk's come from the ring)
+                    first[c] = chunk_row(table, uint32(ahead * CHUNKS + c), walk)
+                copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, first, uint32(ahead * STAGE_WORDS),
+                          copy_thread)
+            if uint32(ahead + STAGES - 1) < tiles:
+                fetch_entries(smem, block_tables, seq, uint32(ahead + STAGES - 1), walk, copy_thread)
             commit_group()
 
         qa = cuda.local.array(QUERY_WORDS, uint32)
@@ -463,8 +502,11 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
             ahead = uint32(tile + uint32(STAGES - 1))
             if ahead < tiles:  # the copies of the tile STAGES - 1 ahead go out before this tile's arithmetic
                 ahead_stage = uint32(stage - uint32(1)) if stage > uint32(0) else uint32(STAGES - 1)  # tile - 1's
-                copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, table, ahead, walk,
+                ring_rows(smem, ahead, walk, first)  # its entries landed with tile's group
+                copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, first,
                           uint32(ahead_stage * uint32(STAGE_WORDS)), copy_thread)
+                if uint32(ahead + uint32(STAGES - 1)) < tiles:  # read in STAGES - 1 tiles, after this group lands
+                    fetch_entries(smem, block_tables, seq, uint32(ahead + uint32(STAGES - 1)), walk, copy_thread)
             commit_group()
             tile0 = uint32(tile * uint32(KEYS))
             kbase = uint32(stage * uint32(STAGE_WORDS))
