@@ -164,10 +164,10 @@ def default_column_tiles(activation: str, k_slices: int, batch_tiles: int, swigl
                          sms: int) -> int:
     """Tiles of 16 weight rows per CTA: 1, unless no ring of one tile keeps the whole grid (``n_tiles`` CTAs)
     resident at once and a ring of two tiles does (half the CTAs, more registers each). Two tiles read each
-    activation once per 32 weight rows, but give half the warps; on an H100 (``bench/RESULTS.md``, twenty-sixth
-    session) they were faster exactly where one tile needed a second wave: the Qwen3-8B o_proj and down_proj at 32
-    rows (15.4 against 17.6 us; 33.6 against 39.5), gate/up with SwiGLU at 16 rows (41.0 against 49.9), and slower
-    wherever one tile fitted (q/k/v at 32 rows: 19.3 against 16.8)."""
+    activation once per 32 weight rows, but give half the warps; on an H100 (``bench/RESULTS.md``, twenty-sixth and
+    twenty-seventh sessions) they were faster exactly where one tile needed a second wave: the Qwen3-8B o_proj and
+    down_proj at 32 rows (14.8 against 17.3 us; 33.1 against 39.1), gate/up with SwiGLU at 16 and 24 rows (40.9
+    against 49.7; 44.6 against 56.4), and slower wherever one tile fitted (q/k/v at 32 rows: 19.0 against 17.0)."""
     if activation != "bf16" or n_tiles % 2:
         return 1
     if _resident_depths(REGISTERS[swiglu, batch_tiles], k_slices, n_tiles, sms):
