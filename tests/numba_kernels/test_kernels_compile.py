@@ -110,10 +110,12 @@ from fp8lab.numba_kernels import gemv_mma as G
 from helpers.ptx import Variant
 
 def variants():
-    # every k slicing at the engine's depths, the other depths once, float32 in, SwiGLU; two batch tiles (9 to 16
-    # rows) and a BF16 output, as the engine runs them; three and four (17 to 32 rows) at their deepest rings
+    # every k slicing at the engine's depths, depth 1 once more, float32 in, SwiGLU; two batch tiles (9 to 16 rows)
+    # and a BF16 output, as the engine runs them; three and four (17 to 32 rows) at their deepest rings. (Depth 4,
+    # which default_depth never picks, is left to the simulator tests: each variant costs the CPU suite about 36 s
+    # of ptxas beside it.)
     cases = [(1, "bf16", False, 3, 1, "f32"), (2, "bf16", False, 3, 1, "f32"), (4, "bf16", False, 3, 1, "f32"),
-             (8, "bf16", False, 2, 1, "f32"), (4, "bf16", False, 1, 1, "f32"), (4, "bf16", False, 4, 1, "f32"),
+             (8, "bf16", False, 2, 1, "f32"), (4, "bf16", False, 1, 1, "f32"),
              (4, "f32", False, 2, 1, "f32"), (2, "bf16", True, 3, 1, "f32"), (2, "bf16", True, 3, 1, "bf16"),
              (4, "bf16", False, 2, 2, "f32"), (8, "bf16", False, 2, 2, "f32"), (2, "bf16", True, 2, 2, "bf16"),
              (2, "bf16", True, 1, 1, "bf16"), (8, "bf16", False, 1, 2, "f32"),  # default_depth's 1 (8B gate/up, o, down)
@@ -122,9 +124,8 @@ def variants():
     cases += [(2, "bf16", False, 2, 1, "f32", "bf16"), (2, "bf16", False, 2, 2, "f32", "bf16"),  # the lm_head form,
               (2, "f32", False, 2, 2, "f32", "bf16")]  # and on a prefill's float32 rows (250 registers, no spill)
     cases = [case + (1,) for case in cases]
-    # two column tiles where the defaults take them (8B o / down at 32 rows, gate/up at 16), and the deepest ring
-    cases += [(8, "bf16", False, 1, 4, "f32", "e4m3", 2), (2, "bf16", True, 1, 2, "bf16", "e4m3", 2),
-              (4, "bf16", False, 3, 1, "f32", "e4m3", 2)]
+    # two column tiles where the defaults take them (8B o / down at 32 rows, gate/up at 16)
+    cases += [(8, "bf16", False, 1, 4, "f32", "e4m3", 2), (2, "bf16", True, 1, 2, "bf16", "e4m3", 2)]
     return [Variant(f"gemv_mma{'_swiglu' if swiglu else ''} k_slices={ks} {activation} depth={depth}"
                     f" batch_tiles={tiles} out={output} weights={weights} column_tiles={ct}",
                     G.gemv_mma_kernel(ks, activation, swiglu, depth, tiles, output, weights, ct).py_func,
