@@ -192,11 +192,10 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         return chunk, divide_by_reciprocal(chunk, block_divider)
 
     @cuda.jit(device=True, inline=True)
-    def row_of_entry(entry, chunk, walk):
-        """The cache row of the first key of chunk ``chunk`` whose block-table entry (for ``chunk_block``'s block
-        index) is ``entry``."""
+    def row_of_entry(entry, chunk, block_index, walk):
+        """The cache row of the first key of chunk ``chunk`` (clamped, and its block index: ``chunk_block``) whose
+        block-table entry is ``entry``."""
         last_chunk, chunks_per_block, block_divider, rows_per_block, kv_row = walk
-        chunk, block_index = chunk_block(chunk, walk)
         slot = uint32((chunk - block_index * chunks_per_block) * uint32(TILE))
         return uint32(uint32(entry) * rows_per_block + kv_row + slot)
 
@@ -208,25 +207,28 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         block_divider, rows_per_block, kv_row)``, unsigned 32-bit (``block_divider``: ``mathops.reciprocal_u32``
         of ``chunks_per_block``, 64-bit). ``chunk // chunks_per_block`` is ``mathops.divide_by_reciprocal`` (exact
         while ``chunk * chunks_per_block < 2^32``): a division is a subroutine."""
-        return row_of_entry(table[chunk_block(chunk, walk)[1]], chunk, walk)
+        chunk, block_index = chunk_block(chunk, walk)
+        return row_of_entry(table[block_index], chunk, block_index, walk)
+
+    @cuda.jit(device=True, inline=True)
+    def ring_word(tile, c):
+        """The shared-memory word of chunk ``c``'s block-table entry in tile ``tile``'s ring slot (``tile % STAGES``)."""
+        return uint32(uint32(TABLE_OFFSET) + (tile % uint32(STAGES)) * uint32(CHUNKS) + c)
 
     @cuda.jit(device=True, inline=True)
     def fetch_entries(smem, block_tables, seq, tile, walk, thread):
-        """Threads ``0 .. CHUNKS - 1``: ``cp.async`` the block-table entry of chunk ``thread`` of tile ``tile`` into the
-        ring slot ``tile % STAGES`` (in the thread's current copy group)."""
+        """Threads ``0 .. CHUNKS - 1``: ``cp.async`` the block-table entry of chunk ``thread`` of tile ``tile`` into its
+        ring slot (in the thread's current copy group)."""
         if thread < uint32(CHUNKS):
             block_index = chunk_block(uint32(tile * uint32(CHUNKS) + thread), walk)[1]
-            slot = uint32(tile % uint32(STAGES))
-            copy_4_ca(smem, uint32(uint32(TABLE_OFFSET) + slot * uint32(CHUNKS) + thread), block_tables, seq,
-                      block_index, uint32(4))
+            copy_4_ca(smem, ring_word(tile, thread), block_tables, seq, block_index, uint32(4))
 
     @cuda.jit(device=True, inline=True)
     def ring_rows(smem, tile, walk, first):
         """``first[c]`` <- the cache row of chunk ``c`` of tile ``tile``, from the entries ``fetch_entries`` landed."""
-        slot = uint32(tile % uint32(STAGES))
         for c in range(CHUNKS):
-            entry = smem[uint32(uint32(TABLE_OFFSET) + slot * uint32(CHUNKS) + uint32(c))]
-            first[c] = row_of_entry(entry, uint32(tile * uint32(CHUNKS) + uint32(c)), walk)
+            chunk, block_index = chunk_block(uint32(tile * uint32(CHUNKS) + uint32(c)), walk)
+            first[c] = row_of_entry(smem[ring_word(tile, uint32(c))], chunk, block_index, walk)
 
     @cuda.jit(device=True, inline=True)
     def copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, first, stage_base, thread):
