@@ -27,7 +27,9 @@ tile a warp computes, per 16-key chunk before its own end, the tensor-core decod
 with ``ld.shared.v4``; ``cvt.rn.f16x2.e4m3x2``; F16 ``mma``), then one online-softmax step per tile, ``acc``
 rescaled, and ``P V`` chained through ``acc`` (flash attention's order). At the end each row's ``l`` is summed over
 its four lanes and the lane stores its ``D / 4`` elements of rows ``g`` and ``g + 8``, ``acc * pow / l`` (0 where
-``l = 0``), in float32 or BF16 bits. A NaN value (code or BF16 element) or V scale of a key after a query's position
+``l = 0``), in float32 or BF16 bits: ``P V``'s n tile ``s`` holds head elements ``(D / 8) n + s``, so a lane's
+column ``e`` of the 16 n tiles is 16 consecutive elements, stored 16 bytes at a time (``store_row``). The queries
+come 16 bytes at a time too (a lane's k-step ``s`` is elements ``(D / 4) t + 4 s ..``). A NaN value (code or BF16 element) or V scale of a key after a query's position
 but before its warp's end reaches that query (the simulator's docstring says why); the reference keeps it out.
 
 **Two versions of a tile** (``tile_functions(masked)``): every tile before the warp's first query position, where
@@ -61,10 +63,12 @@ from fp8lab.simulators.prefill_mma import (
 from fp8lab.simulators.splitkv_mma import HEAD_DIMS, LOG2E, MAX_GROUP, TILE, WARPS
 
 from . import mathops, pdl
-from .arguments import as_kernel_array
+from .arguments import as_kernel_array, require_c_contiguous, require_load_alignment
 from .bits import (
     e4m3x2_high_to_f16x2,
     e4m3x2_to_f16x2,
+    f32_as_u32,
+    f32_to_f16_bits,
     f32x2_to_bf16x2,
     f32x2_to_f16x2,
     max_nan,
@@ -78,9 +82,9 @@ from .mathops import divide_by_reciprocal, divide_u32, reciprocal_u32
 from .mma import mma_bf16_inline as mma_bf16
 from .mma import mma_f16_inline as mma_f16
 from .prefill import check_prefill
-from .splitkv import _as_int32, flat_cache, normalized, output_store
-from .splitkv_mma import power_of_two_below, query_pair
-from .warp import FULL_MASK, WARP_SIZE, load_shared_u32x4
+from .splitkv import _as_int32, flat_cache, normalized
+from .splitkv_mma import power_of_two_below
+from .warp import FULL_MASK, WARP_SIZE, load_f32x4, load_shared_u32x4, store_u32x4
 
 THREADS = WARPS * WARP_SIZE
 MAX_GRID_Z = 65535
@@ -113,11 +117,16 @@ def half_pair(first, second, k):
 
 
 @cuda.jit(device=True, inline=True)
-def query_pair_bf16(q_rows, row, d, scale_log2):
-    """``query_pair`` in BF16: the patterns of ``q_rows[row, d] * scale_log2`` (low half) and of element ``d + 1``."""
-    low = mathops.f32_to_bf16_bits_rne(q_rows[row, d] * scale_log2)
-    high = mathops.f32_to_bf16_bits_rne(q_rows[row, d + 1] * scale_log2)
-    return low | (high << uint32(16))
+def f16_pair(low, high, scale_log2):
+    """The F16 patterns of ``low * scale_log2`` (low half) and ``high * scale_log2`` (high half): a query register."""
+    return f32_to_f16_bits(low * scale_log2) | (f32_to_f16_bits(high * scale_log2) << uint32(16))
+
+
+@cuda.jit(device=True, inline=True)
+def bf16_pair(low, high, scale_log2):
+    """``f16_pair`` in BF16 (round to nearest even): a query register over a BF16 cache."""
+    return (mathops.f32_to_bf16_bits_rne(low * scale_log2)
+            | (mathops.f32_to_bf16_bits_rne(high * scale_log2) << uint32(16)))
 
 
 def stage_layout(bf16_cache: bool) -> tuple[int, int, int]:
@@ -161,8 +170,7 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
     TABLE_OFFSET = STAGES * STAGE_WORDS  # the ring of block-table entries
     K_WORDS = ROW_WORDS // 4  # a lane's words of a key row: D / 4 elements
     V_WORDS = ROW_WORDS // 8  # a lane's words of a value row: D / 8 elements
-    store = output_store(bf16_out)
-    pair = query_pair_bf16 if bf16_cache else query_pair
+    pair = bf16_pair if bf16_cache else f16_pair
     wait_for_tile = wait_group_function(STAGES - 2)
     assert TILE % ROWS_PER_PASS == 0, "copy_tile: the rows a pass copies must lie in one 16-key chunk"
 
@@ -170,19 +178,19 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
     def query_registers(q, first_row, i0, query_len, kv, g, t, scale_log2, qa):
         """The A registers of the scores: row ``g + 8 r`` is query token ``i0 + (g + 8 r) // G`` (``q``'s row
         ``first_row`` + that) and head ``kv G + (g + 8 r) % G``, as F16 (BF16) pairs of ``q * scale_log2``; 0 past
-        the sequence's queries."""
-        for s in range(STEPS):
-            d = (D // 4) * t + 4 * s
-            for r in range(2):
-                row = g + 8 * r
-                token = i0 + row // G
-                if token < query_len:
-                    head = kv * G + row % G
-                    qa[4 * s + r] = pair(q[first_row + token], head, d, scale_log2)
-                    qa[4 * s + 2 + r] = pair(q[first_row + token], head, d + 2, scale_log2)
-                else:
-                    qa[4 * s + r] = uint32(0)
-                    qa[4 * s + 2 + r] = uint32(0)
+        the sequence's queries. A lane's elements of k-step ``s`` are the four ``D / 4 t + 4 s ..``: one 128-bit
+        load. A row past the queries loads the sequence's last query and keeps 0, so that no branch stands between
+        a row's loads (a branch per row and step serialized them: ``bench/RESULTS.md``, twenty-seventh session)."""
+        for r in range(2):
+            row = g + 8 * r
+            token = i0 + row // G
+            is_query = token < query_len
+            q_row = first_row + min(token, query_len - 1)
+            head = kv * G + row % G
+            for s in range(STEPS):
+                x = load_f32x4(q, (q_row, head, (D // 4) * t + 4 * s))
+                qa[4 * s + r] = pair(x[0], x[1], scale_log2) if is_query else uint32(0)
+                qa[4 * s + 2 + r] = pair(x[2], x[3], scale_log2) if is_query else uint32(0)
 
     @cuda.jit(device=True, inline=True)
     def chunk_block(chunk, walk):
@@ -256,6 +264,32 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
             copy_4_ca(smemf, uint32(stage_base + uint32(SCALE_OFFSET) + thread),
                       k_scales if thread < uint32(KEYS) else v_scales, uint32(source + key % uint32(TILE)), uint32(0),
                       uint32(4))
+
+    @cuda.jit(device=True, inline=True)
+    def store_row(out, out_row, head, t, r, acc, power, l):
+        """Store this lane's ``D / 4`` outputs of row ``g + 8 r`` (``out[out_row, head]``), ``acc * power / l`` (0
+        where ``l = 0``): for each of its two columns ``e`` of the ``P V`` n tiles, the 16 consecutive head elements
+        ``(D / 8)(2 t + e) + s``, ``s = 0 .. 15`` (``acc[4 s + 2 r + e]``), in 128-bit stores (four of float32, two
+        of BF16) instead of 16 scalar ones."""
+        for e in range(2):
+            first = (D // 8) * (2 * t + e)
+            if bf16_out:
+                for half in range(NTILES // 8):
+                    w = cuda.local.array(4, uint32)
+                    for i in range(4):
+                        s = 8 * half + 2 * i
+                        low = normalized(acc[4 * s + 2 * r + e] * power, l)
+                        high = normalized(acc[4 * (s + 1) + 2 * r + e] * power, l)
+                        w[i] = (mathops.f32_to_bf16_bits_rne(low)
+                                | (mathops.f32_to_bf16_bits_rne(high) << uint32(16)))
+                    store_u32x4(out, (out_row, head, first + 8 * half), w[0], w[1], w[2], w[3])
+            else:
+                for quarter in range(NTILES // 4):
+                    w = cuda.local.array(4, uint32)
+                    for i in range(4):
+                        s = 4 * quarter + i
+                        w[i] = f32_as_u32(normalized(acc[4 * s + 2 * r + e] * power, l))
+                    store_u32x4(out, (out_row, head, first + 4 * quarter), w[0], w[1], w[2], w[3])
 
     def tile_functions(masked: bool):
         """The device functions of one tile for the warp, ``masked``: with the per-key checks of the walk's last tiles
@@ -529,12 +563,9 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
             row = g + 8 * r
             token = i0 + row // G
             if token < query_len:
-                head = kv * G + row % G
-                for s in range(NTILES):
-                    for e in range(2):
-                        store(out, first_row + token, head, (D // 8) * (2 * t + e) + s,
-                              normalized(acc[4 * s + 2 * r + e] * pow_[0], l))
+                store_row(out, first_row + token, kv * G + row % G, t, r, acc, pow_[0], l)
 
+    return prefill_kernel
     return prefill_kernel
 
 
@@ -553,7 +584,8 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
     (``fp8lab.simulators.prefill_mma.supports``: FP8 or BF16, ``head_dim`` 128, a number of query heads per kv head
     that divides 16, a block size that is a multiple of 16), else a ``ValueError`` that says which. With device index
     arrays and ``max_context_len`` nothing is read back: the grid then covers ``len(q)`` query tokens per sequence
-    (the CTAs past a sequence's queries return at once). ``q`` may end in padding rows past ``sum(query_lens)`` (the
+    (the CTAs past a sequence's queries return at once). ``q`` and ``out`` are C-contiguous, and on a GPU their data
+    starts on 16 bytes (the kernel reads and writes them 16 bytes at a time). ``q`` may end in padding rows past ``sum(query_lens)`` (the
     engine pads a prefill to a token bucket so that one CUDA graph serves every prompt length of the bucket): no
     sequence owns them, and their ``out`` rows are left as they were.
     """
@@ -568,6 +600,9 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
                          f"{HEAD_DIMS}, a number of query heads per kv head that divides {MAX_GROUP} and a block size "
                          f"that is a multiple of {TILE}; got {call.kv_format.name} ({k_cache.dtype}), head_dim "
                          f"{head_dim}, {group} heads per kv head, block size {call.block_size}")
+    for name, x in (("q", call.q), ("out", call.out)):  # read and written 16 bytes at a time
+        require_c_contiguous(name, x)
+        require_load_alignment(name, x, "paged_prefill_mma")
     if call.block_tables.shape[0] > MAX_GRID_Z:
         raise ValueError(f"block_tables: at most {MAX_GRID_Z} sequences per call (the grid's z), got "
                          f"{call.block_tables.shape[0]}")

@@ -12,6 +12,12 @@ from here. Device functions, no kernel; checked through the kernels that use the
   ``load_shared_u32x4`` the same from shared memory (``ld.shared.v4.u32``), and
   ``store_shared_u32x4(words, index, w0, w1, w2, w3)`` four words into it in one ``st.shared.v4.u32``
   (``gemm_wgmma_ss``'s placed weights);
+- ``load_f32x4(array, index)``: the four float32 elements ``array[index]`` and the three after it along the last
+  axis, in one ``ld.global.nc.v4.f32`` (``index`` a tuple, one entry per axis); ``store_u32x4(array, index, w0, w1,
+  w2, w3)``: the 16 bytes from ``array[index]`` on (float32, uint32 or uint16 elements: 4, 4 or 8 of them) <- the
+  four words, in one ``st.global.v4.u32`` (``prefill_mma``'s queries and outputs). Both need a C-contiguous array
+  whose device data starts on 16 bytes (``arguments.require_load_alignment``) and 16 bytes from the start of a row
+  to ``index``;
 - ``warp_sum(value)``: the butterfly reduction ``value += shfl_xor(value, off)`` for
   ``off = 16, 8, 4, 2, 1``, after which every lane holds the total. Its float32 order is that of
   ``fp8lab.simulators.common.butterfly_sum``.
@@ -19,6 +25,7 @@ from here. Device functions, no kernel; checked through the kernels that use the
 
 from __future__ import annotations
 
+import numpy as np
 from numba import cuda
 
 from .bits import SIMULATOR
@@ -52,6 +59,30 @@ if SIMULATOR:
             raise RuntimeError(f"store_shared_u32x4: index {index} is not a multiple of 4 (the GPU store would be "
                                "misaligned)")
         words[index], words[index + 1], words[index + 2], words[index + 3] = w0, w1, w2, w3
+
+    def _row_offset_bytes(array, index, what: str) -> int:
+        """The byte offset of ``array[index]`` in its row (the last axis), refused unless on 16 bytes as on a GPU."""
+        row_length = array.shape[len(array.shape) - 1]  # (the simulator's shape takes no negative index)
+        offset = int(index[len(index) - 1]) * array.dtype.itemsize
+        if offset % LOAD_ALIGNMENT or (row_length * array.dtype.itemsize) % LOAD_ALIGNMENT:
+            raise RuntimeError(f"{what}: element {tuple(int(i) for i in index)} of an array of shape {array.shape} "
+                               f"is not on a 16-byte boundary (the GPU access would be misaligned)")
+        return offset
+
+    def load_f32x4(array, index):
+        """``array[index]`` and the next three float32 elements of its row (one 128-bit load on a GPU)."""
+        _row_offset_bytes(array, index, "load_f32x4")
+        *head, last = (int(i) for i in index)
+        return tuple(np.float32(array[(*head, last + i)]) for i in range(WORDS_PER_LOAD))
+
+    def store_u32x4(array, index, w0, w1, w2, w3):
+        """The 16 bytes of ``array`` from ``array[index]`` on <- the words ``w0 .. w3`` (little-endian: a uint16
+        array's element ``2 i`` is word ``i``'s low half); one 128-bit store on a GPU."""
+        _row_offset_bytes(array, index, "store_u32x4")
+        *head, last = (int(i) for i in index)
+        values = np.array([int(w) & 0xFFFFFFFF for w in (w0, w1, w2, w3)], np.uint32).view(array.dtype)
+        for i, value in enumerate(values):
+            array[(*head, last + i)] = value
 
 else:
     from llvmlite import ir
@@ -129,6 +160,60 @@ else:
     load_shared_u32x4 = _load_u32x4_intrinsic(invariant=False, address_space=_SHARED_ADDRESS_SPACE)
     """``words[index : index + 4]`` of a 1-D uint32 *shared-memory* array as one ``ld.shared.v4.u32`` (16-byte
     aligned: ``index % 4 == 0`` in an array that starts on 16 bytes, as a dynamic shared array does)."""
+
+    def _vector_pointer(context, builder, array_type, array_value, index_type, index_value, element, address_space):
+        """The address of ``array[index]`` (``index`` a tuple, one entry per axis) as a pointer to 4 ``element``s in
+        ``address_space``."""
+        array = context.make_array(array_type)(context, builder, value=array_value)
+        values = cgutils.unpack_tuple(builder, index_value, len(index_type))
+        index = [context.cast(builder, v, t, types.intp) for v, t in zip(values, index_type.types)]
+        pointer = cgutils.get_item_pointer(context, builder, array_type, array, index, wraparound=False)
+        space_pointer = builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, address_space))
+        return builder.bitcast(space_pointer, ir.PointerType(ir.VectorType(element, WORDS_PER_LOAD), address_space))
+
+    def _indexes(array, index) -> bool:
+        """Whether ``index`` is a tuple of integers, one per axis of ``array``."""
+        return (isinstance(index, types.BaseTuple) and len(index) == array.ndim
+                and all(isinstance(t, types.Integer) for t in index.types))
+
+    @intrinsic
+    def load_f32x4(typingctx, array, index):
+        """``array[index]`` and the next three elements of a C-contiguous float32 array as one ``ld.global.nc.v4.f32``
+        (read-only for the kernel's lifetime, 16-byte aligned)."""
+        if not (isinstance(array, types.Array) and array.dtype == types.float32 and array.layout == "C"
+                and _indexes(array, index)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            pointer = _vector_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1],
+                                      ir.FloatType(), _GLOBAL_ADDRESS_SPACE)
+            loaded = builder.load(pointer, align=LOAD_ALIGNMENT)
+            loaded.set_metadata("invariant.load", builder.module.add_metadata([]))
+            lanes = [builder.extract_element(loaded, ir.Constant(ir.IntType(32), i)) for i in range(WORDS_PER_LOAD)]
+            return context.make_tuple(builder, signature.return_type, lanes)
+
+        return types.UniTuple(types.float32, WORDS_PER_LOAD)(array, index), codegen
+
+    @intrinsic
+    def store_u32x4(typingctx, array, index, w0, w1, w2, w3):
+        """The 16 bytes from ``array[index]`` on (a C-contiguous array of 4- or 2-byte elements, 16-byte aligned) <-
+        ``w0 .. w3``, as one ``st.global.v4.u32``."""
+        if not (isinstance(array, types.Array) and array.layout == "C" and array.dtype.bitwidth in (16, 32)
+                and _indexes(array, index)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            array_type, index_type, *value_types = signature.args
+            pointer = _vector_pointer(context, builder, array_type, args[0], index_type, args[1], ir.IntType(32),
+                                      _GLOBAL_ADDRESS_SPACE)
+            vector = ir.Constant(ir.VectorType(ir.IntType(32), WORDS_PER_LOAD), ir.Undefined)
+            for i, (v, t) in enumerate(zip(args[2:], value_types)):
+                vector = builder.insert_element(vector, context.cast(builder, v, t, types.uint32),
+                                                ir.Constant(ir.IntType(32), i))
+            builder.store(vector, pointer, align=LOAD_ALIGNMENT)
+            return context.get_dummy_value()
+
+        return types.void(array, index, w0, w1, w2, w3), codegen
 
 
 

@@ -8,7 +8,8 @@ prefix before the new tokens), query counts that end inside a warp, a sequence w
 than 32 key tiles (the block table's second chunk), NaN-poisoned unused cache slots and a NaN-poisoned ``out``; device
 index arrays with ``max_context_len`` (nothing read back: the grid covers ``len(q)`` tokens per sequence); BF16 output
 bit for bit ``layers.bf16_round`` of the float32 output; padding rows past the queries left unwritten; caches the kernel
-does not take are a ``ValueError``; a NaN that a CTA loads for a later warp stays out of the earlier warps. Over a
+does not take, and a ``q`` or ``out`` not in C order (the kernel reads and writes them 16 bytes at a time), are a
+``ValueError``; a NaN that a CTA loads for a later warp stays out of the earlier warps. Over a
 BF16 cache: group 16, group 2 over 90 and 70 queries, and group 8 over the 34-block walk. The cases with more than 64
 keys before a warp's first query run the unmasked tile (``prefill_mma.tile_functions(masked=False)``).
 
@@ -153,6 +154,11 @@ def test_a_float_cache_and_wrong_lengths_are_refused_a_nan_scale_propagates(monk
                                       data.softmax_scale, np.zeros_like(q))
     with pytest.raises(ValueError, match="query_lens: sum.* is more than q's 8 query tokens"):
         run_kernel(data, q[:8], np.array([9]))
+    strided = np.zeros((9, 2, 256), np.float32)[:, :, ::2]  # read and written 16 bytes at a time: C order only
+    with pytest.raises(ValueError, match=r"out: expected a C-contiguous \(row-major\) array"):
+        run_kernel(data, q, query_lens, out=strided)
+    with pytest.raises(ValueError, match=r"q: expected a C-contiguous \(row-major\) array"):
+        run_kernel(data, np.ascontiguousarray(np.concatenate([q, q], axis=2))[:, :, ::2], query_lens)
     many = prefill_mma.MAX_GRID_Z + 1  # sequences, each without new tokens: refused before the launch
     with pytest.raises(ValueError, match="block_tables: at most 65535 sequences"):
         prefill_mma.paged_prefill_mma(q[:0], data.k_cache, data.v_cache, np.zeros((many, 1), np.int32),
