@@ -29,8 +29,9 @@ rescaled, and ``P V`` chained through ``acc`` (flash attention's order). At the 
 its four lanes and the lane stores its ``D / 4`` elements of rows ``g`` and ``g + 8``, ``acc * pow / l`` (0 where
 ``l = 0``), in float32 or BF16 bits: ``P V``'s n tile ``s`` holds head elements ``(D / 8) n + s``, so a lane's
 column ``e`` of the 16 n tiles is 16 consecutive elements, stored 16 bytes at a time (``store_row``). The queries
-come 16 bytes at a time too (a lane's k-step ``s`` is elements ``(D / 4) t + 4 s ..``). A NaN value (code or BF16 element) or V scale of a key after a query's position
-but before its warp's end reaches that query (the simulator's docstring says why); the reference keeps it out.
+come 16 bytes at a time too (a lane's k-step ``s`` is elements ``(D / 4) t + 4 s ..``). A NaN value (code or BF16
+element) or V scale of a key after a query's position but before its warp's end reaches that query (the simulator's
+docstring says why); the reference keeps it out.
 
 **Two versions of a tile** (``tile_functions(masked)``): every tile before the warp's first query position, where
 every key counts for every row, runs without a check per key; only the walk's last one or two tiles (the causal
@@ -68,7 +69,6 @@ from .bits import (
     e4m3x2_high_to_f16x2,
     e4m3x2_to_f16x2,
     f32_as_u32,
-    f32_to_f16_bits,
     f32x2_to_bf16x2,
     f32x2_to_f16x2,
     max_nan,
@@ -83,7 +83,7 @@ from .mma import mma_bf16_inline as mma_bf16
 from .mma import mma_f16_inline as mma_f16
 from .prefill import check_prefill
 from .splitkv import _as_int32, flat_cache, normalized
-from .splitkv_mma import power_of_two_below
+from .splitkv_mma import f16_pair, power_of_two_below
 from .warp import FULL_MASK, WARP_SIZE, load_f32x4, load_shared_u32x4, store_u32x4
 
 THREADS = WARPS * WARP_SIZE
@@ -117,14 +117,8 @@ def half_pair(first, second, k):
 
 
 @cuda.jit(device=True, inline=True)
-def f16_pair(low, high, scale_log2):
-    """The F16 patterns of ``low * scale_log2`` (low half) and ``high * scale_log2`` (high half): a query register."""
-    return f32_to_f16_bits(low * scale_log2) | (f32_to_f16_bits(high * scale_log2) << uint32(16))
-
-
-@cuda.jit(device=True, inline=True)
 def bf16_pair(low, high, scale_log2):
-    """``f16_pair`` in BF16 (round to nearest even): a query register over a BF16 cache."""
+    """``splitkv_mma.f16_pair`` in BF16 (round to nearest even): a query register over a BF16 cache."""
     return (mathops.f32_to_bf16_bits_rne(low * scale_log2)
             | (mathops.f32_to_bf16_bits_rne(high * scale_log2) << uint32(16)))
 
@@ -265,31 +259,31 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
                       k_scales if thread < uint32(KEYS) else v_scales, uint32(source + key % uint32(TILE)), uint32(0),
                       uint32(4))
 
+    ELEMENTS_PER_WORD = 2 if bf16_out else 1
+
+    @cuda.jit(device=True, inline=True)
+    def output_word(acc, s, r, e, power, l):
+        """The word of ``out`` that holds the element of ``acc[4 s + 2 r + e]``, ``acc * power / l`` (0 where ``l =
+        0``): its float32 bits, or (BF16 out) the BF16 patterns of it (low half) and of n tile ``s + 1``'s (high)."""
+        if bf16_out:
+            low = mathops.f32_to_bf16_bits_rne(normalized(acc[4 * s + 2 * r + e] * power, l))
+            high = mathops.f32_to_bf16_bits_rne(normalized(acc[4 * (s + 1) + 2 * r + e] * power, l))
+            return low | (high << uint32(16))
+        return f32_as_u32(normalized(acc[4 * s + 2 * r + e] * power, l))
+
     @cuda.jit(device=True, inline=True)
     def store_row(out, out_row, head, t, r, acc, power, l):
-        """Store this lane's ``D / 4`` outputs of row ``g + 8 r`` (``out[out_row, head]``), ``acc * power / l`` (0
-        where ``l = 0``): for each of its two columns ``e`` of the ``P V`` n tiles, the 16 consecutive head elements
-        ``(D / 8)(2 t + e) + s``, ``s = 0 .. 15`` (``acc[4 s + 2 r + e]``), in 128-bit stores (four of float32, two
-        of BF16) instead of 16 scalar ones."""
+        """Store this lane's ``D / 4`` outputs of row ``g + 8 r`` (``out[out_row, head]``): for each of its two
+        columns ``e`` of the ``P V`` n tiles, the 16 consecutive head elements ``(D / 8)(2 t + e) + s``, ``s = 0 ..
+        15``, in 128-bit stores of four words (four of float32, two of BF16) instead of 16 scalar ones."""
         for e in range(2):
             first = (D // 8) * (2 * t + e)
-            if bf16_out:
-                for half in range(NTILES // 8):
-                    w = cuda.local.array(4, uint32)
-                    for i in range(4):
-                        s = 8 * half + 2 * i
-                        low = normalized(acc[4 * s + 2 * r + e] * power, l)
-                        high = normalized(acc[4 * (s + 1) + 2 * r + e] * power, l)
-                        w[i] = (mathops.f32_to_bf16_bits_rne(low)
-                                | (mathops.f32_to_bf16_bits_rne(high) << uint32(16)))
-                    store_u32x4(out, (out_row, head, first + 8 * half), w[0], w[1], w[2], w[3])
-            else:
-                for quarter in range(NTILES // 4):
-                    w = cuda.local.array(4, uint32)
-                    for i in range(4):
-                        s = 4 * quarter + i
-                        w[i] = f32_as_u32(normalized(acc[4 * s + 2 * r + e] * power, l))
-                    store_u32x4(out, (out_row, head, first + 4 * quarter), w[0], w[1], w[2], w[3])
+            for store in range(NTILES // (4 * ELEMENTS_PER_WORD)):
+                s = 4 * ELEMENTS_PER_WORD * store
+                w = cuda.local.array(4, uint32)
+                for i in range(4):
+                    w[i] = output_word(acc, s + ELEMENTS_PER_WORD * i, r, e, power, l)
+                store_u32x4(out, (out_row, head, first + s), w[0], w[1], w[2], w[3])
 
     def tile_functions(masked: bool):
         """The device functions of one tile for the warp, ``masked``: with the per-key checks of the walk's last tiles
@@ -566,7 +560,6 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
                 store_row(out, first_row + token, kv * G + row % G, t, r, acc, pow_[0], l)
 
     return prefill_kernel
-    return prefill_kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -585,9 +578,9 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
     that divides 16, a block size that is a multiple of 16), else a ``ValueError`` that says which. With device index
     arrays and ``max_context_len`` nothing is read back: the grid then covers ``len(q)`` query tokens per sequence
     (the CTAs past a sequence's queries return at once). ``q`` and ``out`` are C-contiguous, and on a GPU their data
-    starts on 16 bytes (the kernel reads and writes them 16 bytes at a time). ``q`` may end in padding rows past ``sum(query_lens)`` (the
-    engine pads a prefill to a token bucket so that one CUDA graph serves every prompt length of the bucket): no
-    sequence owns them, and their ``out`` rows are left as they were.
+    starts on 16 bytes (the kernel reads and writes them 16 bytes at a time). ``q`` may end in padding rows past
+    ``sum(query_lens)`` (the engine pads a prefill to a token bucket so that one CUDA graph serves every prompt
+    length of the bucket): no sequence owns them, and their ``out`` rows are left as they were.
     """
     call = check_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale, v_scale,
                          max_context_len, None, kv_format, padding_rows=True)

@@ -114,11 +114,15 @@ def tile_shard_range(seq_len, shard, num_splits):
 
 
 @cuda.jit(device=True, inline=True)
+def f16_pair(low, high, scale_log2):
+    """F16 bits of ``low * scale_log2`` (low half) and of ``high * scale_log2`` (high half): a query register."""
+    return f32_to_f16_bits(low * scale_log2) | (f32_to_f16_bits(high * scale_log2) << uint32(16))
+
+
+@cuda.jit(device=True, inline=True)
 def query_pair(q_rows, row, d, scale_log2):
-    """F16 bits of ``q_rows[row, d] * scale_log2`` (low half) and of element ``d + 1`` (high half)."""
-    low = f32_to_f16_bits(q_rows[row, d] * scale_log2)
-    high = f32_to_f16_bits(q_rows[row, d + 1] * scale_log2)
-    return low | (high << uint32(16))
+    """``f16_pair`` of ``q_rows[row, d]`` and ``q_rows[row, d + 1]``."""
+    return f16_pair(q_rows[row, d], q_rows[row, d + 1], scale_log2)
 
 
 @cuda.jit(device=True, inline=True)

@@ -60,25 +60,24 @@ if SIMULATOR:
                                "misaligned)")
         words[index], words[index + 1], words[index + 2], words[index + 3] = w0, w1, w2, w3
 
-    def _row_offset_bytes(array, index, what: str) -> int:
-        """The byte offset of ``array[index]`` in its row (the last axis), refused unless on 16 bytes as on a GPU."""
+    def _require_row_alignment(array, index, what: str):
+        """Refuse ``array[index]`` unless it lies on 16 bytes from its row's start (the last axis), as on a GPU."""
         row_length = array.shape[len(array.shape) - 1]  # (the simulator's shape takes no negative index)
         offset = int(index[len(index) - 1]) * array.dtype.itemsize
         if offset % LOAD_ALIGNMENT or (row_length * array.dtype.itemsize) % LOAD_ALIGNMENT:
             raise RuntimeError(f"{what}: element {tuple(int(i) for i in index)} of an array of shape {array.shape} "
                                f"is not on a 16-byte boundary (the GPU access would be misaligned)")
-        return offset
 
     def load_f32x4(array, index):
         """``array[index]`` and the next three float32 elements of its row (one 128-bit load on a GPU)."""
-        _row_offset_bytes(array, index, "load_f32x4")
+        _require_row_alignment(array, index, "load_f32x4")
         *head, last = (int(i) for i in index)
         return tuple(np.float32(array[(*head, last + i)]) for i in range(WORDS_PER_LOAD))
 
     def store_u32x4(array, index, w0, w1, w2, w3):
         """The 16 bytes of ``array`` from ``array[index]`` on <- the words ``w0 .. w3`` (little-endian: a uint16
         array's element ``2 i`` is word ``i``'s low half); one 128-bit store on a GPU."""
-        _row_offset_bytes(array, index, "store_u32x4")
+        _require_row_alignment(array, index, "store_u32x4")
         *head, last = (int(i) for i in index)
         values = np.array([int(w) & 0xFFFFFFFF for w in (w0, w1, w2, w3)], np.uint32).view(array.dtype)
         for i, value in enumerate(values):
