@@ -23,6 +23,11 @@ element). A 16-byte copy moves ``16 / itemsize`` consecutive elements. ``cg`` ca
 always whole (no zero fill), with 32-bit shared addresses: the form for a kernel whose copies are a hot loop (a
 2-D source costs a 64-bit multiply per copy, unless the compiler has the registers to keep it hoisted).
 
+``strided_copy_function(cache, size, count, shared_step, source_step)`` gives ``copy(shared, index, source, element)``:
+``count`` flat copies, copy ``i`` from ``source[element + i source_step]`` into ``shared[index + i shared_step]``
+(steps in elements of each array, compile-time constants). On a GPU one address pair is computed and the other copies
+use immediate offsets from it: a lane's copies into the rows of a tile at the cost of one.
+
 - On a GPU: inline PTX, ``cp.async.{ca,cg}.shared.global [dst], [src], size, src_size``; the
   shared address is the 32-bit shared-window offset of the generic pointer (``cvta.to.shared``).
 - In the CUDA simulator: each thread queues its copies and performs a group only when a
@@ -85,6 +90,17 @@ if SIMULATOR:
     copy_16_cg = copy_16_ca = _copy_function(16)
     copy_4_ca = _copy_function(4)
     copy_16_cg_flat = _flat_copy_function(16)
+
+    def strided_copy_function(cache: str, size: int, count: int, shared_step: int, source_step: int):
+        if size not in SIZES[cache]:
+            raise ValueError(f"cp.async.{cache} copies {SIZES[cache]} bytes, not {size}")
+        flat = _flat_copy_function(size)
+
+        def copy(shared, index, source, element):
+            for i in range(count):
+                flat(shared, int(index) + i * shared_step, source, int(element) + i * source_step)
+
+        return copy
 
     def commit_group():
         _groups.commit()
@@ -171,6 +187,38 @@ else:
                                          ir.IntType(64))
                 element = context.cast(builder, args[3], element_type, types.uint32)
                 text = asm.format(itemsize=source_type.dtype.bitwidth // 8, cache=cache, size=size)
+                function = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(32), ir.IntType(64)])
+                builder.call(ir.InlineAsm(function, text, "r,r,l,~{memory}", side_effect=True),
+                             [destination, element, start])
+                return context.get_dummy_value()
+
+            return types.void(shared, index, source, element), codegen
+
+        return copy
+
+    def strided_copy_function(cache: str, size: int, count: int, shared_step: int, source_step: int):
+        """The strided copies (module docstring) as one PTX block: ``mad.wide.u32`` forms the first source address,
+        the others are ``[g+offset]``, and the shared ones ``[s+offset]``."""
+        if size not in SIZES[cache]:
+            raise ValueError(f"cp.async.{cache} copies {SIZES[cache]} bytes, not {size}")
+
+        @intrinsic
+        def copy(typingctx, shared, index, source, element):
+            arrays_ok = (isinstance(shared, types.Array) and shared.ndim == 1 and isinstance(source, types.Array)
+                         and source.ndim == 1)
+            if not arrays_ok or not all(isinstance(x, types.Integer) for x in (index, element)):
+                return None
+
+            def codegen(context, builder, signature, args):
+                shared_type, index_type, source_type, element_type = signature.args
+                destination = _shared_window_address(context, builder, shared_type, args[0], args[1], index_type)
+                start = builder.ptrtoint(context.make_array(source_type)(context, builder, value=args[2]).data,
+                                         ir.IntType(64))
+                element = context.cast(builder, args[3], element_type, types.uint32)
+                item, shared_item = source_type.dtype.bitwidth // 8, shared_type.dtype.bitwidth // 8
+                copies = " ".join(f"cp.async.{cache}.shared.global [$0+{i * shared_step * shared_item}], "
+                                  f"[g+{i * source_step * item}], {size};" for i in range(count))
+                text = f"{{ .reg .u64 g; mad.wide.u32 g, $1, {item}, $2; cvta.to.global.u64 g, g; {copies} }}"
                 function = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(32), ir.IntType(64)])
                 builder.call(ir.InlineAsm(function, text, "r,r,l,~{memory}", side_effect=True),
                              [destination, element, start])

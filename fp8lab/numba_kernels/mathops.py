@@ -18,6 +18,12 @@ in ``tests/numba_kernels/test_kv_cache_kernel.py``; ``exp2`` is the simulators'
     bits of ``exp2``, which is why GPU results are checked against ``fp8lab.reference.attention`` by an
     error bound, not bit for bit.
 
+- ``exp2_flush(x)``: ``exp2`` with results below ``2^-126`` (float32 subnormals) flushed to ``+0``: on a GPU the bare
+  ``ex2.approx.ftz.f32`` (one ``MUFU.EX2``; ``exp2``'s subnormal path costs three more instructions a call, a tenth
+  of the flash prefill's loop), in the CUDA simulator ``fp8lab.simulators.common.exp2_flush``. For a softmax weight
+  ``2^(s - max)`` what it drops is below ``2^-126``: an F16 weight rounds it to 0 anyway, and a row's sum, which
+  holds the row's largest weight (1), cannot resolve it.
+
 - ``divide_u32(a, b)``: ``a // b`` of two unsigned 32-bit values as a 32-bit division (Numba widens integer
   arithmetic to 64 bits, and a 64-bit division is a subroutine call on the GPU, which, among other costs, makes
   ptxas serialize every ``wgmma`` of the kernel).
@@ -47,24 +53,47 @@ from .bits import SIMULATOR, f32_as_u32, f32_to_bf16_bits_rne, u32_as_f32  # noq
 
 if SIMULATOR:
     from fp8lab.simulators.common import exp2_f32
+    from fp8lab.simulators.common import exp2_flush as exp2_flush_f32
 
     def exp2(x):
         """float32 ``2^x``: the simulator's NumPy float32 exp2 (see the module docstring)."""
         return exp2_f32(x)
 
+    def exp2_flush(x):
+        """``exp2`` flushed to ``+0`` below ``2^-126``: the simulators' ``exp2_flush``."""
+        return exp2_flush_f32(x)
+
     def divide_u32(a, b):
         return uint32(int(a) // int(b))
 
 else:
+    from llvmlite import ir
+    from numba import types
     from numba.cuda import libdevice
+    from numba.cuda.extending import intrinsic
 
     @cuda.jit(device=True, inline=True)
     def exp2(x):
         """float32 ``2^x``: libdevice ``__nv_exp2f`` = ``ex2.approx.f32`` (2 ulp); ``exp2(-inf) = 0``."""
         return libdevice.exp2f(x)
 
-    from numba import types
-    from numba.cuda.extending import intrinsic
+    @intrinsic
+    def _ex2_approx_ftz(typingctx, x):
+        if not isinstance(x, types.Float):
+            return None
+
+        def codegen(context, builder, signature, args):
+            value = context.cast(builder, args[0], signature.args[0], types.float32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()]), "ex2.approx.ftz.f32 $0, $1;",
+                               "=f,f")
+            return builder.call(asm, [value])
+
+        return types.float32(x), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def exp2_flush(x):
+        """float32 ``2^x`` by ``ex2.approx.ftz.f32`` (one ``MUFU.EX2``): ``exp2``'s value, ``+0`` below ``2^-126``."""
+        return _ex2_approx_ftz(x)
 
     @intrinsic
     def divide_u32(typingctx, a, b):

@@ -17,9 +17,9 @@ rows) share each K/V tile through shared memory.
 The schedule is the simulator's (read ``fp8lab.simulators.prefill_mma`` first). Per CTA: query block ``gridDim.x - 1
 - x`` (the longest walks start first) of sequence ``blockIdx.z``, kv head ``blockIdx.y``; warp ``w`` owns query
 tokens ``i0 = (block * 4 + w) * 16 / G ..``. The CTA walks tiles of 64 keys (``KEYS``) up to its last query's
-position through ``STAGES = 3`` stages of dynamic shared memory: its 128 threads copy a tile's K and V rows (16-byte
-``cp.async`` pieces, L2 only; rows padded to 144 bytes so that a quarter-warp's 128-bit reads hit distinct banks)
-and scales two tiles ahead of the one the warps compute. Each 16-key chunk's block-table entry comes by ``cp.async``
+position through ``STAGES = 3`` stages of dynamic shared memory: warp ``w`` copies chunk ``w`` of a tile, its K
+and V rows (16-byte ``cp.async`` pieces, L2 only; rows padded to 144 bytes so that a quarter-warp's 128-bit reads hit
+distinct banks) and scales, two tiles ahead of the one the warps compute. Each 16-key chunk's block-table entry comes by ``cp.async``
 too, into a small ring in shared memory (``TABLE_RING_WORDS``), two tiles before the copies that need it, so that
 no thread waits for a global load inside the walk. Per
 tile a warp computes, per 16-key chunk before its own end, the tensor-core decode's lane layouts (a lane reads its
@@ -38,8 +38,12 @@ every key counts for every row, runs without a check per key; only the walk's la
 diagonal, the warp's end, rows past the queries) run the checks: keys past the warp's end read as zero values and
 zero V scales, after a row's position as ``-inf`` scores. The instructions a tile costs are what bound this kernel
 (the twenty-fourth session's SASS counts and timings, ``bench/RESULTS.md``), so the unmasked tile is kept lean:
-``prmt`` pairs the value codes of two keys (one instruction for two pairs), ``cvt.rn.f16x2.f32`` (``cvt.rn.bf16x2.f32``) packs two weights,
-``max.NaN.f32`` is the NaN-propagating max (``bits``), and the walk's indices are 32-bit.
+``prmt`` pairs the value codes of two keys (one instruction for two pairs), ``cvt.rn.f16x2.f32``
+(``cvt.rn.bf16x2.f32``) packs two weights, ``max.NaN.f32`` is the NaN-propagating max (``bits``), ``exp2`` is the
+bare ``ex2.approx.ftz.f32`` (``mathops.exp2_flush``: the subnormal path cost three instructions a weight), the
+rescale of ``acc`` is skipped where every row's factor is 1 (one vote), a warp's copies of a tile are one address
+plus constant offsets (``copy_chunk``), and the walk's indices are 32-bit. The twenty-ninth session's SASS: about
+840 instructions a warp and unmasked tile (93 for the copies), against 1,090 before.
 
 **Over a BF16 cache** (``bf16_cache``): the same walk with rows of 272 bytes (104,448 bytes of shared memory, over
 the 48 KiB default: ``gemm_mma._allow_shared_memory``), the key words as the B registers as they are, a value
@@ -74,7 +78,12 @@ from .bits import (
     max_nan,
     prmt,
 )
-from .cp_async import commit_group, copy_4_ca, copy_16_cg_flat, wait_group_function
+from .cp_async import (
+    commit_group,
+    copy_4_ca,
+    strided_copy_function,
+    wait_group_function,
+)
 from .gemm_mma import _allow_shared_memory
 from .gemv_simt import unrolled
 from .kv_cache import on_device, placeholder, to_host
@@ -138,8 +147,8 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
     format (E4M3 codes, or ``bf16_cache``: BF16 patterns).
 
     Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, context_lens, query_lens, scale_log2,
-    num_kv_heads, block_size, out``: the caches flat as uint32 words (``splitkv.flat_cache``) and their scales as
-    ``[rows, 1]`` (placeholders for a BF16 cache, never read). Launch ``[(query_blocks, num_kv_heads, num_seqs),
+    num_kv_heads, block_size, out``: the caches flat as uint32 words (``splitkv.flat_cache``) and their scales
+    flat (placeholders for a BF16 cache, never read). Launch ``[(query_blocks, num_kv_heads, num_seqs),
     THREADS]`` with ``stage_layout(bf16_cache)[2]`` bytes of dynamic shared memory and ``query_blocks *
     tokens_per_cta(group)`` at least the longest ``query_lens`` (a CTA past its sequence's queries returns at once).
     """
@@ -157,8 +166,8 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
     ELEMENT_BYTES = 2 if bf16_cache else 1
     ROW_WORDS = D * ELEMENT_BYTES // 4  # a cache row in global memory
     PIECES = ROW_WORDS // 4  # 16-byte copies per row
-    ROWS_PER_PASS = THREADS // PIECES  # rows the CTA's threads copy at once
-    COPIES = KEYS // ROWS_PER_PASS  # per thread per tile, K and V each
+    ROWS_PER_PASS = WARP_SIZE // PIECES  # rows a warp copies at once
+    COPIES = TILE // ROWS_PER_PASS  # per thread per tile, K and V each (a warp copies one chunk)
     SROW, STAGE_WORDS, _ = stage_layout(bf16_cache)
     V_OFFSET, SCALE_OFFSET = KEYS * SROW, 2 * KEYS * SROW
     TABLE_OFFSET = STAGES * STAGE_WORDS  # the ring of block-table entries
@@ -166,7 +175,8 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
     V_WORDS = ROW_WORDS // 8  # a lane's words of a value row: D / 8 elements
     pair = bf16_pair if bf16_cache else f16_pair
     wait_for_tile = wait_group_function(STAGES - 2)
-    assert TILE % ROWS_PER_PASS == 0, "copy_tile: the rows a pass copies must lie in one 16-key chunk"
+    assert WARPS == CHUNKS and TILE % ROWS_PER_PASS == 0, "copy_chunk: a warp copies one 16-key chunk of a tile"
+    assert STAGES == 3, "the walk's ring slots: tile + 2 (STAGES - 1) has the slot of tile + 1 only for 3 stages"
 
     @cuda.jit(device=True, inline=True)
     def query_registers(q, first_row, i0, query_len, kv, g, t, scale_log2, qa):
@@ -213,51 +223,49 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         return row_of_entry(table[block_index], chunk, block_index, walk)
 
     @cuda.jit(device=True, inline=True)
-    def ring_word(tile, c):
-        """The shared-memory word of chunk ``c``'s block-table entry in tile ``tile``'s ring slot (``tile % STAGES``)."""
-        return uint32(uint32(TABLE_OFFSET) + (tile % uint32(STAGES)) * uint32(CHUNKS) + c)
+    def ring_word(slot, c):
+        """The shared-memory word of chunk ``c``'s block-table entry in ring slot ``slot`` (a tile's is ``tile %
+        STAGES``, its stage: the walk passes the stage it tracks, no remainder is computed)."""
+        return uint32(uint32(TABLE_OFFSET) + slot * uint32(CHUNKS) + c)
 
     @cuda.jit(device=True, inline=True)
-    def fetch_entries(smem, block_tables, seq, tile, walk, thread):
-        """Threads ``0 .. CHUNKS - 1``: ``cp.async`` the block-table entry of chunk ``thread`` of tile ``tile`` into its
-        ring slot (in the thread's current copy group)."""
+    def fetch_entries(smem, block_tables, seq, tile, slot, walk, thread):
+        """Threads ``0 .. CHUNKS - 1``: ``cp.async`` the block-table entry of chunk ``thread`` of tile ``tile`` into
+        ring slot ``slot`` (the tile's, ``tile % STAGES``; in the thread's current copy group)."""
         if thread < uint32(CHUNKS):
             block_index = chunk_block(uint32(tile * uint32(CHUNKS) + thread), walk)[1]
-            copy_4_ca(smem, ring_word(tile, thread), block_tables, seq, block_index, uint32(4))
+            copy_4_ca(smem, ring_word(slot, thread), block_tables, seq, block_index, uint32(4))
 
     @cuda.jit(device=True, inline=True)
-    def ring_rows(smem, tile, walk, first):
-        """``first[c]`` <- the cache row of chunk ``c`` of tile ``tile``, from the entries ``fetch_entries`` landed."""
-        for c in range(CHUNKS):
-            chunk, block_index = chunk_block(uint32(tile * uint32(CHUNKS) + uint32(c)), walk)
-            first[c] = row_of_entry(smem[ring_word(tile, uint32(c))], chunk, block_index, walk)
+    def ring_row(smem, tile, slot, walk, c):
+        """The cache row of chunk ``c``'s first key in tile ``tile``, from the entry ``fetch_entries`` landed in ring
+        slot ``slot``."""
+        chunk, block_index = chunk_block(uint32(tile * uint32(CHUNKS) + c), walk)
+        return row_of_entry(smem[ring_word(slot, c)], chunk, block_index, walk)
+
+    copy_rows = strided_copy_function("cg", 16, COPIES, ROWS_PER_PASS * SROW, ROWS_PER_PASS * ROW_WORDS)
+    copy_scale = strided_copy_function("ca", 4, 1, 0, 0)
 
     @cuda.jit(device=True, inline=True)
-    def copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, first, stage_base, thread):
-        """Issue this thread's ``cp.async`` copies of a tile (keys ``[64 tile, 64 tile + 64)``, the cache rows of its
-        chunks' first keys in ``first``) into the stage at word ``stage_base``: 16-byte pieces ``j THREADS + thread``
-        of the K and V rows, and (FP8) threads ``0 .. KEYS - 1`` one K scale, ``KEYS .. 2 KEYS - 1`` one V scale. The
-        rows of keys past the CTA's end are copied too (rows of the last chunk's block, or of the last chunk): no
-        warp reads them. All arguments unsigned 32-bit (Numba widens unsigned arithmetic to 64 bits; each result is
-        cast back, so that the compiler keeps 32)."""
-        row_in_pass, piece = thread // uint32(PIECES), thread % uint32(PIECES)
-        for j in range(COPIES):
-            row = j * ROWS_PER_PASS  # + row_in_pass
-            source = uint32(first[row // TILE] + uint32(row % TILE) + row_in_pass)
-            element = uint32(source * uint32(ROW_WORDS) + uint32(4) * piece)
-            index = uint32(stage_base + (uint32(row) + row_in_pass) * uint32(SROW) + uint32(4) * piece)
-            copy_16_cg_flat(smem, index, k_words, element)
-            copy_16_cg_flat(smem, uint32(index + uint32(V_OFFSET)), v_words, element)
+    def copy_chunk(smem, smemf, k_words, v_words, k_scales, v_scales, first, stage_base, warp, lane):
+        """Issue this lane's ``cp.async`` copies of chunk ``warp`` of a tile (its first key is cache row ``first``)
+        into the stage at word ``stage_base``: 16-byte pieces ``j 32 + lane`` of the chunk's K and V rows, and
+        (FP8) lanes ``0 .. 15`` one K scale, ``16 .. 31`` one V scale. Each warp copies one chunk, so that a thread
+        computes one chunk's row a tile, and its copies of K (of V) are one address plus constant offsets
+        (``strided_copy_function``). The rows of keys past the CTA's end are copied too (rows of the last chunk's
+        block, or of the last chunk): no warp reads them. All arguments unsigned 32-bit (Numba widens unsigned
+        arithmetic to 64 bits; each result is cast back, so that the compiler keeps 32)."""
+        row, piece = lane // uint32(PIECES), lane % uint32(PIECES)  # of the lane's first copy
+        element = uint32((first + row) * uint32(ROW_WORDS) + uint32(4) * piece)
+        index = uint32(stage_base + (uint32(TILE) * warp + row) * uint32(SROW) + uint32(4) * piece)
+        copy_rows(smem, index, k_words, element)
+        copy_rows(smem, uint32(index + uint32(V_OFFSET)), v_words, element)
         if FP8:
-            key = thread % uint32(KEYS)
-            chunk = key // uint32(TILE)
-            source = first[0]
-            for c in range(1, CHUNKS):
-                if chunk == uint32(c):
-                    source = first[c]
-            copy_4_ca(smemf, uint32(stage_base + uint32(SCALE_OFFSET) + thread),
-                      k_scales if thread < uint32(KEYS) else v_scales, uint32(source + key % uint32(TILE)), uint32(0),
-                      uint32(4))
+            key = lane % uint32(TILE)
+            values = lane >= uint32(TILE)  # lanes 16 .. 31: the V scales
+            index = uint32(stage_base + uint32(SCALE_OFFSET) + (uint32(KEYS) if values else uint32(0))
+                           + uint32(TILE) * warp + key)
+            copy_scale(smemf, index, v_scales if values else k_scales, uint32(first + key))
 
     ELEMENTS_PER_WORD = 2 if bf16_out else 1
 
@@ -345,7 +353,7 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
             row_max = max_nan(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 1))  # over the row's 4 lanes
             row_max = max_nan(row_max, cuda.shfl_xor_sync(FULL_MASK, row_max, 2))
             m_new = max_nan(m[r], row_max)
-            corr[r] = float32(1) if m_new == m[r] else mathops.exp2(m[r] - m_new)
+            corr[r] = float32(1) if m_new == m[r] else mathops.exp2_flush(m[r] - m_new)
             for c in range(CHUNKS):
                 for u in range(4):
                     if masked:
@@ -353,10 +361,10 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
                         counts = key < warp_end and key <= limit[r]
                         # selects, not branches (a branch around exp2 costs registers); no -inf - -inf computed
                         difference = scores[8 * c + 4 * r + u] - m_new if counts else float32(0)
-                        p_u = mathops.exp2(difference)
+                        p_u = mathops.exp2_flush(difference)
                         p[u] = p_u if counts else float32(0)
                     else:
-                        p[u] = mathops.exp2(scores[8 * c + 4 * r + u] - m_new)
+                        p[u] = mathops.exp2_flush(scores[8 * c + 4 * r + u] - m_new)
                 # the A registers of chunk c's P V: (row g, keys 2t, 2t + 1), (g + 8, ...), (g, 8 + 2t, 9 + 2t), ...
                 if FP8:
                     weights[4 * c + r] = f32x2_to_f16x2(p[0] * vsi[4 * c], p[1] * vsi[4 * c + 1])
@@ -448,11 +456,17 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
                 for i in range(LANE_KEYS):
                     vsi[i] = vsi[i] * inv
             both_softmax_rows((scores, vsi, tile0, warp_end, limit, t, m, lsum, corr, weights))
-            for r in range(2):
-                rescale = corr[r] * ratio if FP8 else corr[r]  # a BF16 cache: ratio is 1
+            rescale0 = corr[0] * ratio if FP8 else corr[0]  # a BF16 cache: ratio is 1
+            rescale1 = corr[1] * ratio if FP8 else corr[1]
+            # x * 1 is x (a NaN stays NaN): where no row of the warp changes its max or power, the 64 products are
+            # skipped, bit for bit the same acc (once a row's max is found early, as an attention sink's is, the
+            # usual case)
+            if not cuda.all_sync(FULL_MASK, rescale0 == float32(1) and rescale1 == float32(1)):
                 for s in range(NTILES):
-                    acc[4 * s + 2 * r] *= rescale
-                    acc[4 * s + 2 * r + 1] *= rescale
+                    acc[4 * s] *= rescale0
+                    acc[4 * s + 1] *= rescale0
+                    acc[4 * s + 2] *= rescale1
+                    acc[4 * s + 3] *= rescale1
             all_chunk_values((smem, kbase + V_OFFSET, weights, chunks, tile0, warp_end, g, t, acc))
 
         return attend_tile
@@ -493,17 +507,16 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         walk = (divide_u32(cta_end - uint32(1), uint32(TILE)), chunks_per_block,
                 reciprocal_u32(chunks_per_block),
                 uint32(num_kv_heads) * uint32(block_size), uint32(kv) * uint32(block_size))
-        copy_thread = uint32(thread)
+        copy_thread, copy_warp, copy_lane = uint32(thread), uint32(warp), uint32(lane)
         tiles = divide_u32(cta_end + uint32(KEYS - 1), uint32(KEYS))
-        first = cuda.local.array(CHUNKS, uint32)  # a tile's chunk rows
         for ahead in range(STAGES - 1):  # prologue: tiles 0 .. STAGES - 2 and the table entries of the next ones
-            if uint32(ahead) < tiles:
-                for c in range(CHUNKS):  # (these lookups wait for the table; the walk's come from the ring)
-                    first[c] = chunk_row(table, uint32(ahead * CHUNKS + c), walk)
-                copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, first, uint32(ahead * STAGE_WORDS),
-                          copy_thread)
+            if uint32(ahead) < tiles:  # (this lookup waits for the table; the walk's come from the ring)
+                first = chunk_row(table, uint32(ahead * CHUNKS) + copy_warp, walk)
+                copy_chunk(smem, smemf, k_words, v_words, k_scales, v_scales, first, uint32(ahead * STAGE_WORDS),
+                           copy_warp, copy_lane)
             if uint32(ahead + STAGES - 1) < tiles:
-                fetch_entries(smem, block_tables, seq, uint32(ahead + STAGES - 1), walk, copy_thread)
+                fetch_entries(smem, block_tables, seq, uint32(ahead + STAGES - 1),
+                              uint32((ahead + STAGES - 1) % STAGES), walk, copy_thread)
             commit_group()
 
         qa = cuda.local.array(QUERY_WORDS, uint32)
@@ -529,18 +542,20 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         while tile < tiles:
             wait_for_tile()  # this thread's copies of `tile` have landed ...
             cuda.syncthreads()  # ... and everyone's; and everyone is done with tile - 1's stage
+            next_stage = uint32(stage + uint32(1)) if stage + uint32(1) < uint32(STAGES) else uint32(0)
             ahead = uint32(tile + uint32(STAGES - 1))
             if ahead < tiles:  # the copies of the tile STAGES - 1 ahead go out before this tile's arithmetic
                 ahead_stage = uint32(stage - uint32(1)) if stage > uint32(0) else uint32(STAGES - 1)  # tile - 1's
-                ring_rows(smem, ahead, walk, first)  # its entries landed with tile's group
-                copy_tile(smem, smemf, k_words, v_words, k_scales, v_scales, first,
-                          uint32(ahead_stage * uint32(STAGE_WORDS)), copy_thread)
+                first = ring_row(smem, ahead, ahead_stage, walk, copy_warp)  # its entries landed with tile's group
+                copy_chunk(smem, smemf, k_words, v_words, k_scales, v_scales, first,
+                           uint32(ahead_stage * uint32(STAGE_WORDS)), copy_warp, copy_lane)
                 if uint32(ahead + uint32(STAGES - 1)) < tiles:  # read in STAGES - 1 tiles, after this group lands
-                    fetch_entries(smem, block_tables, seq, uint32(ahead + uint32(STAGES - 1)), walk, copy_thread)
+                    fetch_entries(smem, block_tables, seq, uint32(ahead + uint32(STAGES - 1)), next_stage, walk,
+                                  copy_thread)
             commit_group()
             tile0 = uint32(tile * uint32(KEYS))
             kbase = uint32(stage * uint32(STAGE_WORDS))
-            stage = uint32(stage + uint32(1)) if stage + uint32(1) < uint32(STAGES) else uint32(0)
+            stage = next_stage
             if tile0 + uint32(KEYS) <= unmasked_end:
                 attend_full_tile(smem, smemf, kbase, tile0, warp_end, limit, qa, g, t, v_max, pow_, m, lsum, corr,
                                  scores, vsi, weights, acc)
@@ -606,13 +621,10 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
         return out
     longest = int(to_host(call.query_lens).max(initial=0)) if call.host_indices else num_tokens
     fp8 = call.kv_format.scaled
-    rows = k_cache.shape[0] * k_cache.shape[1] * k_cache.shape[2]
     k_words, k_scales = flat_cache(k_cache, as_kernel_array("k_scale", k_scale) if fp8 else None)
     v_words, v_scales = flat_cache(v_cache, as_kernel_array("v_scale", v_scale) if fp8 else None)
-    if fp8:  # [rows, 1]: the 2-D form cp.async's 4-byte copy takes
-        k_scales, v_scales = k_scales.reshape(rows, 1), v_scales.reshape(rows, 1)
-    else:  # a BF16 cache: the kernel never reads its scale arguments
-        k_scales = v_scales = placeholder(2)
+    if not fp8:  # a BF16 cache: the kernel never reads its scale arguments
+        k_scales = v_scales = placeholder(1)
     arrays = (call.q, k_words, v_words, k_scales, v_scales, _as_int32(call.block_tables), _as_int32(call.context_lens),
               _as_int32(call.query_lens))
     device = [on_device(x, stream) for x in arrays]
@@ -634,12 +646,12 @@ def kernel_variants():
     per warp); over a BF16 cache, groups of 4 and 2 (BF16 out)."""
     f32 = types.float32
     words = types.Array(types.uint32, 1, "C")
-    f32_2d, f32_3d = types.Array(f32, 2, "C"), types.Array(f32, 3, "C")
+    f32_1d, f32_3d = types.Array(f32, 1, "C"), types.Array(f32, 3, "C")
     i32_1d = types.Array(types.int32, 1, "C")
 
     def signature(bf16_out: bool):
         out = types.Array(types.uint16 if bf16_out else f32, 3, "C")
-        return types.void(f32_3d, words, words, f32_2d, f32_2d, types.Array(types.int32, 2, "C"), i32_1d, i32_1d, f32,
+        return types.void(f32_3d, words, words, f32_1d, f32_1d, types.Array(types.int32, 2, "C"), i32_1d, i32_1d, f32,
                           types.int64, types.int64, out)
 
     shapes = ((128, 4, False, False), (128, 2, True, False), (128, 16, False, False), (128, 4, False, True),

@@ -189,9 +189,9 @@ def tile_functions(head_dim: int, wide: bool, load_words):
             scores[4 * r + u] = s_u
             tile_max = mathops.nan_max(tile_max, s_u)
         m_new = mathops.nan_max(m[r], row_max(tile_max))
-        corr[r] = float32(1) if m_new == m[r] else mathops.exp2(m[r] - m_new)
+        corr[r] = float32(1) if m_new == m[r] else mathops.exp2_flush(m[r] - m_new)
         for u in range(4):
-            p[u] = mathops.exp2(scores[4 * r + u] - m_new) if valid[u] else float32(0)
+            p[u] = mathops.exp2_flush(scores[4 * r + u] - m_new) if valid[u] else float32(0)
             weights[4 * r + u] = f32_to_f16_bits(p[u] * (v_scale[u] * inv))
         lsum[r] = cuda.fma(lsum[r], corr[r], (p[0] + p[1]) + (p[2] + p[3]))
         m[r] = m_new

@@ -9,7 +9,9 @@ simulators that use it (``tests/simulators/test_gemv_simt.py``, ``test_splitkv.p
   (lane) axis, the float32 order of ``fp8lab.numba_kernels.warp.warp_sum``;
 - ``exp2_f32(x)``: float32 ``2^x`` of one value by NumPy's float32 loop, which
   ``fp8lab.numba_kernels.mathops.exp2`` calls in the CUDA simulator, so a simulated kernel and its
-  simulator agree bit for bit.
+  simulator agree bit for bit;
+- ``exp2_flush(x)``: the same, with results below ``2^-126`` (float32 subnormals) flushed to ``+0``, as the
+  hardware's ``ex2.approx.ftz.f32`` does (``fp8lab.numba_kernels.mathops.exp2_flush``); arrays or one value.
 """
 
 from __future__ import annotations
@@ -40,3 +42,17 @@ def exp2_f32(x) -> np.float32:
     same (SIMD) inner loop as for the model's arrays.
     """
     return np.exp2(np.array([x], dtype=np.float32))[0]
+
+
+SMALLEST_NORMAL_F32 = np.float32(2.0**-126)
+
+
+def exp2_flush(x):
+    """``2^x`` in float32 (NumPy's loop, as ``exp2_f32``), ``+0`` where the result is below ``2^-126``: the flash
+    prefill's exponent (``ex2.approx.ftz.f32`` on a GPU). NaN stays NaN. Arrays in, an array out; one value in, one
+    float32 out."""
+    scalar = np.ndim(x) == 0
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = np.exp2(np.array(x, dtype=np.float32, ndmin=1))
+    y = np.where(y < SMALLEST_NORMAL_F32, np.float32(0), y)
+    return y[0] if scalar else y

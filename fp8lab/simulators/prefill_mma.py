@@ -31,7 +31,10 @@ v_scale`` relative to a power of two in F16), with the *query tokens* in the row
   score is ``-inf`` and its weight ``p`` 0, exactly as the decode's tokens past the end.
 - **Online softmax per row and tile**: ``m_new = max(m, max_j s_j)``, ``corr = 1 if m_new == m else exp2(m -
   m_new)``, ``p_j = exp2(s_j - m_new)``, ``l_t = fma(l_t, corr, (c_0 + c_1) + (c_2 + c_3))`` with ``c_i`` chunk
-  ``i``'s ``(p_2t + p_2t+1) + (p_2t+8 + p_2t+9)`` (``chunk_lane_sums``).
+  ``i``'s ``(p_2t + p_2t+1) + (p_2t+8 + p_2t+9)`` (``chunk_lane_sums``). Here ``exp2`` flushes results below
+  ``2^-126`` to 0 (``common.exp2_flush``; the kernel's ``ex2.approx.ftz.f32``, one instruction where the subnormal
+  path costs four). What it drops is below ``2^-126`` of a weight: an F16 weight (``p * v_scale * inv``, that factor
+  below 2) rounds it to 0 anyway, and a row's ``l``, which holds the row's largest weight (1), cannot resolve it.
 - **Values** (flash-attention's order: the accumulator is rescaled, then the mma chain adds to it): ``acc`` is kept
   in units of ``pow = 2^floor(log2 vmax)``, ``vmax`` the largest V scale the warp has loaded so far (one for all its
   rows; ``power_of_two_below``, ``inv = 1 / pow``). Per tile: ``acc = fl32(acc * fl32(corr * (pow_old * inv)))`` (the
@@ -68,6 +71,7 @@ from fp8lab.reference.checks import (
     require_shape,
 )
 
+from .common import exp2_flush
 from .fma import fma_f32
 from .mma import MMA_N, k16_sum
 from .splitkv_mma import (
@@ -76,7 +80,6 @@ from .splitkv_mma import (
     MAX_GROUP,
     TILE,
     WARPS,
-    _exp2,
     f16,
     lane_sums,
     power_of_two_below,
@@ -264,8 +267,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
         with np.errstate(invalid="ignore", over="ignore"):
             s = np.where(counts, tile_scores_of_chunks(qh, k) * ks[..., None, :], np.float32(-np.inf))
             m_new = np.maximum(m, np.max(s, axis=-1))  # NaN-propagating, as the kernel's nan_max
-            corr = np.where(m_new == m, np.float32(1), _exp2(m - m_new))
-            p = np.where(counts, _exp2(s - m_new[..., None]), np.float32(0))
+            corr = np.where(m_new == m, np.float32(1), exp2_flush(m - m_new))
+            p = np.where(counts, exp2_flush(s - m_new[..., None]), np.float32(0))
         l = fma_f32(l, corr[..., None], chunk_lane_sums(p))
         v_max = np.maximum(v_max, np.max(vs, axis=-1))  # NaN-propagating
         pow_new, inv = power_of_two_below(v_max)

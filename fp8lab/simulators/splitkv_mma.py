@@ -34,6 +34,10 @@ warp order by the merge rule of ``fp8lab.simulators.splitkv`` (``merge_partials`
       p_j   = exp2(s_j - m_new)           (0 for tokens past the end)
       l_t   = fma(l_t, corr, (p_2t + p_2t+1) + (p_2t+8 + p_2t+9))      for the row's four lanes t = 0..3
 
+  ``exp2`` flushes results below ``2^-126`` to 0 (``common.exp2_flush``: the kernel's bare ``ex2.approx.ftz.f32``,
+  where keeping float32 subnormals costs three more instructions a weight). What it drops is below F16's smallest
+  weight and below what ``l``, which holds the row's largest weight 1, resolves.
+
   Each lane keeps its own ``l`` of the four tokens it holds (the mma accumulator's columns ``2t, 2t + 1`` of
   both 8-token halves); the four are summed once at the end, ``(l_0 + l_1) + (l_2 + l_3)``.
 - **Values of a tile**, ``acc [16 rows, D]``: the per-token V scale goes into the weights, relative to the
@@ -62,7 +66,7 @@ import numpy as np
 
 from fp8lab.reference import e4m3, kv_cache
 
-from .common import WARP_SIZE
+from .common import WARP_SIZE, exp2_flush
 from .dense import rms_norm, rope
 from .fma import fma_f32
 from .mma import MMA_K, MMA_N, k16_sum
@@ -164,11 +168,6 @@ def power_of_two_below(vmax) -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------------------- the model
 
 
-def _exp2(x) -> np.ndarray:
-    with np.errstate(invalid="ignore", over="ignore"):
-        return np.exp2(np.asarray(x, np.float32))
-
-
 @dataclass
 class _Tile:
     """One tile of every CTA: exact key/value values ``[seq, kv, shard, 16, D]`` (0 past the end), scales
@@ -267,8 +266,8 @@ def shard_partials(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale: f
         with np.errstate(invalid="ignore", over="ignore"):
             s = np.where(valid, tile_scores(qh, tile.k) * tile.k_scale[..., None, :], np.float32(-np.inf))
             m_new = np.maximum(m, np.max(s, axis=-1))  # NaN-propagating, as the kernel's nan_max
-            corr = np.where(m_new == m, np.float32(1), _exp2(m - m_new))
-            p = np.where(valid, _exp2(s - m_new[..., None]), np.float32(0))
+            corr = np.where(m_new == m, np.float32(1), exp2_flush(m - m_new))
+            p = np.where(valid, exp2_flush(s - m_new[..., None]), np.float32(0))
         l = fma_f32(l, corr[..., None], lane_sums(p))
         pow_, inv = power_of_two_below(np.max(tile.v_scale, axis=-1))
         with np.errstate(invalid="ignore", over="ignore"):

@@ -499,13 +499,16 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
             assert not (with_input and "ld.global.nc.v4" in ptx)  # what a CTA writes, it reads back coherently
             assert not with_input or "sqrt.rn.f32" in ptx
         if name.startswith("prefill_mma"):
-            assert "shfl.sync.bfly.b32" in ptx and "ex2.approx.f32" in ptx and "fma.rn.f32" in ptx
+            assert "shfl.sync.bfly.b32" in ptx and "fma.rn.f32" in ptx
+            assert "ex2.approx.ftz.f32" in ptx and "ex2.approx.f32" not in ptx  # exp2_flush: one MUFU.EX2 each
             assert "cp.async.cg.shared.global" in ptx  # tiles through shared memory, no cache word loaded directly
             assert "ld.global.nc.v4.u32" not in ptx
             assert "ld.global.nc.v4.f32" in ptx and "st.global.v4.u32" in ptx  # queries and outputs 16 bytes at a time
             assert re.search(r"ld\.shared\.v4\.[uf]32\b", ptx)  # a lane reads its fragments in 128-bit loads
             assert "max.NaN.f32" in ptx  # the NaN-propagating max in one instruction
             assert "cache=bf16" in name or "cvt.rn.f16x2.f32" in ptx  # two F16 weights per conversion
+        if name.startswith("split_mma"):  # the weights' exp2_flush: one MUFU.EX2 each (the warps' merge keeps exp2)
+            assert "ex2.approx.ftz.f32" in ptx
         if name.startswith(("split_mma", "prefill_mma")) and "cache=bf16" not in name:
             assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
             assert "cvt.rn.f16.f32" in ptx  # the query and the weights rounded to F16

@@ -9,7 +9,8 @@ than 32 key tiles (the block table's second chunk), NaN-poisoned unused cache sl
 index arrays with ``max_context_len`` (nothing read back: the grid covers ``len(q)`` tokens per sequence); BF16 output
 bit for bit ``layers.bf16_round`` of the float32 output; padding rows past the queries left unwritten; caches the kernel
 does not take, and a ``q`` or ``out`` not in C order (the kernel reads and writes them 16 bytes at a time), are a
-``ValueError``; a NaN that a CTA loads for a later warp stays out of the earlier warps. Over a
+``ValueError``; a NaN that a CTA loads for a later warp stays out of the earlier warps; a weight below ``2^-126``
+flushed to 0 as the simulator does. Over a
 BF16 cache: group 16, group 2 over 90 and 70 queries, and group 8 over the 34-block walk. The cases with more than 64
 keys before a warp's first query run the unmasked tile (``prefill_mma.tile_functions(masked=False)``).
 
@@ -117,6 +118,30 @@ def test_device_indices_without_a_read_back_and_bf16_out():
     assert np.array_equal(bf16.reshape(-1), expected)
 
 
+def a_weight_below_the_smallest_normal():
+    """Over a BF16 cache (whose weights keep float32's range), group 16, 2 queries: key 0 scores about 130 (log2
+    units) above key 1, with value 0 where key 1's value is 1, so query 1's output is key 1's weight, ``2^-130``,
+    unless ``exp2`` flushes it (``mathops.exp2_flush``, the simulator's order). Returns ``(data, q, query_lens)``."""
+    rng = np.random.default_rng(13)
+    data, q, query_lens = prefill_batch(rng, [2], [2], 16, 1, 16, "bf16")
+    block = data.block_tables[0, 0]
+    data.k_cache[block, 0, 0] = 0x4100  # 8.0 at every head element
+    data.k_cache[block, 0, 1] = 0
+    data.v_cache[block, 0, 0] = 0
+    data.v_cache[block, 0, 1] = 0x3F80  # 1.0
+    q[:] = 1  # score of key 0: 128 * 8 / sqrt(128) * log2(e) = 130.6 above key 1's
+    return data, q, query_lens
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
+def test_a_weight_below_the_smallest_normal_is_flushed_to_zero():
+    """``a_weight_below_the_smallest_normal``: both queries' outputs exactly 0, bit for bit the simulator."""
+    data, q, query_lens = a_weight_below_the_smallest_normal()
+    out = run_kernel(data, q, query_lens)
+    assert same_bits(out, simulated(data, q, query_lens))
+    assert not out.any()
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
 def test_padding_rows_past_the_queries_are_left_as_they_were():
     """``q`` with 5 rows past ``sum(query_lens)`` (the engine's padded prefill): those rows of a NaN-poisoned ``out``
@@ -189,3 +214,13 @@ def test_on_the_gpu_within_the_bound_of_the_reference(heads, context_lens, query
     bf16 = run_kernel(data, q, query_lens, out=np.full(q.shape, 0xFFFF, np.uint16))
     rounded = ((f32.view(np.uint32) + 0x7FFF + ((f32.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16)
     assert np.array_equal(bf16, rounded)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="needs a GPU")
+def test_on_the_gpu_a_weight_below_the_smallest_normal_is_flushed_to_zero():
+    """``a_weight_below_the_smallest_normal`` on the GPU (``ex2.approx.ftz.f32``): both outputs exactly +0, as the
+    simulator's."""
+    data, q, query_lens = a_weight_below_the_smallest_normal()
+    out = run_kernel(data, q, query_lens)
+    assert same_bits(out, simulated(data, q, query_lens)) and not out.any()

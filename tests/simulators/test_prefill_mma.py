@@ -16,7 +16,7 @@ from helpers.attention import prefill_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp8lab.simulators import prefill_mma
+from fp8lab.simulators import common, prefill_mma
 
 
 def run_model(data, q, query_lens):
@@ -91,3 +91,21 @@ def test_a_float32_cache_or_scales_beside_bf16_are_refused():
     with pytest.raises(ValueError, match="k_cache: a BF16 cache .* takes no scales"):
         prefill_mma.paged_prefill(q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens, query_lens,
                                   data.softmax_scale, scales, None)
+
+
+def test_exp2_flush_is_numpy_exp2_with_subnormal_results_zero():
+    """``common.exp2_flush``, the flash prefill's exponent: NumPy's float32 ``exp2`` wherever that is at least
+    ``2^-126``, ``+0`` below (the results ``ex2.approx.ftz.f32`` flushes), ``exp2(-inf) = 0``, NaN kept; one value
+    in gives one float32."""
+    rng = np.random.default_rng(21)
+    x = np.concatenate([rng.uniform(-140, 10, 5000), [-126, -126.0001, -149, -150, -np.inf, np.inf, np.nan, 0]])
+    x = x.astype(np.float32)
+    y = common.exp2_flush(x)
+    with np.errstate(over="ignore"):
+        plain = np.exp2(x)
+    normal = plain >= np.float32(2.0**-126)
+    assert np.array_equal(y[normal].view(np.uint32), plain[normal].view(np.uint32))
+    assert not y[~normal & ~np.isnan(x)].any() and np.signbit(y).sum() == 0
+    assert np.isnan(y[np.isnan(x)]).all() and (x[~normal & ~np.isnan(x)] < -126).all()
+    one = common.exp2_flush(np.float32(-130))
+    assert isinstance(one, np.float32) and one == 0 and common.exp2_flush(np.float32(-3)) == np.float32(0.125)
