@@ -167,38 +167,14 @@ else:
         offset = builder.mul(context.cast(builder, index, index_type, types.uint32), ir.Constant(ir.IntType(32), itemsize))
         return builder.add(shared_start(context, builder, array_type, array), offset)
 
-    def _flat_copy_intrinsic(cache: str, size: int):
-        # The source address is formed in the PTX (one mad.wide.u32: start + element * itemsize), so that LLVM cannot
-        # merge a 32-bit element into a 64-bit sum with the array's start (that costs four instructions a copy).
-        asm = ("{{ .reg .u64 g; mad.wide.u32 g, $1, {itemsize}, $2; cvta.to.global.u64 g, g; "
-               "cp.async.{cache}.shared.global [$0], [g], {size}; }}")
-
-        @intrinsic
-        def copy(typingctx, shared, index, source, element):
-            arrays_ok = (isinstance(shared, types.Array) and shared.ndim == 1 and isinstance(source, types.Array)
-                         and source.ndim == 1)
-            if not arrays_ok or not all(isinstance(x, types.Integer) for x in (index, element)):
-                return None
-
-            def codegen(context, builder, signature, args):
-                shared_type, index_type, source_type, element_type = signature.args
-                destination = _shared_window_address(context, builder, shared_type, args[0], args[1], index_type)
-                start = builder.ptrtoint(context.make_array(source_type)(context, builder, value=args[2]).data,
-                                         ir.IntType(64))
-                element = context.cast(builder, args[3], element_type, types.uint32)
-                text = asm.format(itemsize=source_type.dtype.bitwidth // 8, cache=cache, size=size)
-                function = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(32), ir.IntType(64)])
-                builder.call(ir.InlineAsm(function, text, "r,r,l,~{memory}", side_effect=True),
-                             [destination, element, start])
-                return context.get_dummy_value()
-
-            return types.void(shared, index, source, element), codegen
-
-        return copy
+    def _offset(byte_offset: int) -> str:
+        """A PTX address's immediate offset (``+n``; nothing for 0)."""
+        return f"+{byte_offset}" if byte_offset else ""
 
     def strided_copy_function(cache: str, size: int, count: int, shared_step: int, source_step: int):
-        """The strided copies (module docstring) as one PTX block: ``mad.wide.u32`` forms the first source address,
-        the others are ``[g+offset]``, and the shared ones ``[s+offset]``."""
+        """The strided copies (module docstring) as one PTX block: ``mad.wide.u32`` forms the first source address
+        (in the PTX, so that LLVM cannot merge a 32-bit element into a 64-bit sum with the array's start: that costs
+        four instructions a copy), the others are ``[g+offset]``, and the shared ones ``[s+offset]``."""
         if size not in SIZES[cache]:
             raise ValueError(f"cp.async.{cache} copies {SIZES[cache]} bytes, not {size}")
 
@@ -216,8 +192,8 @@ else:
                                          ir.IntType(64))
                 element = context.cast(builder, args[3], element_type, types.uint32)
                 item, shared_item = source_type.dtype.bitwidth // 8, shared_type.dtype.bitwidth // 8
-                copies = " ".join(f"cp.async.{cache}.shared.global [$0+{i * shared_step * shared_item}], "
-                                  f"[g+{i * source_step * item}], {size};" for i in range(count))
+                copies = " ".join(f"cp.async.{cache}.shared.global [$0{_offset(i * shared_step * shared_item)}], "
+                                  f"[g{_offset(i * source_step * item)}], {size};" for i in range(count))
                 text = f"{{ .reg .u64 g; mad.wide.u32 g, $1, {item}, $2; cvta.to.global.u64 g, g; {copies} }}"
                 function = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(32), ir.IntType(64)])
                 builder.call(ir.InlineAsm(function, text, "r,r,l,~{memory}", side_effect=True),
@@ -231,7 +207,7 @@ else:
     copy_16_cg = _copy_intrinsic("cg", 16)
     copy_16_ca = _copy_intrinsic("ca", 16)
     copy_4_ca = _copy_intrinsic("ca", 4)
-    copy_16_cg_flat = _flat_copy_intrinsic("cg", 16)
+    copy_16_cg_flat = strided_copy_function("cg", 16, 1, 0, 0)
 
     def statement_intrinsic(text: str):
         """A device function that runs the PTX statement ``text`` (no operands; a memory clobber, never moved or

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cudasim
 from numba import cuda
 
 import fp8lab.numba_kernels  # noqa: F401  (installs the intrinsics)
-from fp8lab.numba_kernels import bits, mathops
+from fp8lab.numba_kernels import bits, cp_async, mathops
 
 FULL = 0xFFFFFFFF
 
@@ -207,6 +207,41 @@ def test_fma_rounds_once():
     out = np.zeros(2, np.float32)
     fused[1, 2](a, b, c, out)
     assert out.tolist() == [2.0**56 + 2.0**33, 1 + 2.0**-23]
+
+
+STRIDED_ROWS = cp_async.strided_copy_function("cg", 16, 3, 20, 8)  # 3 copies: shared step 20 words, source 8
+WAIT_ALL = cp_async.wait_group_function(0)
+
+
+@cuda.jit
+def strided_rows(x, out):
+    """Thread t copies 16 bytes from x[4 t + 8 i ..] into stage[4 t + 20 i ..], i = 0..2, then writes stage out."""
+    stage = cuda.shared.array(80, np.uint32)
+    t = cuda.threadIdx.x
+    for i in range(20):
+        stage[20 * t + i] = 0
+    cuda.syncthreads()
+    STRIDED_ROWS(stage, 4 * t, x, 4 * t)
+    cp_async.commit_group()
+    WAIT_ALL()
+    cuda.syncthreads()
+    for i in range(20):
+        out[20 * t + i] = stage[20 * t + i]
+
+
+def test_strided_copies_land_where_their_steps_say(rng):
+    """``strided_copy_function``: copy ``i`` of each of 4 threads moves 16 bytes from ``source[element + 8 i]`` to
+    ``shared[index + 20 i]`` (whole copies, no zero fill); the words between the copies stay as they were (0)."""
+    x = rng.integers(1, 2**32, 64, dtype=np.uint32)
+    out = np.full(80, 0xDEADBEEF, np.uint32)
+    strided_rows[1, 4](x, out)
+    expected = np.zeros(80, np.uint32)
+    for t in range(4):
+        for i in range(3):
+            expected[4 * t + 20 * i: 4 * t + 20 * i + 4] = x[4 * t + 8 * i: 4 * t + 8 * i + 4]
+    assert np.array_equal(out, expected)
+    with pytest.raises(ValueError, match="cp.async.cg copies"):
+        cp_async.strided_copy_function("cg", 4, 2, 1, 1)
 
 
 @cuda.jit

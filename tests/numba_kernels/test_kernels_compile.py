@@ -502,6 +502,7 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
             assert "shfl.sync.bfly.b32" in ptx and "fma.rn.f32" in ptx
             assert "ex2.approx.ftz.f32" in ptx and "ex2.approx.f32" not in ptx  # exp2_flush: one MUFU.EX2 each
             assert "cp.async.cg.shared.global" in ptx  # tiles through shared memory, no cache word loaded directly
+            assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\+\d+\], \[g\+\d+\]", ptx)  # strided copies
             assert "ld.global.nc.v4.u32" not in ptx
             assert "ld.global.nc.v4.f32" in ptx and "st.global.v4.u32" in ptx  # queries and outputs 16 bytes at a time
             assert re.search(r"ld\.shared\.v4\.[uf]32\b", ptx)  # a lane reads its fragments in 128-bit loads
