@@ -3,12 +3,13 @@
 
 ``prefill_breakdown.png``: one 1,000-token Qwen3-8B prefill (random FP8 checkpoint, FP8 KV cache, H100), a stacked
 bar per measured run (eager launches; the CUDA-graph replay; the replay after the warpgroup GEMM's activations moved
-to L2-only copies), split into what its kernels do (the groups of
+to L2-only copies; the replay of the twenty-ninth session), split into what its kernels do (the groups of
 ``make_decode_breakdown_figure.GROUPS``: the FP8 GEMMs, the norms, q/k-norm + RoPE + the cache write, attention,
 the lm_head, the rest), the gaps between kernels and the host side (the measured prefill time minus the kernels'
 span), in milliseconds; transformers BF16's prefill of the same prompt in the same run is a dashed mark on each bar.
 The data are the per-kernel breakdowns ``bench/engine.py`` prints (``bench/decode_profile.profile_prefill``), copied
-from three runs (``bench/RESULTS.md``, issue 16, twentieth and twenty-first sessions).
+from four runs (``bench/RESULTS.md``, issue 16, twentieth, twenty-first and twenty-ninth sessions: the last after the
+tensor-core flash prefill and the four-wide SwiGLU).
 
 Usage::
 
@@ -33,11 +34,11 @@ from make_decode_breakdown_figure import stacked_bar  # noqa: E402  (this folder
 HERE = Path(__file__).resolve().parent
 DATA = HERE.parent / "data" / "prefill_breakdown_h100.json"
 FILENAME = "prefill_breakdown.png"
-RUNS = ("eager", "graph", "graph_cg")
+RUNS = ("eager", "graph", "graph_cg", "graph_29")
 
 
 def draw(data: dict, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(9, 4.0))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     for y, name in enumerate(RUNS):
         run = data["runs"][name]
         left = stacked_bar(ax, y, run["by_label"], run["gap_us"], run["prefill_us"], "host side (prefill - kernel span)",
