@@ -19,9 +19,9 @@ The schedule is the simulator's (read ``fp8lab.simulators.prefill_mma`` first). 
 tokens ``i0 = (block * 4 + w) * 16 / G ..``. The CTA walks tiles of 64 keys (``KEYS``) up to its last query's
 position through ``STAGES = 3`` stages of dynamic shared memory: warp ``w`` copies chunk ``w`` of a tile, its K
 and V rows (16-byte ``cp.async`` pieces, L2 only; rows padded to 144 bytes so that a quarter-warp's 128-bit reads hit
-distinct banks) and scales, two tiles ahead of the one the warps compute. Each 16-key chunk's block-table entry comes by ``cp.async``
-too, into a small ring in shared memory (``TABLE_RING_WORDS``), two tiles before the copies that need it, so that
-no thread waits for a global load inside the walk. Per
+distinct banks) and scales, two tiles ahead of the one the warps compute. Each 16-key chunk's block-table entry comes
+by ``cp.async`` too, into a small ring in shared memory (``TABLE_RING_WORDS``), two tiles before the copies that need
+it, so that no thread waits for a global load inside the walk. Per
 tile a warp computes, per 16-key chunk before its own end, the tensor-core decode's lane layouts (a lane reads its
 ``D / 4`` key bytes of keys ``g``, ``8 + g`` and its ``D / 8`` value bytes of keys ``2t, 2t + 1, 8 + 2t, 9 + 2t``
 with ``ld.shared.v4``; ``cvt.rn.f16x2.e4m3x2``; F16 ``mma``), then one online-softmax step per tile, ``acc``
