@@ -44,6 +44,12 @@ from .bits import SIMULATOR
 SIZES = {"cg": (16,), "ca": (4, 8, 16)}
 """Copy sizes in bytes PTX allows per cache operator."""
 
+
+def require_size(cache: str, size: int) -> None:
+    """A ``ValueError`` unless PTX's ``cp.async.{cache}`` copies ``size`` bytes (``SIZES``)."""
+    if size not in SIZES[cache]:
+        raise ValueError(f"cp.async.{cache} copies {SIZES[cache]} bytes, not {size}")
+
 if SIMULATOR:
     from .cudasim import CommitGroups
 
@@ -92,8 +98,7 @@ if SIMULATOR:
     copy_16_cg_flat = _flat_copy_function(16)
 
     def strided_copy_function(cache: str, size: int, count: int, shared_step: int, source_step: int):
-        if size not in SIZES[cache]:
-            raise ValueError(f"cp.async.{cache} copies {SIZES[cache]} bytes, not {size}")
+        require_size(cache, size)
         flat = _flat_copy_function(size)
 
         def copy(shared, index, source, element):
@@ -126,8 +131,7 @@ else:
         return builder.ptrtoint(pointer, ir.IntType(64))
 
     def _copy_intrinsic(cache: str, size: int):
-        if size not in SIZES[cache]:
-            raise ValueError(f"cp.async.{cache} copies {SIZES[cache]} bytes, not {size}")
+        require_size(cache, size)
         asm = ("{ .reg .u64 s64, g; .reg .u32 s; cvta.to.shared.u64 s64, $0; cvt.u32.u64 s, s64; "
                f"cvta.to.global.u64 g, $1; cp.async.{cache}.shared.global [s], [g], {size}, $2; }}")
 
@@ -175,8 +179,7 @@ else:
         """The strided copies (module docstring) as one PTX block: ``mad.wide.u32`` forms the first source address
         (in the PTX, so that LLVM cannot merge a 32-bit element into a 64-bit sum with the array's start: that costs
         four instructions a copy), the others are ``[g+offset]``, and the shared ones ``[s+offset]``."""
-        if size not in SIZES[cache]:
-            raise ValueError(f"cp.async.{cache} copies {SIZES[cache]} bytes, not {size}")
+        require_size(cache, size)
 
         @intrinsic
         def copy(typingctx, shared, index, source, element):

@@ -42,8 +42,8 @@ zero V scales, after a row's position as ``-inf`` scores. The instructions a til
 (``cvt.rn.bf16x2.f32``) packs two weights, ``max.NaN.f32`` is the NaN-propagating max (``bits``), ``exp2`` is the
 bare ``ex2.approx.ftz.f32`` (``mathops.exp2_flush``: the subnormal path cost three instructions a weight), the
 rescale of ``acc`` is skipped where every row's factor is 1 (one vote), a warp's copies of a tile are one address
-plus constant offsets (``copy_chunk``), and the walk's indices are 32-bit. The twenty-ninth session's SASS: about
-840 instructions a warp and unmasked tile (93 for the copies), against 1,090 before.
+plus constant offsets (``copy_chunk``), and the walk's indices are 32-bit (the SASS counts per tile before and after:
+``bench/RESULTS.md``, twenty-ninth session).
 
 **Over a BF16 cache** (``bf16_cache``): the same walk with rows of 272 bytes (104,448 bytes of shared memory, over
 the 48 KiB default: ``gemm_mma._allow_shared_memory``), the key words as the B registers as they are, a value
@@ -262,10 +262,10 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         copy_rows(smem, uint32(index + uint32(V_OFFSET)), v_words, element)
         if FP8:
             key = lane % uint32(TILE)
-            values = lane >= uint32(TILE)  # lanes 16 .. 31: the V scales
-            index = uint32(stage_base + uint32(SCALE_OFFSET) + (uint32(KEYS) if values else uint32(0))
+            v_scale_lane = lane >= uint32(TILE)  # lanes 16 .. 31: the V scales
+            index = uint32(stage_base + uint32(SCALE_OFFSET) + (uint32(KEYS) if v_scale_lane else uint32(0))
                            + uint32(TILE) * warp + key)
-            copy_scale(smemf, index, v_scales if values else k_scales, uint32(first + key))
+            copy_scale(smemf, index, v_scales if v_scale_lane else k_scales, uint32(first + key))
 
     ELEMENTS_PER_WORD = 2 if bf16_out else 1
 
