@@ -174,10 +174,6 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
     K_WORDS = ROW_WORDS // 4  # a lane's words of a key row: D / 4 elements
     V_WORDS = ROW_WORDS // 8  # a lane's words of a value row: D / 8 elements
     pair = bf16_pair if bf16_cache else f16_pair
-    mma = mma_bf16 if bf16_cache else mma_f16
-    SCORE_NTILES = 2 * CHUNKS  # 8-key n tiles of the scores
-    K_GROUP = 4 // ELEMENT_BYTES  # k-steps whose key words are one 128-bit read: 4 over FP8, 2 over BF16
-    GROUPS = STEPS // K_GROUP
     wait_for_tile = wait_group_function(STAGES - 2)
     assert WARPS == CHUNKS and TILE % ROWS_PER_PASS == 0, "copy_chunk: a warp copies one 16-key chunk of a tile"
     assert STAGES == 3, "the walk's ring slots: tile + 2 (STAGES - 1) has the slot of tile + 1 only for 3 stages"
@@ -303,40 +299,37 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         counts for every row: the tiles before the warp's first query)."""
 
         @cuda.jit(device=True, inline=True)
-        def score_group(p, args):
-            """K-steps ``K_GROUP p ..`` of the scores, for each 8-key n tile ``n`` of the tile (chunk ``c = n // 2``,
-            keys ``16 c + 8 (n % 2) ..``): the 8 n tiles' chains interleaved, so that an mma does not wait for the one
-            before it (a chain runs through its k-steps in order, the decode's ``tile_scores``); then (FP8, the last
-            group) times the K scales. ``scores[8 c + 4 r + u]`` is row ``g + 8 r``, key ``2t + (u & 1) + 8 (u >> 1)``
-            of chunk ``c``. A lane's B registers of k-step ``s`` are its word ``s`` (two words ``2 s ..`` over BF16) of
-            key row ``g`` of the n tile, ``K_GROUP`` k-steps one 128-bit read. A chunk wholly past the warp's end is
-            not computed (its scores are masked)."""
+        def chunk_scores(c, args):
+            """Chunk ``c``'s scores (keys ``16 c ..`` of the tile; two 8-key n tiles, ``D / 16`` chained k-steps each)
+            times their K scales, into ``scores[8 c ..]``: ``8 c + 4 r + u`` is row ``g + 8 r``, key ``2t + (u & 1) + 8
+            (u >> 1)`` of the chunk. The lane's B registers are words of its ``D / 4`` elements of key row ``g`` (and
+            ``8 + g``). A chunk wholly past the warp's end is not computed (its scores are masked)."""
             smem, smemf, kbase, qa, chunks, g, t, scores = args
-            for n in range(SCORE_NTILES):
-                c, half = n // 2, n % 2
-                if not masked or c < chunks:
-                    w = load_shared_u32x4(smem, kbase + (TILE * c + 8 * half + g) * SROW + K_WORDS * t + 4 * p)
-                    for u in range(K_GROUP):
-                        s = K_GROUP * p + u
-                        if FP8:  # one word: two conversions
-                            b0 = e4m3x2_to_f16x2(w[u] & uint32(0xFFFF))
-                            b1 = e4m3x2_high_to_f16x2(w[u])
-                        else:  # two words, the B registers as they are
-                            b0, b1 = w[2 * u], w[2 * u + 1]
-                        x = 8 * c + 2 * half
-                        first_step = s == 0  # the chain starts from 0
-                        c0 = float32(0) if first_step else scores[x]
-                        c1 = float32(0) if first_step else scores[x + 1]
-                        c2 = float32(0) if first_step else scores[x + 4]
-                        c3 = float32(0) if first_step else scores[x + 5]
-                        scores[x], scores[x + 1], scores[x + 4], scores[x + 5] = mma(
-                            qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3], b0, b1, c0, c1, c2, c3)
-                    if FP8 and p == GROUPS - 1:  # the K scales of keys 2t, 2t + 1 (this n tile's columns of the lane)
+            if not masked or c < chunks:
+                for half in range(2):
+                    first = kbase + (TILE * c + 8 * half + g) * SROW + K_WORDS * t
+                    c0 = c1 = c2 = c3 = float32(0)
+                    for quad in range(K_WORDS // 4):
+                        w = load_shared_u32x4(smem, first + 4 * quad)
+                        for i in range(4):
+                            if FP8:  # one word: k-step 4 quad + i, two conversions
+                                s = 4 * quad + i
+                                b0 = e4m3x2_to_f16x2(w[i] & uint32(0xFFFF))
+                                b1 = e4m3x2_high_to_f16x2(w[i])
+                                c0, c1, c2, c3 = mma_f16(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3], b0,
+                                                         b1, c0, c1, c2, c3)
+                            elif i % 2 == 0:  # two words: k-step (4 quad + i) / 2, the B registers as they are
+                                s = (4 * quad + i) // 2
+                                c0, c1, c2, c3 = mma_bf16(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3],
+                                                          w[i], w[i + 1], c0, c1, c2, c3)
+                    if FP8:  # the K scales of keys 2t, 2t + 1 (this n tile's columns of the lane)
                         ks0 = smemf[kbase + SCALE_OFFSET + TILE * c + 8 * half + 2 * t]
                         ks1 = smemf[kbase + SCALE_OFFSET + TILE * c + 8 * half + 2 * t + 1]
-                        x = 8 * c + 2 * half
-                        scores[x], scores[x + 1] = scores[x] * ks0, scores[x + 1] * ks1
-                        scores[x + 4], scores[x + 5] = scores[x + 4] * ks0, scores[x + 5] * ks1
+                        c0, c1, c2, c3 = c0 * ks0, c1 * ks1, c2 * ks0, c3 * ks1
+                    scores[8 * c + 2 * half] = c0
+                    scores[8 * c + 2 * half + 1] = c1
+                    scores[8 * c + 4 + 2 * half] = c2
+                    scores[8 * c + 4 + 2 * half + 1] = c3
 
         @cuda.jit(device=True, inline=True)
         def softmax_row(r, args):
@@ -431,7 +424,7 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
                                     pa0, pa1, pa2, pa3, b0, b1, acc[4 * s], acc[4 * s + 1], acc[4 * s + 2],
                                     acc[4 * s + 3])
 
-        all_score_groups = unrolled(score_group, GROUPS)  # straight-line code: the arrays stay in registers
+        all_chunk_scores = unrolled(chunk_scores, CHUNKS)  # straight-line code: the arrays stay in registers
         both_softmax_rows = unrolled(softmax_row, 2)
         all_chunk_values = unrolled(chunk_values, CHUNKS)
 
@@ -442,7 +435,7 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
             before ``warp_end``, the online softmax of both rows, ``acc`` rescaled to the running V-scale power
             (``fp8lab.simulators.prefill_mma``), then ``P V`` chained into ``acc``."""
             chunks = min(CHUNKS, (warp_end - tile0 + TILE - 1) // TILE) if masked else CHUNKS
-            all_score_groups((smem, smemf, kbase, qa, chunks, g, t, scores))
+            all_chunk_scores((smem, smemf, kbase, qa, chunks, g, t, scores))
             inv, ratio = float32(1), float32(1)
             if FP8:  # the largest V scale the warp has loaded, over the row's 4 lanes; acc's unit follows its power
                 tile_vmax = float32(0)
