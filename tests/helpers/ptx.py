@@ -1,9 +1,10 @@
 """Shared by the sm_90 PTX checks: compile kernel variants with the CUDA simulator off, once each.
 
 A process chooses the simulator once, when it first imports Numba, so compiling happens in
-subprocesses. Most of a variant's time (1 to 4 s) is Numba's front end (inlining, typing,
-lowering); NVVM and ptxas take a tenth of it. So the saving is in doing each variant once and in
-keeping both cores busy:
+subprocesses. Most of a variant's time is Numba's front end (inlining, typing, lowering); NVVM and
+ptxas take a tenth of it. Each compile process installs ``helpers.numba_inline`` (the inliner's IR
+copies share one memo: the same PTX in about half the time). The saving is also in doing each variant
+once and in keeping both cores busy:
 
 - ``compile_sets(sets)``: ``sets`` maps a set name to Python source that defines ``variants()``, a
   list of ``Variant``; the source runs in each of ``workers`` compile processes (simulator off, the
@@ -146,6 +147,9 @@ def serve(nice: bool = False) -> None:
     ``nice``: at a low CPU priority. Ends when its input does (also when the test process is gone)."""
     if nice:
         os.nice(10)
+    from helpers.numba_inline import install
+
+    install()  # the same PTX, sooner
     answer = sys.stdout
     sys.stdout = sys.stderr  # whatever a set's source prints must not mix with the answers
     sets = json.loads(sys.stdin.readline())

@@ -1,0 +1,52 @@
+"""Faster Numba inlining for the compile processes (``helpers.ptx``): the same IR, in a fraction of the time.
+
+numba-cuda's inliner (``InlineWorker.inline_ir``) copies the callee's IR block by block, each block with a
+``copy.deepcopy`` of its own, so every block drags along its own copy of the function's whole ``Scope`` (all its
+variables): the cost grows with blocks times variables, for each of the two copies an inlining makes. The kernels
+here inline tiles of hundreds of blocks, and that copying was about two thirds of a kernel's compile (the flash
+prefill: 32 s, of which the copies are most; with this, 18 s; ``bench/RESULTS.md``, thirty-first session). With one
+``deepcopy`` memo per ``inline_ir`` call the blocks of a copy share one copy of the scope, as the blocks of the IR
+they copy share one scope: the same IR, and the same PTX (checked on every variant of the compile checks).
+
+``install()`` patches numba-cuda's module; it leaves it as it is where that module does not have the shape this
+patch expects (another numba-cuda version), so it can only make compiles faster, never different.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+_memos: list[dict] = []
+"""The memo of each ``inline_ir`` call in progress (innermost last)."""
+
+
+def _deepcopy(x, memo=None):
+    """``copy.deepcopy`` with the memo of the ``inline_ir`` call in progress, where the caller gives none."""
+    if memo is None and _memos:
+        memo = _memos[-1]
+    return copy.deepcopy(x, memo)
+
+
+def install() -> bool:
+    """Patch numba-cuda's inliner to share one deepcopy memo per inlining; whether it was patched."""
+    try:
+        from numba.cuda.core import inline_closurecall as inliner
+    except ImportError:
+        return False
+    worker = getattr(inliner, "InlineWorker", None)
+    if getattr(inliner, "copy", None) is not copy or worker is None or not hasattr(worker, "inline_ir"):
+        return getattr(inliner, "_fp8lab_shared_memo", False)
+    original = worker.inline_ir
+
+    def inline_ir(self, *args, **kwargs):
+        _memos.append({})
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _memos.pop()
+
+    inliner.copy = types.SimpleNamespace(deepcopy=_deepcopy, copy=copy.copy)
+    worker.inline_ir = inline_ir
+    inliner._fp8lab_shared_memo = True
+    return True
