@@ -111,7 +111,12 @@ def gemm_twins(monkeypatch):
 def pytest_collection_finish(session):
     """Start the sm_90 PTX compiles in the background right after collection: pytest runs tests on one
     core, so the compiles of the modules that declare ``PTX_VARIANT_SETS`` (``helpers.ptx``) use the
-    other one while the simulator tests run, and their checks later find the PTX ready."""
+    other one while the simulator tests run, and their checks later find the PTX ready. Not in a
+    ``pytest-xdist`` worker (``-n``): every worker collects every test, so each would compile every set; there
+    the module that runs the checks compiles its sets when it needs them (``--dist loadfile`` keeps a module's
+    tests in one worker, so each set compiles once)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     for module in {item.module for item in session.items if getattr(item, "module", None) is not None}:
         sets = getattr(module, "PTX_VARIANT_SETS", None)
         if sets:

@@ -216,7 +216,7 @@ class _Worker:
         self.stderr.close()
 
 
-def compile_sets(sets: dict[str, str], workers: int = 2, timeout: float = 600, progress=print) -> dict[str, list[Compiled]]:
+def compile_sets(sets: dict[str, str], workers: int = 2, timeout: float = 1800, progress=print) -> dict[str, list[Compiled]]:
     """Every variant of every set compiled (see the module docstring): ``{set name: [Compiled, ...]}`` in
     the order ``variants()`` lists them. Sets already compiled in this session come from the cache, sets
     that ``start_compiling`` started are waited for."""
