@@ -6,7 +6,7 @@ Profiles (choose with ``pytest --hypothesis-profile=NAME``; ``ci`` is the defaul
 - ``ci``: fast and reproducible (derandomized), for the CPU-only run on every submission;
 - ``nightly``: thorough, randomized, many examples, for a long run on a big machine.
 
-On a GPU, Numba's inliner gets a faster IR copy (``helpers.numba_inline``: the same PTX).
+On a GPU, Numba's inliner gets a faster IR copy (``fp8lab.numba_kernels.inlining``: the same PTX).
 
 Tests marked ``gpu`` run only where numba-cuda sees an NVIDIA GPU and skip cleanly elsewhere;
 tests marked ``cudasim`` run kernels in Numba's CUDA simulator, which this file switches on when
@@ -41,7 +41,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":  # on a GPU the tests compile their kernels: the same PTX, sooner
-    from helpers.numba_inline import install
+    from fp8lab.numba_kernels.inlining import install
 
     install()
 

@@ -2,7 +2,7 @@
 
 A process chooses the simulator once, when it first imports Numba, so compiling happens in
 subprocesses. Most of a variant's time is Numba's front end (inlining, typing, lowering); NVVM and
-ptxas take a tenth of it. Each compile process installs ``helpers.numba_inline`` (the inliner's IR
+ptxas take a tenth of it. Each compile process installs ``fp8lab.numba_kernels.inlining`` (the inliner's IR
 copies share one memo: the same PTX in about half the time). The saving is also in doing each variant
 once and in keeping both cores busy:
 
@@ -147,7 +147,7 @@ def serve(nice: bool = False) -> None:
     ``nice``: at a low CPU priority. Ends when its input does (also when the test process is gone)."""
     if nice:
         os.nice(10)
-    from helpers.numba_inline import install
+    from fp8lab.numba_kernels.inlining import install
 
     install()  # the same PTX, sooner
     answer = sys.stdout

@@ -544,10 +544,10 @@ SAME_PTX_SOONER = r'''
 import sys
 from numba import cuda
 from fp8lab.numba_kernels.gemv_simt import gemv_simt_kernel
-from helpers.numba_inline import install
+from fp8lab.numba_kernels.inlining import install
 
 if sys.argv[1] == "patched":
-    assert install(), "helpers.numba_inline: this numba-cuda's inliner is not the shape the patch expects"
+    assert install(), "fp8lab.numba_kernels.inlining: this numba-cuda's inliner is not the shape the patch expects"
 function = gemv_simt_kernel(2, "bf16", "f32", 128, 128, 4, 2, 2, True).py_func  # SwiGLU, groups of 2 chunks
 signature = "void(uint32[::1], uint32[::1], float32[::1], float32[:, ::1], int64, int64, int64, int64)"
 ptx, _ = cuda.compile_ptx(function, signature, cc=(9, 0))
@@ -556,7 +556,7 @@ print(ptx)
 
 
 def test_the_faster_inliner_compiles_the_same_ptx():
-    """``helpers.numba_inline`` (one deepcopy memo per inlining, which every compile process here installs) changes
+    """``fp8lab.numba_kernels.inlining`` (one deepcopy memo per inlining, which every compile process here installs) changes
     nothing but the time: a SIMT GEMV with SwiGLU, whose unrolled groups inline chains of device functions, compiles
     to the same PTX text with and without it, each in a fresh process."""
     outputs = {}
