@@ -37,9 +37,11 @@ def install() -> bool:
         from numba.cuda.core import inline_closurecall as inliner
     except ImportError:
         return False
+    if getattr(inliner, "_fp8lab_shared_memo", False):
+        return True  # installed before
     worker = getattr(inliner, "InlineWorker", None)
     if getattr(inliner, "copy", None) is not copy or worker is None or not hasattr(worker, "inline_ir"):
-        return getattr(inliner, "_fp8lab_shared_memo", False)
+        return False  # not the inliner this patch knows
     original = worker.inline_ir
 
     def inline_ir(self, *args, **kwargs):

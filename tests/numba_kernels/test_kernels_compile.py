@@ -541,12 +541,11 @@ def test_attention_input_kernels_compile_to_sm90_ptx(compiled):
 
 
 SAME_PTX_SOONER = r'''
-import sys
 from numba import cuda
 from fp8lab.numba_kernels.gemv_simt import gemv_simt_kernel
 from fp8lab.numba_kernels.inlining import install
 
-if sys.argv[1] == "patched":
+if PATCHED:
     assert install(), "fp8lab.numba_kernels.inlining: this numba-cuda's inliner is not the shape the patch expects"
 function = gemv_simt_kernel(2, "bf16", "f32", 128, 128, 4, 2, 2, True).py_func  # SwiGLU, groups of 2 chunks
 signature = "void(uint32[::1], uint32[::1], float32[::1], float32[:, ::1], int64, int64, int64, int64)"
@@ -561,7 +560,7 @@ def test_the_faster_inliner_compiles_the_same_ptx():
     to the same PTX text with and without it, each in a fresh process."""
     outputs = {}
     for mode in ("plain", "patched"):
-        result = run_compiled(f"import sys; sys.argv = ['-', {mode!r}]\n" + SAME_PTX_SOONER)
+        result = run_compiled(f"PATCHED = {mode == 'patched'}\n" + SAME_PTX_SOONER)
         assert result.returncode == 0, result.stderr[-3000:]
         assert ".target sm_90" in result.stdout
         outputs[mode] = result.stdout
