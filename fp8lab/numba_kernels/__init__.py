@@ -8,8 +8,8 @@ Toolkit:
 - ``fp8lab.numba_kernels.bits``: bit reinterpretation (uint32 <-> float32, BF16/F16 patterns) in both modes;
 - ``fp8lab.numba_kernels.racecheck``: a shared-memory race checker for kernels run in the simulator
   (``with racecheck.checking(): kernel[grid, block](...)``).
-- ``fp8lab.numba_kernels.inlining``: opt in to faster Numba inlining (``install()``: the same PTX in about half the
-  compile time; the tests and ``bench/engine.py`` use it).
+- ``fp8lab.numba_kernels.inlining``: faster Numba inlining (``install()``: the same PTX in about half the compile
+  time; the engine's GPU model, the tests and ``bench/engine.py`` install it).
 """
 
 from . import cudasim
