@@ -27,7 +27,8 @@ head ``j = y - Hq`` of a token with a slot: load k's and v's row ``j``, norm and
 cache row, then v's. Lane ``L`` holds elements ``L + 32 i`` (``i < ceil(D / 32)``) in registers, and
 reads all of them before it writes any (so ``q_out`` may be ``q``); ``D`` (even, at most 256) is a
 compile-time constant of the kernel variant (one per head dim and cache format), so each lane's
-loads (x, weights, cos/sin, v) are issued together, unrolled. ``q``, ``k``, ``v`` are compiled with
+loads are issued together, unrolled: the norm weights, the position and its cos/sin before the kernel waits for the
+q/k/v GEMM (``pdl``: nothing in the forward writes them), then x (and v). ``q``, ``k``, ``v`` are compiled with
 layout "A" (any row stride; elements of a row adjacent). When ``D`` is a multiple of 64 the RoPE
 pair ``(i, i + D/2)`` lies in one lane; otherwise the normed row is staged in shared memory (D
 floats per warp, ``syncwarp``) and each lane reads its elements' partners.
@@ -87,15 +88,21 @@ class HeadRowFunctions:
     load_row: Callable
     """``load_row(x, token, head, lane, values)``: head ``head``'s D columns of row ``token`` of a 2-D ``[T, heads * D]``
     array (any row stride) into the lane's ``values[E]``."""
-    norm_rope: Callable
-    """``norm_rope(x, weight, eps, n, positions, cos_sin, token, head, lane, values, stage)``: load, q/k-norm and rotate
-    head ``head`` of row ``token`` into ``values`` (``n``: D as a run-time float32; ``stage``: D shared floats, used
-    only when the RoPE pair is not in one lane)."""
     store_row: Callable
     """``store_row(x, token, head, lane, values)``: the lane's elements into ``x[token, head, :]`` of a 3-D array."""
     write_row: Callable
     """``write_row(values, cache, scales, block, head, offset, lane)``: the lane's elements into the cache slot
     (``kv_cache``'s write for the cache format: FP8 codes and the row's scale, BF16 bits or float32)."""
+    load_weights: Callable
+    """``load_weights(weight, lane, w)``: the lane's elements of a norm weight ``[D]`` into ``w[E]``."""
+    load_rotation: Callable
+    """``load_rotation(positions, cos_sin, token, lane, c, s)``: the lane's cos/sin of the token's position into ``c``,
+    ``s`` (``E`` each); whether the position is in the table."""
+    norm_rope: Callable
+    """``norm_rope(x, w, eps, n, c, s, in_table, token, head, lane, values, stage)``: load head ``head`` of row ``token``
+    of ``x``, q/k-norm it with the weights ``w`` and rotate it by ``c``, ``s`` (``load_weights``, ``load_rotation``:
+    a kernel issues those loads before it waits for the q/k/v GEMM) into ``values`` (``n``: D as a run-time float32;
+    ``stage``: D shared floats, used only when the RoPE pair is not in one lane)."""
 
 
 @functools.cache
@@ -220,18 +227,21 @@ def head_row_functions(head_dim: int, cache_format: str) -> HeadRowFunctions:
                 cache[block, head, offset, d] = mathops.f32_to_bf16_bits_rne(values[r])
 
     @cuda.jit(device=True, inline=True)
-    def norm_rope(x, weight, eps, n, positions, cos_sin, token, head, lane, values, stage):
-        """Load, norm and rotate head ``head`` of row ``token`` of ``x`` into ``values`` (``n``: D at run time)."""
-        w = cuda.local.array(E, float32)
-        c = cuda.local.array(E, float32)
-        s = cuda.local.array(E, float32)
-        other = cuda.local.array(E, float32)
-        load_row(x, token, head, lane, values)
-        load_weights(weight, lane, w)
+    def load_rotation(positions, cos_sin, token, lane, c, s):
+        """The lane's cos/sin of token ``token``'s position into ``c``, ``s``; whether the position is in the table
+        (outside it nothing is read, and the rotated row becomes NaN)."""
         p = positions[token]
         in_table = p >= 0 and p < cos_sin.shape[0]
-        if in_table:  # outside the table nothing is read: the row becomes NaN
+        if in_table:
             load_cos_sin(cos_sin, p, lane, c, s)
+        return in_table
+
+    @cuda.jit(device=True, inline=True)
+    def norm_rope(x, w, eps, n, c, s, in_table, token, head, lane, values, stage):
+        """Load head ``head`` of row ``token`` of ``x``, norm it with ``w`` and rotate it by ``c``, ``s`` into ``values``
+        (``n``: D at run time)."""
+        other = cuda.local.array(E, float32)
+        load_row(x, token, head, lane, values)
         normalize(values, w, eps, lane, n)
         partners(values, stage, lane, other)
         rotate(values, other, c, s, in_table, lane)
@@ -244,7 +254,7 @@ def head_row_functions(head_dim: int, cache_format: str) -> HeadRowFunctions:
                 x[token, head, d] = values[r]
 
     write_row = {"fp8": write_fp8, "fp32": write_f32, "bf16": write_bf16}[cache_format]
-    return HeadRowFunctions(E, load_row, norm_rope, store_row, write_row)
+    return HeadRowFunctions(E, load_row, store_row, write_row, load_weights, load_rotation, norm_rope)
 
 
 def attention_input_function(head_dim: int, cache_format: str):
@@ -256,16 +266,23 @@ def attention_input_function(head_dim: int, cache_format: str):
     """
     D = head_dim
     rows = head_row_functions(head_dim, cache_format)
-    E, load_row, norm_rope, store_row, write_row = (rows.elements, rows.load_row, rows.norm_rope, rows.store_row,
-                                                    rows.write_row)
+    E, load_row, store_row, write_row = rows.elements, rows.load_row, rows.store_row, rows.write_row
+    load_weights, load_rotation, norm_rope = rows.load_weights, rows.load_rotation, rows.norm_rope
 
     def attention_input_kernel(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
                                v_scale, slot_mapping):
-        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         token = cuda.blockIdx.x
         warp, lane = cuda.threadIdx.x // WARP_SIZE, cuda.threadIdx.x % WARP_SIZE
         y = cuda.blockIdx.y * HEADS_PER_CTA + warp
         q_heads = q_out.shape[1]
+        # Before the wait, what no kernel writes: the norm weights, the position (copied in before the forward) and
+        # its cos/sin; after it, only q, k and v (the q/k/v GEMM's output) are left to load
+        w = cuda.local.array(E, float32)
+        c = cuda.local.array(E, float32)
+        s = cuda.local.array(E, float32)
+        load_weights(q_norm if y < q_heads else k_norm, lane, w)
+        in_table = load_rotation(positions, cos_sin, token, lane, c, s)
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         if y >= q_heads + k_cache.shape[1]:
             return  # past the last head (the whole warp leaves; no barrier follows)
         values = cuda.local.array(E, float32)
@@ -275,7 +292,7 @@ def attention_input_function(head_dim: int, cache_format: str):
         n = float32(q_out.shape[2])
         if y < q_heads:
             # every lane loads its elements before it stores any, and only its own: q_out may be q
-            norm_rope(q, q_norm, eps, n, positions, cos_sin, token, y, lane, values, stage)
+            norm_rope(q, w, eps, n, c, s, in_table, token, y, lane, values, stage)
             store_row(q_out, token, y, lane, values)
             return
         head = y - q_heads
@@ -285,7 +302,7 @@ def attention_input_function(head_dim: int, cache_format: str):
             return  # k goes to the cache only: a token without a slot has nothing to do here
         v_values = cuda.local.array(E, float32)
         load_row(v, token, head, lane, v_values)  # issued with k's loads: v's latency overlaps k's work
-        norm_rope(k, k_norm, eps, n, positions, cos_sin, token, head, lane, values, stage)
+        norm_rope(k, w, eps, n, c, s, in_table, token, head, lane, values, stage)
         block = slot // block_size
         offset = slot % block_size
         write_row(values, k_cache, k_scale, block, head, offset, lane)

@@ -93,6 +93,8 @@ WARP_PER_ROW_MAX_N = 256
 """Rows up to this length get a warp each (q/k-norm, head_dim 128); longer rows a CTA."""
 NORM_ELEMENTS_PER_THREAD = 8
 """A CTA-per-row norm gives each thread about this many elements (hidden 4096: 512 threads)."""
+NORM_CTAS_PER_SM = 2
+"""A CTA-per-row norm runs at most this many CTAs per SM, each walking its rows with the next row's loads in flight."""
 NORM_MAX_REGISTER_ELEMENTS = 8
 """The register norm kernels hold up to this many elements (and as many weights; the fused norm also x)
 per thread: every n <= 8192 (a 1024-thread CTA has at most 64 registers per thread). Longer rows take
@@ -199,6 +201,14 @@ def rms_norm_threads_per_row(n: int) -> int:
     return WARP_SIZE * min(warps, MAX_WARPS_PER_CTA)
 
 
+def norm_grid(rows: int, threads: int) -> int:
+    """CTAs of a CTA-per-row norm over ``rows`` rows of ``threads`` threads: ``NORM_CTAS_PER_SM`` per SM at most, each
+    taking every ``C``-th row (the register kernel; the loop kernel takes its rows the same way)."""
+    from .splitkv import device_num_sms  # splitkv imports this module
+
+    return max(1, min(rows, NORM_CTAS_PER_SM * device_num_sms()))
+
+
 def norm_elements_per_thread(n: int) -> int | None:
     """Elements each thread of a row holds in registers (``ceil(n / threads)``), or None for a row too
     long for that (more than ``NORM_MAX_REGISTER_ELEMENTS`` per thread: the generic loop kernel)."""
@@ -215,19 +225,24 @@ def add_warp_totals(warp_totals, warps):
     return total
 
 
-def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int, bf16_out: bool = False):
+def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int, bf16_out: bool = False, parts: int = 1):
     """The Python source of the norm kernel ``(x, residual, weight, eps, out)`` for rows of length ``n``
     (non-fused: ``residual`` is ``x``; fused: ``x`` is the parts ``[S, rows, n]`` of what is added, one
     part for a plain add), the row held in registers. ``bf16_out``: ``out`` is uint16 and gets the BF16
     bits of each float32 result (``dequantize.STORE``, ``bf16_round``'s rounding); otherwise float32.
 
     ``warp_per_row``: launch ``[ceil(rows / 4), 128]``, warp ``w`` of CTA ``b`` takes row ``4 b + w``.
-    Otherwise: launch ``[rows, rms_norm_threads_per_row(n)]``, CTA ``b`` takes row ``b``. Thread ``t``
+    Otherwise: launch ``[C, rms_norm_threads_per_row(n)]`` with ``C <= rows`` CTAs (``norm_grid``), CTA ``b`` takes
+    rows ``b, b + C, b + 2 C, ...`` and issues the loads of its next row before the barrier of the current one, so
+    that they fly while it normalizes and stores (a row per CTA left a prefill's norms at half the bandwidth: every
+    CTA of a wave loaded, then stored, in step). Thread ``t``
     of a row's ``B`` threads owns ``k = t + B j``, ``j < E = norm_elements_per_thread(n)``: it issues
     all their loads (x, the residual, weight) in one unrolled loop, so they are in flight together,
     then chains ``acc = fma(v, v, acc)`` over ``j`` in order (the generic kernel's order: k increasing),
     reduces as the generic kernel does, and normalizes from the registers (no second read of the row).
-    Checked bit for bit against ``fp8lab.simulators.dense.rms_norm`` / ``add_rms_norm``.
+    ``parts`` (fused only): the ``S`` of ``x``, a constant of the kernel so that the loads of every part are
+    unrolled and in flight together (with ``S`` read at run time the loop went two parts per round trip to the
+    L2, one after another). Checked bit for bit against ``fp8lab.simulators.dense.rms_norm`` / ``add_rms_norm``.
     """
     threads = rms_norm_threads_per_row(n)
     elements = norm_elements_per_thread(n)
@@ -236,29 +251,48 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int, bf16_out
     warps = threads // WARP_SIZE
     whole = n % threads == 0  # every thread owns exactly `elements` elements: no bound check
     store = STORE["bf16" if bf16_out else "f32"]
+    PARTS_ELEMENTS = parts * elements  # local array sizes must be plain constants
 
     @cuda.jit(device=True, inline=True)
-    def load_row(x, residual, weight, row, t, values, weights):
-        """The thread's elements (for the fused norm ``residual + x``, stored back once) and weights."""
-        extra = cuda.local.array(elements, float32)  # the fused norm's x, beside the residual in `values`
+    def load_weights(weight, t, weights):
+        for j in range(elements):
+            k = t + threads * j
+            if whole or k < n:
+                weights[j] = weight[k]
+
+    @cuda.jit(device=True, inline=True)
+    def issue_row(x, residual, row, t, values, loaded):
+        """The loads of the thread's elements of row ``row`` (the fused norm: the residual, and every part into
+        ``loaded [part][element]``), all issued before any is used, so they are in flight together."""
         for j in range(elements):
             k = t + threads * j
             if whole or k < n:
                 values[j] = residual[row, k] if fused else x[row, k]
                 if fused:
-                    extra[j] = x[0, row, k]
-                weights[j] = weight[k]
+                    for s in range(parts):
+                        loaded[s * elements + j] = x[s, row, k]
+
+    @cuda.jit(device=True, inline=True)
+    def add_row(residual, row, t, values, loaded):
+        """The fused norm: ``values += parts`` (summed in part order first, then one addition), stored back into the
+        residual; nothing for the plain norm."""
         if fused:
-            for s in range(1, x.shape[0]):  # the further parts of a split-K product, in part order
-                for j in range(elements):
-                    k = t + threads * j
-                    if whole or k < n:
-                        extra[j] = extra[j] + x[s, row, k]
             for j in range(elements):
                 k = t + threads * j
                 if whole or k < n:
-                    values[j] = values[j] + extra[j]  # residual + x, one float32 addition
+                    total = loaded[j]
+                    for s in range(1, parts):  # the further parts of a split-K product, in part order
+                        total = total + loaded[s * elements + j]
+                    values[j] = values[j] + total  # residual + x, one float32 addition
                     residual[row, k] = values[j]
+
+    @cuda.jit(device=True, inline=True)
+    def load_row(x, residual, weight, row, t, values, weights):
+        """The thread's elements of row ``row`` (for the fused norm ``residual + x``, stored back once) and weights."""
+        loaded = cuda.local.array(PARTS_ELEMENTS, float32)
+        load_weights(weight, t, weights)
+        issue_row(x, residual, row, t, values, loaded)
+        add_row(residual, row, t, values, loaded)
 
     @cuda.jit(device=True, inline=True)
     def partial_sum_of_squares(t, values):
@@ -291,26 +325,47 @@ def rms_norm_register_function(fused: bool, warp_per_row: bool, n: int, bf16_out
         normalize(residual, eps, out, row, lane, values, weights, total)
 
     def rms_norm_cta_kernel(x, residual, weight, eps, out):
-        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
-        warp_totals = cuda.shared.array(MAX_WARPS_PER_CTA, float32)
-        row = cuda.blockIdx.x
-        t = cuda.threadIdx.x
-        values = cuda.local.array(elements, float32)
+        t = uint32(cuda.threadIdx.x)  # unsigned indices: no negative-index wraparound in the address arithmetic
         weights = cuda.local.array(elements, float32)
-        load_row(x, residual, weight, row, t, values, weights)
-        warp_total = warp_sum(partial_sum_of_squares(t, values))
-        if t % WARP_SIZE == 0:
-            warp_totals[t // WARP_SIZE] = warp_total
-        cuda.syncthreads()
-        normalize(residual, eps, out, row, t, values, weights, add_warp_totals(warp_totals, warps))
+        load_weights(weight, t, weights)  # before the wait: no kernel writes a weight
+        pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
+        warp_totals = cuda.shared.array((2, MAX_WARPS_PER_CTA), float32)  # two rows' in turn: one barrier per row
+        values = cuda.local.array(elements, float32)
+        loaded = cuda.local.array(PARTS_ELEMENTS, float32)
+        next_values = cuda.local.array(elements, float32)
+        next_loaded = cuda.local.array(PARTS_ELEMENTS, float32)
+        rows = uint32(residual.shape[0])
+        row = uint32(cuda.blockIdx.x)  # the grid has at most `rows` CTAs
+        issue_row(x, residual, row, t, values, loaded)
+        turn = 0
+        while row < rows:
+            add_row(residual, row, t, values, loaded)
+            warp_total = warp_sum(partial_sum_of_squares(t, values))
+            if t % WARP_SIZE == 0:
+                warp_totals[turn, t // WARP_SIZE] = warp_total
+            following = row + uint32(cuda.gridDim.x)
+            if following < rows:  # the next row's loads fly during this row's barrier, normalization and stores
+                issue_row(x, residual, following, t, next_values, next_loaded)
+            cuda.syncthreads()
+            total = float32(0)
+            for w in range(warps):  # the warp totals in warp order, from 0 (add_warp_totals)
+                total += warp_totals[turn, w]
+            normalize(residual, eps, out, row, t, values, weights, total)
+            for j in range(elements):
+                values[j] = next_values[j]
+            for i in range(PARTS_ELEMENTS):
+                loaded[i] = next_loaded[i]
+            row = following
+            turn = 1 - turn
 
     return rms_norm_warp_kernel if warp_per_row else rms_norm_cta_kernel
 
 
 def rms_norm_loop_function(fused: bool, bf16_out: bool = False):
     """The generic CTA-per-row norm kernel ``(x, residual, weight, eps, out)``, any ``n``: the fallback for
-    rows too long for registers (``norm_elements_per_thread(n)`` None: ``n > 8192``). Launch ``[rows,
-    rms_norm_threads_per_row(n)]``; thread ``t`` loops over ``k = t, t + B, ...`` twice (the sum of
+    rows too long for registers (``norm_elements_per_thread(n)`` None: ``n > 8192``). Launch ``[C,
+    rms_norm_threads_per_row(n)]`` (``norm_grid``), CTA ``b`` taking rows ``b, b + C, ...``; thread ``t`` loops over
+    ``k = t, t + B, ...`` twice (the sum of
     squares, then the normalization, rereading the row). The same order as the register kernels.
     Fused: ``x`` is the parts ``[S, rows, n]`` of what is added to the residual (one part: a plain add).
     ``bf16_out``: ``out`` is uint16 BF16 bits, as in ``rms_norm_register_function``.
@@ -335,29 +390,30 @@ def rms_norm_loop_function(fused: bool, bf16_out: bool = False):
     def rms_norm_loop_kernel(x, residual, weight, eps, out):
         pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         warp_totals = cuda.shared.array(MAX_WARPS_PER_CTA, float32)
-        row = cuda.blockIdx.x
         t = cuda.threadIdx.x
-        warp_total = warp_sum(partial_sum_of_squares(x, residual, row, t, cuda.blockDim.x))
-        if t % WARP_SIZE == 0:
-            warp_totals[t // WARP_SIZE] = warp_total
-        cuda.syncthreads()
-        total = add_warp_totals(warp_totals, cuda.blockDim.x // WARP_SIZE)
-        normalize(x, residual, weight, eps, out, row, t, cuda.blockDim.x, total)
+        for row in range(cuda.blockIdx.x, residual.shape[0], cuda.gridDim.x):  # rows b, b + C, ... (norm_grid)
+            warp_total = warp_sum(partial_sum_of_squares(x, residual, row, t, cuda.blockDim.x))
+            if t % WARP_SIZE == 0:
+                warp_totals[t // WARP_SIZE] = warp_total
+            cuda.syncthreads()
+            total = add_warp_totals(warp_totals, cuda.blockDim.x // WARP_SIZE)
+            normalize(x, residual, weight, eps, out, row, t, cuda.blockDim.x, total)
+            cuda.syncthreads()  # every thread has read the totals before the next row writes them
 
     return rms_norm_loop_kernel
 
 
 @functools.cache
-def _rms_norm_kernel(fused: bool, n: int, bf16_out: bool):
-    """The norm kernel for rows of length ``n`` writing float32 or (``bf16_out``) BF16 bits (compiled once
-    per ``(fused, n, bf16_out)``). On a GPU it is compiled for its CTA size (``launch_bounds``): ptxas
-    keeps within the registers a launch can have."""
+def _rms_norm_kernel(fused: bool, n: int, bf16_out: bool, parts: int = 1):
+    """The norm kernel for rows of length ``n`` writing float32 or (``bf16_out``) BF16 bits, the fused one adding
+    ``parts`` parts (compiled once per ``(fused, n, bf16_out, parts)``). On a GPU it is compiled for its CTA size
+    (``launch_bounds``): ptxas keeps within the registers a launch can have."""
     threads = rms_norm_threads_per_row(n)
     warp_per_row = threads == WARP_SIZE
     options = {} if SIMULATOR else {"launch_bounds": WARP_SIZE * NORM_ROWS_PER_CTA if warp_per_row else threads}
     if norm_elements_per_thread(n) is None:
         return cuda.jit(rms_norm_loop_function(fused, bf16_out), **options)
-    return cuda.jit(rms_norm_register_function(fused, warp_per_row, n, bf16_out), **options)
+    return cuda.jit(rms_norm_register_function(fused, warp_per_row, n, bf16_out, parts), **options)
 
 
 def _check_norm(x, weight, out, residual=None):
@@ -397,11 +453,12 @@ def _launch_norm(fused, x, residual, weight, eps, out, rows, n, stream):
         return
     threads = rms_norm_threads_per_row(n)
     warp_per_row = threads == WARP_SIZE
-    grid = -(-rows // NORM_ROWS_PER_CTA) if warp_per_row else rows
+    grid = -(-rows // NORM_ROWS_PER_CTA) if warp_per_row else norm_grid(rows, threads)
     block = WARP_SIZE * NORM_ROWS_PER_CTA if warp_per_row else threads
     args = [x, residual, weight, np.float32(eps), out]
     written = (1, 4) if fused else (4,)
-    _run(_rms_norm_kernel(fused, n, bf16_out), grid, block, stream, args, written)
+    parts = x.shape[0] if fused and norm_elements_per_thread(n) is not None else 1  # the loop kernel reads S itself
+    _run(_rms_norm_kernel(fused, n, bf16_out, parts), grid, block, stream, args, written)
 
 
 def rms_norm(x, weight, eps, out, stream=0):

@@ -49,7 +49,8 @@ The schedule is the simulator's (read ``fp8lab.simulators.splitkv_mma`` first); 
 the attention input, bit for bit ``attention_input.qk_norm_rope_cache_write`` then the kernel above (checked
 against ``fp8lab.simulators.splitkv_mma.decode_with_input`` in the CUDA simulator and against the two launches on a
 GPU). Before it waits for the q/k/v GEMM (``pdl``), each CTA issues the block table's load and its first tile's,
-unless that tile holds the new token: the cache tiles are earlier steps', complete before this kernel launched.
+unless that tile holds the new token: the cache tiles are earlier steps', complete before this kernel launched; and
+the norm weights, the position and its cos/sin, which nothing in the step writes.
 Then its warps take tasks ``w, w + 4, ...``: task ``i < G`` norms and rotates query head ``kv G + i`` into shared
 memory (``attention_input``'s warp functions); task ``G``, in the CTA whose shard holds position ``seq_len - 1``,
 norms, rotates and quantizes the new token's k and writes k and v into that position's slot of the block table.
@@ -306,9 +307,9 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
     # a CTA that writes the new token reads it back: the coherent load (the non-coherent path may hold a stale line)
     load_words = load_u32x4_coherent if with_input else load_u32x4
     head_rows = head_row_functions(D, "fp8")  # the attention input's warp functions (with_input)
-    HEAD_ELEMENTS, load_row, norm_rope, store_row, write_row = (head_rows.elements, head_rows.load_row,
-                                                                head_rows.norm_rope, head_rows.store_row,
-                                                                head_rows.write_row)
+    HEAD_ELEMENTS, load_row, store_row, write_row = (head_rows.elements, head_rows.load_row, head_rows.store_row,
+                                                     head_rows.write_row)
+    load_weights, load_rotation, norm_rope = head_rows.load_weights, head_rows.load_rotation, head_rows.norm_rope
     tiles_of = tile_functions(D, WIDE, load_words)
     load_tile, tile_row, table_chunk, attend_tile = (tiles_of.load_tile, tiles_of.tile_row, tiles_of.table_chunk,
                                                      tiles_of.attend_tile)
@@ -510,6 +511,16 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
         if early:
             load_shard_tile(k_words, v_words, k_scales, v_scales, lane_block, start, end, block_size, rows_per_block,
                             kv_row, warp, g, t, kw, vw, k_scale, v_scale, valid)
+        # and what the attention input reads besides q, k and v: the norm weights, the position and its cos/sin (the
+        # position's load and then the table's were two round trips after the wait, in every task)
+        q_weights = cuda.local.array(HEAD_ELEMENTS, float32)
+        k_weights = cuda.local.array(HEAD_ELEMENTS, float32)
+        cos = cuda.local.array(HEAD_ELEMENTS, float32)
+        sin = cuda.local.array(HEAD_ELEMENTS, float32)
+        load_weights(q_norm, lane, q_weights)
+        if writer:
+            load_weights(k_norm, lane, k_weights)
+        in_table = load_rotation(positions, cos_sin, seq, lane, cos, sin)
         pdl.prologue()  # q, k and v come from the GEMM before: wait for it
 
         # The attention input (attention_input's warp functions, bit for bit): task i < G is query head kv G + i, normed
@@ -521,12 +532,12 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
         n = float32(k_cache.shape[3])  # D at run time: the norm divides as rms_norm does
         for task in range(warp, G + 1, WARPS):
             if task < G:
-                norm_rope(q_in, q_norm, eps, n, positions, cos_sin, seq, kv * G + task, lane, values, stage)
+                norm_rope(q_in, q_weights, eps, n, cos, sin, in_table, seq, kv * G + task, lane, values, stage)
                 store_row(q_rows, 0, task, lane, values)
             elif writer:
                 v_values = cuda.local.array(HEAD_ELEMENTS, float32)
                 load_row(v_in, seq, kv, lane, v_values)
-                norm_rope(k_in, k_norm, eps, n, positions, cos_sin, seq, kv, lane, values, stage)
+                norm_rope(k_in, k_weights, eps, n, cos, sin, in_table, seq, kv, lane, values, stage)
                 position = length - 1
                 block, offset = table[position // block_size], position % block_size
                 write_row(values, k_cache, k_scale_out, block, kv, offset, lane)

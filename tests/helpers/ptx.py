@@ -323,8 +323,10 @@ def check_pdl_rules(ptx: str, weights_before_wait: bool = False, loads_before_wa
     (``griddepcontrol.wait``) before any store or atomic to global or generic memory and only then lets the next
     kernel launch (``griddepcontrol.launch_dependents``); before the wait it loads nothing from memory either,
     except (``weights_before_wait``, the SIMT GEMV) through the read-only path (``ld.global.nc``, the weight
-    codes) and ``ld.global.f32`` (their block scales), or (``loads_before_wait``, the decode attention with its
-    input: the block table and its first KV tile, which kernels before the previous one wrote) any global load.
+    codes) and ``ld.global.f32`` (their block scales; a CTA-per-row norm's weight), or (``loads_before_wait``, the
+    attention input and the decode attention with it: the norm weights, positions and their cos/sin, the block table
+    and the first KV tile, which no kernel of the forward or only kernels before the previous one wrote) any global
+    load.
     The PTX of a kernel is straight-line up to its first branch, and the two instructions come first, so "before"
     in the text is before in time (for the attention with its input, whose early loads branch, every path to the
     wait passes through that text)."""

@@ -529,12 +529,13 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
 
 def test_attention_input_kernels_compile_to_sm90_ptx(compiled):
     """q/k-norm, RoPE and the cache write in one kernel (the FP8 cache at head sizes 16, 64 and 128, the float caches at 128): the
-    norm's butterfly, fmas, correctly rounded sqrt and division; no local memory, no float64, no spills."""
+    norm's butterfly, fmas, correctly rounded sqrt and division; no local memory, no float64, no spills; before the wait
+    only loads (of what no kernel writes: the norm weights, the position, its cos/sin)."""
     def check(c):
         assert ".target sm_90" in c.ptx and ".local" not in c.ptx and ".f64" not in c.ptx
         for needle in ("shfl.sync.bfly.b32", "fma.rn.f32", "sqrt.rn.f32", "div.rn.f32"):
             assert needle in c.ptx, needle
-        check_pdl_rules(c.ptx)
+        check_pdl_rules(c.ptx, loads_before_wait=True)  # the norm weights, the position and its cos/sin
         check_no_spills(c)
 
     each_variant(compiled["attention_input"], check)

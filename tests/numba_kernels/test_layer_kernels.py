@@ -197,27 +197,39 @@ def test_bad_parts_raise_before_launch(parts, message):
 
 
 @pytest.mark.cudasim
+@pytest.mark.parametrize("kernel", ["loop", "register"])
 @pytest.mark.parametrize("fused", [False, True], ids=["rms_norm", "add_rms_norm"])
-def test_the_generic_loop_norm_kernel_matches_the_simulator(rng, fused):
-    """The fallback for rows too long for registers (n > 8192 on a GPU), launched directly at a small n
-    (3 warps per row) in the order of the register kernels: the same bits as the simulator."""
+def test_a_cta_per_row_norm_walks_more_rows_than_ctas(rng, fused, kernel):
+    """Both CTA-per-row kernels launched with 2 CTAs over 5 rows (``norm_grid`` gives fewer CTAs than rows on a GPU
+    from 265 rows on): each CTA walks rows b, b + 2, ... (the register kernel with the next row's loads in flight,
+    two warp-total buffers in turn), the same bits as the simulator, every row written. The loop kernel is the
+    fallback for rows too long for registers (n > 8192 on a GPU), run at a small n (3 warps per row)."""
     from numba import cuda
 
-    n = 520
+    n, rows, parts_count = 520, 5, 3
     threads = layers.rms_norm_threads_per_row(n)
     assert layers.norm_elements_per_thread(n) is not None and layers.norm_elements_per_thread(8193) is None
-    x, original = spread_activations(rng, (2, n)), spread_activations(rng, (2, n))
+    x, original = spread_activations(rng, (rows, n)), spread_activations(rng, (rows, n))
     weight = spread_activations(rng, (n,), spread=1)
     residual, out = (original.copy() if fused else x), poisoned(x.shape)
-    parts = np.stack([x, spread_activations(rng, (2, n))])  # the fused kernel adds parts [S, rows, n]
-    cuda.jit(layers.rms_norm_loop_function(fused))[2, threads](parts if fused else x, residual, weight,
-                                                              np.float32(1e-6), out)
+    parts = np.stack([x] + [spread_activations(rng, (rows, n)) for _ in range(parts_count - 1)])
+    if kernel == "loop":
+        source = layers.rms_norm_loop_function(fused)
+    else:
+        source = layers.rms_norm_register_function(fused, False, n, parts=parts_count if fused else 1)
+    cuda.jit(source)[2, threads](parts if fused else x, residual, weight, np.float32(1e-6), out)
     if fused:
         expected, total = sim.add_parts_rms_norm(parts, original, weight, 1e-6, threads)
         np.testing.assert_array_equal(residual.view(np.uint32), total.view(np.uint32))
     else:
         expected = sim.rms_norm(x, weight, 1e-6, threads)
     np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+
+
+def test_the_norm_grid_is_at_most_the_rows():
+    assert layers.norm_grid(1, 512) == 1 and layers.norm_grid(7, 128) == 7
+    many = layers.norm_grid(100_000, 512)
+    assert 1 <= many < 100_000 and many % layers.NORM_CTAS_PER_SM == 0
 
 
 # ---------------------------------------------------------------------------- rope
@@ -810,7 +822,7 @@ def check_layer_kernel_ptx(c) -> None:
         assert ptx.count("shfl.sync.bfly.b32") == 20  # value and index, 5 steps: a CTA's warps, the merging warp
         assert "atom.global.add.u32" in ptx or "atom.global.add.s32" in ptx  # the row's finished-CTA count
         assert ptx.count("membar.gl") + ptx.count("fence.sc.gpu") + ptx.count("fence.acq_rel.gpu") >= 2
-    check_pdl_rules(ptx)
+    check_pdl_rules(ptx, weights_before_wait="cta per row" in name)  # a CTA-per-row norm loads its weight first
     if c.resources is not None:
         assert "0 bytes spill stores" in c.resources, c.resources
 
@@ -867,10 +879,12 @@ def test_gpu_rms_norm_bit_for_bit(rows, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("parts, rows, n", [(4, 1, 1024), (4, 4, 1024), (2, 1, HIDDEN), (2, 3, HIDDEN), (3, 2, 8200)])
+@pytest.mark.parametrize("parts, rows, n", [(4, 1, 1024), (4, 4, 1024), (2, 1, HIDDEN), (2, 3, HIDDEN), (3, 2, 8200),
+                                            (1, 1000, HIDDEN), (3, 700, 8200)])
 def test_gpu_add_parts_rms_norm_bit_for_bit(parts, rows, n):
-    """The split-K parts of Qwen3-0.6B (4, hidden 1024) and Qwen3-8B (2, hidden 4096), and the generic loop
-    kernel: the residual bit for bit ``residual + sum_parts(parts)``, the norm the simulator's."""
+    """The split-K parts of Qwen3-0.6B (4, hidden 1024) and Qwen3-8B (2, hidden 4096), a 1,000-token prefill's one
+    part (more rows than CTAs: each CTA walks several), and the generic loop kernel: the residual bit for bit
+    ``residual + sum_parts(parts)``, the norm the simulator's."""
     from numba import cuda
 
     seed, rng = fresh_rng()
