@@ -280,7 +280,10 @@ def attention_input_function(head_dim: int, cache_format: str):
         w = cuda.local.array(E, float32)
         c = cuda.local.array(E, float32)
         s = cuda.local.array(E, float32)
-        load_weights(q_norm if y < q_heads else k_norm, lane, w)
+        if y < q_heads:  # two calls, not one on a chosen array: a chosen pointer would load through the generic space
+            load_weights(q_norm, lane, w)
+        else:
+            load_weights(k_norm, lane, w)
         in_table = load_rotation(positions, cos_sin, token, lane, c, s)
         pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         if y >= q_heads + k_cache.shape[1]:
