@@ -615,20 +615,21 @@ def silu_mul_function(bf16_out: bool):
 
 def silu_mul_quads_function(bf16_out: bool):
     """The same values four at a time, for ``I`` a multiple of 4 (16-byte aligned rows): the kernel
-    ``(gate_up_words, out_words)`` takes ``gate_up`` as its flat uint32 bits and writes a float32 ``out`` as
-    its flat uint32 bits, a BF16 ``out`` as flat uint32 pairs (element ``2 i`` in the low half). Launch
+    ``(gate_up_words, out_words, intermediate)`` takes ``gate_up`` as its flat uint32 bits and writes a float32 ``out``
+    as its flat uint32 bits, a BF16 ``out`` as flat uint32 pairs (element ``2 i`` in the low half); ``intermediate`` is
+    ``I`` (uint32: the kernel's index arithmetic is unsigned 32-bit; deriving ``I`` from the shapes cost every thread a
+    64-bit division, about half its instructions). Launch
     ``[(T, ceil(I / 1024)), 256]``: thread ``j`` of CTA ``(t, b)`` computes ``out[t, 4 (256 b + j) .. + 3]``
     from one 128-bit load of the gates and one of the ups. Why: one element per thread kept two 4-byte loads
     in flight per thread, too few to cover the memory's latency; it ran at about a third of the copy
     bandwidth at prefill sizes (``bench/RESULTS.md``, twenty-fifth session)."""
 
-    def silu_mul_quads_kernel(gate_up_words, out_words):
+    def silu_mul_quads_kernel(gate_up_words, out_words, intermediate):
         pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
-        token = cuda.blockIdx.x
-        intermediate = gate_up_words.shape[0] // (2 * cuda.gridDim.x)
-        j = 4 * (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x)
+        token = uint32(cuda.blockIdx.x)
+        j = uint32(4) * (uint32(cuda.blockIdx.y) * uint32(cuda.blockDim.x) + uint32(cuda.threadIdx.x))
         if j < intermediate:
-            row = token * 2 * intermediate
+            row = token * uint32(2) * intermediate
             g0, g1, g2, g3 = load_u32x4(gate_up_words, row + j)
             u0, u1, u2, u3 = load_u32x4(gate_up_words, row + intermediate + j)
             r0 = silu_times(u32_as_f32(g0), u32_as_f32(u0))
@@ -636,16 +637,16 @@ def silu_mul_quads_function(bf16_out: bool):
             r2 = silu_times(u32_as_f32(g2), u32_as_f32(u2))
             r3 = silu_times(u32_as_f32(g3), u32_as_f32(u3))
             if bf16_out:
-                first = (token * intermediate + j) // 2
+                first = (token * intermediate + j) // uint32(2)
                 out_words[first] = mathops.f32_to_bf16_bits_rne(r0) | mathops.f32_to_bf16_bits_rne(r1) << uint32(16)
-                out_words[first + 1] = (mathops.f32_to_bf16_bits_rne(r2)
+                out_words[first + uint32(1)] = (mathops.f32_to_bf16_bits_rne(r2)
                                         | mathops.f32_to_bf16_bits_rne(r3) << uint32(16))
             else:
                 first = token * intermediate + j
                 out_words[first] = f32_as_u32(r0)
-                out_words[first + 1] = f32_as_u32(r1)
-                out_words[first + 2] = f32_as_u32(r2)
-                out_words[first + 3] = f32_as_u32(r3)
+                out_words[first + uint32(1)] = f32_as_u32(r1)
+                out_words[first + uint32(2)] = f32_as_u32(r2)
+                out_words[first + uint32(3)] = f32_as_u32(r3)
 
     return silu_mul_quads_kernel
 
@@ -684,11 +685,14 @@ def silu_mul(gate_up, out, stream=0):
     if tokens == 0:
         return out
     if intermediate % SILU_QUAD == 0:  # the engine's shapes: four elements a thread, from 128-bit loads
+        if tokens * 2 * intermediate >= 2**32:
+            raise ValueError(f"gate_up: {tokens} x {2 * intermediate} elements, more than the kernel's 32-bit indices "
+                             "reach (2^32)")
         gate_up_device, out_device = on_device(gate_up, stream), on_device(out, stream)
         require_load_alignment("gate_up", gate_up_device, "silu_mul")
         grid = (tokens, -(-intermediate // (SILU_QUAD * ELEMENTWISE_THREADS)))
         words = [a.view(np.uint32).reshape(-1) for a in (gate_up_device, out_device)]
-        _run(_silu_mul_quads_kernels[bf16_out], grid, ELEMENTWISE_THREADS, stream, words, ())
+        _run(_silu_mul_quads_kernels[bf16_out], grid, ELEMENTWISE_THREADS, stream, [*words, np.uint32(intermediate)], ())
         if out_device is not out:
             out_device.copy_to_host(out, stream=stream)
         return out
@@ -1232,7 +1236,7 @@ def kernel_variants():
     variants.append(("silu_mul[bf16 out]", silu_mul_function(True), types.void(f32_2d, u16_2d)))
     for bf16_out in (False, True):
         variants.append((f"silu_mul[quads{', bf16 out' if bf16_out else ''}]", silu_mul_quads_function(bf16_out),
-                         types.void(u32_1d, u32_1d)))
+                         types.void(u32_1d, u32_1d, types.uint32)))
     variants.append(("embedding", embedding_kernel, types.void(u16_2d, i32_1d, f32_2d)))
     for m_tile in range(1, LINEAR_MAX_M_TILE + 1):
         rows = default_rows_per_warp(m_tile)
