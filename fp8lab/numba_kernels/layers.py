@@ -93,8 +93,11 @@ WARP_PER_ROW_MAX_N = 256
 """Rows up to this length get a warp each (q/k-norm, head_dim 128); longer rows a CTA."""
 NORM_ELEMENTS_PER_THREAD = 8
 """A CTA-per-row norm gives each thread about this many elements (hidden 4096: 512 threads)."""
-NORM_CTAS_PER_SM = 2
-"""A CTA-per-row norm runs at most this many CTAs per SM, each walking its rows with the next row's loads in flight."""
+NORM_THREADS_PER_SM = 1024
+"""A CTA-per-row norm launches at most this many threads' worth of CTAs per SM, each walking its rows with the next
+row's loads in flight: two CTAs of 512 threads at Qwen3-8B's hidden size, where the registers (52 to 63 a thread) allow
+two; eight of 128 at Qwen3-0.6B's, so that a 1,000-token prefill there keeps a CTA per row as before (two CTAs of 128
+threads per SM ran its norms 6% slower: ``bench/RESULTS.md``, thirty-second session)."""
 NORM_MAX_REGISTER_ELEMENTS = 8
 """The register norm kernels hold up to this many elements (and as many weights; the fused norm also x)
 per thread: every n <= 8192 (a 1024-thread CTA has at most 64 registers per thread). Longer rows take
@@ -202,11 +205,11 @@ def rms_norm_threads_per_row(n: int) -> int:
 
 
 def norm_grid(rows: int, threads: int) -> int:
-    """CTAs of a CTA-per-row norm over ``rows`` rows of ``threads`` threads: ``NORM_CTAS_PER_SM`` per SM at most, each
-    taking every ``C``-th row (the register kernel; the loop kernel takes its rows the same way)."""
+    """CTAs ``C`` of a CTA-per-row norm over ``rows`` rows of ``threads`` threads: ``NORM_THREADS_PER_SM`` threads' worth
+    per SM at most, each CTA taking every ``C``-th row (the register kernel; the loop kernel walks its rows the same way)."""
     from .splitkv import device_num_sms  # splitkv imports this module
 
-    return max(1, min(rows, NORM_CTAS_PER_SM * device_num_sms()))
+    return max(1, min(rows, max(1, NORM_THREADS_PER_SM // threads) * device_num_sms()))
 
 
 def norm_elements_per_thread(n: int) -> int | None:

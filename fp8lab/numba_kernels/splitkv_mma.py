@@ -108,12 +108,10 @@ INVERSE_EXPONENT_BITS = uint32(254 << 23)
 @cuda.jit(device=True, inline=True)
 def tile_shard_range(seq_len, shard, num_splits):
     """Token range ``[start, end)`` of ``shard``: ``fp8lab.simulators.splitkv_mma.shard_bounds``, whole tiles."""
-    # unsigned 32-bit: a division by the run-time split count is then a short sequence, not a 64-bit division's call
-    length, splits = uint32(seq_len), uint32(num_splits)
-    tiles = (length + uint32(TILE - 1)) // uint32(TILE)
-    tokens_per_shard = (tiles + splits - uint32(1)) // splits * uint32(TILE)
-    start = min(uint32(shard) * tokens_per_shard, length)
-    return start, min(start + tokens_per_shard, length)
+    tiles = (seq_len + TILE - 1) // TILE
+    tokens_per_shard = (tiles + num_splits - 1) // num_splits * TILE
+    start = min(shard * tokens_per_shard, seq_len)
+    return start, min(start + tokens_per_shard, seq_len)
 
 
 @cuda.jit(device=True, inline=True)
@@ -244,13 +242,13 @@ def tile_functions(head_dim: int, wide: bool, load_words):
         """Cache row of tile ``tile``'s first token, its block read from lane ``tile % 32``'s ``lane_block``."""
         tile0 = start + TILE * tile
         block = cuda.shfl_sync(FULL_MASK, lane_block, tile % WARP_SIZE)
-        return uint64(block * rows_per_block + kv_row + uint32(tile0) % uint32(block_size))
+        return uint64(block * rows_per_block + kv_row + tile0 % block_size)
 
     @cuda.jit(device=True, inline=True)
     def table_chunk(table, start, end, block_size, first_tile, lane):
         """Lane ``i`` reads the block of tile ``first_tile + i`` (0 past the shard): 32 tiles' blocks in one load."""
         tile0 = start + TILE * (first_tile + lane)
-        return table[uint32(tile0) // uint32(block_size)] if tile0 < end else 0
+        return table[tile0 // block_size] if tile0 < end else 0
 
     @cuda.jit(device=True, inline=True)
     def attend_tile(qa, kw, vw, k_scale, v_scale, valid, m, lsum, corr, p, scores, weights, acc):
@@ -541,8 +539,7 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
                 load_row(v_in, seq, kv, lane, v_values)
                 norm_rope(k_in, k_weights, eps, n, cos, sin, in_table, seq, kv, lane, values, stage)
                 position = length - 1
-                block = table[uint32(position) // uint32(block_size)]
-                offset = uint32(position) % uint32(block_size)
+                block, offset = table[position // block_size], position % block_size
                 write_row(values, k_cache, k_scale_out, block, kv, offset, lane)
                 write_row(v_values, v_cache, v_scale_out, block, kv, offset, lane)
         cuda.syncthreads()  # the queries and the new token's K/V are visible to the CTA

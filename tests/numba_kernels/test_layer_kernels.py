@@ -201,7 +201,7 @@ def test_bad_parts_raise_before_launch(parts, message):
 @pytest.mark.parametrize("fused", [False, True], ids=["rms_norm", "add_rms_norm"])
 def test_a_cta_per_row_norm_walks_more_rows_than_ctas(rng, fused, kernel):
     """Both CTA-per-row kernels launched with 2 CTAs over 5 rows (``norm_grid`` gives fewer CTAs than rows on a GPU
-    from 265 rows on): each CTA walks rows b, b + 2, ... (the register kernel with the next row's loads in flight,
+    from 265 rows on at 512 threads): each CTA walks rows b, b + 2, ... (the register kernel with the next row's loads in flight,
     two warp-total buffers in turn), the same bits as the simulator, every row written. The loop kernel is the
     fallback for rows too long for registers (n > 8192 on a GPU), run at a small n (3 warps per row)."""
     from numba import cuda
@@ -228,8 +228,9 @@ def test_a_cta_per_row_norm_walks_more_rows_than_ctas(rng, fused, kernel):
 
 def test_the_norm_grid_is_at_most_the_rows():
     assert layers.norm_grid(1, 512) == 1 and layers.norm_grid(7, 128) == 7
-    many = layers.norm_grid(100_000, 512)
-    assert 1 <= many < 100_000 and many % layers.NORM_CTAS_PER_SM == 0
+    for threads in (128, 512, 1024):
+        many = layers.norm_grid(100_000, threads)
+        assert 1 <= many < 100_000 and many % (layers.NORM_THREADS_PER_SM // threads) == 0
 
 
 # ---------------------------------------------------------------------------- rope
