@@ -275,6 +275,8 @@ def attention_input_function(head_dim: int, cache_format: str):
         warp, lane = cuda.threadIdx.x // WARP_SIZE, cuda.threadIdx.x % WARP_SIZE
         y = cuda.blockIdx.y * HEADS_PER_CTA + warp
         q_heads = q_out.shape[1]
+        if y >= q_heads + k_cache.shape[1]:
+            return  # past the last head: the whole warp leaves, having written nothing (warp 0 of CTA 0 always waits)
         # Before the wait, what no kernel writes: the norm weights, the position (copied in before the forward) and
         # its cos/sin; after it, only q, k and v (the q/k/v GEMM's output) are left to load
         w = cuda.local.array(E, float32)
@@ -286,8 +288,6 @@ def attention_input_function(head_dim: int, cache_format: str):
             load_weights(k_norm, lane, w)
         in_table = load_rotation(positions, cos_sin, token, lane, c, s)
         pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
-        if y >= q_heads + k_cache.shape[1]:
-            return  # past the last head (the whole warp leaves; no barrier follows)
         values = cuda.local.array(E, float32)
         stages = cuda.shared.array((HEADS_PER_CTA, D), float32)
         stage = stages[warp]
