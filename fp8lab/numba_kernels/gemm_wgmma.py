@@ -14,7 +14,8 @@ What it computes::
 
 How (the kernel computes ``out^T``, weights as the 64-row operand, as vLLM's Machete does for its W4A16):
 
-- **Tiles**: a CTA owns ``CTA_N = 64 warpgroups`` weight rows times ``TOKENS`` (64, 128 or 192) activation rows.
+- **Tiles**: a CTA owns ``CTA_N = 64 warpgroups`` weight rows times ``TOKENS`` (64, 128 or 192) activation rows
+  (by default 128, or 64 where 128-token tiles would leave SMs idle: ``default_tiling``).
   Warpgroup ``w`` multiplies weight rows ``64 w .. 64 w + 63`` by all ``TOKENS`` tokens with one
   ``wgmma.m64n{TOKENS}k16`` per k16 step (``fp8lab.numba_kernels.wgmma``; two independent ``m64n64k16`` chains
   instead were 1 to 10% slower on an H100, ``bench/RESULTS.md``, twenty-second session): A = the weights, in
@@ -103,6 +104,7 @@ from .mathops import (
     f32_to_bf16_bits_rne,
     reciprocal_u32,
 )
+from .splitkv import device_num_sms
 from .warp import WARP_SIZE, load_shared_u32x4
 
 K_CHUNK = 128
@@ -177,6 +179,26 @@ class Tiling(NamedTuple):
             raise ValueError(f"stages: {self} needs {self.shared_bytes} bytes of shared memory, more than the "
                              f"{MAX_SHARED_PER_CTA} a CTA may have")
         return self
+
+
+SMALL_GRID_TILING = Tiling(64, 2, 5)
+"""The tiling ``default_tiling`` gives a grid of 128-token tiles that leaves SMs idle: half the tokens per CTA, so
+twice the CTAs (five stages: the shared memory the smaller activation tiles leave room for)."""
+
+
+def default_tiling(m: int, n: int, sms: int) -> Tiling:
+    """The tiling ``gemm_wgmma`` uses when none is given, for ``M`` tokens, ``N`` weight rows and ``sms`` SMs:
+    ``Tiling()`` (128-token tiles), or ``SMALL_GRID_TILING`` (64) where its grid of 64-token tiles, twice the CTAs,
+    still fits one wave (at most one CTA per SM: either tiling's shared memory holds one) and ``M`` is more than one
+    64-token tile. A CTA of 64 tokens runs at about three quarters of a 128-token CTA's rate (``bench/RESULTS.md``,
+    twenty-first session), so halving each CTA's work pays only while no second wave comes of it: Qwen3-0.6B's
+    o_proj and down_proj (1,024 rows, 8 weight tiles) at a 1,000-token prefill are 64 CTAs of 128 tokens on 132
+    SMs, or 128 of 64. No tiling changes a bit of the result."""
+    small = SMALL_GRID_TILING
+    ctas = -(-m // small.tokens) * -(-n // small.cta_n)
+    if m > small.tokens and ctas <= sms:
+        return small
+    return Tiling()
 
 
 class LaunchInfo(NamedTuple):
@@ -513,10 +535,13 @@ def gemm_wgmma(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = N
     ``a``: BF16 bits (``uint16``/``int16``) ``[M, K]``; ``q``: ``uint8 [N, K]``; ``scale_inv``: ``float32
     [ceil(N/BN), ceil(K/BK)]``; ``out``: ``float32`` or BF16 bits ``[M, N]``; C-contiguous NumPy, Numba device or
     ``__cuda_array_interface__`` arrays (device data 16-byte aligned). ``block = (BN, BK)``: ``BN`` a multiple of
-    8, ``BK`` of 128; ``K`` a multiple of 128. ``tiling``: ``Tiling`` (default ``Tiling()``). Needs a
+    8, ``BK`` of 128; ``K`` a multiple of 128. ``tiling``: ``Tiling`` (default: ``default_tiling`` for this
+    GPU's SMs). Needs a
     compute-capability-9.0 GPU (or the CUDA simulator). Every problem is a ``ValueError`` raised before launch.
     """
     problem = checked_problem(a, q, scale_inv, out, block, "gemm_wgmma")
+    if tiling is None:
+        tiling = default_tiling(problem.m, problem.n, device_num_sms())
     launch = launch_info(problem.m, problem.n, problem.k, tiling)
     kernel = compiled_kernel(launch.tiling, problem.output)
     args = kernel_arguments(problem)

@@ -135,6 +135,19 @@ def test_every_tiling_fits_a_ctas_shared_memory():
         assert tiling.stage_bytes % 1024 == 0 and tiling.code_offset % 1024 == 0  # swizzle atoms 1,024-aligned
 
 
+def test_the_default_tiling_takes_64_tokens_only_where_that_grid_is_one_wave():
+    """On 132 SMs: Qwen3-0.6B's o_proj / down_proj (1,024 rows) at 1,000 tokens take 64-token tiles (128 CTAs); the
+    wider weights, a grid of 64-token tiles past one wave, and a single 64-token tile keep 128."""
+    small, large = kernel.SMALL_GRID_TILING, kernel.Tiling()
+    assert small in TILINGS and small.tokens == 64  # the GPU tests run it
+    assert kernel.default_tiling(1000, 1024, 132) == small
+    assert kernel.default_tiling(1024, 1024, 132) == small  # 16 x 8 = 128 CTAs of 64 tokens
+    # 1,025 tokens: 17 x 8 = 136 CTAs of 64 tokens, past one wave
+    for m, n in [(1000, 4096), (1000, 6144), (1000, 24576), (1025, 1024), (2048, 1024), (64, 1024)]:
+        assert kernel.default_tiling(m, n, 132) == large, (m, n)
+    assert kernel.default_tiling(1000, 1024, 114) == large  # an H100 PCIe's 114 SMs
+
+
 # ---------------------------------------------------------------------------- GPU
 
 
