@@ -282,6 +282,17 @@ def attention_input_function(head_dim: int, cache_format: str):
     E, load_row, store_row, write_row = rows.elements, rows.load_row, rows.store_row, rows.write_row
     load_weights, load_rotation, normed_rotated = rows.load_weights, rows.load_rotation, rows.normed_rotated
 
+    @cuda.jit(device=True, inline=True)
+    def write_kv_rows(k_values, v_values, w, eps, n, c, s, in_table, lane, stage, k_cache, v_cache, k_scale, v_scale,
+                      slot, head):
+        """A token's k row (loaded into ``k_values``) normed and rotated, then it and its v row into cache slot
+        ``slot``."""
+        block_size = k_cache.shape[2]
+        block, offset = slot // block_size, slot % block_size
+        normed_rotated(k_values, w, eps, n, c, s, in_table, lane, stage)
+        write_row(k_values, k_cache, k_scale, block, head, offset, lane)
+        write_row(v_values, v_cache, v_scale, block, head, offset, lane)
+
     def attention_input_kernel(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
                                v_scale, slot_mapping):
         first = cuda.blockIdx.x * TOKENS_PER_WARP  # the CTA's tokens: first, first + 1 (if there is one)
@@ -326,8 +337,7 @@ def attention_input_function(head_dim: int, cache_format: str):
                 store_row(q_out, first + 1, y, lane, values1)
             return
         head = y - q_heads
-        block_size = k_cache.shape[2]
-        capacity = k_cache.shape[0] * block_size
+        capacity = k_cache.shape[0] * k_cache.shape[2]
         slot0 = slot_mapping[first]
         write0 = slot0 >= 0 and slot0 < capacity  # -1: padding; never outside the cache
         slot1 = slot_mapping[first + 1] if second else -1
@@ -343,13 +353,11 @@ def attention_input_function(head_dim: int, cache_format: str):
             load_row(v, first + 1, head, lane, v_values1)
             load_row(k, first + 1, head, lane, values1)
         if write0:
-            normed_rotated(values0, w, eps, n, c0, s0, in_table0, lane, stage)
-            write_row(values0, k_cache, k_scale, slot0 // block_size, head, slot0 % block_size, lane)
-            write_row(v_values0, v_cache, v_scale, slot0 // block_size, head, slot0 % block_size, lane)
+            write_kv_rows(values0, v_values0, w, eps, n, c0, s0, in_table0, lane, stage, k_cache, v_cache, k_scale,
+                          v_scale, slot0, head)
         if write1:
-            normed_rotated(values1, w, eps, n, c1, s1, in_table1, lane, stage)
-            write_row(values1, k_cache, k_scale, slot1 // block_size, head, slot1 % block_size, lane)
-            write_row(v_values1, v_cache, v_scale, slot1 // block_size, head, slot1 % block_size, lane)
+            write_kv_rows(values1, v_values1, w, eps, n, c1, s1, in_table1, lane, stage, k_cache, v_cache, k_scale,
+                          v_scale, slot1, head)
 
     return attention_input_kernel
 

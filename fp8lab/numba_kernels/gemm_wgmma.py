@@ -296,10 +296,11 @@ def check_launch(m: int, n: int, k: int, tokens: int, cta_n: int) -> tuple[int, 
 
 
 def launch_info(m: int, n: int, k: int, tiling: Tiling | None = None) -> LaunchInfo:
-    """Grid ``(ceil(N / CTA_N), ceil(M / tokens))``, block, dynamic shared memory and the tiling."""
+    """Grid ``(ceil(N / CTA_N), ceil(M / tokens))``, block, dynamic shared memory and the tiling (None:
+    ``default_tiling`` for this GPU's SMs)."""
     if m < 1 or n < 1 or k < K_CHUNK or k % K_CHUNK:  # before the tiling, so a bad shape is named first
         raise ValueError(f"shape: expected M, N >= 1 and K a positive multiple of {K_CHUNK}, got {(m, n, k)}")
-    tiling = Tiling(*(tiling or Tiling())).check()
+    tiling = Tiling(*(tiling or default_tiling(m, n, device_num_sms()))).check()
     grid = check_launch(m, n, k, tiling.tokens, tiling.cta_n)
     return LaunchInfo(grid, (tiling.threads,), tiling.shared_bytes, tiling)
 
@@ -540,8 +541,6 @@ def gemm_wgmma(a, q, scale_inv, out, block=(128, 128), tiling: Tiling | None = N
     compute-capability-9.0 GPU (or the CUDA simulator). Every problem is a ``ValueError`` raised before launch.
     """
     problem = checked_problem(a, q, scale_inv, out, block, "gemm_wgmma")
-    if tiling is None:
-        tiling = default_tiling(problem.m, problem.n, device_num_sms())
     launch = launch_info(problem.m, problem.n, problem.k, tiling)
     kernel = compiled_kernel(launch.tiling, problem.output)
     args = kernel_arguments(problem)
