@@ -74,25 +74,30 @@ def load_remote_f32(typingctx, shared, index, rank):
     return float32(shared, index, rank), codegen
 
 
-def probe_kernel(out):
-    stage = cuda.shared.array(THREADS, float32)
-    t = cuda.threadIdx.x
-    rank = cluster_ctarank()
-    stage[t] = float32(rank) + float32(t)
-    cluster_sync()
-    if rank == 0:
-        total = float32(0)
-        for r in range(CLUSTER):
-            total += load_remote_f32(stage, t, uint32(r))
-        out[cuda.blockIdx.x, t] = total
-    cluster_sync()  # no CTA leaves while rank 0 may still read its shared memory
+def make_probe_kernel(cluster: int):
+    """The probe kernel for clusters of ``cluster`` CTAs."""
+
+    def probe_kernel(out):
+        stage = cuda.shared.array(THREADS, float32)
+        t = cuda.threadIdx.x
+        rank = cluster_ctarank()
+        stage[t] = float32(rank) + float32(t)
+        cluster_sync()
+        if rank == 0 and cuda.blockIdx.x < out.shape[0] * cluster:  # in bounds whichever unit the grid was read in
+            total = float32(0)
+            for r in range(cluster):
+                total += load_remote_f32(stage, t, uint32(r))
+            out[cuda.blockIdx.x // cluster, t] = total
+        cluster_sync()  # no CTA leaves while rank 0 may still read its shared memory
+
+    return probe_kernel
 
 
 SIGNATURE = "void(float32[:, ::1])"
 
 
 def compile_check(ptxas: str | None) -> None:
-    ptx, _ = cuda.compile_ptx(probe_kernel, SIGNATURE, cc=(9, 0))
+    ptx, _ = cuda.compile_ptx(make_probe_kernel(CLUSTER), SIGNATURE, cc=(9, 0))
     found = {k: k in ptx for k in ("%cluster_ctarank", "barrier.cluster", "mapa.shared::cluster", "ld.shared::cluster")}
     print(f"sm_90 PTX: {found}")
     if ptxas:
@@ -103,26 +108,38 @@ def compile_check(ptxas: str | None) -> None:
         print(f"ptxas exit {result.returncode}: {' | '.join(used)}")
 
 
-def run_on_gpu() -> bool:
+def run_on_gpu(cluster: int) -> bool:
+    """Launch the probe in clusters of ``cluster`` CTAs (above 8, with the non-portable size allowed first)."""
+    import cuda.core
     from cuda.core import LaunchConfig
     from cuda.core import launch as core_launch
-    from numba.cuda.cudadrv.driver import _to_core_stream
+    from numba.cuda.cudadrv.driver import _to_core_stream, binding, driver
 
-    kernel = cuda.jit(SIGNATURE)(probe_kernel)
-    out = cuda.to_device(np.full((CLUSTERS * CLUSTER, THREADS), np.nan, np.float32))
+    kernel = cuda.jit(SIGNATURE)(make_probe_kernel(cluster))
+    out = cuda.to_device(np.full((CLUSTERS, THREADS), np.nan, np.float32))
     compiled = kernel.overloads[kernel.signatures[0]]
+    function = compiled._codelibrary.get_cufunc()
+    if cluster > 8:
+        attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+        driver.cuKernelSetAttribute(attribute, 1, function.handle, cuda.get_current_device().id)
     stream = cuda.stream()
     writebacks, kernel_args = [], []
     compiled._prepare_args(compiled.argument_types[0], out, stream, writebacks, kernel_args)
-    config = LaunchConfig(grid=(CLUSTERS,), cluster=(CLUSTER,), block=(THREADS,))
-    core_launch(_to_core_stream(stream), config, compiled._codelibrary.get_cufunc().kernel, *kernel_args)
-    stream.synchronize()
+    # cuda.core before 0.4 reads ``grid`` as blocks even with a cluster, 0.4 and later as clusters
+    version = tuple(int(p) for p in cuda.core.__version__.split(".")[:2])
+    grid = CLUSTERS if version >= (0, 4) else CLUSTERS * cluster
+    config = LaunchConfig(grid=(grid,), cluster=(cluster,), block=(THREADS,))
+    try:
+        core_launch(_to_core_stream(stream), config, function.kernel, *kernel_args)
+        stream.synchronize()
+    except Exception as error:  # report and go on to the next size
+        print(f"cluster {cluster}: launch failed: {error}")
+        return False
     got = out.copy_to_host()
-    expected = (np.arange(CLUSTER).sum() + CLUSTER * np.arange(THREADS)).astype(np.float32)
-    leaders = got[::CLUSTER]
-    others = np.delete(got, np.s_[::CLUSTER], axis=0)
-    ok = bool(np.array_equal(leaders, np.broadcast_to(expected, leaders.shape)) and np.all(np.isnan(others)))
-    print(f"cluster launch on {cuda.get_current_device().name}: {'correct' if ok else 'WRONG'}")
+    expected = (np.arange(cluster).sum() + cluster * np.arange(THREADS)).astype(np.float32)
+    ok = bool(np.array_equal(got, np.broadcast_to(expected, got.shape)))
+    print(f"cuda.core {cuda.core.__version__}, cluster {cluster} on {cuda.get_current_device().name}: "
+          f"{'correct' if ok else 'WRONG'}")
     return ok
 
 
@@ -132,7 +149,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     compile_check(args.ptxas)
     if cuda.is_available() and cuda.get_current_device().compute_capability >= (9, 0):
-        return 0 if run_on_gpu() else 1
+        return 0 if all([run_on_gpu(c) for c in (4, 8, 16)]) else 1
     print("no sm_90 GPU here: the launch was not run")
     return 0
 

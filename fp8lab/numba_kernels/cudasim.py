@@ -17,6 +17,12 @@ runs unchanged on a GPU and in the simulator:
   busy loop: the loop held the GIL against the threads it waits for, which made kernels several times
   slower, and on a loaded machine often 10 to 30 times slower.
 
+And thread-block clusters (``fp8lab.numba_kernels.cluster``), which the simulator does not have: inside
+``clusters(dims)`` a launch runs the CTAs of each cluster at once, each with shared memory of its own, and
+``cluster_rank``, ``cluster_sync`` and ``remote_shared`` give a CTA its rank, the cluster barrier and another CTA's
+shared array. A thread of the cluster that exits without reaching a cluster barrier the others wait at is a
+``RuntimeError`` (a deadlock on the GPU).
+
 How a collective works here: each lane named in ``mask`` deposits its value in a rendezvous
 keyed by ``(warp, mask, n)``, where ``n`` counts that lane's earlier collectives with the same
 mask, and waits until every lane of ``mask`` has deposited. So lanes that diverge into disjoint
@@ -35,8 +41,12 @@ Nothing here is used on a GPU: ``install()`` does nothing unless the simulator i
 
 from __future__ import annotations
 
+import contextlib
+import math
+import sys
 import threading
 import time
+import traceback
 import weakref
 from collections import defaultdict
 
@@ -330,6 +340,15 @@ def fma(a, b, c):
 
 
 def _run_block(self, grid_point, *args):
+    """``BlockManager.run``: ``_run_block_loop``, or inside ``clusters()`` the CTA on a thread of its own beside the
+    others of its cluster."""
+    if _cluster_launch is not None:
+        _start_in_cluster(self, grid_point, args)
+    else:
+        _run_block_loop(self, grid_point, args)
+
+
+def _run_block_loop(self, grid_point, args):
     """numba-cuda 0.30's ``BlockManager.run``, step for step: start every thread of the block; whenever every
     live thread waits at ``syncthreads``, release them all (one by one, as ``_check_missing_lanes`` expects);
     on a thread's exception, abort the others and raise it. The one change: where a look at the threads
@@ -422,4 +441,187 @@ def install() -> bool:
     if not getattr(kernel.BlockManager, "_fp8lab_polls", False) and _block_manager_is_numba_cudas(kernel):
         kernel.BlockManager.run = _run_block
         kernel.BlockManager._fp8lab_polls = True
+    if not getattr(kernelapi.FakeCUDAShared, "_fp8lab_per_cta", False):
+        kernelapi.FakeCUDAShared.array = _shared_array
+        kernelapi.FakeCUDAShared._fp8lab_per_cta = True
     return True
+
+
+# ---------------------------------------------------------------------------- thread-block clusters
+
+
+class _Cluster:
+    """The CTAs of one cluster while they run: the barrier's count, their shared memory, their block managers."""
+
+    def __init__(self, size: int):
+        self.size = size  # CTAs
+        self.condition = threading.Condition()
+        self.arrived = 0  # threads at the barrier of this generation
+        self.generation = 0
+        self.failed = False
+        self.shared: dict[int, dict] = defaultdict(dict)  # rank -> {allocation site: array}
+        self.sites: dict[int, tuple] = {}  # id(array) -> its allocation site
+        self.managers: list = []
+        self.runners: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+
+    def threads(self) -> int:
+        """Threads of the whole cluster: every one arrives at each barrier."""
+        return self.size * math.prod(self.managers[0]._block_dim)
+
+
+_cluster_launch: dict | None = None  # {"dims": (cx, cy, cz), "clusters": {index: _Cluster}} inside clusters()
+_cluster_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def clusters(dims: tuple[int, int, int]):
+    """Within: a simulated launch runs in clusters of ``dims`` CTAs (``cluster.launch`` checks that they divide the
+    grid). The simulator runs one launch at a time, so one setting serves the whole launch."""
+    global _cluster_launch
+    from numba.cuda.simulator import kernel
+
+    if kernel.BlockManager.run is not _run_block:
+        raise RuntimeError("clusters: the cluster emulation needs numba-cuda 0.30's simulator (see _run_block)")
+    if _cluster_launch is not None:
+        raise RuntimeError("clusters: a cluster launch is already running")
+    _cluster_launch = {"dims": tuple(dims), "clusters": {}}
+    try:
+        yield
+    finally:
+        pending = [c for c in _cluster_launch["clusters"].values() if c.runners and len(c.runners) < c.size]
+        _cluster_launch = None
+        if pending:
+            raise RuntimeError("clusters: the launch ended with a cluster whose CTAs did not all start")
+
+
+def _cluster_of(block_idx) -> tuple[_Cluster, int]:
+    """The cluster of the CTA at ``block_idx`` (created when its first CTA starts) and the CTA's rank in it."""
+    cx, cy, cz = _cluster_launch["dims"]
+    index = (block_idx.x // cx, block_idx.y // cy, block_idx.z // cz)
+    rank = block_idx.x % cx + cx * (block_idx.y % cy + cy * (block_idx.z % cz))
+    with _cluster_lock:
+        cluster = _cluster_launch["clusters"].setdefault(index, _Cluster(cx * cy * cz))
+    return cluster, rank
+
+
+def _current_cluster() -> tuple[_Cluster, int]:
+    if _cluster_launch is None:
+        raise RuntimeError("cluster functions can only be called in a kernel launched by cluster.launch")
+    return _cluster_of(_current_thread().blockIdx)
+
+
+def _start_in_cluster(manager, grid_point, args) -> None:
+    """Run a CTA's block manager on a thread of its own; once every CTA of its cluster has started, wait for them all
+    and raise the first error. (The simulator's launch loop starts the CTAs one after the other.)"""
+    from numba.cuda.simulator.kernel import Dim3
+
+    cluster, _ = _cluster_of(Dim3(*grid_point))
+
+    def run():
+        try:
+            _run_block_loop(manager, grid_point, args)
+        except BaseException as error:  # noqa: BLE001 - handed to the thread that joins the cluster
+            with cluster.condition:
+                cluster.errors.append(error)
+                cluster.failed = True
+                cluster.condition.notify_all()
+
+    runner = threading.Thread(target=run, daemon=True)
+    with _cluster_lock:
+        cluster.managers.append(manager)
+        cluster.runners.append(runner)
+        complete = len(cluster.runners) == cluster.size
+    runner.start()
+    if complete:
+        for r in cluster.runners:
+            r.join()
+        if cluster.errors:
+            raise cluster.errors[0]
+
+
+def cluster_rank() -> int:
+    """This CTA's rank in its cluster (``%cluster_ctarank``)."""
+    return _current_cluster()[1]
+
+
+def _exited_thread_in(cluster: _Cluster) -> bool:
+    """Whether a thread of the cluster has exited (it can never arrive at a barrier)."""
+    return any(_exited(t) for manager in list(cluster.managers) for t in _block_threads(manager).values())
+
+
+def cluster_sync() -> None:
+    """The cluster barrier (``barrier.cluster.arrive.release`` then ``wait.acquire``): returns once every thread of
+    every CTA of the cluster has arrived."""
+    thread = _current_thread()
+    cluster, _ = _current_cluster()
+    with cluster.condition:
+        generation = cluster.generation
+        cluster.arrived += 1
+        if len(cluster.managers) == cluster.size and cluster.arrived == cluster.threads():
+            cluster.arrived = 0
+            cluster.generation += 1
+            cluster.condition.notify_all()
+            return
+        started = time.monotonic()
+        while cluster.generation == generation:
+            cluster.condition.wait(_POLL_S)
+            if cluster.generation != generation:
+                break
+            if getattr(thread, "abort", False) or cluster.failed:
+                raise RuntimeError("cluster_sync: aborted because another simulated thread failed")
+            waited = time.monotonic() - started
+            if waited > 1.0 and len(cluster.managers) == cluster.size and _exited_thread_in(cluster):
+                raise RuntimeError("cluster_sync: a thread of the cluster exited without arriving (a deadlock on the GPU)")
+            if waited > TIMEOUT_S:
+                raise RuntimeError(f"cluster_sync: threads of the cluster did not arrive within {TIMEOUT_S} s")
+
+
+def remote_shared(array, rank: int):
+    """CTA ``rank``'s copy of the shared array ``array`` (this CTA's, from ``cuda.shared.array``) in this cluster."""
+    cluster, _ = _current_cluster()
+    if not 0 <= rank < cluster.size:
+        raise RuntimeError(f"remote_shared: rank {rank} is not in a cluster of {cluster.size} CTAs")
+    site = cluster.sites.get(id(array))
+    if site is None:
+        raise RuntimeError("remote_shared: the array is not a shared array of this cluster (pass the array itself)")
+    remote = cluster.shared[rank].get(site)
+    if remote is None:
+        raise RuntimeError(f"remote_shared: CTA {rank} of the cluster has not allocated this shared array yet")
+    return remote
+
+
+def _shared_array(self, shape, dtype, alignment=None):
+    """numba-cuda 0.30's ``FakeCUDAShared.array`` (one array per allocation site, shared by the launch's CTAs, which
+    run one at a time), except inside ``clusters()``, where the CTAs run at once: there each CTA has its own."""
+    from numba.cuda import types
+    from numba.cuda.np import numpy_support
+
+    if alignment is not None:
+        raise RuntimeError("Array alignment is not supported in cudasim")
+    if isinstance(dtype, types.Type):
+        dtype = numpy_support.as_dtype(dtype)
+    cluster = rank = None
+    if _cluster_launch is not None and hasattr(threading.current_thread(), "blockIdx"):
+        cluster, rank = _current_cluster()
+    allocations = self._allocations if cluster is None else cluster.shared[rank]
+    if shape == 0:  # dynamic shared memory: one buffer, every such array a view of it
+        count = self._dynshared_size // dtype.itemsize
+        if cluster is None:
+            return np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
+        with _cluster_lock:
+            buffer = allocations.setdefault("dynamic", np.zeros(self._dynshared_size, dtype=np.byte))
+        site = ("dynamic", dtype.str)
+        array = np.frombuffer(buffer.data, dtype=dtype, count=count)
+    else:
+        site = tuple(traceback.extract_stack(sys._getframe())[-2][0:2])  # the kernel's line, as numba-cuda keys it
+        with _cluster_lock:
+            array = allocations.get(site)
+            if array is None:
+                array = allocations[site] = np.empty(shape, dtype)
+    if cluster is not None:
+        with _cluster_lock:
+            cluster.sites[id(array)] = site
+            if site[0] == "dynamic":
+                allocations[site] = array
+    return array

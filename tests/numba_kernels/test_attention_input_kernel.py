@@ -273,7 +273,7 @@ def test_bad_calls_raise_before_launching(rng, change, message):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 16])
+@pytest.mark.parametrize("tokens", [1, 16, 1001])
 def test_gpu_fused_matches_the_kernel_sequence_at_qwen3_8b_sizes(tokens):
     seed = int.from_bytes(os.urandom(8), "little")
     rng = np.random.default_rng(seed)

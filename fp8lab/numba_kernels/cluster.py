@@ -1,0 +1,171 @@
+"""Thread-block clusters (sm_90 and later): CTAs that meet at one barrier and read each other's shared memory.
+
+Device functions and a host launch helper, no kernel. Checked in ``tests/numba_kernels/test_cluster.py``: in the CUDA
+simulator (``fp8lab.numba_kernels.cudasim``'s cluster emulation) and on a GPU, a kernel whose CTAs sum each
+other's shared memory; the PTX holds the instructions.
+
+Why: the split-kv decode attention's shards of one kv head each end with a partial ``(m, l, acc)``, which a second
+kernel merged (about 4 us a layer, a launch and a round trip through the L2). Launched as one cluster per kv head,
+the shards meet at the cluster barrier and merge the partials from each other's shared memory, in the same kernel
+(``splitkv_mma``). Three earlier attempts to fuse the merge into the last CTA to finish (an atomic count and a
+fence) were slower than the second kernel (``bench/RESULTS.md``, the index of negatives): the cluster barrier is
+hardware, and every CTA of the cluster merges a slice of the outputs.
+
+- ``rank()``: this CTA's rank in its cluster (``%cluster_ctarank``): for a cluster of ``(1, 1, n)`` CTAs, ``blockIdx.z
+  % n``.
+- ``sync()``: every thread of the cluster arrives (``barrier.cluster.arrive.release``) and waits
+  (``barrier.cluster.wait.acquire``): shared-memory writes of any CTA of the cluster before it are visible to every
+  thread of the cluster after it. Every thread of every CTA of the cluster must call it (``.aligned``: all threads
+  of a warp together).
+- ``load_f32(shared, index, rank)``: element ``index`` (flat, in C order) of ``shared`` in the shared memory of CTA
+  ``rank`` of this cluster (``mapa.shared::cluster`` then ``ld.shared::cluster``); ``shared``: a float32
+  ``cuda.shared.array``, the same variable in every CTA. A CTA's shared memory lives as long as the CTA: a kernel whose CTAs read each other's
+  calls ``sync()`` again before any CTA may exit.
+- ``launch(kernel, griddim, blockdim, cluster_dims, stream, *args)``: the launch (Numba's own sets no cluster).
+
+On a GPU the device functions are inline PTX through ``numba.cuda.extending.intrinsic``; in the CUDA simulator they
+are ``cudasim``'s emulation, which runs the CTAs of a cluster at once (the simulator otherwise runs one CTA at a
+time) with shared memory of their own.
+"""
+
+from __future__ import annotations
+
+import math
+
+from . import pdl
+from .bits import SIMULATOR
+
+PORTABLE_CLUSTER_SIZE = 8
+"""The most CTAs a cluster holds on every GPU with clusters; sm_90 allows 16 once the kernel says so."""
+MAX_CLUSTER_SIZE = 16
+
+
+def check_cluster_dims(griddim, cluster_dims) -> tuple[int, int, int]:
+    """``cluster_dims`` as a 3-tuple, checked: at most ``MAX_CLUSTER_SIZE`` CTAs, dividing the grid in every dimension."""
+    grid = tuple(griddim) if isinstance(griddim, tuple) else (griddim,)
+    cluster = tuple(cluster_dims) if isinstance(cluster_dims, tuple) else (cluster_dims,)
+    grid, cluster = grid + (1,) * (3 - len(grid)), cluster + (1,) * (3 - len(cluster))
+    if not 1 <= math.prod(cluster) <= MAX_CLUSTER_SIZE or min(cluster) < 1:
+        raise ValueError(f"cluster_dims: {cluster_dims} is not 1 to {MAX_CLUSTER_SIZE} CTAs")
+    if any(g % c for g, c in zip(grid, cluster)):
+        raise ValueError(f"cluster_dims: {cluster_dims} does not divide the grid {griddim}")
+    return cluster
+
+
+if SIMULATOR:
+    from . import cudasim
+
+    HAS_CLUSTERS = True  # emulated
+
+    def rank():
+        return cudasim.cluster_rank()
+
+    def sync():
+        cudasim.cluster_sync()
+
+    def load_f32(shared, index, rank):
+        return cudasim.remote_shared(shared, int(rank)).reshape(-1)[index]
+
+    def launch(kernel, griddim, blockdim, cluster_dims, stream, *args, shared_bytes: int = 0) -> None:
+        """``kernel[griddim, blockdim, stream, shared_bytes](*args)`` with the CTAs of each cluster run at once."""
+        cluster = check_cluster_dims(griddim, cluster_dims)
+        with cudasim.clusters(cluster):
+            kernel[griddim, blockdim, stream, shared_bytes](*args)
+
+else:
+    from cuda.core import LaunchConfig
+    from cuda.core import launch as core_launch
+    from llvmlite import ir
+    from numba import cuda, float32, types
+    from numba.cuda.extending import intrinsic
+
+    try:  # numba-cuda's own names (0.30), as pdl uses them
+        from numba.cuda.cudadrv.driver import (
+            GraphBuilder,
+            _to_core_stream,
+            binding,
+            driver,
+        )
+    except ImportError:  # a numba-cuda without them: no cluster launch
+        GraphBuilder = _to_core_stream = None
+
+    HAS_CLUSTERS = pdl.HAS_PDL and _to_core_stream is not None  # sm_90 and later, as PDL
+
+    @intrinsic
+    def rank(typingctx):
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), []), "mov.u32 $0, %cluster_ctarank;", "=r")
+            return builder.call(asm, [])
+
+        return types.uint32(), codegen
+
+    @intrinsic
+    def sync(typingctx):
+        def codegen(context, builder, signature, args):
+            # the memory clobber: LLVM moves no shared-memory access across the barrier
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
+                               "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;",
+                               "~{memory}", side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @intrinsic
+    def load_f32(typingctx, shared, index, cta):
+        def codegen(context, builder, signature, args):
+            array, at, which = args
+            data = context.make_array(signature.args[0])(context, builder, array).data
+            generic = builder.ptrtoint(builder.gep(data, [at]), ir.IntType(64))
+            # the generic address of this CTA's element, to the shared window, to CTA ``which``'s copy of it
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(64), ir.IntType(32)]),
+                               "{\n .reg .u64 a;\n .reg .u32 s, r;\n cvta.to.shared.u64 a, $1;\n cvt.u32.u64 s, a;\n"
+                               " mapa.shared::cluster.u32 r, s, $2;\n ld.shared::cluster.f32 $0, [r];\n}",
+                               "=f,l,r,~{memory}", side_effect=True)
+            return builder.call(asm, [generic, which])
+
+        return float32(shared, types.intp, types.uint32), codegen  # the call casts index and rank to these
+
+    _non_portable_allowed: set[int] = set()
+
+    def _allow_non_portable(function) -> None:
+        """Let ``function`` launch clusters of more than 8 CTAs (``CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED``)."""
+        key = int(function.handle)
+        if key not in _non_portable_allowed:
+            attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+            driver.cuKernelSetAttribute(attribute, 1, function.handle, cuda.get_current_device().id)
+            _non_portable_allowed.add(key)
+
+    def _cuda_core_grid_is_clusters() -> bool:
+        """cuda.core 0.4 and later read ``LaunchConfig.grid`` as clusters when a cluster is given, earlier ones as CTAs."""
+        import cuda.core
+
+        return tuple(int(p) for p in cuda.core.__version__.split(".")[:2]) >= (0, 4)
+
+    def launch(kernel, griddim, blockdim, cluster_dims, stream, *args, shared_bytes: int = 0) -> None:
+        """``kernel[griddim, blockdim, stream, shared_bytes](*args)`` in clusters of ``cluster_dims`` CTAs (a dividing
+        tuple; more than 8 CTAs allowed), through ``cuda.core`` on any stream; inside a CUDA-graph capture also as a
+        programmatic dependent launch (``pdl.launch``'s rule). ``kernel`` follows ``pdl``'s rules.
+
+        Every launch pays cuda.core's Python path (about 18 us more than Numba's own, ``pdl.launch``): Numba's
+        launch sets no cluster. Raises ``RuntimeError`` on a GPU without clusters (before sm_90)."""
+        if not HAS_CLUSTERS:
+            raise RuntimeError("cluster.launch: this GPU has no thread-block clusters (sm_90 and later)")
+        cluster = check_cluster_dims(griddim, cluster_dims)
+        grid = tuple(griddim) if isinstance(griddim, tuple) else (griddim,)
+        grid = grid + (1,) * (3 - len(grid))
+        if _cuda_core_grid_is_clusters():
+            grid = tuple(g // c for g, c in zip(grid, cluster))
+        compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+        function = compiled._codelibrary.get_cufunc()
+        if math.prod(cluster) > PORTABLE_CLUSTER_SIZE:
+            _allow_non_portable(function)
+        writebacks, kernel_args = [], []
+        for argument_type, value in zip(compiled.argument_types, args):
+            compiled._prepare_args(argument_type, value, stream, writebacks, kernel_args)
+        in_graph = GraphBuilder is not None and isinstance(stream, GraphBuilder)
+        config = LaunchConfig(grid=grid, cluster=cluster, block=blockdim, shmem_size=shared_bytes,
+                              programmatic_stream_serialization=in_graph)
+        core_launch(_to_core_stream(stream), config, function.kernel, *kernel_args)
+        for writeback in writebacks:
+            writeback()
