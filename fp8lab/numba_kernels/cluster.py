@@ -116,13 +116,14 @@ else:
         def codegen(context, builder, signature, args):
             array, at, which = args
             data = context.make_array(signature.args[0])(context, builder, array).data
-            generic = builder.ptrtoint(builder.gep(data, [at]), ir.IntType(64))
-            # the generic address of this CTA's element, to the shared window, to CTA ``which``'s copy of it
-            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(64), ir.IntType(32)]),
-                               "{\n .reg .u64 a;\n .reg .u32 s, r;\n cvta.to.shared.u64 a, $1;\n cvt.u32.u64 s, a;\n"
-                               " mapa.shared::cluster.u32 r, s, $2;\n ld.shared::cluster.f32 $0, [r];\n}",
-                               "=f,l,r,~{memory}", side_effect=True)
-            return builder.call(asm, [generic, which])
+            # this CTA's element as a 32-bit shared-window address (LLVM folds the cast of a shared array's generic
+            # pointer back to the window: no 64-bit generic address to keep), then CTA ``which``'s copy of it
+            element = builder.addrspacecast(builder.gep(data, [at]), ir.PointerType(ir.FloatType(), 3))
+            shared_address = builder.ptrtoint(element, ir.IntType(32))
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(32), ir.IntType(32)]),
+                               "{\n .reg .u32 r;\n mapa.shared::cluster.u32 r, $1, $2;\n ld.shared::cluster.f32 $0, [r];\n}",
+                               "=f,r,r,~{memory}", side_effect=True)
+            return builder.call(asm, [shared_address, which])
 
         return float32(shared, types.intp, types.uint32), codegen  # the call casts index and rank to these
 

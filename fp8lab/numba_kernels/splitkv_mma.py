@@ -739,7 +739,7 @@ def decode_mma_with_input(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_ca
 def kernel_variants():
     """``(name, python function, numba signature)`` of the variants the PTX check compiles: 4 query heads per kv head
     with float32 out; 16 (rows ``g + 8`` in use) with BF16 out and the attention input (the q/k/v GEMM output as
-    column slices: layout "A")."""
+    column slices: layout "A"), without and with the merge in clusters."""
     f32 = types.float32
     words = types.Array(types.uint32, 1, "C")
     f32_1d, f32_2d, f32_3d = (types.Array(f32, d, "C") for d in (1, 2, 3))
@@ -754,6 +754,7 @@ def kernel_variants():
                           types.Array(types.int32, 2, "C"), types.Array(types.int32, 1, "C"), f32, types.int64,
                           types.int64, types.int64, types.Array(f32, 4, "C"), out)
 
-    shapes = ((128, 4, False, False), (128, 16, True, True))
-    return [(f"split_mma[head_dim={d}, group={g}{', out=bf16' if b else ''}{', with input' if w else ''}]",
-             split_kernel_function(d, g, b, w), signature(b, w)) for d, g, b, w in shapes]
+    shapes = ((128, 4, False, False, False), (128, 16, True, True, False), (128, 16, True, True, True))
+    return [(f"split_mma[head_dim={d}, group={g}{', out=bf16' if b else ''}{', with input' if w else ''}"
+             f"{', clustered' if c else ''}]", split_kernel_function(d, g, b, w, c), signature(b, w))
+            for d, g, b, w, c in shapes]
