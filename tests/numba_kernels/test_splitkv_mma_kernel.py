@@ -275,6 +275,7 @@ def test_gpu_the_clusters_merge_is_the_combine_kernels_bit_for_bit(heads, lens, 
     partials merged by the combine kernel (``MERGE_IN_CLUSTERS`` off), with the attention input; fresh random data."""
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     data, inputs, _ = with_input_problem(rng, lens, heads[0] // heads[1], heads[1], 16)
+    monkeypatch.setattr(splitkv_mma, "MERGE_IN_CLUSTERS", True)
     for num_splits in (2, 7, 16):
         assert splitkv_mma.merges_in_cluster(num_splits)
         got, caches = with_input(data, inputs, num_splits)
