@@ -11,10 +11,7 @@ the tensor-core kernel at split counts 1 to 64 (the fastest, to check the rule),
 BF16 cache of the same tokens' K/V with its ``"auto"`` plan (issue 16 asks the FP8 tensor-core kernel for at most 0.6
 of that time from 4,096 tokens on) and torch's ``scaled_dot_product_attention`` in BF16 over contiguous K/V of the
 same shape (``enable_gqa``; issue 16 asks for no slower than it at 16,384 tokens), timed by replaying a torch CUDA
-graph of 20 calls over enough copies of K/V to leave the L2 (``sdpa_time_us``, ``timing.torch_graph_time_us``). The last
-three columns, where the ``"auto"`` split count is 2 to 16: the kernel launched as the engine launches it
-(programmatic dependent launches in the graph), the split kernel then the combine against the shards merged in
-thread-block clusters (``MERGE_IN_CLUSTERS``), whose output must have the same bits. Before timing, each variant's
+graph of 20 calls over enough copies of K/V to leave the L2 (``sdpa_time_us``, ``timing.torch_graph_time_us``). Before timing, each variant's
 output (NaN-poisoned first) must be finite and within 2e-2 of the SIMT output relative to the row's largest
 element (the tensor-core kernel's F16 query and weights; ``tests/numba_kernels/test_splitkv_mma_kernel.py`` checks
 it against the reference within its derived bound).
@@ -81,7 +78,7 @@ def main(argv=None) -> int:
     from numba import cuda
     from timing import graph_time_us
 
-    from fp8lab.numba_kernels import cluster, pdl, splitkv, splitkv_mma
+    from fp8lab.numba_kernels import splitkv, splitkv_mma
     from fp8lab.numba_kernels.kv_cache import placeholder
     from fp8lab.simulators import splitkv_mma as plan
 
@@ -95,8 +92,7 @@ def main(argv=None) -> int:
         bf16_blocks, bf16_k, bf16_v = bf16_cache_pool(num_kv_heads, torch, cuda)
         header = ["batch", "context", "SIMT (auto)", "tensor cores (auto)", "SIMT / tensor cores",
                   *(f"tc, {s} splits" for s in SPLITS), "fastest tc", "SIMT, BF16 cache (auto)",
-                  "tensor cores / SIMT BF16 cache", "SDPA BF16", "tensor cores / SDPA",
-                  "auto, PDL: split + combine", "auto, PDL: clusters", "clusters / split + combine"]
+                  "tensor cores / SIMT BF16 cache", "SDPA BF16", "tensor cores / SDPA"]
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
         for batch, context in CASES[args.cases]:
@@ -139,24 +135,6 @@ def main(argv=None) -> int:
                     combine(stream, splits)
                 return launch
 
-            def as_engine_launches(splits, clustered):
-                """The auto split count as the engine launches it, programmatic dependent launches in the graph:
-                the split kernel then the combine, or (``clustered``) the shards merged in their clusters."""
-                kernel = splitkv_mma._split_kernel(HEAD_DIM, group, False, False, clustered)
-
-                def launch(i, stream):
-                    grid = (batch, num_kv_heads, splits)
-                    args = (q, k_words, v_words, k_scales, v_scales, tables[i % COPIES], lens, scale_log2,
-                            num_kv_heads, BLOCK_SIZE, splits, workspace, out)
-                    if clustered:
-                        cluster.launch(kernel, grid, splitkv_mma.THREADS, (1, 1, splits), stream, *args)
-                    else:
-                        pdl.launch(kernel, grid, splitkv_mma.THREADS, stream, *args)
-                        if splits > 1:
-                            pdl.launch(splitkv._combine_kernel, (batch, num_heads), HEAD_DIM, stream, flat,
-                                       workspace.shape[2], splits, out)
-                return launch
-
             def checked(launch, reference=None):
                 out.copy_to_device(np.full(out.shape, np.nan, np.float32))
                 launch(0, 0)
@@ -187,15 +165,6 @@ def main(argv=None) -> int:
                 checked(launch, reference)
                 tc[auto] = graph_time_us(launch, reps=20, replays=9)
             fastest = min(tc, key=tc.get)
-            engine_cells = ["", "", ""]
-            if 1 < auto <= cluster.MAX_CLUSTER_SIZE:  # the shards merged in clusters against the combine kernel
-                combined, clustered = as_engine_launches(auto, False), as_engine_launches(auto, True)
-                combined_out = checked(combined, reference)
-                if not np.array_equal(checked(clustered), combined_out):
-                    raise RuntimeError(f"batch {batch}, context {context}: the clusters' merge differs in bits")
-                combined_us = graph_time_us(combined, reps=20, replays=9)
-                clustered_us = graph_time_us(clustered, reps=20, replays=9)
-                engine_cells = [f"{combined_us:.1f}", f"{clustered_us:.1f}", f"{clustered_us / combined_us:.2f}"]
             bf16_cells = ["", "", "", ""]
             if batch == 1:  # issue 16's comparison: the FP8 tensor-core kernel against the BF16 cache's time
                 bf16_launch = simt(simt_splits, splitkv.heads_per_cta(group, batch * context), "bf16")
@@ -206,7 +175,7 @@ def main(argv=None) -> int:
                               f"{tc[auto] / sdpa_us:.2f}"]
             row = [str(batch), str(context), f"{simt_us:.1f} ({simt_splits})", f"{tc[auto]:.1f} ({auto})",
                    f"{simt_us / tc[auto]:.2f}", *(f"{tc[s]:.1f}" if s in tc else "" for s in SPLITS),
-                   f"{tc[fastest]:.1f} ({fastest})", *bf16_cells, *engine_cells]
+                   f"{tc[fastest]:.1f} ({fastest})", *bf16_cells]
             print("| " + " | ".join(row) + " |", flush=True)
     return 0
 

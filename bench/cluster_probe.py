@@ -110,7 +110,8 @@ def compile_check(ptxas: str | None) -> None:
 
 def run_on_gpu(cluster: int) -> bool:
     """Launch the probe in clusters of ``cluster`` CTAs (above 8, with the non-portable size allowed first)."""
-    import cuda.core
+    # ``from cuda import core``, not ``import cuda.core``: that would make ``cuda`` (Numba's here) a local name
+    from cuda import core as cuda_core
     from cuda.core import LaunchConfig
     from cuda.core import launch as core_launch
     from numba.cuda.cudadrv.driver import _to_core_stream, binding, driver
@@ -126,7 +127,7 @@ def run_on_gpu(cluster: int) -> bool:
     writebacks, kernel_args = [], []
     compiled._prepare_args(compiled.argument_types[0], out, stream, writebacks, kernel_args)
     # cuda.core before 0.4 reads ``grid`` as blocks even with a cluster, 0.4 and later as clusters
-    version = tuple(int(p) for p in cuda.core.__version__.split(".")[:2])
+    version = tuple(int(p) for p in cuda_core.__version__.split(".")[:2])
     grid = CLUSTERS if version >= (0, 4) else CLUSTERS * cluster
     config = LaunchConfig(grid=(grid,), cluster=(cluster,), block=(THREADS,))
     try:
@@ -138,7 +139,7 @@ def run_on_gpu(cluster: int) -> bool:
     got = out.copy_to_host()
     expected = (np.arange(cluster).sum() + cluster * np.arange(THREADS)).astype(np.float32)
     ok = bool(np.array_equal(got, np.broadcast_to(expected, got.shape)))
-    print(f"cuda.core {cuda.core.__version__}, cluster {cluster} on {cuda.get_current_device().name}: "
+    print(f"cuda.core {cuda_core.__version__}, cluster {cluster} on {cuda.get_current_device().name}: "
           f"{'correct' if ok else 'WRONG'}")
     return ok
 

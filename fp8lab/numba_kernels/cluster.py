@@ -1,15 +1,16 @@
 """Thread-block clusters (sm_90 and later): CTAs that meet at one barrier and read each other's shared memory.
 
 Device functions and a host launch helper, no kernel. Checked in ``tests/numba_kernels/test_cluster.py``: in the CUDA
-simulator (``fp8lab.numba_kernels.cudasim``'s cluster emulation) and on a GPU, a kernel whose CTAs sum each
-other's shared memory; the PTX holds the instructions.
+simulator (``fp8lab.numba_kernels.cudasim``'s cluster emulation) and on a GPU (clusters of 4, 8 and 16 CTAs), a kernel
+whose CTAs read each other's shared memory; ``bench/cluster_probe.py`` compiles and launches one.
 
-Why: the split-kv decode attention's shards of one kv head each end with a partial ``(m, l, acc)``, which a second
-kernel merged (about 4 us a layer, a launch and a round trip through the L2). Launched as one cluster per kv head,
-the shards meet at the cluster barrier and merge the partials from each other's shared memory, in the same kernel
-(``splitkv_mma``). Three earlier attempts to fuse the merge into the last CTA to finish (an atomic count and a
-fence) were slower than the second kernel (``bench/RESULTS.md``, the index of negatives): the cluster barrier is
-hardware, and every CTA of the cluster merges a slice of the outputs.
+Why: a kernel whose CTAs must combine their results otherwise ends, and a second kernel combines them (a launch and
+a round trip through the L2), or its last CTA does it serially after an atomic count and a fence. A cluster's CTAs
+meet at a hardware barrier and read each other's partials from shared memory. No kernel uses it now: the split-kv
+decode attention's shards merged in clusters (the combine kernel's bits) took 1.02 to 1.23 times as long as the split
+kernel plus the combine, both as programmatic dependent launches in a graph (H100, 2026-12-07, ``bench/RESULTS.md``,
+the index of negatives). It stays, tested on a GPU and in the simulator, for kernels where it may pay (a GEMM whose
+CTAs share operand tiles, for instance).
 
 - ``rank()``: this CTA's rank in its cluster (``%cluster_ctarank``): for a cluster of ``(1, 1, n)`` CTAs, ``blockIdx.z
   % n``.
@@ -139,9 +140,9 @@ else:
 
     def _cuda_core_grid_is_clusters() -> bool:
         """cuda.core 0.4 and later read ``LaunchConfig.grid`` as clusters when a cluster is given, earlier ones as CTAs."""
-        import cuda.core
+        from cuda import core as cuda_core
 
-        return tuple(int(p) for p in cuda.core.__version__.split(".")[:2]) >= (0, 4)
+        return tuple(int(p) for p in cuda_core.__version__.split(".")[:2]) >= (0, 4)
 
     def launch(kernel, griddim, blockdim, cluster_dims, stream, *args, shared_bytes: int = 0) -> None:
         """``kernel[griddim, blockdim, stream, shared_bytes](*args)`` in clusters of ``cluster_dims`` CTAs (a dividing

@@ -82,11 +82,10 @@ from fp8lab.simulators.splitkv_mma import (
     supports,
 )
 
-from . import cluster, mathops, pdl
+from . import mathops, pdl
 from .arguments import as_kernel_array
 from .attention_input import check_head_inputs, head_row_functions, host_contiguous
 from .bits import e4m3x2_to_f16x2, f32_as_u32, f32_to_f16_bits, u32_as_f32
-from .cluster import MAX_CLUSTER_SIZE
 from .gemv_simt import unrolled
 from .kv_cache import on_device, placeholder
 from .mma import mma_f16_inline as mma_f16
@@ -282,8 +281,7 @@ def tile_functions(head_dim: int, wide: bool, load_words):
     return SimpleNamespace(load_tile=load_tile, tile_row=tile_row, table_chunk=table_chunk, attend_tile=attend_tile)
 
 
-def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, with_input: bool = False,
-                          clustered: bool = False):
+def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, with_input: bool = False):
     """The Python source of the split kernel for one head size, query heads per kv head and output format.
 
     Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, scale_log2, num_kv_heads,
@@ -294,14 +292,8 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
     ``with_input``: the kernel of ``decode_mma_with_input``, whose arguments begin ``q_in, k_in, v_in, q_norm, k_norm,
     eps, positions, cos_sin, k_cache, v_cache, k_scale, v_scale`` (the attention input, as
     ``attention_input.qk_norm_rope_cache_write`` takes it, and the caches it writes) in place of ``q``.
-
-    ``clustered``: launched in clusters of ``(1, 1, num_splits)`` CTAs (``cluster.launch``, at most 16 shards), the
-    shards of one kv head merge their partials through each other's shared memory and write ``out`` themselves
-    (``merge_cluster``); ``workspace`` is not used. Without it, with more than one shard, the CTAs write their partials
-    into ``workspace`` for the combine kernel.
     """
     D, G = head_dim, group
-    CLUSTERED = clustered
     STEPS = D // 16  # k-steps of the scores; the lane's key words per token
     K_WORDS = D // 16
     V_WORDS = D // 32  # the lane's value words per token
@@ -452,8 +444,6 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
         cuda.syncthreads()
 
         # The CTA's partial: the warps' merged in warp order (splitkv's merge rule); thread i takes elements i, i + 128, ...
-        partial_m = cuda.shared.array(G, float32)  # the shard's partial, clustered: acc in place in stash[0]
-        partial_l = cuda.shared.array(G, float32)
         for element in range(cuda.threadIdx.x, G * D, THREADS):
             row, d = element // D, element % D
             m_star = stash_m[0, row]
@@ -468,49 +458,11 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
             head = head0 + row
             if num_splits == 1:
                 store(out, seq, head, d, normalized(acc_sum, l_sum))
-            elif CLUSTERED:  # only this thread reads stash[:, row, d]: its slot 0 takes the partial
-                stash[0, row, d] = acc_sum
-                if d == 0:
-                    partial_m[row] = m_star
-                    partial_l[row] = l_sum
             else:
                 workspace[seq, head, shard, d] = acc_sum
                 if d == 0:
                     workspace[seq, head, shard, D] = m_star
                     workspace[seq, head, shard, D + 1] = l_sum
-        if CLUSTERED and num_splits > 1:
-            cluster.sync()  # every shard's partial is in its CTA's shared memory
-            merge_cluster(stash, partial_m, partial_l, seq, head0, shard, num_splits, out)
-            cluster.sync()  # no CTA leaves while another may read its shared memory
-
-    @cuda.jit(device=True, inline=True)
-    def merge_cluster(stash, partial_m, partial_l, seq, head0, shard, num_splits, out):
-        """The cluster's output (the combine kernel's, bit for bit): each CTA takes elements ``shard * 128 + i``,
-        stepping ``num_splits * 128``, of the ``G x D``; an element's ``(acc, m, l)`` of every shard come from that
-        shard's CTA (rank ``s``), loaded at once, then ``m* = max m`` and the ``l`` and ``acc`` chains in shard order."""
-        m = cuda.local.array(MAX_CLUSTER_SIZE, float32)
-        l = cuda.local.array(MAX_CLUSTER_SIZE, float32)
-        acc = cuda.local.array(MAX_CLUSTER_SIZE, float32)
-        for element in range(shard * THREADS + cuda.threadIdx.x, G * D, num_splits * THREADS):
-            row, d = element // D, element % D
-            for s in range(MAX_CLUSTER_SIZE):
-                if s < num_splits:
-                    rank = uint32(s)
-                    acc[s] = cluster.load_f32(stash, element, rank)  # stash[0, row, d]: flat index row * D + d
-                    m[s] = cluster.load_f32(partial_m, row, rank)
-                    l[s] = cluster.load_f32(partial_l, row, rank)
-            m_star = m[0]
-            for s in range(1, MAX_CLUSTER_SIZE):
-                if s < num_splits:
-                    m_star = mathops.nan_max(m_star, m[s])
-            l_sum = float32(0)
-            acc_sum = float32(0)
-            for s in range(MAX_CLUSTER_SIZE):
-                if s < num_splits:
-                    weight = merge_weight(m[s], m_star)
-                    l_sum = cuda.fma(weight, l[s], l_sum)
-                    acc_sum = cuda.fma(weight, acc[s], acc_sum)
-            store(out, seq, head0 + row, d, normalized(acc_sum, l_sum))
 
     def split_kernel(q, k_words, v_words, k_scales, v_scales, block_tables, seq_lens, scale_log2, num_kv_heads,
                      block_size, num_splits, workspace, out):
@@ -606,20 +558,9 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
 
 
 @functools.lru_cache(maxsize=None)
-def _split_kernel(head_dim: int, group: int, bf16_out: bool = False, with_input: bool = False, clustered: bool = False):
+def _split_kernel(head_dim: int, group: int, bf16_out: bool = False, with_input: bool = False):
     """The compiled split kernel of one variant, compiled once per process."""
-    return cuda.jit(split_kernel_function(head_dim, group, bf16_out, with_input, clustered))
-
-
-MERGE_IN_CLUSTERS = cluster.HAS_CLUSTERS
-"""Whether calls of 2 to 16 shards merge them in clusters (``split_kernel_function``'s ``clustered``) rather than with
-the combine kernel: on sm_90 and later, and in the CUDA simulator (its emulation). A module constant, so that a test or
-a benchmark can take the other path (the combine kernel serves more than 16 shards and older GPUs)."""
-
-
-def merges_in_cluster(num_splits: int) -> bool:
-    """Whether a call of ``num_splits`` shards merges them in clusters (``MERGE_IN_CLUSTERS`` and 2 to 16 shards)."""
-    return MERGE_IN_CLUSTERS and 1 < num_splits <= MAX_CLUSTER_SIZE
+    return cuda.jit(split_kernel_function(head_dim, group, bf16_out, with_input))
 
 
 def _checked_call(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, out, k_scale, v_scale, num_splits,
@@ -661,16 +602,9 @@ def _launch(call, workspace, input_arrays, stream) -> None:
                                              call.block_tables, call.seq_lens)]
     out_device = on_device(call.out, stream)
     workspace_device = on_device(workspace, stream)
-    grid = (num_seqs, call.num_kv_heads, call.num_splits)
-    group = num_heads // call.num_kv_heads
-    if merges_in_cluster(call.num_splits):  # the shards of a kv head merge in their cluster and write out
-        cluster.launch(_split_kernel(head_dim, group, call.bf16_out, with_input, True), grid, THREADS,
-                       (1, 1, call.num_splits), stream, *device, call.scale_log2, call.num_kv_heads, call.block_size,
-                       call.num_splits, workspace_device, out_device)
-        call = dataclasses.replace(call, num_splits=1)  # nothing left to combine
-    else:
-        pdl.launch(_split_kernel(head_dim, group, call.bf16_out, with_input), grid, THREADS, stream, *device,
-                   call.scale_log2, call.num_kv_heads, call.block_size, call.num_splits, workspace_device, out_device)
+    kernel = _split_kernel(head_dim, num_heads // call.num_kv_heads, call.bf16_out, with_input)
+    pdl.launch(kernel, (num_seqs, call.num_kv_heads, call.num_splits), THREADS, stream, *device, call.scale_log2,
+               call.num_kv_heads, call.block_size, call.num_splits, workspace_device, out_device)
     combine_and_return(call, workspace_device, out_device, stream)
 
 
@@ -739,7 +673,7 @@ def decode_mma_with_input(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_ca
 def kernel_variants():
     """``(name, python function, numba signature)`` of the variants the PTX check compiles: 4 query heads per kv head
     with float32 out; 16 (rows ``g + 8`` in use) with BF16 out and the attention input (the q/k/v GEMM output as
-    column slices: layout "A"), without and with the merge in clusters."""
+    column slices: layout "A")."""
     f32 = types.float32
     words = types.Array(types.uint32, 1, "C")
     f32_1d, f32_2d, f32_3d = (types.Array(f32, d, "C") for d in (1, 2, 3))
@@ -754,7 +688,6 @@ def kernel_variants():
                           types.Array(types.int32, 2, "C"), types.Array(types.int32, 1, "C"), f32, types.int64,
                           types.int64, types.int64, types.Array(f32, 4, "C"), out)
 
-    shapes = ((128, 4, False, False, False), (128, 16, True, True, False), (128, 16, True, True, True))
-    return [(f"split_mma[head_dim={d}, group={g}{', out=bf16' if b else ''}{', with input' if w else ''}"
-             f"{', clustered' if c else ''}]", split_kernel_function(d, g, b, w, c), signature(b, w))
-            for d, g, b, w, c in shapes]
+    shapes = ((128, 4, False, False), (128, 16, True, True))
+    return [(f"split_mma[head_dim={d}, group={g}{', out=bf16' if b else ''}{', with input' if w else ''}]",
+             split_kernel_function(d, g, b, w), signature(b, w)) for d, g, b, w in shapes]

@@ -476,9 +476,8 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
     """Every variant: 9 cache writes (input x cache format), 10 split kernels (3 cache formats at head size 128
     and FP8 at 32, 64 and 256, with 4 heads per CTA; FP8 at 128 with 1 to 3 heads; FP8 at 128 with 4 heads and BF16
     output),
-    the combine for float32 and BF16 output, 3 tensor-core split kernels (``splitkv_mma``: head_dim 128 with
-    4 query heads per kv head and float32 output, 16 with BF16 output and the attention input, the same merging its
-    shards in clusters: the cluster barrier and loads from the other CTAs' shared memory), 5 tensor-core
+    the combine for float32 and BF16 output, 2 tensor-core split kernels (``splitkv_mma``: head_dim 128 with
+    4 query heads per kv head and float32 output, 16 with BF16 output and the attention input), 5 tensor-core
     prefill kernels (``prefill_mma``: over an FP8 cache groups of 4 and 16 with float32 output, 2 with BF16; over a
     BF16 cache groups of 4 and 2; their tiles by ``cp.async`` into shared memory, 128-bit shared reads,
     ``max.NaN.f32``, FP8 weights two per ``cvt.rn.f16x2.f32``): no local memory, no float64, the expected load widths (the attention with its
@@ -511,10 +510,6 @@ def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
             assert "cache=bf16" in name or "cvt.rn.f16x2.f32" in ptx  # two F16 weights per conversion
         if name.startswith("split_mma"):  # the weights' exp2_flush: one MUFU.EX2 each (the warps' merge keeps exp2)
             assert "ex2.approx.ftz.f32" in ptx
-            cluster_instructions = ("barrier.cluster.arrive.release.aligned", "barrier.cluster.wait.acquire.aligned",
-                                    "mapa.shared::cluster.u32", "ld.shared::cluster.f32")
-            # the shards merged in their cluster, through shared memory (no workspace store), or not a cluster at all
-            assert all((i in ptx) == ("clustered" in name) for i in cluster_instructions), name
         if name.startswith(("split_mma", "prefill_mma")) and "cache=bf16" not in name:
             assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
             assert "cvt.rn.f16.f32" in ptx  # the query and the weights rounded to F16

@@ -12,8 +12,7 @@ layer 0), the q/k/v GEMM (one launch on the fused weight, whose output row ``t``
 launch; it reads q, k and v as column slices of that output and writes q, contiguous, for attention),
 attention (decode: over an FP8 cache of head size 128 and blocks of whole 16-token tiles,
 ``splitkv_mma.decode_mma_with_input`` on tensor cores (``Planner.decode_attention_on_tensor_cores``), whose split
-kernel also does the attention input, so that launch goes, and whose shards (2 to 16, on sm_90) merge in
-thread-block clusters, so the combine goes too; else ``paged_decode``: the split kernel and, with more
+kernel also does the attention input, so that launch goes; else ``paged_decode``: the split kernel and, with more
 than one split, the combine kernel; prefill: over an FP8 or BF16 cache of head size 128, blocks of whole tiles and a
 GQA group that divides 16, ``prefill_mma.paged_prefill_mma``, one flash-attention launch on tensor cores
 (``Planner.prefill_attention_on_tensor_cores``); else ``paged_prefill``, the row expansion, the split kernel and
@@ -263,8 +262,7 @@ class Planner:
                                (*qkv, layer.q_norm, layer.k_norm, self.config.rms_norm_eps, positions,
                                 self.weights.rope_cos_sin, layer_cache.k, layer_cache.v, tables, lens,
                                 self.softmax_scale, out, layer_cache.k_scale, layer_cache.v_scale),
-                               dict(options, kv_format=layer_cache.kv_format),
-                               kernels=1 + (splits > 1 and not splitkv_mma.merges_in_cluster(splits)),
+                               dict(options, kv_format=layer_cache.kv_format), kernels=1 + (splits > 1),
                                label="attention (with q/k norm, rope, cache write)")]
             q = self.activations.q[:bucket]
             return [self.attention_input(layer, layer_cache, qkv, q, positions, slots),
