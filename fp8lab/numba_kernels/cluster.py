@@ -2,7 +2,7 @@
 
 Device functions and a host launch helper, no kernel. Checked in ``tests/numba_kernels/test_cluster.py``: in the CUDA
 simulator (``fp8lab.numba_kernels.cudasim``'s cluster emulation) and on a GPU (clusters of 4, 8 and 16 CTAs), a kernel
-whose CTAs read each other's shared memory; ``bench/cluster_probe.py`` compiles and launches one.
+whose CTAs read each other's shared memory, and (where numba-cuda compiles without the simulator) its PTX.
 
 Why: a kernel whose CTAs must combine their results otherwise ends, and a second kernel combines them (a launch and
 a round trip through the L2), or its last CTA does it serially after an atomic count and a fence. A cluster's CTAs
