@@ -112,15 +112,6 @@ def test_bad_cluster_dims_are_one_line_errors(grid, cluster_dims, message):
         cluster.check_cluster_dims(grid, cluster_dims)
 
 
-def test_the_ptx_holds_the_cluster_instructions():
-    if SIMULATOR:
-        pytest.skip("compiles PTX (no simulator)")
-    ptx, _ = cuda.compile_ptx(exchange.py_func, "void(float32[:, ::1], float32[:, :, ::1])", cc=(9, 0))
-    for instruction in ("%cluster_ctarank", "barrier.cluster.arrive.release.aligned",
-                        "barrier.cluster.wait.acquire.aligned", "mapa.shared::cluster.u32", "ld.shared::cluster.f32"):
-        assert instruction in ptx, instruction
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("grid, cluster_dims", [((2, 8, 4), (1, 1, 4)), ((2, 8, 16), (1, 1, 16)), ((16, 1, 1), (8, 1, 1))])
 def test_gpu_a_clusters_ctas_read_each_others_shared_memory(rng, grid, cluster_dims):

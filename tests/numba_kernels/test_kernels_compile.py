@@ -215,10 +215,28 @@ def variants():
             (follows_the_rules, writes_before_the_wait, reads_before_the_wait, triggers_before_the_wait)]
 '''
 
+CLUSTER = r'''
+from numba import cuda, float32, uint32
+from fp8lab.numba_kernels import cluster
+from helpers.ptx import Variant
+
+def reads_the_next_ctas_shared_memory(x, out):
+    stage = cuda.shared.array(128, float32)
+    t = cuda.threadIdx.x
+    rank = cluster.rank()
+    stage[t] = x[t] + float32(rank)
+    cluster.sync()
+    out[cuda.blockIdx.x, t] = cluster.load_f32(stage, t, uint32((rank + 1) % 4))
+    cluster.sync()
+
+def variants():
+    return [Variant("cluster exchange", reads_the_next_ctas_shared_memory, "void(float32[:], float32[:, ::1])")]
+'''
+
 PTX_VARIANT_SETS = {"gemv_simt": GEMV_SIMT, "gemv_mma": GEMV_MMA, "kv_cache and splitkv": KV_CACHE_AND_SPLITKV, "gemm_mma": GEMM_MMA,
                     "gemm_wgmma": GEMM_WGMMA, "gemm_wgmma_ss": GEMM_WGMMA_SS,
                     "attention_input": ATTENTION_INPUT, "dequantize": DEQUANTIZE, "mma helper": MMA_HELPER,
-                    "toolkit": TOOLKIT, "pdl rules": PDL_RULES}
+                    "toolkit": TOOLKIT, "pdl rules": PDL_RULES, "cluster": CLUSTER}
 """Everything this module compiles; the slowest sets first, so that the queue ends with short compiles."""
 
 
@@ -252,6 +270,19 @@ def test_toolkit_compiles_to_sm90_ptx(compiled):
         assert ".target sm_90" in c.ptx
 
     each_variant(compiled["toolkit"], check)
+
+
+def test_cluster_functions_compile_to_sm90_ptx(compiled):
+    """``fp8lab.numba_kernels.cluster``: the rank, both halves of the cluster barrier, and a load from another CTA's
+    shared memory through its 32-bit shared-window address (no generic address: ``mapa`` takes the ``.u32`` form)."""
+    def check(c):
+        for needle in ("mov.u32", "%cluster_ctarank", "barrier.cluster.arrive.release.aligned",
+                       "barrier.cluster.wait.acquire.aligned", "mapa.shared::cluster.u32", "ld.shared::cluster.f32"):
+            assert needle in c.ptx, needle
+        assert ".target sm_90" in c.ptx
+        check_no_spills(c)
+
+    each_variant(compiled["cluster"], check)
 
 
 def test_the_pdl_rule_check_rejects_each_broken_rule(compiled):
