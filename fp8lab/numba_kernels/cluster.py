@@ -2,7 +2,7 @@
 
 Device functions and a host launch helper, no kernel. Checked in ``tests/numba_kernels/test_cluster.py``: in the CUDA
 simulator (``fp8lab.numba_kernels.cudasim``'s cluster emulation) and on a GPU (clusters of 4, 8 and 16 CTAs), a kernel
-whose CTAs read each other's shared memory, and (where numba-cuda compiles without the simulator) its PTX.
+whose CTAs read each other's shared memory; its sm_90 PTX in ``tests/numba_kernels/test_kernels_compile.py``.
 
 Why: a kernel whose CTAs must combine their results otherwise ends, and a second kernel combines them (a launch and
 a round trip through the L2), or its last CTA does it serially after an atomic count and a fence. A cluster's CTAs
@@ -41,11 +41,15 @@ PORTABLE_CLUSTER_SIZE = 8
 MAX_CLUSTER_SIZE = 16
 
 
+def dims3(dims) -> tuple[int, int, int]:
+    """A launch dimension (an int or a tuple of 1 to 3) as a 3-tuple, missing dimensions 1."""
+    dims = tuple(dims) if isinstance(dims, tuple) else (dims,)
+    return dims + (1,) * (3 - len(dims))
+
+
 def check_cluster_dims(griddim, cluster_dims) -> tuple[int, int, int]:
     """``cluster_dims`` as a 3-tuple, checked: at most ``MAX_CLUSTER_SIZE`` CTAs, dividing the grid in every dimension."""
-    grid = tuple(griddim) if isinstance(griddim, tuple) else (griddim,)
-    cluster = tuple(cluster_dims) if isinstance(cluster_dims, tuple) else (cluster_dims,)
-    grid, cluster = grid + (1,) * (3 - len(grid)), cluster + (1,) * (3 - len(cluster))
+    grid, cluster = dims3(griddim), dims3(cluster_dims)
     if not 1 <= math.prod(cluster) <= MAX_CLUSTER_SIZE or min(cluster) < 1:
         raise ValueError(f"cluster_dims: {cluster_dims} is not 1 to {MAX_CLUSTER_SIZE} CTAs")
     if any(g % c for g, c in zip(grid, cluster)):
@@ -154,8 +158,7 @@ else:
         if not HAS_CLUSTERS:
             raise RuntimeError("cluster.launch: this GPU has no thread-block clusters (sm_90 and later)")
         cluster = check_cluster_dims(griddim, cluster_dims)
-        grid = tuple(griddim) if isinstance(griddim, tuple) else (griddim,)
-        grid = grid + (1,) * (3 - len(grid))
+        grid = dims3(griddim)
         if _cuda_core_grid_is_clusters():
             grid = tuple(g // c for g, c in zip(grid, cluster))
         compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
