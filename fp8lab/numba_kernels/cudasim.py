@@ -495,6 +495,11 @@ def clusters(dims: tuple[int, int, int]):
             raise RuntimeError("clusters: the launch ended with a cluster whose CTAs did not all start")
 
 
+def in_cluster_launch() -> bool:
+    """Whether a launch inside ``clusters()`` is running."""
+    return _cluster_launch is not None
+
+
 def _cluster_of(block_idx) -> tuple[_Cluster, int]:
     """The cluster of the CTA at ``block_idx`` (created when its first CTA starts) and the CTA's rank in it."""
     cx, cy, cz = _cluster_launch["dims"]
@@ -592,29 +597,35 @@ def remote_shared(array, rank: int):
 
 
 def _shared_array(self, shape, dtype, alignment=None):
-    """numba-cuda 0.30's ``FakeCUDAShared.array`` (one array per allocation site, shared by the launch's CTAs, which
-    run one at a time), except inside ``clusters()``, where the CTAs run at once: there each CTA has its own."""
+    """numba-cuda 0.30's ``FakeCUDAShared.array``: ``allocate_shared`` at the calling line of the kernel."""
+    if alignment is not None:
+        raise RuntimeError("Array alignment is not supported in cudasim")
+    site = tuple(traceback.extract_stack(sys._getframe())[-2][0:2])  # the kernel's line, as numba-cuda keys it
+    return allocate_shared(self, shape, dtype, site)
+
+
+def allocate_shared(shared, shape, dtype, site: tuple):
+    """The shared array of allocation ``site`` (the kernel's ``(file, line)``) of the simulator's ``FakeCUDAShared``
+    ``shared``: numba-cuda's rule (one array per site, shared by the launch's CTAs, which run one at a time; shape 0:
+    a view of the one dynamic buffer), except inside ``clusters()``, where the CTAs run at once and each has its own.
+    ``racecheck``'s allocation calls it too, so that the two patches of ``FakeCUDAShared.array`` agree."""
     from numba.cuda import types
     from numba.cuda.np import numpy_support
 
-    if alignment is not None:
-        raise RuntimeError("Array alignment is not supported in cudasim")
-    if isinstance(dtype, types.Type):
-        dtype = numpy_support.as_dtype(dtype)
+    dtype = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)
     cluster = rank = None
     if _cluster_launch is not None and hasattr(threading.current_thread(), "blockIdx"):
         cluster, rank = _current_cluster()
-    allocations = self._allocations if cluster is None else cluster.shared[rank]
+    allocations = shared._allocations if cluster is None else cluster.shared[rank]
     if shape == 0:  # dynamic shared memory: one buffer, every such array a view of it
-        count = self._dynshared_size // dtype.itemsize
+        count = shared._dynshared_size // dtype.itemsize
         if cluster is None:
-            return np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
+            return np.frombuffer(shared._dynshared.data, dtype=dtype, count=count)
         with _cluster_lock:
-            buffer = allocations.setdefault("dynamic", np.zeros(self._dynshared_size, dtype=np.byte))
+            buffer = allocations.setdefault("dynamic", np.zeros(shared._dynshared_size, dtype=np.byte))
         site = ("dynamic", dtype.str)
         array = np.frombuffer(buffer.data, dtype=dtype, count=count)
     else:
-        site = tuple(traceback.extract_stack(sys._getframe())[-2][0:2])  # the kernel's line, as numba-cuda keys it
         with _cluster_lock:
             array = allocations.get(site)
             if array is None:

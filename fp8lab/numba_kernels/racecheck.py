@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import cudasim
+
 _ENABLED = False  # process-wide: the simulated threads read it
 _PERTURB: int | None = None
 _SESSION: "Session | None" = None
@@ -226,20 +228,21 @@ def _install() -> None:
             dtype = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)
             caller = traceback.extract_stack(sys._getframe(1), limit=1)[-1]
             site = f"{caller.filename}:{caller.lineno}"
+            key = (caller.filename, caller.lineno)
+            if not _ENABLED:  # the simulator's rule, as cudasim has it (per CTA inside a cluster launch)
+                return cudasim.allocate_shared(self, shape, dtype, key)
+            if cudasim.in_cluster_launch():
+                raise RuntimeError("racecheck: cluster launches are not checked (each CTA has its own shared memory)")
             if shape == 0:  # dynamic shared memory: every request views the one buffer
                 count = self._dynshared_size // dtype.itemsize
                 plain = np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
-                if not _ENABLED:
-                    return plain
                 records = self.__dict__.setdefault("_racecheck", {}).setdefault("dynamic", _Records(
                     f"(dynamic shared memory, first requested at {site}; elements in bytes)", (self._dynshared_size,), 1))
                 return _shared(plain, self._dynshared, records)
-            key = (caller.filename, caller.lineno)
-            allocations = self.__dict__.setdefault("_racecheck", {}) if _ENABLED else self._allocations
+            allocations = self.__dict__.setdefault("_racecheck", {})
             if key not in allocations:
                 buffer = np.empty(shape, dtype)
-                allocations[key] = (_shared(buffer, buffer, _Records(f"allocated at {site}", buffer.shape, dtype.itemsize))
-                                    if _ENABLED else buffer)
+                allocations[key] = _shared(buffer, buffer, _Records(f"allocated at {site}", buffer.shape, dtype.itemsize))
             return allocations[key]
 
         kernelapi.FakeCUDAShared.array = array

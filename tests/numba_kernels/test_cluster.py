@@ -73,6 +73,22 @@ def test_the_simulator_runs_a_clusters_ctas_together(rng, grid, cluster_dims):
     check_exchange(values, out, grid, cluster_dims)
 
 
+@pytest.mark.cudasim
+def test_clusters_and_racecheck_share_the_simulators_shared_memory(rng):
+    """``racecheck`` patches the simulator's shared arrays too (once, for the rest of the process): its allocation
+    keeps each CTA's own inside a cluster launch, and a cluster launch is refused while it checks."""
+    if not SIMULATOR:
+        pytest.skip("the simulator's emulation (NUMBA_ENABLE_CUDASIM=1)")
+    from fp8lab.numba_kernels import racecheck
+
+    with racecheck.checking():
+        pass  # installs racecheck's allocation
+    values, out = run_exchange(rng, (1, 1, 2), (1, 1, 2))
+    check_exchange(values, out, (1, 1, 2), (1, 1, 2))
+    with racecheck.checking(), pytest.raises(RuntimeError, match="cluster launches are not checked"):
+        run_exchange(rng, (1, 1, 2), (1, 1, 2))
+
+
 @cuda.jit
 def leaves_early(out):
     stage = cuda.shared.array(THREADS, float32)
