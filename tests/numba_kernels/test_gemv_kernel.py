@@ -682,3 +682,95 @@ def test_gpu_split_k_against_simulator_and_reference(m, n, k):
     parts = cuda.to_device(np.full((splits, m, n), np.nan, np.float32))
     kernel_module.gemv_simt_split_k(cuda.to_device(a), cuda.to_device(q), cuda.to_device(scale_inv), parts, block)
     check_split_k(a, q, scale_inv, block, parts.copy_to_host(), f"seed {seed}, M={m} N={n} K={k} S={splits}")
+
+
+# ---------------------------------------------------------------------------- the normed GEMV (norm in its CTAs)
+
+
+def normed_problem(rng, k, n, parts, swiglu):
+    """A residual row, its split-K parts, a norm weight near 1 and random FP8 weights; the outputs poisoned."""
+    residual = (rng.standard_normal((1, k)) * rng.uniform(0.5, 4)).astype(np.float32)
+    parts_in = (rng.standard_normal((parts, 1, k)) * rng.uniform(0.1, 2)).astype(np.float32)
+    norm_weight = (1 + 0.2 * rng.standard_normal(k)).astype(np.float32)
+    _, q, scale_inv = random_problem(rng, 1, n, k, (128, 128))
+    out = poisoned_output((1, n // 2 if swiglu else n), "f32")
+    return parts_in, residual, norm_weight, q, scale_inv, out, np.full((1, k), np.nan, np.float32)
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("k, n, parts, swiglu", [
+    (1024, 48, 4, False),  # Qwen3-0.6B's hidden size: the norm's 128 threads are the CTA's
+    (1024, 64, 4, True),
+    (640, 16, 1, False),  # 96 norm threads (3 warps), a row they do not divide: the CTA's last warp idles
+    (1536, 32, 3, True),  # 192 norm threads: the CTA plays two, the second half only in warps 0 and 1
+    (4096, 16, 2, False),  # Qwen3-8B's: each CTA thread plays four norm threads
+])
+def test_simulated_normed_gemv_equals_simulator_and_the_two_kernels(rng, k, n, parts, swiglu):
+    """``normed_gemv_simt`` in the CUDA simulator: its output bit for bit ``simulators.gemv_simt.normed_gemv_simt``
+    and the new residual bit for bit what ``layers.add_parts_rms_norm`` stores (the norm kernel, then the GEMV)."""
+    parts_in, residual, norm_weight, q, scale_inv, out, residual_out = normed_problem(rng, k, n, parts, swiglu)
+    kernel_module.normed_gemv_simt(parts_in, residual, norm_weight, 1e-6, residual_out, q, scale_inv, out,
+                                   swiglu=swiglu)
+    want, want_h = simulator.normed_gemv_simt(parts_in, residual, norm_weight, 1e-6, layers.rms_norm_threads_per_row(k),
+                                              q, scale_inv, swiglu=swiglu)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(residual_out)), "unwritten (poisoned) outputs"
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), np.count_nonzero(out != want)
+    kernel_h, x = residual.copy(), np.full((1, k), np.nan, np.float32)
+    layers.add_parts_rms_norm(parts_in, kernel_h, norm_weight, 1e-6, x)
+    assert np.array_equal(residual_out.view(np.uint32), kernel_h.view(np.uint32))
+    assert np.array_equal(want_h.view(np.uint32), kernel_h.view(np.uint32))
+    product = gemv_simt_swiglu if swiglu else gemv_simt
+    two_launches = product(x, q, scale_inv, poisoned_output(out.shape, "f32"))
+    assert np.array_equal(out.view(np.uint32), two_launches.view(np.uint32))
+
+
+@pytest.mark.cudasim
+def test_simulated_normed_gemv_passes_a_nan_through(rng):
+    """A NaN in one part reaches the new residual there and every output (the norm's sum of squares is NaN)."""
+    parts_in, residual, norm_weight, q, scale_inv, out, residual_out = normed_problem(rng, 1024, 16, 2, False)
+    parts_in[1, 0, 700] = np.nan
+    kernel_module.normed_gemv_simt(parts_in, residual, norm_weight, 1e-6, residual_out, q, scale_inv, out)
+    assert np.isnan(residual_out[0, 700]) and np.count_nonzero(np.isnan(residual_out)) == 1
+    assert np.all(np.isnan(out))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p.update(residual_out=p["residual"]), "residual_out: expected float32 \\[1, 1024\\] apart"),
+    (lambda p: p.update(parts=p["parts"][:, :, :512].copy()), "parts: expected float32 \\[S, 1, 1024\\]"),
+    (lambda p: p.update(norm_weight=p["norm_weight"][:1000].copy()), "norm_weight: expected float32 \\[1024\\]"),
+    (lambda p: p.update(out=p["out"].astype(np.float16)), "out: the normed GEMV writes float32"),
+    (lambda p: p.update(residual=np.zeros((2, 1024), np.float32)), "residual: expected float32 \\[1, K\\]"),
+])
+def test_normed_gemv_bad_arguments_raise_before_launch(rng, no_launch, change, message):
+    parts_in, residual, norm_weight, q, scale_inv, out, residual_out = normed_problem(rng, 1024, 16, 2, False)
+    p = dict(parts=parts_in, residual=residual, norm_weight=norm_weight, residual_out=residual_out, out=out)
+    change(p)
+    with pytest.raises(ValueError, match=message):
+        kernel_module.normed_gemv_simt(p["parts"], p["residual"], p["norm_weight"], 1e-6, p["residual_out"], q,
+                                       scale_inv, p["out"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k, n, parts, swiglu", [(1024, 4096, 4, False), (1024, 6144, 4, True),
+                                                 (4096, 6144, 2, False), (4096, 24576, 2, True)])
+def test_gpu_normed_gemv_equals_the_norm_then_the_gemv(k, n, parts, swiglu):
+    """Qwen3-0.6B's and Qwen3-8B's q/k/v and gate/up at one row: bit for bit ``layers.add_parts_rms_norm`` then
+    ``gemv_simt`` (``gemv_simt_swiglu``) on the GPU, output and new residual; fresh random inputs, poisoned outputs."""
+    from numba import cuda
+
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    parts_in, residual, norm_weight, q, scale_inv, out, residual_out = normed_problem(rng, k, n, parts, swiglu)
+    dev = {name: cuda.to_device(x) for name, x in
+           dict(parts=parts_in, residual=residual, w=norm_weight, q=q, s=scale_inv, out=out, h=residual_out).items()}
+    kernel_module.normed_gemv_simt(dev["parts"], dev["residual"], dev["w"], 1e-6, dev["h"], dev["q"], dev["s"],
+                                   dev["out"], swiglu=swiglu)
+    kernel_h, x = cuda.to_device(residual), cuda.to_device(np.full((1, k), np.nan, np.float32))
+    layers.add_parts_rms_norm(dev["parts"], kernel_h, dev["w"], 1e-6, x)
+    expected = cuda.to_device(poisoned_output(out.shape, "f32"))
+    (gemv_simt_swiglu if swiglu else gemv_simt)(x, dev["q"], dev["s"], expected)
+    got, want = dev["out"].copy_to_host(), expected.copy_to_host()
+    label = f"seed {seed}, K={k} N={n} S={parts} swiglu={swiglu}"
+    assert np.all(np.isfinite(got)), f"{label}: unwritten (poisoned) or non-finite outputs"
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{label}: {np.count_nonzero(got != want)} differ"
+    assert np.array_equal(dev["h"].copy_to_host(), kernel_h.copy_to_host()), f"{label}: the new residual differs"
