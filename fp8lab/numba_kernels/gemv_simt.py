@@ -102,8 +102,7 @@ from numba import cuda, float32, uint32
 from . import arguments, pdl
 from .bits import bf16_bits_to_f32, f16_bits_to_f32, u32_as_f32
 from .dequantize import F16_PLACEMENT_SCALE, STORE, output_bits_view, placed_codes
-from .layers import MAX_WARPS_PER_CTA as MAX_NORM_WARPS
-from .layers import add_warp_totals, silu_times, sqrt_f32
+from .layers import silu_times
 from .warp import (
     WARP_SIZE,
     WORDS_PER_LOAD,
@@ -129,8 +128,6 @@ MAX_ACCUMULATORS = 32
 """``columns_per_warp * m_tile`` at most: one float32 accumulator each per lane (more spills)."""
 MAX_WORDS = 2**32
 """Arrays are indexed with 32-bit words: fewer than this many uint32 words (16 GiB of codes)."""
-MAX_NORMED_K = 8192
-"""The longest row ``normed_gemv_simt`` norms into a CTA's shared memory (32 KB of float32)."""
 WORDS_PER_CHUNK = {"bf16": 8, "f16": 8, "f32": 16}
 """uint32 words of one row's 16 activations, by activation format."""
 
@@ -227,122 +224,6 @@ def _call_then(body, i: int, rest):
 
 
 
-# ---------------------------------------------------------------------------- the input: global, or normed in the CTA
-
-
-@cuda.jit(device=True, inline=True)
-def plain_input(a_words, unused):
-    """The plain kernel's activations are in global memory: wait for the kernels that write them (``pdl``)."""
-    pdl.prologue()
-
-
-@dataclass(frozen=True)
-class NormPrologue:
-    """The norm a ``normed_gemv_simt`` CTA runs before its GEMV: ``layers.add_parts_rms_norm`` of a row of ``k``
-    elements from ``parts`` split-K parts, in the order of its ``threads`` (``layers.rms_norm_threads_per_row(k)``)."""
-
-    k: int
-    threads: int
-    parts: int
-
-
-def shared_chunk_loader(k: int):
-    """The activation loader of the normed kernel: chunk ``c``'s 16 values from the CTA's shared row, which
-    ``normed_input_function`` stores element ``16 c + i`` at ``i * (k / 16) + c``, so that the 32 lanes of a warp,
-    reading chunks ``c = L + 32 s``, read 32 consecutive words at each ``i`` (no bank conflicts)."""
-    chunks = k // BYTES_PER_LANE
-
-    @cuda.jit(device=True, inline=True)
-    def load_shared_chunk(x, chunk, values):
-        for i in range(BYTES_PER_LANE):
-            values[i] = x[i * chunks + chunk]
-
-    return load_shared_chunk
-
-
-def normed_input_function(norm: NormPrologue, warps_per_cta: int):
-    """``prepare_input(x, inputs)`` of the normed kernel: ``layers.add_parts_rms_norm``'s register kernel for one
-    row, bit for bit, by the CTA's threads, into the shared row ``x`` (``shared_chunk_loader``'s layout); CTA 0
-    also stores the new residual. ``inputs``: ``(parts [S, 1, k], residual [1, k], norm_weight [k], eps,
-    residual_out [1, k])``.
-
-    The norm's order belongs to its ``B = norm.threads`` threads: thread ``v`` chains ``k = v + B j``, each warp
-    of them is one butterfly, the warps' totals are added in order. The CTA's ``T`` threads play them: thread
-    ``t`` is norm threads ``v = t + T i`` (a warp of the CTA, a warp of the norm), so any ``B`` works. Every CTA
-    computes the same row (a row's parts and residual are read by every CTA from the L2; no second launch waits
-    for a norm kernel's completion)."""
-    k, threads, parts = norm.k, norm.threads, norm.parts
-    cta = warps_per_cta * WARP_SIZE
-    played = -(-threads // cta)  # norm threads per CTA thread
-    elements = -(-k // threads)  # a norm thread's elements
-    whole = k % threads == 0
-    chunks = k // BYTES_PER_LANE
-    norm_warps = threads // WARP_SIZE
-    held = played * elements  # local array sizes must be plain constants
-    loaded_size = held * parts
-
-    @cuda.jit(device=True, inline=True)
-    def element(t, i, j):
-        """Element ``k`` of norm thread ``t + T i``'s ``j``-th, and whether that thread and element exist."""
-        v = t + uint32(cta * i)
-        kk = v + uint32(threads * j)
-        return kk, v < uint32(threads) and (whole or kk < uint32(k))
-
-    @cuda.jit(device=True, inline=True)
-    def normed_input(x, inputs):
-        parts_in, residual, norm_weight, eps, residual_out = inputs
-        t = uint32(cuda.threadIdx.x)
-        weights = cuda.local.array(held, float32)
-        for i in range(played):
-            for j in range(elements):
-                kk, there = element(t, i, j)
-                if there:
-                    weights[i * elements + j] = norm_weight[kk]  # before the wait: no kernel writes a weight
-        pdl.prologue()
-        values = cuda.local.array(held, float32)
-        loaded = cuda.local.array(loaded_size, float32)
-        for i in range(played):  # every load issued before any is used: in flight together
-            for j in range(elements):
-                kk, there = element(t, i, j)
-                if there:
-                    values[i * elements + j] = residual[0, kk]
-                    for s in range(parts):
-                        loaded[(i * elements + j) * parts + s] = parts_in[s, 0, kk]
-        warp_totals = cuda.shared.array(MAX_NORM_WARPS, float32)
-        writer = cuda.blockIdx.x == 0
-        for i in range(played):
-            acc = float32(0)
-            for j in range(elements):
-                kk, there = element(t, i, j)
-                if there:
-                    e = i * elements + j
-                    total = loaded[e * parts]
-                    for s in range(1, parts):  # the parts of a split-K product in part order, then one addition
-                        total = total + loaded[e * parts + s]
-                    values[e] = values[e] + total
-                    acc = cuda.fma(values[e], values[e], acc)
-                    if writer:
-                        residual_out[0, kk] = values[e]
-            total = warp_sum(acc)
-            v = t + uint32(cta * i)
-            if v < uint32(threads) and v % uint32(WARP_SIZE) == uint32(0):
-                warp_totals[v // uint32(WARP_SIZE)] = total
-        cuda.syncthreads()
-        # residual.shape[1] read at run time, as the norm kernel does (a constant would turn the division into a
-        # multiply and contract it with `+ eps`)
-        denom = sqrt_f32(add_warp_totals(warp_totals, norm_warps) / float32(residual.shape[1]) + eps)
-        for i in range(played):
-            for j in range(elements):
-                kk, there = element(t, i, j)
-                if there:
-                    e = i * elements + j
-                    x[(kk % uint32(BYTES_PER_LANE)) * uint32(chunks) + kk // uint32(BYTES_PER_LANE)] = \
-                        weights[e] * (values[e] / denom)
-        cuda.syncthreads()
-
-    return normed_input
-
-
 # ---------------------------------------------------------------------------- the two epilogues
 
 
@@ -398,7 +279,7 @@ def swiglu_columns(columns: int, m_tile: int):
 @functools.lru_cache(maxsize=None)
 def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, block_k: int,
                      warps_per_cta: int = WARPS_PER_CTA, chunks_per_iteration: int = 1, columns_per_warp: int = 1,
-                     swiglu: bool = False, norm: NormPrologue | None = None):
+                     swiglu: bool = False):
     """The compiled GEMV kernel for one row tile, activation format, output format, block size,
     CTA size, group size and columns per warp; ``swiglu``: the SwiGLU variant (``output`` "f32",
     ``columns_per_warp`` 2 or 4), which differs from the plain kernel only in which weight rows a
@@ -411,20 +292,12 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
     ``out`` (its bits view for BF16; for split-K the parts as ``[S * M, N]``), ``M, N, K`` (``N``: rows
     of ``q``, ``2 I`` for SwiGLU) and the K slice's width ``K / S`` (``K`` unless split-K; the grid's
     third dimension is ``S``).
-
-    ``norm``: the kernel of ``normed_gemv_simt`` (one row, float32), whose arguments are ``parts, residual,
-    norm_weight, eps, residual_out, q_words, scales_flat, out, n, k``: its activations are the row that
-    ``normed_input`` norms into shared memory.
     """
-    if norm is not None and (m_tile != 1 or activation != "f32"):
-        raise ValueError(f"norm: the normed GEMV takes one float32 row, got m_tile {m_tile}, {activation}")
     if swiglu and (output != "f32" or columns_per_warp % 2):
         raise ValueError(f"swiglu: needs a float32 output and an even columns_per_warp, got {output}, "
                          f"{columns_per_warp}")
-    load_activations = LOAD_ACTIVATIONS[activation] if norm is None else shared_chunk_loader(norm.k)
-    words_per_chunk = uint32(WORDS_PER_CHUNK[activation] if norm is None else 1)  # shared x: index = chunk
-    prepare_input = plain_input if norm is None else normed_input_function(norm, warps_per_cta)
-    normed = norm is not None
+    load_activations = LOAD_ACTIVATIONS[activation]
+    words_per_chunk = uint32(WORDS_PER_CHUNK[activation])
     group = chunks_per_iteration  # a lane's chunks per group: G consecutive warp steps
     columns = columns_per_warp
     mapping = swiglu_columns(columns, m_tile) if swiglu else plain_columns(columns, m_tile, STORE[output])
@@ -480,14 +353,13 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
     load_group = unrolled(load_chunk, group)
     compute_group = unrolled(compute_chunk, group)
 
-    @cuda.jit(device=True, inline=True)
-    def gemv(a_words, q_words, scales_flat, out, m, n, k, slice_k, norm_inputs):
-        """The kernel: ``a_words`` global activations, or the shared row that ``prepare_input`` norms into."""
+    @cuda.jit
+    def kernel(a_words, q_words, scales_flat, out, m, n, k, slice_k):
         lane = uint32(cuda.threadIdx.x) % u_warp
         warp = uint32(cuda.blockIdx.x) * uint32(warps_per_cta) + uint32(cuda.threadIdx.x) // u_warp
         width = uint32(n) // uint32(rows_per_output)  # output columns: N, or I = N / 2 for SwiGLU
         first = warp * uint32(outputs_per_warp)  # the warp's first output column
-        if first >= width and not normed:  # (the normed kernel's warps all take part in the norm first)
+        if first >= width:
             return  # the whole warp leaves together: no lane is left waiting in a shuffle
         m, k = uint32(m), uint32(k)
         row0 = uint32(cuda.blockIdx.y) * uint32(m_tile)
@@ -530,11 +402,8 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
 
         load_group((q_words, scales_flat, q_start, scale_start, lane, uint32(0), chunks, codes_a, scales_a))
         # The first group's weight loads are in flight; the activations (and ``out``, which an earlier
-        # kernel may still read) are the previous kernels' business: wait for them to complete (``pdl.prologue``;
-        # then the next kernel may launch, and it waits for this one before it reads our output).
-        prepare_input(a_words, norm_inputs)
-        if first >= width:
-            return
+        # kernel may still read) are the previous kernels' business: wait for them to complete.
+        pdl.prologue()  # then the next kernel may launch; it waits for this one before it reads our output
         g = uint32(0)
         while g < groups:
             load_group((q_words, scales_flat, q_start, scale_start, lane, uint32(group) * (g + uint32(1)), chunks,
@@ -555,21 +424,7 @@ def gemv_simt_kernel(m_tile: int, activation: str, output: str, block_n: int, bl
         if lane == 0:
             write(out, acc, row0, split * m, first, m, width)
 
-    if norm is None:
-        @cuda.jit
-        def kernel(a_words, q_words, scales_flat, out, m, n, k, slice_k):
-            gemv(a_words, q_words, scales_flat, out, m, n, k, slice_k, 0)
-
-        return kernel
-
-    row_size = norm.k  # (a plain constant for the shared array's size)
-
-    @cuda.jit
-    def normed_kernel(parts, residual, norm_weight, eps, residual_out, q_words, scales_flat, out, n, k):
-        x = cuda.shared.array(row_size, float32)
-        gemv(x, q_words, scales_flat, out, 1, n, k, k, (parts, residual, norm_weight, eps, residual_out))
-
-    return normed_kernel
+    return kernel
 
 
 # ---------------------------------------------------------------------------- launch shape and entry point
@@ -769,56 +624,3 @@ def _check_swiglu(a, q, scale_inv, out, block) -> arguments.GemmProblem:
     arguments.require("out", out, f"float32 [{m}, {n // 2}] (silu(gate) * up)",
                       tuple(out.shape) == (m, n // 2) and np.dtype(out.dtype) == np.float32)
     return arguments.check_gemm(a, q, scale_inv, out, block, kernel="the SIMT GEMV", out_columns=n // 2)
-
-
-def normed_gemv_simt(parts, residual, norm_weight, eps, residual_out, q, scale_inv, out, block=(128, 128),
-                     swiglu=False, stream=0):
-    """``layers.add_parts_rms_norm`` of one row, then ``gemv_simt`` of it (``gemv_simt_swiglu`` with ``swiglu``), in
-    one launch: ``residual_out = residual + sum_parts(parts)``, ``x = rms_norm(residual_out, norm_weight, eps)``,
-    ``out = x @ decode(q)^T``; returns ``out``. Bit for bit the norm kernel then the GEMV kernel
-    (``fp8lab.simulators.gemv_simt.normed_gemv_simt``), without the norm's launch: every CTA norms the row into its
-    shared memory (``normed_input_function``) and CTA 0 stores the new residual.
-
-    ``parts``: float32 ``[S, 1, K]``; ``residual``, ``residual_out``: float32 ``[1, K]``, apart (the CTAs read
-    ``residual`` while CTA 0 writes ``residual_out``); ``norm_weight``: float32 ``[K]``; ``eps``: a float; ``q``,
-    ``scale_inv``, ``block``: as ``gemv_simt``'s; ``out``: float32 ``[1, N]`` (``[1, N / 2]`` with ``swiglu``).
-    ``K`` at most ``MAX_NORMED_K`` (the row in 48 KB of shared memory) and a length the register norm holds
-    (``layers.norm_elements_per_thread``). The knobs are ``default_knobs``'.
-    """
-    from .layers import norm_elements_per_thread, rms_norm_threads_per_row
-
-    parts, residual, residual_out, norm_weight = (
-        arguments.as_kernel_array(name, x) for name, x in
-        (("parts", parts), ("residual", residual), ("residual_out", residual_out), ("norm_weight", norm_weight)))
-    arguments.require("residual", residual, "float32 [1, K] (one row)",
-                      residual.ndim == 2 and residual.shape[0] == 1 and np.dtype(residual.dtype) == np.float32)
-    k = residual.shape[1]
-    arguments.require("parts", parts, f"float32 [S, 1, {k}] (S >= 1 split-K parts of the residual's row)",
-                      parts.ndim == 3 and parts.shape[0] >= 1 and tuple(parts.shape[1:]) == (1, k)
-                      and np.dtype(parts.dtype) == np.float32)
-    arguments.require("residual_out", residual_out, f"float32 [1, {k}] apart from residual and parts",
-                      tuple(residual_out.shape) == (1, k) and np.dtype(residual_out.dtype) == np.float32
-                      and not arguments.overlaps(residual_out, residual) and not arguments.overlaps(residual_out, parts))
-    arguments.require("norm_weight", norm_weight, f"float32 [{k}]",
-                      tuple(norm_weight.shape) == (k,) and np.dtype(norm_weight.dtype) == np.float32)
-    for name, x in (("parts", parts), ("residual", residual), ("residual_out", residual_out),
-                    ("norm_weight", norm_weight)):
-        arguments.require_c_contiguous(name, x)
-    if k > MAX_NORMED_K or norm_elements_per_thread(k) is None:
-        raise ValueError(f"residual: the normed GEMV holds rows of at most {MAX_NORMED_K} elements that the register "
-                         f"norm takes, got {k}")
-    problem = (_check_swiglu(residual, q, scale_inv, out, block) if swiglu
-               else arguments.check_gemm(residual, q, scale_inv, out, block, kernel="the SIMT GEMV"))
-    if problem.output != "f32":
-        raise ValueError(f"out: the normed GEMV writes float32, got {np.dtype(problem.out.dtype)}")
-    arguments.require("out", problem.out, "memory apart from parts, residual and residual_out",
-                      not any(arguments.overlaps(problem.out, x) for x in (parts, residual, residual_out)))
-    arguments.require_load_alignment("q", problem.q, "the SIMT GEMV")
-    launch = gemv_simt_launch_info(1, problem.n, k, swiglu=swiglu)
-    norm = NormPrologue(k=k, threads=rms_norm_threads_per_row(k), parts=parts.shape[0])
-    kernel = gemv_simt_kernel(1, "f32", "f32", problem.block[0], problem.block[1], launch.warps_per_cta,
-                              launch.chunks_per_iteration, launch.columns_per_warp, swiglu, norm)
-    pdl.launch(kernel, launch.grid, launch.block, stream, parts, residual, norm_weight.reshape(-1), np.float32(eps),
-               residual_out, problem.q.view(np.uint32).reshape(-1), problem.scale_inv.reshape(-1), problem.out,
-               problem.n, k)
-    return out

@@ -313,17 +313,6 @@ def gemv_simt_swiglu(a, q, scale_inv, block=blockwise.DEFAULT_BLOCK, m_tile: int
     return dense.silu_mul(gemv_simt(a, q, scale_inv, block, m_tile))
 
 
-def normed_gemv_simt(parts, residual, norm_weight, eps, norm_threads: int, q, scale_inv,
-                     block=blockwise.DEFAULT_BLOCK, swiglu: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """``(out, h)``: the norm of the residual's split-K add, then the GEMV (or the SwiGLU GEMV) of the normed row,
-    which is what the kernel ``normed_gemv_simt`` computes in one launch: ``dense.add_parts_rms_norm`` with
-    ``norm_threads`` (``layers.rms_norm_threads_per_row(K)``, whose order every CTA of the kernel plays), then
-    ``gemv_simt`` (``gemv_simt_swiglu``) of ``x``. ``h`` is the new residual, which the kernel's CTA 0 stores."""
-    x, h = dense.add_parts_rms_norm(parts, residual, norm_weight, eps, norm_threads)
-    product = gemv_simt_swiglu if swiglu else gemv_simt
-    return product(x, q, scale_inv, block), h
-
-
 K_SPLITS = (1, 2, 3, 4)
 """The split-K slice counts the engine chooses among (``choose_k_splits``). More slices made the narrow
 GEMVs of Qwen3-0.6B a little faster still, but the residual norm reads every part (``bench/RESULTS.md``)."""

@@ -73,11 +73,9 @@ from fp8lab.numba_kernels.attention_input import qk_norm_rope_cache_write
 from fp8lab.numba_kernels.fp8_gemm import choose_path, fp8_gemm
 from fp8lab.numba_kernels.gemv_mma import F32_MAX_ROWS, gemv_mma_bf16, gemv_mma_swiglu
 from fp8lab.numba_kernels.gemv_simt import (
-    MAX_NORMED_K,
     gemv_simt,
     gemv_simt_split_k,
     gemv_simt_swiglu,
-    normed_gemv_simt,
 )
 from fp8lab.numba_kernels.layers import bf16_linear
 from fp8lab.numba_kernels.prefill import PrefillRows, paged_prefill
@@ -155,7 +153,6 @@ class Activations:
     """The preallocated activation buffers (see the module docstring); ``*_host`` are page-locked twins."""
 
     h: object
-    h_next: object
     x: object
     y: object
     qkv: object
@@ -188,7 +185,6 @@ def allocate_activations(config: Qwen3Config, memory: DeviceMemory, max_num_toke
                 most = max(most, rows * hq * s * (d + 2))
     return Activations(
         h=mem.empty("activations h", (tmax, c.hidden_size), np.float32),
-        h_next=mem.empty("activations h (the normed GEMVs' residual of one row)", (1, c.hidden_size), np.float32),
         x=mem.empty("activations x", (tmax, c.hidden_size), np.float32),
         y=mem.empty("activations y (a residual block's output, as split-K parts)",
                     (max(tmax, max(K_SPLITS) * min(tmax, f32_max_rows)) * c.hidden_size,), np.float32),
@@ -368,59 +364,24 @@ class Planner:
         attn, gate_up, act = a.attn[:t], a.gate_up[:t], a.act[:t]
         for i, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache)):
             x_in = self.gemm_input(x, layer.qkv.parts)  # the input norm writes what the q/k/v GEMM reads
-            if i > 0 and self.normed_gemv(x_in, layer.qkv.fused):  # the norm in the q/k/v GEMV's CTAs
-                h = self.normed_linear(y, h, layer.input_layernorm, layer.qkv.fused, a.qkv[: t * layer.qkv.fused.n],
-                                       "input norm + q/k/v gemv", plan)
-                qkv = self.qkv_views(t)
-            else:
-                if i == 0:
-                    plan.append(Launch(layers.rms_norm, (h, layer.input_layernorm, eps, x_in), label="input norm"))
-                else:  # the previous layer's MLP residual add, fused with this layer's input norm
-                    plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.input_layernorm, eps, x_in),
-                                       label="input norm"))
-                qkv = self.qkv_projections(layer.qkv, x_in, t, plan)
+            if i == 0:
+                plan.append(Launch(layers.rms_norm, (h, layer.input_layernorm, eps, x_in), label="input norm"))
+            else:  # the previous layer's MLP residual add, fused with this layer's input norm
+                plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.input_layernorm, eps, x_in),
+                                   label="input norm"))
+            qkv = self.qkv_projections(layer.qkv, x_in, t, plan)
             attn_in = self.gemm_input(attn.reshape(t, qd), [layer.o_proj])  # attention writes o_proj's input
             plan.extend(attend(layer, layer_cache, qkv, attn_in.reshape(attn.shape)))
             y = self.residual_linear(layer.o_proj, attn_in, "o_proj", plan)
             x_in = self.gemm_input(x, [layer.gate_up])
+            plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.post_attention_layernorm, eps, x_in),
+                               label="post-attention norm"))
             act_in = self.gemm_input(act, [layer.down_proj], a.act_bf16)  # SwiGLU writes down_proj's input
-            if self.normed_gemv(x_in, layer.gate_up):  # the norm in the gate/up GEMV's CTAs
-                h = self.normed_linear(y, h, layer.post_attention_layernorm, layer.gate_up, act_in,
-                                       "post-attention norm + gate/up gemv + swiglu", plan, swiglu=True)
-            else:
-                plan.append(Launch(layers.add_parts_rms_norm, (y, h, layer.post_attention_layernorm, eps, x_in),
-                                   label="post-attention norm"))
-                self.gate_up_swiglu(layer.gate_up, x_in, gate_up, act_in, plan)
+            self.gate_up_swiglu(layer.gate_up, x_in, gate_up, act_in, plan)
             y = self.residual_linear(layer.down_proj, act_in, "down_proj", plan)
         final = x if final is None else final
         plan.append(Launch(layers.add_parts_rms_norm, (y, h, self.weights.norm, eps, final), label="final norm"))
         return plan
-
-    def normed_gemv(self, x, linear: DeviceLinear | None) -> bool:
-        """Whether the norm that would write ``x`` runs inside the CTAs of ``linear``'s GEMV instead
-        (``gemv_simt.normed_gemv_simt``): one float32 row on the SIMT path into one FP8 weight, of a length the
-        normed GEMV holds."""
-        return (linear is not None and linear.kind == "fp8" and x.shape[0] == 1 and self.simt_path(x)
-                and x.shape[1] <= MAX_NORMED_K and layers.norm_elements_per_thread(x.shape[1]) is not None)
-
-    def normed_linear(self, parts, h, norm_weight, linear: DeviceLinear, out, label: str, plan: list[Launch],
-                      swiglu: bool = False):
-        """``normed_gemv_simt``: the residual add of ``parts`` into ``h``, the norm, and the (SwiGLU) GEMV of
-        ``linear`` into ``out`` in one launch, appended to ``plan``; returns the buffer that holds the new residual:
-        the other of ``activations.h`` and ``activations.h_next`` (the kernel's CTAs read ``h`` while CTA 0 writes)."""
-        a = self.activations
-        h_out = a.h[:1] if h is a.h_next else a.h_next
-        plan.append(Launch(normed_gemv_simt, (parts, h, norm_weight, self.config.rms_norm_eps, h_out, linear.weight,
-                                              linear.scale_inv, out.reshape(1, -1), linear.block),
-                           dict(swiglu=swiglu), label=label))
-        return h_out
-
-    def qkv_views(self, t: int):
-        """``(q, k, v)``: the column slices of the fused q/k/v GEMV's output rows ``[q | k | v]``."""
-        c = self.config
-        qd, kd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        fused = self.activations.qkv[: t * (qd + 2 * kd)].reshape(t, qd + 2 * kd)
-        return column_slice(fused, 0, qd), column_slice(fused, qd, qd + kd), column_slice(fused, qd + kd, qd + 2 * kd)
 
     def gemm_input(self, x, consumers: list[DeviceLinear], bf16_buffer=None):
         """Where the producer of a GEMM input ``x [M, K]`` (float32) writes it: ``x`` itself, or a BF16 view of the
@@ -462,8 +423,9 @@ class Planner:
         c, a = self.config, self.activations
         qd, kd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         if group.fused is not None:
-            self.linear(group.fused, x, a.qkv[: t * (qd + 2 * kd)].reshape(t, qd + 2 * kd), "q/k/v", plan)
-            return self.qkv_views(t)
+            fused = a.qkv[: t * (qd + 2 * kd)].reshape(t, qd + 2 * kd)
+            self.linear(group.fused, x, fused, "q/k/v", plan)
+            return column_slice(fused, 0, qd), column_slice(fused, qd, qd + kd), column_slice(fused, qd + kd, qd + 2 * kd)
         outs = (a.qkv[: t * qd].reshape(t, qd), a.qkv[t * qd : t * (qd + kd)].reshape(t, kd),
                 a.qkv[t * (qd + kd) : t * (qd + 2 * kd)].reshape(t, kd))
         for part, out in zip(group.parts, outs):
