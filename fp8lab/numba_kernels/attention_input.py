@@ -19,10 +19,9 @@ a GPU and in the CUDA simulator: the norm is ``fp8lab.simulators.dense.rms_norm`
 ``w * (x / denom)``), RoPE ``fp8lab.simulators.dense.rope``, the cache write
 ``fp8lab.reference.kv_cache.write``.
 
-Launch: grid ``(ceil(T / 2), ceil((Hq + Hkv) / 4))`` x 128 threads, one warp per (pair of tokens, head): warp ``w``
-of CTA ``(p, b)`` takes head ``y = 4 b + w`` of tokens ``2 p`` and ``2 p + 1`` (if ``T`` has it), and loads both
-tokens' rows before it computes either. (A CTA of one warp per head, as before, ran at most 32 warps per SM, the SM's
-limit of resident CTAs; a token per warp kept half the bytes in flight.) Head ``y < Hq`` is query
+Launch: grid ``(T, ceil((Hq + Hkv) / 4))`` x 128 threads, one warp per (token, head): warp ``w`` of CTA
+``(t, b)`` takes head ``y = 4 b + w`` of token ``t``. (A CTA of one warp per head, as before, ran at most 32 warps
+per SM, the SM's limit of resident CTAs.) Head ``y < Hq`` is query
 head ``y``: load ``q[t, y D : (y + 1) D]``, norm, rope, store ``q_out[t, y]``. Head ``y >= Hq`` is kv
 head ``j = y - Hq`` of a token with a slot: load k's and v's row ``j``, norm and rope k, write k's
 cache row, then v's. Lane ``L`` holds elements ``L + 32 i`` (``i < ceil(D / 32)``) in registers, and
@@ -75,9 +74,6 @@ MAX_HEAD_DIM = WARP_PER_ROW_MAX_N
 NAN = float32(np.nan)
 HEADS_PER_CTA = 4
 """Warps (heads) per CTA."""
-TOKENS_PER_WARP = 2
-"""Tokens per CTA: a warp loads its head's rows of both before it computes either (twice the bytes in flight; at a
-prefill, half the CTAs)."""
 COMPILED_HEAD_DIMS = (16, 64, 128)
 """Head dims of ``kernel_variants`` (the PTX check): a staged one (16) and in-lane ones (64: tiny model, 128: Qwen3);
 the FP8 cache at each, the float caches at 128."""
@@ -107,9 +103,6 @@ class HeadRowFunctions:
     of ``x``, q/k-norm it with the weights ``w`` and rotate it by ``c``, ``s`` (``load_weights``, ``load_rotation``:
     a kernel issues those loads before it waits for the q/k/v GEMM) into ``values`` (``n``: D as a run-time float32;
     ``stage``: D shared floats, used only when the RoPE pair is not in one lane)."""
-    normed_rotated: Callable
-    """``normed_rotated(values, w, eps, n, c, s, in_table, lane, stage)``: ``norm_rope`` after its load, in place on a
-    row already in ``values`` (``load_row``): a kernel that loads several rows before it computes any."""
 
 
 @functools.cache
@@ -179,7 +172,6 @@ def head_row_functions(head_dim: int, cache_format: str) -> HeadRowFunctions:
             for r in range(E):
                 other[r] = values[(r + E // 2) % E]
         else:
-            cuda.syncwarp()  # every lane has read the stage's previous row (a warp may rotate several)
             for r in range(E):
                 d = lane + WARP_SIZE * r
                 if owns(lane, r):
@@ -245,19 +237,14 @@ def head_row_functions(head_dim: int, cache_format: str) -> HeadRowFunctions:
         return in_table
 
     @cuda.jit(device=True, inline=True)
-    def normed_rotated(values, w, eps, n, c, s, in_table, lane, stage):
-        """The row in ``values``, normed with ``w`` and rotated by ``c``, ``s``, in place (``n``: D at run time)."""
-        other = cuda.local.array(E, float32)
-        normalize(values, w, eps, lane, n)
-        partners(values, stage, lane, other)
-        rotate(values, other, c, s, in_table, lane)
-
-    @cuda.jit(device=True, inline=True)
     def norm_rope(x, w, eps, n, c, s, in_table, token, head, lane, values, stage):
         """Load head ``head`` of row ``token`` of ``x``, norm it with ``w`` and rotate it by ``c``, ``s`` into ``values``
         (``n``: D at run time)."""
+        other = cuda.local.array(E, float32)
         load_row(x, token, head, lane, values)
-        normed_rotated(values, w, eps, n, c, s, in_table, lane, stage)
+        normalize(values, w, eps, lane, n)
+        partners(values, stage, lane, other)
+        rotate(values, other, c, s, in_table, lane)
 
     @cuda.jit(device=True, inline=True)
     def store_row(x, token, head, lane, values):
@@ -267,7 +254,7 @@ def head_row_functions(head_dim: int, cache_format: str) -> HeadRowFunctions:
                 x[token, head, d] = values[r]
 
     write_row = {"fp8": write_fp8, "fp32": write_f32, "bf16": write_bf16}[cache_format]
-    return HeadRowFunctions(E, load_row, store_row, write_row, load_weights, load_rotation, norm_rope, normed_rotated)
+    return HeadRowFunctions(E, load_row, store_row, write_row, load_weights, load_rotation, norm_rope)
 
 
 def attention_input_function(head_dim: int, cache_format: str):
@@ -280,84 +267,49 @@ def attention_input_function(head_dim: int, cache_format: str):
     D = head_dim
     rows = head_row_functions(head_dim, cache_format)
     E, load_row, store_row, write_row = rows.elements, rows.load_row, rows.store_row, rows.write_row
-    load_weights, load_rotation, normed_rotated = rows.load_weights, rows.load_rotation, rows.normed_rotated
-
-    @cuda.jit(device=True, inline=True)
-    def write_kv_rows(k_values, v_values, w, eps, n, c, s, in_table, lane, stage, k_cache, v_cache, k_scale, v_scale,
-                      slot, head):
-        """A token's k row (loaded into ``k_values``) normed and rotated, then it and its v row into cache slot
-        ``slot``."""
-        block_size = k_cache.shape[2]
-        block, offset = slot // block_size, slot % block_size
-        normed_rotated(k_values, w, eps, n, c, s, in_table, lane, stage)
-        write_row(k_values, k_cache, k_scale, block, head, offset, lane)
-        write_row(v_values, v_cache, v_scale, block, head, offset, lane)
+    load_weights, load_rotation, norm_rope = rows.load_weights, rows.load_rotation, rows.norm_rope
 
     def attention_input_kernel(q, k, v, q_out, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, k_scale,
                                v_scale, slot_mapping):
-        first = cuda.blockIdx.x * TOKENS_PER_WARP  # the CTA's tokens: first, first + 1 (if there is one)
-        second = first + 1 < positions.shape[0]
+        token = cuda.blockIdx.x
         warp, lane = cuda.threadIdx.x // WARP_SIZE, cuda.threadIdx.x % WARP_SIZE
         y = cuda.blockIdx.y * HEADS_PER_CTA + warp
         q_heads = q_out.shape[1]
         if y >= q_heads + k_cache.shape[1]:
             return  # past the last head: the whole warp leaves, having written nothing (warp 0 of CTA 0 always waits)
-        # Before the wait, what no kernel writes: the norm weights, the positions (copied in before the forward) and
-        # their cos/sin; after it, only q, k and v (the q/k/v GEMM's output) are left to load
+        # Before the wait, what no kernel writes: the norm weights, the position (copied in before the forward) and
+        # its cos/sin; after it, only q, k and v (the q/k/v GEMM's output) are left to load
         w = cuda.local.array(E, float32)
-        c0 = cuda.local.array(E, float32)
-        s0 = cuda.local.array(E, float32)
-        c1 = cuda.local.array(E, float32)
-        s1 = cuda.local.array(E, float32)
+        c = cuda.local.array(E, float32)
+        s = cuda.local.array(E, float32)
         if y < q_heads:  # two calls, not one on a chosen array: a chosen pointer would load through the generic space
             load_weights(q_norm, lane, w)
         else:
             load_weights(k_norm, lane, w)
-        in_table0 = load_rotation(positions, cos_sin, first, lane, c0, s0)
-        in_table1 = False
-        if second:
-            in_table1 = load_rotation(positions, cos_sin, first + 1, lane, c1, s1)
+        in_table = load_rotation(positions, cos_sin, token, lane, c, s)
         pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
-        values0 = cuda.local.array(E, float32)
-        values1 = cuda.local.array(E, float32)
+        values = cuda.local.array(E, float32)
         stages = cuda.shared.array((HEADS_PER_CTA, D), float32)
         stage = stages[warp]
         # D read at run time: the norm divides by it as rms_norm does (see normalize)
         n = float32(q_out.shape[2])
         if y < q_heads:
-            # both rows loaded before either is computed; every lane loads its elements before it stores any, and
-            # only its own: q_out may be q
-            load_row(q, first, y, lane, values0)
-            if second:
-                load_row(q, first + 1, y, lane, values1)
-            normed_rotated(values0, w, eps, n, c0, s0, in_table0, lane, stage)
-            store_row(q_out, first, y, lane, values0)
-            if second:
-                normed_rotated(values1, w, eps, n, c1, s1, in_table1, lane, stage)
-                store_row(q_out, first + 1, y, lane, values1)
+            # every lane loads its elements before it stores any, and only its own: q_out may be q
+            norm_rope(q, w, eps, n, c, s, in_table, token, y, lane, values, stage)
+            store_row(q_out, token, y, lane, values)
             return
         head = y - q_heads
-        capacity = k_cache.shape[0] * k_cache.shape[2]
-        slot0 = slot_mapping[first]
-        write0 = slot0 >= 0 and slot0 < capacity  # -1: padding; never outside the cache
-        slot1 = slot_mapping[first + 1] if second else -1
-        write1 = slot1 >= 0 and slot1 < capacity
-        # k goes to the cache only: a token without a slot has nothing to do here. Every row is loaded (v's with
-        # k's, so v's latency overlaps k's work) before any is computed
-        v_values0 = cuda.local.array(E, float32)
-        v_values1 = cuda.local.array(E, float32)
-        if write0:
-            load_row(v, first, head, lane, v_values0)
-            load_row(k, first, head, lane, values0)
-        if write1:
-            load_row(v, first + 1, head, lane, v_values1)
-            load_row(k, first + 1, head, lane, values1)
-        if write0:
-            write_kv_rows(values0, v_values0, w, eps, n, c0, s0, in_table0, lane, stage, k_cache, v_cache, k_scale,
-                          v_scale, slot0, head)
-        if write1:
-            write_kv_rows(values1, v_values1, w, eps, n, c1, s1, in_table1, lane, stage, k_cache, v_cache, k_scale,
-                          v_scale, slot1, head)
+        block_size = k_cache.shape[2]
+        slot = slot_mapping[token]
+        if slot < 0 or slot >= k_cache.shape[0] * block_size:  # -1: padding; never outside the cache
+            return  # k goes to the cache only: a token without a slot has nothing to do here
+        v_values = cuda.local.array(E, float32)
+        load_row(v, token, head, lane, v_values)  # issued with k's loads: v's latency overlaps k's work
+        norm_rope(k, w, eps, n, c, s, in_table, token, head, lane, values, stage)
+        block = slot // block_size
+        offset = slot % block_size
+        write_row(values, k_cache, k_scale, block, head, offset, lane)
+        write_row(v_values, v_cache, v_scale, block, head, offset, lane)
 
     return attention_input_kernel
 
@@ -475,7 +427,7 @@ def qk_norm_rope_cache_write(q, k, v, q_out, q_norm, k_norm, eps, positions, cos
             positions, cos_sin, k_cache, v_cache, k_scale if fp8 else placeholder(3),
             v_scale if fp8 else placeholder(3), slot_mapping]
     written = (3, 9, 10, 11, 12) if fp8 else (3, 9, 10)
-    grid = (-(-tokens // TOKENS_PER_WARP), -(-(q_heads + kv_heads) // HEADS_PER_CTA))
+    grid = (tokens, -(-(q_heads + kv_heads) // HEADS_PER_CTA))
     _run(_attention_input_kernel(head_dim, cache_format), grid, WARP_SIZE * HEADS_PER_CTA, stream, args, written)
 
 
