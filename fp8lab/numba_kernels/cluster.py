@@ -78,8 +78,6 @@ if SIMULATOR:
             kernel[griddim, blockdim, stream, shared_bytes](*args)
 
 else:
-    from cuda.core import LaunchConfig
-    from cuda.core import launch as core_launch
     from llvmlite import ir
     from numba import cuda, float32, types
     from numba.cuda.extending import intrinsic
@@ -161,16 +159,8 @@ else:
         grid = dims3(griddim)
         if _cuda_core_grid_is_clusters():
             grid = tuple(g // c for g, c in zip(grid, cluster))
-        compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-        function = compiled._codelibrary.get_cufunc()
-        if math.prod(cluster) > PORTABLE_CLUSTER_SIZE:
-            _allow_non_portable(function)
-        writebacks, kernel_args = [], []
-        for argument_type, value in zip(compiled.argument_types, args):
-            compiled._prepare_args(argument_type, value, stream, writebacks, kernel_args)
         in_graph = GraphBuilder is not None and isinstance(stream, GraphBuilder)
-        config = LaunchConfig(grid=grid, cluster=cluster, block=blockdim, shmem_size=shared_bytes,
-                              programmatic_stream_serialization=in_graph)
-        core_launch(_to_core_stream(stream), config, function.kernel, *kernel_args)
-        for writeback in writebacks:
-            writeback()
+        pdl.launch_through_core(kernel, stream, args,
+                                prepare=_allow_non_portable if math.prod(cluster) > PORTABLE_CLUSTER_SIZE else None,
+                                grid=grid, cluster=cluster, block=blockdim, shmem_size=shared_bytes,
+                                programmatic_stream_serialization=in_graph)

@@ -125,12 +125,21 @@ else:
         if not (HAS_PDL and GraphBuilder is not None and isinstance(stream, GraphBuilder)):
             kernel[griddim, blockdim, stream, shared_bytes](*args)
             return
+        launch_through_core(kernel, stream, args, grid=griddim, block=blockdim, shmem_size=shared_bytes,
+                            programmatic_stream_serialization=True)
+
+    def launch_through_core(kernel, stream, args, prepare=None, **config) -> None:
+        """``kernel(*args)`` on ``stream`` through ``cuda.core``'s launch with ``LaunchConfig(**config)`` (what Numba's
+        own launch cannot set: PDL here, clusters in ``cluster.launch``). Compiles on first use for the arguments'
+        types, calls ``prepare(function)`` on the compiled function if given (a function attribute to set), and
+        passes the arguments as Numba's launch would."""
         compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+        function = compiled._codelibrary.get_cufunc()
+        if prepare is not None:
+            prepare(function)
         writebacks, kernel_args = [], []
         for argument_type, value in zip(compiled.argument_types, args):
             compiled._prepare_args(argument_type, value, stream, writebacks, kernel_args)
-        config = LaunchConfig(grid=griddim, block=blockdim, shmem_size=shared_bytes,
-                              programmatic_stream_serialization=True)
-        core_launch(_to_core_stream(stream), config, compiled._codelibrary.get_cufunc().kernel, *kernel_args)
+        core_launch(_to_core_stream(stream), LaunchConfig(**config), function.kernel, *kernel_args)
         for writeback in writebacks:
             writeback()
