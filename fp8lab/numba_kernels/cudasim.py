@@ -613,26 +613,24 @@ def allocate_shared(shared, shape, dtype, site: tuple):
     from numba.cuda.np import numpy_support
 
     dtype = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)
-    cluster = rank = None
-    if _cluster_launch is not None and hasattr(threading.current_thread(), "blockIdx"):
-        cluster, rank = _current_cluster()
-    allocations = shared._allocations if cluster is None else cluster.shared[rank]
-    if shape == 0:  # dynamic shared memory: one buffer, every such array a view of it
-        count = shared._dynshared_size // dtype.itemsize
-        if cluster is None:
+    count = shared._dynshared_size // dtype.itemsize
+    if _cluster_launch is None or not hasattr(threading.current_thread(), "blockIdx"):  # numba-cuda's rule
+        if shape == 0:  # dynamic shared memory: one buffer, every such array a view of it
             return np.frombuffer(shared._dynshared.data, dtype=dtype, count=count)
-        with _cluster_lock:
+        array = shared._allocations.get(site)
+        if array is None:
+            array = shared._allocations[site] = np.empty(shape, dtype)
+        return array
+    cluster, rank = _current_cluster()
+    with _cluster_lock:
+        allocations = cluster.shared[rank]
+        if shape == 0:  # this CTA's dynamic buffer; remote_shared finds the view of a dtype by ("dynamic", dtype)
             buffer = allocations.setdefault("dynamic", np.zeros(shared._dynshared_size, dtype=np.byte))
-        site = ("dynamic", dtype.str)
-        array = np.frombuffer(buffer.data, dtype=dtype, count=count)
-    else:
-        with _cluster_lock:
+            site = ("dynamic", dtype.str)
+            array = allocations[site] = np.frombuffer(buffer.data, dtype=dtype, count=count)
+        else:
             array = allocations.get(site)
             if array is None:
                 array = allocations[site] = np.empty(shape, dtype)
-    if cluster is not None:
-        with _cluster_lock:
-            cluster.sites[id(array)] = site
-            if site[0] == "dynamic":
-                allocations[site] = array
+        cluster.sites[id(array)] = site
     return array

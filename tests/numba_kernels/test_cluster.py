@@ -90,6 +90,28 @@ def test_clusters_and_racecheck_share_the_simulators_shared_memory(rng):
 
 
 @cuda.jit
+def exchange_dynamic(values, out):
+    """``out[block, t]`` = CTA ``rank + 1``'s value, staged in dynamic shared memory."""
+    stage = cuda.shared.array(0, float32)
+    t = cuda.threadIdx.x
+    rank = cluster.rank()
+    stage[t] = values[rank, t]
+    cluster.sync()
+    out[cuda.blockIdx.x, t] = cluster.load_f32(stage, t, uint32((rank + 1) % values.shape[0]))
+    cluster.sync()
+
+
+@pytest.mark.cudasim
+def test_the_simulator_gives_each_cta_of_a_cluster_its_dynamic_shared_memory(rng):
+    if not SIMULATOR:
+        pytest.skip("the simulator's emulation (NUMBA_ENABLE_CUDASIM=1)")
+    values = rng.standard_normal((4, THREADS)).astype(np.float32)
+    out = np.full((8, THREADS), np.nan, np.float32)
+    cluster.launch(exchange_dynamic, 8, THREADS, 4, 0, values, out, shared_bytes=4 * THREADS)
+    np.testing.assert_array_equal(out, values[(np.arange(8) % 4 + 1) % 4])
+
+
+@cuda.jit
 def leaves_early(out):
     stage = cuda.shared.array(THREADS, float32)
     stage[cuda.threadIdx.x] = float32(1)
