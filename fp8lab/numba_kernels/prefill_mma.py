@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32, types, uint32
@@ -142,39 +143,23 @@ def stage_layout(bf16_cache: bool) -> tuple[int, int, int]:
     return row_words, stage_words, (STAGES * stage_words + TABLE_RING_WORDS) * 4
 
 
-def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, bf16_cache: bool = False):
-    """The Python source of the prefill kernel for one head size, query heads per kv head, output format and cache
-    format (E4M3 codes, or ``bf16_cache``: BF16 patterns).
-
-    Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, context_lens, query_lens, scale_log2,
-    num_kv_heads, block_size, out``: the caches flat as uint32 words (``splitkv.flat_cache``) and their scales
-    flat (placeholders for a BF16 cache, never read). Launch ``[(query_blocks, num_kv_heads, num_seqs),
-    THREADS]`` with ``stage_layout(bf16_cache)[2]`` bytes of dynamic shared memory and ``query_blocks *
-    tokens_per_cta(group)`` at least the longest ``query_lens`` (a CTA past its sequence's queries returns at once).
-    """
-    D, G = head_dim, group
-    if D != HEAD_DIM:
-        raise ValueError(f"head_dim: the flash prefill kernel compiles for {HEAD_DIM}, got {D}")
-    TOKENS = tokens_per_warp(G)
+def walk_functions(group: int, bf16_cache: bool):
+    """The device functions a flash-prefill CTA walks its keys with, for ``group`` query heads per kv head and the cache
+    format (head size ``HEAD_DIM``, the shared-memory layout of ``stage_layout``): ``(query_registers, chunk_row,
+    fetch_entries, ring_row, copy_chunk)``. The queries as the scores' A registers, the cache row of a 16-key chunk
+    (from the block table, or from the ring of its entries in shared memory) and a warp's ``cp.async`` copies of one
+    chunk of a tile (``prefill_kernel_function``'s walk; ``fp8lab.numba_kernels.prefill_wgmma`` walks the same way)."""
+    D, G = HEAD_DIM, group
     STEPS = D // 16  # k-steps of the scores
-    NTILES = D // 8  # n tiles of P V
-    QUERY_WORDS, ACC_SIZE = 4 * STEPS, 4 * NTILES
-    TILE_SCORES = 8 * CHUNKS  # a lane's scores of a tile: 4 per row and chunk
-    TILE_WEIGHT_WORDS = 4 * CHUNKS  # its weights, two per word: the A registers of the chunks' P V
-    LANE_KEYS = 4 * CHUNKS  # the keys of a lane's scores in a tile (4 per chunk): its V scales times inv
     FP8 = not bf16_cache
-    ELEMENT_BYTES = 2 if bf16_cache else 1
-    ROW_WORDS = D * ELEMENT_BYTES // 4  # a cache row in global memory
+    ROW_WORDS = D * (2 if bf16_cache else 1) // 4  # a cache row in global memory
     PIECES = ROW_WORDS // 4  # 16-byte copies per row
     ROWS_PER_PASS = WARP_SIZE // PIECES  # rows a warp copies at once
     COPIES = TILE // ROWS_PER_PASS  # per thread per tile, K and V each (a warp copies one chunk)
     SROW, STAGE_WORDS, _ = stage_layout(bf16_cache)
     V_OFFSET, SCALE_OFFSET = KEYS * SROW, 2 * KEYS * SROW
     TABLE_OFFSET = STAGES * STAGE_WORDS  # the ring of block-table entries
-    K_WORDS = ROW_WORDS // 4  # a lane's words of a key row: D / 4 elements
-    V_WORDS = ROW_WORDS // 8  # a lane's words of a value row: D / 8 elements
     pair = bf16_pair if bf16_cache else f16_pair
-    wait_for_tile = wait_group_function(STAGES - 2)
     assert WARPS == CHUNKS and TILE % ROWS_PER_PASS == 0, "copy_chunk: a warp copies one 16-key chunk of a tile"
     assert STAGES == 3, "the walk's ring slots: tile + 2 (STAGES - 1) has the slot of tile + 1 only for 3 stages"
 
@@ -266,6 +251,39 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
             index = uint32(stage_base + uint32(SCALE_OFFSET) + (uint32(KEYS) if v_scale_lane else uint32(0))
                            + uint32(TILE) * warp + key)
             copy_scale(smemf, index, v_scales if v_scale_lane else k_scales, uint32(first + key))
+
+    return query_registers, chunk_row, fetch_entries, ring_row, copy_chunk
+
+
+def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, bf16_cache: bool = False):
+    """The Python source of the prefill kernel for one head size, query heads per kv head, output format and cache
+    format (E4M3 codes, or ``bf16_cache``: BF16 patterns).
+
+    Arguments: ``q, k_words, v_words, k_scales, v_scales, block_tables, context_lens, query_lens, scale_log2,
+    num_kv_heads, block_size, out``: the caches flat as uint32 words (``splitkv.flat_cache``) and their scales
+    flat (placeholders for a BF16 cache, never read). Launch ``[(query_blocks, num_kv_heads, num_seqs),
+    THREADS]`` with ``stage_layout(bf16_cache)[2]`` bytes of dynamic shared memory and ``query_blocks *
+    tokens_per_cta(group)`` at least the longest ``query_lens`` (a CTA past its sequence's queries returns at once).
+    """
+    D, G = head_dim, group
+    if D != HEAD_DIM:
+        raise ValueError(f"head_dim: the flash prefill kernel compiles for {HEAD_DIM}, got {D}")
+    TOKENS = tokens_per_warp(G)
+    STEPS = D // 16  # k-steps of the scores
+    NTILES = D // 8  # n tiles of P V
+    QUERY_WORDS, ACC_SIZE = 4 * STEPS, 4 * NTILES
+    TILE_SCORES = 8 * CHUNKS  # a lane's scores of a tile: 4 per row and chunk
+    TILE_WEIGHT_WORDS = 4 * CHUNKS  # its weights, two per word: the A registers of the chunks' P V
+    LANE_KEYS = 4 * CHUNKS  # the keys of a lane's scores in a tile (4 per chunk): its V scales times inv
+    FP8 = not bf16_cache
+    ROW_WORDS = D * (2 if bf16_cache else 1) // 4  # a cache row in global memory
+    SROW, STAGE_WORDS, _ = stage_layout(bf16_cache)
+    V_OFFSET, SCALE_OFFSET = KEYS * SROW, 2 * KEYS * SROW
+    K_WORDS = ROW_WORDS // 4  # a lane's words of a key row: D / 4 elements
+    V_WORDS = ROW_WORDS // 8  # a lane's words of a value row: D / 8 elements
+    wait_for_tile = wait_group_function(STAGES - 2)
+
+    query_registers, chunk_row, fetch_entries, ring_row, copy_chunk = walk_functions(G, bf16_cache)
 
     ELEMENTS_PER_WORD = 2 if bf16_out else 1
 
@@ -597,6 +615,31 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
     ``sum(query_lens)`` (the engine pads a prefill to a token bucket so that one CUDA graph serves every prompt
     length of the bucket): no sequence owns them, and their ``out`` rows are left as they were.
     """
+    call = prepared_call(q, k_cache, v_cache, block_tables, context_lens, query_lens, softmax_scale, out, k_scale,
+                         v_scale, kv_format, max_context_len, stream, "paged_prefill_mma")
+    if call is not None:
+        kernel = _prefill_kernel(HEAD_DIM, call.group, call.bf16_out, not call.fp8)
+        launch_prepared(kernel, call, stage_layout(not call.fp8)[2], stream)
+    return out
+
+
+class PreparedCall(NamedTuple):
+    """A checked flash-prefill call, ready to launch: the kernel's arguments (device arrays), its grid, and what
+    selects the variant."""
+
+    args: tuple
+    grid: tuple[int, int, int]
+    group: int
+    fp8: bool
+    bf16_out: bool
+    out: object
+    out_device: object
+
+
+def prepared_call(q, k_cache, v_cache, block_tables, context_lens, query_lens, softmax_scale, out, k_scale, v_scale,
+                  kv_format, max_context_len, stream, kernel_name: str) -> PreparedCall | None:
+    """``paged_prefill_mma``'s checks and arguments (shared with ``fp8lab.numba_kernels.prefill_wgmma``, named
+    ``kernel_name`` in its errors); None where there is nothing to compute (no query token or head)."""
     call = check_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale, v_scale,
                          max_context_len, None, kv_format, padding_rows=True)
     k_cache, v_cache = as_kernel_array("k_cache", k_cache), as_kernel_array("v_cache", v_cache)
@@ -610,7 +653,7 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
                          f"{head_dim}, {group} heads per kv head, block size {call.block_size}")
     for name, x in (("q", call.q), ("out", call.out)):  # read and written 16 bytes at a time
         require_c_contiguous(name, x)
-        require_load_alignment(name, x, "paged_prefill_mma")
+        require_load_alignment(name, x, kernel_name)
     if call.block_tables.shape[0] > MAX_GRID_Z:
         raise ValueError(f"block_tables: at most {MAX_GRID_Z} sequences per call (the grid's z), got "
                          f"{call.block_tables.shape[0]}")
@@ -618,7 +661,7 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
         raise ValueError(f"k_cache: {k_cache.shape} is {k_cache.size * k_cache.dtype.itemsize} bytes, more than the "
                          f"kernel's 32-bit word indices reach ({MAX_CACHE_WORDS * 4 / 2**30:g} GiB)")
     if num_tokens == 0 or num_heads == 0:
-        return out
+        return None
     longest = int(to_host(call.query_lens).max(initial=0)) if call.host_indices else num_tokens
     fp8 = call.kv_format.scaled
     k_words, k_scales = flat_cache(k_cache, as_kernel_array("k_scale", k_scale) if fp8 else None)
@@ -630,14 +673,17 @@ def paged_prefill_mma(q, k_cache, v_cache, block_tables, context_lens, query_len
     device = [on_device(x, stream) for x in arrays]
     out_device = on_device(call.out, stream)
     grid = (max(1, -(-longest // tokens_per_cta(group))), num_kv_heads, call.block_tables.shape[0])
-    kernel = _prefill_kernel(head_dim, group, np.dtype(call.out.dtype) == np.uint16, not fp8)
     args = (*device, np.float32(float(softmax_scale) * LOG2E), num_kv_heads, call.block_size, out_device)
-    shared_bytes = stage_layout(not fp8)[2]
-    _allow_shared_memory(kernel, args, shared_bytes)
-    pdl.launch(kernel, grid, THREADS, stream, *args, shared_bytes=shared_bytes)
-    if out_device is not call.out:  # a NumPy out on a GPU
-        out_device.copy_to_host(call.out, stream=stream)
-    return out
+    return PreparedCall(args, grid, group, fp8, np.dtype(call.out.dtype) == np.uint16, call.out, out_device)
+
+
+def launch_prepared(kernel, call: PreparedCall, shared_bytes: int, stream) -> None:
+    """Launch ``kernel`` (``THREADS`` threads a CTA) on a prepared call with ``shared_bytes`` of dynamic shared memory;
+    copy ``out`` back where it is a NumPy array on a GPU."""
+    _allow_shared_memory(kernel, call.args, shared_bytes)
+    pdl.launch(kernel, call.grid, THREADS, stream, *call.args, shared_bytes=shared_bytes)
+    if call.out_device is not call.out:  # a NumPy out on a GPU
+        call.out_device.copy_to_host(call.out, stream=stream)
 
 
 def kernel_variants():
