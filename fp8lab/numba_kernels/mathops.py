@@ -1,7 +1,8 @@
 """Scalar device functions shared by the KV-cache and decode-attention kernels, in both modes.
 
 Device functions, no kernel. Checked: ``e4m3_encode_saturating`` against ``fp8lab.reference.e4m3.encode``
-in ``tests/numba_kernels/test_kv_cache_kernel.py``; ``exp2`` is the simulators'
+in ``tests/numba_kernels/test_kv_cache_kernel.py``; ``divide_by_at_least_one`` against IEEE division in
+``tests/numba_kernels/test_mathops.py`` (and on a GPU inside ``prefill_wgmma``); ``exp2`` is the simulators'
 ``exp2_f32`` in simulator mode, so the split-kv kernel tests check it bit for bit there.
 
 - ``exp2(x)``: float32 ``2^x``, the one transcendental of the log2-domain softmax.
@@ -31,6 +32,15 @@ in ``tests/numba_kernels/test_kv_cache_kernel.py``; ``exp2`` is the simulators'
 - ``reciprocal_u32(d)`` and ``divide_by_reciprocal(n, reciprocal)``: ``n // d`` in a kernel's loop as a multiply
   by ``ceil(2^32 / d)`` (computed once, with one division) taking the high word: exact while ``n * d < 2^32``.
 
+- ``divide_by_at_least_one(x, d)``: float32 ``x / d`` rounded to nearest even, exactly what ``div.rn.f32`` gives,
+  for ``d >= 1``, ``+inf`` or NaN (an attention row's sum of weights, which holds its largest weight, 1), without a
+  division instruction: ptxas expands ``div.rn`` into a fast path and a *subroutine call* for the rare operands, and a
+  kernel with a call gets every ``wgmma`` serialized (C7509). In float64: a reciprocal approximation
+  (``rcp.approx.ftz.f64``; in the simulator ``1 / d`` with its low 32 bits cleared) refined by Newton's method, the
+  quotient refined once, rounded to float32, then the one rounding decision that the approximation could get wrong
+  settled exactly: the sign of ``x - m d`` (one fma, exact) for the midpoint ``m`` between the result and its
+  neighbour towards the quotient. In the simulator the float64 fma is exact rational arithmetic.
+
 - ``nan_max(a, b)``: ``max`` that keeps a NaN (like ``np.maximum``), so a NaN in the data reaches
   the output instead of being dropped by a comparison.
 
@@ -47,7 +57,10 @@ code widens to uint32 before it shifts.
 
 from __future__ import annotations
 
-from numba import cuda, float32, int32, int64, uint32, uint64
+import math
+
+import numpy as np
+from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from .bits import SIMULATOR, f32_as_u32, f32_to_bf16_bits_rne, u32_as_f32  # noqa: F401  (re-exported)
 
@@ -65,6 +78,21 @@ if SIMULATOR:
 
     def divide_u32(a, b):
         return uint32(int(a) // int(b))
+
+    def fma_f64(a, b, c):
+        """float64 ``a * b + c`` with one rounding (exact rationals, then Python's correctly rounded float())."""
+        from fractions import Fraction
+
+        a, b, c = float(a), float(b), float(c)
+        if not all(math.isfinite(v) for v in (a, b, c)):
+            return float64(a * b + c)
+        return float64(float(Fraction(a) * Fraction(b) + Fraction(c)))
+
+    def reciprocal_approx_f64(d):
+        """A model of ``rcp.approx.ftz.f64``: ``1 / d`` with the low 32 of its 52 fraction bits cleared (about 2^-20
+        relative error), so that the refinement steps are exercised here too."""
+        bits = np.float64(1.0 / float(d)).view(np.uint64) & np.uint64(0xFFFFFFFF00000000)
+        return bits.view(np.float64)
 
 else:
     from llvmlite import ir
@@ -106,6 +134,76 @@ else:
             return builder.udiv(a32, b32)
 
         return types.uint32(a, b), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def fma_f64(a, b, c):
+        return cuda.fma(float64(a), float64(b), float64(c))
+
+    @intrinsic
+    def reciprocal_approx_f64(typingctx, d):
+        """``rcp.approx.ftz.f64``: a fast approximate float64 reciprocal (no subroutine, unlike ``rcp.rn``)."""
+        if not isinstance(d, types.Float):
+            return None
+
+        def codegen(context, builder, signature, args):
+            value = context.cast(builder, args[0], signature.args[0], types.float64)
+            function = ir.FunctionType(ir.DoubleType(), [ir.DoubleType()])
+            return builder.call(ir.InlineAsm(function, "rcp.approx.ftz.f64 $0, $1;", "=d,d"), [value])
+
+        return types.float64(d), codegen
+
+
+@cuda.jit(device=True, inline=True)
+def divide_by_at_least_one(x, d):
+    """float32 ``x / d``, correctly rounded (ties to even), for ``d >= 1``, ``+inf`` or NaN, without a division
+    instruction (see the module docstring: ``div.rn``'s slow path is a call, which serializes ``wgmma``)."""
+    return finish_division(quotient_estimate(x, d), x, d)
+
+
+@cuda.jit(device=True, inline=True)
+def quotient_estimate(x, d):
+    """float64 ``x / d`` within about an ulp of float64, for finite ``x != 0`` and finite ``d >= 1`` (any other
+    operands give some float64 that ``finish_division`` ignores)."""
+    big_x, big_d = float64(x), float64(d)
+    r = reciprocal_approx_f64(big_d)
+    r = fma_f64(r, fma_f64(-big_d, r, float64(1.0)), r)  # Newton: about 2^-40 relative
+    r = fma_f64(r, fma_f64(-big_d, r, float64(1.0)), r)  # to float64's precision
+    q = big_x * r
+    return fma_f64(fma_f64(-q, big_d, big_x), r, q)  # within about an ulp of float64 of x / d
+
+
+@cuda.jit(device=True, inline=True)
+def finish_division(q, x, d):
+    """``divide_by_at_least_one(x, d)`` from ``q = quotient_estimate(x, d)``: the special operands first, then
+    ``round_quotient``."""
+    if d != d or x != x:
+        return d + x  # NaN
+    if d == float32(math.inf):
+        return x * float32(0.0)  # +-0 for finite x, NaN for +-inf
+    if x == float32(0.0) or abs(x) == float32(math.inf):
+        return x  # +-0 / d, +-inf / d (d finite >= 1)
+    return round_quotient(q, float64(x), float64(d))
+
+
+@cuda.jit(device=True, inline=True)
+def round_quotient(q, big_x, big_d):
+    """``x / d`` rounded to the nearest float32 (ties to even), from ``q``, any float64 within ``2^-30`` relative
+    of it (``x``, ``d`` float32 values as float64, ``x / d`` a finite float32 quotient, ``d > 0``). ``q`` rounded to
+    float32 is that, or its neighbour on ``q``'s side: which one the sign of ``x - m d`` says, ``m`` the midpoint
+    between them (exact: ``m`` has 25 bits, ``d`` 24, ``x`` is within a float32 ulp of ``m d``); zero is a tie."""
+    y = float32(q)
+    t = float64(y)
+    if q == t:
+        return y  # x / d within about 2^-30 of a float32: not near a midpoint
+    toward = f32_as_u32(y) + uint32(1) if abs(q) > abs(t) else f32_as_u32(y) - uint32(1)
+    n = u32_as_f32(toward)  # y's neighbour on q's side
+    middle = (t + float64(n)) * float64(0.5)
+    above = fma_f64(-middle, big_d, big_x)  # exact: x - middle * d, the sign of x / d - middle
+    if above == float64(0.0):
+        return y if f32_as_u32(y) & uint32(1) == uint32(0) else n  # a tie: the even one
+    if (above > float64(0.0)) == (float64(n) > t):
+        return n
+    return y
 
 
 @cuda.jit(device=True, inline=True)

@@ -1,4 +1,4 @@
-"""Hopper's warpgroup matrix multiply ``wgmma.mma_async`` (BF16 in, float32 accumulate) as device functions.
+"""Hopper's warpgroup matrix multiply ``wgmma.mma_async`` (BF16 or F16 in, float32 accumulate) as device functions.
 
 Device functions, no kernel (sm_90a: numba-cuda compiles for it on a compute-capability-9.0 GPU). Checked: the
 twin in ``tests/numba_kernels/test_wgmma.py`` (one warpgroup, integer operands: exactly the float64 ``A @ B`` in
@@ -33,10 +33,11 @@ must stay unchanged until that wait, and shared memory written by ``cp.async`` (
 ``proxy_fence()`` in each writing thread, then a barrier, before ``wgmma`` (the async proxy) reads it.
 
 ``mma_async(acc, a_regs, first, smem, stage_offset, byte_offset, accumulate)`` (from ``mma_async_function(N,
-acc_offset)``): ``acc[acc_offset .. acc_offset + N / 2 - 1]`` the float32 accumulators, ``a_regs[first .. first +
-3]`` the A registers (both per-thread ``cuda.local.array``), B at ``smem``'s byte ``stage_offset + byte_offset``,
-both multiples of 16 (``smem`` is dynamic shared memory, which starts 16-byte aligned). Two offsets, so that the
-descriptor is one addition: the stage's part the compiler computes once per stage, the step's part is a constant
+acc_offset, operand)``): ``acc[acc_offset .. acc_offset + N / 2 - 1]`` the float32 accumulators, ``a_regs[first ..
+first + 3]`` the A registers (both per-thread ``cuda.local.array``), B at ``smem``'s byte ``stage_offset +
+byte_offset``, both multiples of 16 (``smem`` is dynamic shared memory, which starts 16-byte aligned); ``operand``
+the format of A and B, ``"bf16"`` (the default) or ``"f16"`` (``.f32.f16.f16``: ``prefill_wgmma``). Two offsets, so
+that the descriptor is one addition: the stage's part the compiler computes once per stage, the step's part is a constant
 after unrolling (one offset, a run-time sum, costs a shift and a mask per instruction). (An offset lets two
 instructions of half the width keep two independent accumulator chains in one array.)
 
@@ -68,6 +69,15 @@ from .warp import FULL_MASK
 N_CHOICES = (64, 128, 192)
 """Columns of D per instruction that kernels here use: ``N / 2`` float32 accumulators per lane (PTX allows any
 multiple of 8 up to 256 for BF16)."""
+OPERANDS = ("bf16", "f16")
+"""The 16-bit formats of A and B that ``mma_async_function`` takes (both operands the same)."""
+
+
+def _check_choices(n: int, operand: str):
+    if n not in N_CHOICES:
+        raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
+    if operand not in OPERANDS:
+        raise ValueError(f"operand: expected one of {OPERANDS}, got {operand!r}")
 M_ROWS, K_STEP = 64, 16
 ROW_BYTES = 128
 """A swizzle row: 64 BF16 k of one column."""
@@ -121,28 +131,29 @@ if SIMULATOR:
         i = np.arange(n // 2)[None, :]
         return (lane >> 2) + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)
 
-    def _b_operand(smem, byte_offset: int, n: int) -> np.ndarray:
-        """B ``[16 k, n]`` as float64 values read from the swizzled K-major layout at ``byte_offset``."""
+    def _b_operand(smem, byte_offset: int, n: int, operand: str = "bf16") -> np.ndarray:
+        """B ``[16 k, n]`` as float64 values (BF16 or F16 patterns, ``operand``) read from the swizzled K-major layout
+        at ``byte_offset``."""
         memory = np.asarray(smem).reshape(-1).view(np.uint8)
         logical = byte_offset + ROW_BYTES * np.arange(n)[None, :] + 2 * np.arange(K_STEP)[:, None]
         physical = physical_address(logical)
         if physical.max() + 1 >= memory.size:
             raise RuntimeError(f"wgmma: B at byte {byte_offset} (n = {n}) runs past the {memory.size}-byte shared array")
         bits = memory[physical].astype(np.uint16) | (memory[physical + 1].astype(np.uint16) << 8)
-        return bit_placement.bits_to_float32(bits, "bf16").astype(np.float64)
+        return bit_placement.bits_to_float32(bits, operand).astype(np.float64)
 
     def _perform(pooled):
         """The warp's queued operations (``pooled``: each lane's list, by lane) in order: every lane's accumulators
         updated in place. The operations' shared-memory operands are the same on every lane; lane 0's are used."""
-        for index, (_, _, smem, byte_offset, accumulate, n, a_regs, first) in enumerate(pooled[0]):
+        for index, (_, _, smem, byte_offset, accumulate, n, a_regs, first, operand) in enumerate(pooled[0]):
             rows, cols = _accumulator_coordinates(n)
             if a_regs is None:  # A in shared memory (``mma_async_ss``): ``first`` is the warp's rows' byte offset
-                a = _b_operand(smem, first, 16).T  # the warp's 16 rows, K-major like B's columns
+                a = _b_operand(smem, first, 16, operand).T  # the warp's 16 rows, K-major like B's columns
             else:
                 registers = np.array([pooled[lane][index][1] for lane in range(cudasim.WARP_SIZE)], dtype=np.uint32)
                 a_bits = mma_model.unpack_registers(registers)  # [32, 8] 16-bit patterns
-                a = mma_model.assemble_a(bit_placement.bits_to_float32(a_bits, "bf16")).astype(np.float64)
-            b = _b_operand(smem, byte_offset, n)
+                a = mma_model.assemble_a(bit_placement.bits_to_float32(a_bits, operand)).astype(np.float64)
+            b = _b_operand(smem, byte_offset, n, operand)
             b_tiles = np.stack([b[:, 8 * j: 8 * j + 8] for j in range(n // 8)])  # [n/8, 16, 8]
             sums = mma_model.k16_sum(a[None], b_tiles).astype(np.float32)  # fl32(S) per block
             d = np.transpose(sums, (1, 0, 2)).reshape(16, n)  # [16 rows, n]
@@ -159,7 +170,7 @@ if SIMULATOR:
         if _groups.uncommitted():
             raise RuntimeError("wgmma.wait_group: mma_async issued since the last commit_group")
         ready = _groups.take_all_but(n_younger)
-        for _, registers, _, _, _, _, a_regs, first in ready:
+        for _, registers, _, _, _, _, a_regs, first, _ in ready:
             if a_regs is not None and tuple(int(x) & 0xFFFFFFFF for x in a_regs[first: first + 4]) != registers:
                 raise RuntimeError(f"wgmma: A registers {first}..{first + 3} were written before the wait_group of the "
                                    "wgmma that reads them (undefined: a GPU may read them late)")
@@ -171,9 +182,8 @@ if SIMULATOR:
 
         return wait_group
 
-    def mma_async_function(n: int, acc_offset: int = 0):
-        if n not in N_CHOICES:
-            raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
+    def mma_async_function(n: int, acc_offset: int = 0, operand: str = "bf16"):
+        _check_choices(n, operand)
 
         def mma_async(acc, a_regs, first, smem, stage_offset, byte_offset, accumulate):
             if int(stage_offset) % PIECE_BYTES or int(byte_offset) % PIECE_BYTES:
@@ -182,7 +192,8 @@ if SIMULATOR:
             first = int(first)
             registers = tuple(int(x) & 0xFFFFFFFF for x in a_regs[first: first + 4])
             accumulators = acc[acc_offset: acc_offset + n // 2]  # a view: the wait updates acc in place
-            _groups.issue((accumulators, registers, smem, int(byte_offset), bool(accumulate), n, a_regs, first))
+            _groups.issue((accumulators, registers, smem, int(byte_offset), bool(accumulate), n, a_regs, first,
+                           operand))
 
         return mma_async
 
@@ -197,7 +208,8 @@ if SIMULATOR:
             warp = cudasim._current_thread().thread_id // cudasim.WARP_SIZE % 4  # rows 16 warp .. of the 64
             a_rows = offsets[0] + offsets[1] + warp * 2 * ATOM_BYTES  # 16 rows: two 8-row atoms on
             accumulators = acc[: n // 2]
-            _groups.issue((accumulators, None, smem, offsets[2] + offsets[3], bool(accumulate), n, None, a_rows))
+            _groups.issue((accumulators, None, smem, offsets[2] + offsets[3], bool(accumulate), n, None, a_rows,
+                           "bf16"))
 
         return mma_async_ss
 
@@ -268,15 +280,15 @@ else:
 
         return wait_group
 
-    def mma_async_function(n: int, acc_offset: int = 0):
-        if n not in N_CHOICES:
-            raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
+    def mma_async_function(n: int, acc_offset: int = 0, operand: str = "bf16"):
+        _check_choices(n, operand)
         count = n // 2
         d = ", ".join(f"${i}" for i in range(count))
         a = ", ".join(f"${2 * count + i}" for i in range(4))
         text = ("{ .reg .pred p; "
                 f"setp.ne.b32 p, ${2 * count + 5}, 0; "
-                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, {{{a}}}, ${2 * count + 4}, p, 1, 1, 0; }}")
+                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{operand}.{operand} {{{d}}}, {{{a}}}, "
+                f"${2 * count + 4}, p, 1, 1, 0; }}")
 
         @intrinsic
         def mma_async(typingctx, acc, a_regs, first, smem, stage_offset, byte_offset, accumulate):
