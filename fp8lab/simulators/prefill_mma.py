@@ -1,7 +1,8 @@
 """How tensor-core flash prefill attention over an FP8 or BF16 cache computes, modelled in vectorized NumPy.
 
 Models ``fp8lab.numba_kernels.prefill_mma`` (grid ``(query blocks, num_kv_heads, num_seqs)`` of 4-warp CTAs) bit
-for bit. Checked (``tests/simulators/test_prefill_mma.py``): against ``fp8lab.reference.attention.prefill`` over
+for bit, and with ``shared_values=True`` the warpgroup kernel ``fp8lab.numba_kernels.prefill_wgmma`` (the same grid
+and order, its ``P V`` one ``wgmma`` for the CTA's four warps). Checked (``tests/simulators/test_prefill_mma.py``): against ``fp8lab.reference.attention.prefill`` over
 ``fp8lab.reference.kv_cache.gather`` within ``fp8lab.simulators.splitkv_mma.error_bound`` per query (each query is a
 decode over its causal prefix, with the same roundings), and exactly against ``fp8lab.simulators.splitkv_mma``'s tile
 functions, which it reuses.
@@ -205,7 +206,7 @@ def chunk_values(weights: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, softmax_scale: float, k_scale,
-                  v_scale) -> np.ndarray:
+                  v_scale, shared_values: bool = False) -> np.ndarray:
     """Causal prefill attention as the tensor-core kernel computes it: float32 ``[num_query_tokens, num_heads, D]``,
     whose rows past ``sum(query_lens)`` (padding, which no sequence owns and the kernel leaves unwritten) are 0.
 
@@ -214,6 +215,14 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
     no scales); the new tokens' K/V already in the cache. Every warp
     advances one tile per step, all at once; a warp past its last tile sees no key (``corr = 1``, ``p = 0``: its
     state stays as it is, as if it had stopped).
+
+    ``shared_values``: the warpgroup kernel's ``P V`` (``fp8lab.numba_kernels.prefill_wgmma``), one ``wgmma`` for the
+    CTA's four warps over one copy of the values: a warp's values are those of its CTA, loaded up to the CTA's end
+    (``cta_end``, its last warp's ``end``), and every chunk of each of the CTA's tiles is multiplied (no chunk
+    skipped). The scores, the V scales (zero past the warp's own ``end``) and so ``pow`` and the weights are the
+    warp's as without it. So a NaN value code of a key before ``cta_end`` reaches every row of the CTA whose walk
+    multiplies it with weight 0 (up to ``4 TOKENS - 1`` keys after a query's position, where the warp kernel's
+    reach is ``TOKENS - 1``).
     """
     q32, tables, context, queries, kv_format = _checked(q, k_cache, v_cache, block_tables, context_lens, query_lens,
                                                         k_scale, v_scale)
@@ -236,6 +245,9 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
     real = row_token < queries[seq][:, None]
     position = np.where(real, start[:, None] + row_token, -1)  # -1: nothing counts for a row past the queries
     end = start + np.minimum(i0 + tokens, queries[seq])  # keys loaded: up to the last row's position
+    cta_i0 = i0 - i0 % (WARPS * tokens)
+    cta_end = start + np.minimum(cta_i0 + WARPS * tokens, queries[seq])  # the warp's CTA's end (its last warp's)
+    value_end = cta_end if shared_values else end
 
     # queries: [W, kv, 16, D], the operand format's q * scale_log2, rows past the queries 0
     scale_log2 = np.float32(float(softmax_scale) * LOG2E)
@@ -253,10 +265,11 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
     for step in range(int(np.max(-(-end // KEYS)))):
         key = KEYS * step + np.arange(KEYS)  # [64]
         loaded = key[None, :] < end[:, None]  # [W, 64]
-        block = np.where(loaded, tables[seq[:, None], np.minimum(key // block_size, tables.shape[1] - 1)], 0)
+        values_loaded = key[None, :] < value_end[:, None]
+        block = np.where(values_loaded, tables[seq[:, None], np.minimum(key // block_size, tables.shape[1] - 1)], 0)
         offset = key % block_size
         k = np.where(loaded[..., None, None], cache_values(k_cache[block, :, offset]), 0.0).transpose(0, 2, 1, 3)
-        v = np.where(loaded[..., None, None], cache_values(v_cache[block, :, offset]), 0.0).transpose(0, 2, 1, 3)
+        v = np.where(values_loaded[..., None, None], cache_values(v_cache[block, :, offset]), 0.0).transpose(0, 2, 1, 3)
         if fp8:
             ks = np.where(loaded[..., None], k_scale[block, :, offset], np.float32(1)).transpose(0, 2, 1)  # [W, kv, 64]
             vs = np.where(loaded[..., None], v_scale[block, :, offset], np.float32(0)).transpose(0, 2, 1)
@@ -276,7 +289,10 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
             rescale = corr * (pow_ * inv)[..., None]  # pow / pow_new: a power of two at most 1, exact
             acc = acc * rescale[..., None]
             weights = operand(p * (vs * inv[..., None])[..., None, :])
-            chunk_loaded = (KEYS * step + TILE * np.arange(CHUNKS))[None, :] < end[:, None]  # [W, chunks]
+            if shared_values:  # every chunk of the CTA's tiles
+                chunk_loaded = np.broadcast_to((KEYS * step < cta_end)[:, None], (len(seq), CHUNKS))
+            else:
+                chunk_loaded = (KEYS * step + TILE * np.arange(CHUNKS))[None, :] < end[:, None]  # [W, chunks]
             for c in range(CHUNKS):  # P V: one mma chain through the accumulator; a chunk past the warp's end skipped
                 part = slice(TILE * c, TILE * (c + 1))
                 summed = acc + chunk_values(weights[..., part], v[..., part, :])

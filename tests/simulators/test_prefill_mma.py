@@ -4,7 +4,8 @@ Each query of a causal prefill is a decode over its prefix with the tensor-core 
 weights over an FP8 cache, BF16 ones over a BF16 cache; float32 chains), so ``fp8lab.simulators.splitkv_mma.error_bound``
 over that prefix, in the operand format, bounds its error; the oracle is ``fp8lab.reference.attention.prefill`` over
 ``fp8lab.reference.kv_cache.gather``. Caches are random FP8 or BF16 with NaN-poisoned unused slots; chunked prefill (a
-cached prefix before the new tokens), sequences without new tokens, every group size that divides 16.
+cached prefix before the new tokens), sequences without new tokens, every group size that divides 16. The warpgroup
+kernel's order (``shared_values``) gives the same bits on finite data.
 """
 
 from __future__ import annotations
@@ -35,6 +36,24 @@ def test_within_the_error_bound_of_the_reference(seed, lens, group, num_kv_heads
     query_lens = [min(a, b) for a, b in lens]  # a cached prefix of the difference (chunked prefill), or none
     data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, num_kv_heads, block_size, cache)
     assert_within_bound(data, q, query_lens, run_model(data, q, query_lens))
+
+
+@settings(deadline=None, max_examples=10)
+@given(seed=st.integers(0, 2**32 - 1), lens=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 70)), min_size=1,
+                                                     max_size=2),
+       group=st.sampled_from([1, 2, 4, 16]), block_size=st.sampled_from([16, 32]))
+def test_shared_values_change_no_bit_of_finite_data(seed, lens, group, block_size):
+    """The warpgroup kernel's order (``shared_values``: values to the CTA's end, every chunk multiplied) adds only
+    products by a weight of 0 to what the warp kernel's order adds: on finite data the same bits (a zero ``acc``
+    element could change its sign, which random data does not reach)."""
+    rng = np.random.default_rng(seed)
+    context_lens = [max(a, b) for a, b in lens]
+    query_lens = [min(a, b) for a, b in lens]
+    data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, 1, block_size)
+    warp = run_model(data, q, query_lens)
+    shared = prefill_mma.paged_prefill(q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens, query_lens,
+                                       data.softmax_scale, data.k_scale, data.v_scale, shared_values=True)
+    assert np.isfinite(warp).all() and np.array_equal(warp.view(np.uint32), shared.view(np.uint32))
 
 
 @pytest.mark.parametrize("cache", ["fp8", "bf16"])
