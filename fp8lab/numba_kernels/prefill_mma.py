@@ -145,10 +145,11 @@ def stage_layout(bf16_cache: bool) -> tuple[int, int, int]:
 
 def walk_functions(group: int, bf16_cache: bool):
     """The device functions a flash-prefill CTA walks its keys with, for ``group`` query heads per kv head and the cache
-    format (head size ``HEAD_DIM``, the shared-memory layout of ``stage_layout``): ``(query_registers, chunk_row,
-    fetch_entries, ring_row, copy_chunk)``. The queries as the scores' A registers, the cache row of a 16-key chunk
-    (from the block table, or from the ring of its entries in shared memory) and a warp's ``cp.async`` copies of one
-    chunk of a tile (``prefill_kernel_function``'s walk; ``fp8lab.numba_kernels.prefill_wgmma`` walks the same way)."""
+    format (head size ``HEAD_DIM``, the shared-memory layout of ``stage_layout``): ``(query_registers, row_limits,
+    start_walk, copy_next_tile)``. The queries as the scores' A registers, each row's last key, and the copies of the
+    walk's tiles (a warp's ``cp.async`` copies of one 16-key chunk, its cache row from the block table, or from the
+    ring of its entries in shared memory): ``prefill_kernel_function``'s walk; ``fp8lab.numba_kernels.prefill_wgmma``
+    walks the same way."""
     D, G = HEAD_DIM, group
     STEPS = D // 16  # k-steps of the scores
     FP8 = not bf16_cache
@@ -252,7 +253,60 @@ def walk_functions(group: int, bf16_cache: bool):
                            + uint32(TILE) * warp + key)
             copy_scale(smemf, index, v_scales if v_scale_lane else k_scales, uint32(first + key))
 
-    return query_registers, chunk_row, fetch_entries, ring_row, copy_chunk
+    @cuda.jit(device=True, inline=True)
+    def row_limits(i0, g, start, query_len, limit):
+        """``limit[r]``: the last key that row ``g + 8 r`` of the warp whose first query is ``i0`` counts (its
+        position; -1 for a row past the queries)."""
+        for r in range(2):
+            token = i0 + (g + 8 * r) // G
+            limit[r] = start + token if token < query_len else -1
+
+    @cuda.jit(device=True, inline=True)
+    def start_walk(smem, smemf, k_words, v_words, k_scales, v_scales, block_tables, seq, kv, cta_end, num_kv_heads,
+                   block_size, thread):
+        """The walk's constants for a CTA whose keys end at ``cta_end`` (``(walk, tiles)``: ``chunk_row``'s tuple, the
+        number of 64-key tiles), after issuing the prologue's copies: tiles ``0 .. STAGES - 2`` and the block-table
+        entries of the next ones, a copy group each (these lookups wait for the table; the walk's come from the
+        ring)."""
+        table = block_tables[seq]
+        chunks_per_block = divide_u32(uint32(block_size), uint32(TILE))
+        walk = (divide_u32(cta_end - uint32(1), uint32(TILE)), chunks_per_block,
+                reciprocal_u32(chunks_per_block),
+                uint32(num_kv_heads) * uint32(block_size), uint32(kv) * uint32(block_size))
+        copy_thread = uint32(thread)
+        copy_warp, copy_lane = copy_thread // uint32(WARP_SIZE), copy_thread % uint32(WARP_SIZE)
+        tiles = divide_u32(cta_end + uint32(KEYS - 1), uint32(KEYS))
+        for ahead in range(STAGES - 1):
+            if uint32(ahead) < tiles:
+                first = chunk_row(table, uint32(ahead * CHUNKS) + copy_warp, walk)
+                copy_chunk(smem, smemf, k_words, v_words, k_scales, v_scales, first, uint32(ahead * STAGE_WORDS),
+                           copy_warp, copy_lane)
+            if uint32(ahead + STAGES - 1) < tiles:
+                fetch_entries(smem, block_tables, seq, uint32(ahead + STAGES - 1),
+                              uint32((ahead + STAGES - 1) % STAGES), walk, copy_thread)
+            commit_group()
+        return walk, tiles
+
+    @cuda.jit(device=True, inline=True)
+    def copy_next_tile(smem, smemf, k_words, v_words, k_scales, v_scales, block_tables, seq, walk, tiles, tile, stage,
+                       next_stage, thread):
+        """A tile's copies, after its barrier: tile ``tile + STAGES - 1`` into the stage of ``tile - 1`` (done with
+        by every warp), from the entries that landed with ``tile``'s group, and the entries of the tile ``STAGES -
+        1`` after that into slot ``next_stage``; then the commit (an empty group past the end)."""
+        copy_thread = uint32(thread)
+        copy_warp, copy_lane = copy_thread // uint32(WARP_SIZE), copy_thread % uint32(WARP_SIZE)
+        ahead = uint32(tile + uint32(STAGES - 1))
+        if ahead < tiles:  # the copies of the tile STAGES - 1 ahead go out before this tile's arithmetic
+            ahead_stage = uint32(stage - uint32(1)) if stage > uint32(0) else uint32(STAGES - 1)  # tile - 1's
+            first = ring_row(smem, ahead, ahead_stage, walk, copy_warp)  # its entries landed with tile's group
+            copy_chunk(smem, smemf, k_words, v_words, k_scales, v_scales, first,
+                       uint32(ahead_stage * uint32(STAGE_WORDS)), copy_warp, copy_lane)
+            if uint32(ahead + uint32(STAGES - 1)) < tiles:  # read in STAGES - 1 tiles, after this group lands
+                fetch_entries(smem, block_tables, seq, uint32(ahead + uint32(STAGES - 1)), next_stage, walk,
+                              copy_thread)
+        commit_group()
+
+    return query_registers, row_limits, start_walk, copy_next_tile
 
 
 def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, bf16_cache: bool = False):
@@ -283,7 +337,7 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
     V_WORDS = ROW_WORDS // 8  # a lane's words of a value row: D / 8 elements
     wait_for_tile = wait_group_function(STAGES - 2)
 
-    query_registers, chunk_row, fetch_entries, ring_row, copy_chunk = walk_functions(G, bf16_cache)
+    query_registers, row_limits, start_walk, copy_next_tile = walk_functions(G, bf16_cache)
 
     ELEMENTS_PER_WORD = 2 if bf16_out else 1
 
@@ -512,30 +566,14 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         cta_end = uint32(start + min(cta_i0 + WARPS * TOKENS, query_len))  # keys the CTA loads
         warp_end = uint32(start + min(i0 + TOKENS, query_len) if i0 < query_len else 0)  # keys this warp reads
         limit = cuda.local.array(2, types.int32)  # rows g, g + 8: the last key each counts (-1: none)
-        for r in range(2):
-            token = i0 + (g + 8 * r) // G
-            limit[r] = start + token if token < query_len else -1
+        row_limits(i0, g, start, query_len, limit)
         # keys before this are before every row's position, and every row is a query: no check per key
         unmasked_end = uint32(start + i0 + 1 if i0 + TOKENS <= query_len else 0)
 
         smem = cuda.shared.array(0, uint32)  # STAGES stages of K rows, V rows, K scales, V scales
         smemf = cuda.shared.array(0, float32)  # the same memory, for the scales
-        table = block_tables[seq]
-        chunks_per_block = divide_u32(uint32(block_size), uint32(TILE))
-        walk = (divide_u32(cta_end - uint32(1), uint32(TILE)), chunks_per_block,
-                reciprocal_u32(chunks_per_block),
-                uint32(num_kv_heads) * uint32(block_size), uint32(kv) * uint32(block_size))
-        copy_thread, copy_warp, copy_lane = uint32(thread), uint32(warp), uint32(lane)
-        tiles = divide_u32(cta_end + uint32(KEYS - 1), uint32(KEYS))
-        for ahead in range(STAGES - 1):  # prologue: tiles 0 .. STAGES - 2 and the table entries of the next ones
-            if uint32(ahead) < tiles:  # (this lookup waits for the table; the walk's come from the ring)
-                first = chunk_row(table, uint32(ahead * CHUNKS) + copy_warp, walk)
-                copy_chunk(smem, smemf, k_words, v_words, k_scales, v_scales, first, uint32(ahead * STAGE_WORDS),
-                           copy_warp, copy_lane)
-            if uint32(ahead + STAGES - 1) < tiles:
-                fetch_entries(smem, block_tables, seq, uint32(ahead + STAGES - 1),
-                              uint32((ahead + STAGES - 1) % STAGES), walk, copy_thread)
-            commit_group()
+        walk, tiles = start_walk(smem, smemf, k_words, v_words, k_scales, v_scales, block_tables, seq, kv, cta_end,
+                                 num_kv_heads, block_size, thread)
 
         qa = cuda.local.array(QUERY_WORDS, uint32)
         query_registers(q, first_row, i0, query_len, kv, g, t, scale_log2, qa)
@@ -561,16 +599,8 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
             wait_for_tile()  # this thread's copies of `tile` have landed ...
             cuda.syncthreads()  # ... and everyone's; and everyone is done with tile - 1's stage
             next_stage = uint32(stage + uint32(1)) if stage + uint32(1) < uint32(STAGES) else uint32(0)
-            ahead = uint32(tile + uint32(STAGES - 1))
-            if ahead < tiles:  # the copies of the tile STAGES - 1 ahead go out before this tile's arithmetic
-                ahead_stage = uint32(stage - uint32(1)) if stage > uint32(0) else uint32(STAGES - 1)  # tile - 1's
-                first = ring_row(smem, ahead, ahead_stage, walk, copy_warp)  # its entries landed with tile's group
-                copy_chunk(smem, smemf, k_words, v_words, k_scales, v_scales, first,
-                           uint32(ahead_stage * uint32(STAGE_WORDS)), copy_warp, copy_lane)
-                if uint32(ahead + uint32(STAGES - 1)) < tiles:  # read in STAGES - 1 tiles, after this group lands
-                    fetch_entries(smem, block_tables, seq, uint32(ahead + uint32(STAGES - 1)), next_stage, walk,
-                                  copy_thread)
-            commit_group()
+            copy_next_tile(smem, smemf, k_words, v_words, k_scales, v_scales, block_tables, seq, walk, tiles, tile,
+                           stage, next_stage, thread)
             tile0 = uint32(tile * uint32(KEYS))
             kbase = uint32(stage * uint32(STAGE_WORDS))
             stage = next_stage

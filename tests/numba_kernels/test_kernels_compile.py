@@ -178,6 +178,14 @@ def variants():
             + prefill_mma.kernel_variants()]
 '''
 
+PREFILL_WGMMA = r'''
+from fp8lab.numba_kernels import prefill_wgmma as P
+from helpers.ptx import Variant
+
+def variants():
+    return [Variant(name, f, sig, launch_bounds=(P.THREADS, 2), arch_specific=True) for name, f, sig in P.kernel_variants()]
+'''
+
 ATTENTION_INPUT = r'''
 from fp8lab.numba_kernels import attention_input
 from helpers.ptx import Variant
@@ -234,7 +242,7 @@ def variants():
 '''
 
 PTX_VARIANT_SETS = {"gemv_simt": GEMV_SIMT, "gemv_mma": GEMV_MMA, "kv_cache and splitkv": KV_CACHE_AND_SPLITKV, "gemm_mma": GEMM_MMA,
-                    "gemm_wgmma": GEMM_WGMMA, "gemm_wgmma_ss": GEMM_WGMMA_SS,
+                    "gemm_wgmma": GEMM_WGMMA, "gemm_wgmma_ss": GEMM_WGMMA_SS, "prefill_wgmma": PREFILL_WGMMA,
                     "attention_input": ATTENTION_INPUT, "dequantize": DEQUANTIZE, "mma helper": MMA_HELPER,
                     "toolkit": TOOLKIT, "pdl rules": PDL_RULES, "cluster": CLUSTER}
 """Everything this module compiles; the slowest sets first, so that the queue ends with short compiles."""
@@ -501,6 +509,31 @@ def test_fp8_weight_kernels_compile_to_sm90_ptx(compiled):
 
 
 # ---------------------------------------------------------------------------- KV cache write and split-kv decode
+
+
+def test_prefill_wgmma_compiles_to_sm90a_ptx(compiled):
+    """fp8lab.numba_kernels.prefill_wgmma for sm_90a (Qwen3-8B's group of 4 with float32 out, Qwen3-0.6B's 2 with BF16
+    out): per tile 8 ``m64n64k16`` F16 ``wgmma`` for the scores and 4 ``m64n128k16`` for ``P V``, every wait a
+    ``wait_group 0``; the codes decoded by ``cvt.rn.f16x2.e4m3x2`` and stored 16 bytes at a time; no division
+    instruction (``div.rn``'s subroutine serializes ``wgmma``: C7509) and no ptxas warning that it serialized them
+    (registers printed); no float64 but the division's, no local memory, no spills; the PDL rules."""
+    def check(c):
+        ptx = c.ptx
+        assert ".target sm_90a" in ptx and ".maxntid 128" in ptx and ".minnctapersm 2" in ptx
+        assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16") == 8
+        assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16") == 4
+        assert "wgmma.wait_group.sync.aligned 0;" in ptx and "wgmma.wait_group.sync.aligned 1;" not in ptx
+        for needle in ("fence.proxy.async.shared::cta;", "cvt.rn.f16x2.e4m3x2", "st.shared.v4.u32", "prmt.b32",
+                       "cp.async.cg.shared.global", "ex2.approx.ftz.f32", "max.NaN.f32", "st.global.v4.u32",
+                       "rcp.approx.ftz.f64"):
+            assert needle in ptx, needle
+        assert "div.rn" not in ptx and "div.full" not in ptx
+        check_pdl_rules(ptx)
+        check_no_spills(c)
+        if c.resources is not None:
+            assert "wgmma.mma_async instructions are serialized" not in c.resources, c.resources
+
+    each_variant(compiled["prefill_wgmma"], check)
 
 
 def test_kv_cache_and_splitkv_kernels_compile_to_sm90_ptx(compiled):
