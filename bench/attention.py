@@ -15,7 +15,8 @@ Qwen3-8B heads (32 query heads, 8 KV heads, head_dim 128), block size 16, batch 
 
 Then it sweeps the decode kernel's ``tokens_in_flight`` (same results, different load depth) and
 times causal prefill (``fp8lab.numba_kernels.prefill.paged_prefill``: decode of every query token; and
-``fp8lab.numba_kernels.prefill_mma.paged_prefill_mma``, the flash prefill on tensor cores over either cache) of
+``fp8lab.numba_kernels.prefill_mma.paged_prefill_mma``, the flash prefill on tensor cores over either cache, and
+``fp8lab.numba_kernels.prefill_wgmma.paged_prefill_wgmma``, the warpgroup one over the FP8 cache) of
 one prompt of 512 and 2048 tokens against SDPA ``is_causal=True``, validated against
 ``fp8lab.reference.attention.prefill`` first (``--prefill-only``: that table alone).
 
@@ -212,16 +213,19 @@ def prefill_table(torch, cuda):
     from fp8lab.numba_kernels.kv_cache import paged_cache_write
     from fp8lab.numba_kernels.prefill import paged_prefill, prefill_rows_workspace
     from fp8lab.numba_kernels.prefill_mma import paged_prefill_mma
+    from fp8lab.numba_kernels.prefill_wgmma import paged_prefill_wgmma
     from fp8lab.numba_kernels.splitkv import decode_workspace
     from fp8lab.reference import attention, kv_cache
     from timing import graph_time_us, torch_time_us
 
     lines = ["", "Causal prefill of one prompt (SIMT: decode of every query token over its prefix, one graph "
              "replay = expansion + split kernel (+ combine); tensor cores: the flash prefill, `prefill_mma`, one "
-             "launch, what the engine runs):", "",
-             "| prompt | FP8 SIMT us | FP8 tensor cores us | BF16 SIMT us | BF16 tensor cores us | SDPA BF16 causal us "
-             "| FP8 tensor cores / SDPA | BF16 tensor cores / SDPA | rel. err FP8 SIMT / TC, BF16 SIMT / TC |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "launch, what the engine runs; warpgroup: `prefill_wgmma`, each FP8 code decoded once per CTA, bits "
+             "compared with `prefill_mma`'s):", "",
+             "| prompt | FP8 SIMT us | FP8 tensor cores us | FP8 warpgroup us | BF16 SIMT us | BF16 tensor cores us "
+             "| SDPA BF16 causal us | FP8 tensor cores / SDPA | FP8 warpgroup / SDPA | BF16 tensor cores / SDPA "
+             "| rel. err FP8 SIMT / TC / warpgroup, BF16 SIMT / TC | warpgroup bits = TC bits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     scale = HEAD_DIM**-0.5
     for length in PREFILL_LENGTHS:
         rng = np.random.default_rng(length)
@@ -266,6 +270,18 @@ def prefill_table(torch, cuda):
             times[name, "mma"] = graph_time_us(lambda i, stream, c=c: paged_prefill_mma(
                 q_dev, c[0], c[1], table_dev, lens_dev, lens_dev, scale, out, c[2], c[3], max_context_len=length,
                 stream=stream), reps=5, replays=7)
+            if name == "fp8":  # the warpgroup flash prefill, same cache
+                tensor_core_out = got
+                out.copy_to_device(np.full(q.shape, np.nan, np.float32))
+                paged_prefill_wgmma(q_dev, c[0], c[1], table_dev, lens_dev, lens_dev, scale, out, c[2], c[3],
+                                    max_context_len=length)
+                got = out.copy_to_host()
+                assert np.all(np.isfinite(got)), "fp8 warpgroup"
+                errors["wgmma"] = float(np.linalg.norm(got[-checked:] - ref) / np.linalg.norm(ref))
+                same_bits = np.array_equal(got.view(np.uint32), tensor_core_out.view(np.uint32))
+                times["wgmma"] = graph_time_us(lambda i, stream, c=c: paged_prefill_wgmma(
+                    q_dev, c[0], c[1], table_dev, lens_dev, lens_dev, scale, out, c[2], c[3], max_context_len=length,
+                    stream=stream), reps=5, replays=7)
 
             def launch(i, stream, c=c):
                 paged_prefill(q_dev, c[0], c[1], table_dev, lens_dev, lens_dev, scale, out, c[2], c[3],
@@ -277,10 +293,11 @@ def prefill_table(torch, cuda):
         v_t = torch.from_numpy(v).to("cuda", torch.bfloat16).transpose(0, 1)[None]
         sdpa = torch_time_us(lambda i: torch.nn.functional.scaled_dot_product_attention(
             q_t, k_t, v_t, is_causal=True, enable_gqa=True), iters=20)
-        lines.append(f"| {length} | {times['fp8']:.1f} | {times['fp8', 'mma']:.1f} | {times['bf16']:.1f} "
-                     f"| {times['bf16', 'mma']:.1f} | {sdpa:.1f} | {times['fp8', 'mma'] / sdpa:.2f} "
-                     f"| {times['bf16', 'mma'] / sdpa:.2f} | {errors['fp8']:.1e} / {errors['fp8', 'mma']:.1e}, "
-                     f"{errors['bf16']:.1e} / {errors['bf16', 'mma']:.1e} |")
+        lines.append(f"| {length} | {times['fp8']:.1f} | {times['fp8', 'mma']:.1f} | {times['wgmma']:.1f} "
+                     f"| {times['bf16']:.1f} | {times['bf16', 'mma']:.1f} | {sdpa:.1f} | {times['fp8', 'mma'] / sdpa:.2f} "
+                     f"| {times['wgmma'] / sdpa:.2f} | {times['bf16', 'mma'] / sdpa:.2f} "
+                     f"| {errors['fp8']:.1e} / {errors['fp8', 'mma']:.1e} / {errors['wgmma']:.1e}, "
+                     f"{errors['bf16']:.1e} / {errors['bf16', 'mma']:.1e} | {same_bits} |")
         print(lines[-1], flush=True)
     return lines
 
