@@ -63,7 +63,6 @@ from fp8lab.simulators.prefill_mma import (
     CHUNKS,
     KEYS,
     supports,
-    tokens_per_cta,
     tokens_per_warp,
 )
 from fp8lab.simulators.splitkv_mma import HEAD_DIMS, LOG2E, MAX_GROUP, TILE, WARPS
@@ -143,13 +142,14 @@ def stage_layout(bf16_cache: bool) -> tuple[int, int, int]:
     return row_words, stage_words, (STAGES * stage_words + TABLE_RING_WORDS) * 4
 
 
-def walk_functions(group: int, bf16_cache: bool):
+def walk_functions(group: int, bf16_cache: bool, warps: int = WARPS):
     """The device functions a flash-prefill CTA walks its keys with, for ``group`` query heads per kv head and the cache
     format (head size ``HEAD_DIM``, the shared-memory layout of ``stage_layout``): ``(query_registers, row_limits,
     start_walk, copy_next_tile)``. The queries as the scores' A registers, each row's last key, and the copies of the
     walk's tiles (a warp's ``cp.async`` copies of one 16-key chunk, its cache row from the block table, or from the
     ring of its entries in shared memory): ``prefill_kernel_function``'s walk; ``fp8lab.numba_kernels.prefill_wgmma``
-    walks the same way."""
+    walks the same way. ``warps``: the CTA's (a multiple of ``CHUNKS``); warps ``0 .. CHUNKS - 1`` copy, each one
+    chunk of a tile."""
     D, G = HEAD_DIM, group
     STEPS = D // 16  # k-steps of the scores
     FP8 = not bf16_cache
@@ -161,7 +161,8 @@ def walk_functions(group: int, bf16_cache: bool):
     V_OFFSET, SCALE_OFFSET = KEYS * SROW, 2 * KEYS * SROW
     TABLE_OFFSET = STAGES * STAGE_WORDS  # the ring of block-table entries
     pair = bf16_pair if bf16_cache else f16_pair
-    assert WARPS == CHUNKS and TILE % ROWS_PER_PASS == 0, "copy_chunk: a warp copies one 16-key chunk of a tile"
+    assert warps % CHUNKS == 0 and TILE % ROWS_PER_PASS == 0, "copy_chunk: a warp copies one 16-key chunk of a tile"
+    EVERY_WARP_COPIES = warps == CHUNKS
     assert STAGES == 3, "the walk's ring slots: tile + 2 (STAGES - 1) has the slot of tile + 1 only for 3 stages"
 
     @cuda.jit(device=True, inline=True)
@@ -277,7 +278,7 @@ def walk_functions(group: int, bf16_cache: bool):
         copy_warp, copy_lane = copy_thread // uint32(WARP_SIZE), copy_thread % uint32(WARP_SIZE)
         tiles = divide_u32(cta_end + uint32(KEYS - 1), uint32(KEYS))
         for ahead in range(STAGES - 1):
-            if uint32(ahead) < tiles:
+            if uint32(ahead) < tiles and (EVERY_WARP_COPIES or copy_warp < uint32(CHUNKS)):
                 first = chunk_row(table, uint32(ahead * CHUNKS) + copy_warp, walk)
                 copy_chunk(smem, smemf, k_words, v_words, k_scales, v_scales, first, uint32(ahead * STAGE_WORDS),
                            copy_warp, copy_lane)
@@ -296,7 +297,7 @@ def walk_functions(group: int, bf16_cache: bool):
         copy_thread = uint32(thread)
         copy_warp, copy_lane = copy_thread // uint32(WARP_SIZE), copy_thread % uint32(WARP_SIZE)
         ahead = uint32(tile + uint32(STAGES - 1))
-        if ahead < tiles:  # the copies of the tile STAGES - 1 ahead go out before this tile's arithmetic
+        if ahead < tiles and (EVERY_WARP_COPIES or copy_warp < uint32(CHUNKS)):  # before this tile's arithmetic
             ahead_stage = uint32(stage - uint32(1)) if stage > uint32(0) else uint32(STAGES - 1)  # tile - 1's
             first = ring_row(smem, ahead, ahead_stage, walk, copy_warp)  # its entries landed with tile's group
             copy_chunk(smem, smemf, k_words, v_words, k_scales, v_scales, first,
@@ -659,6 +660,7 @@ class PreparedCall(NamedTuple):
 
     args: tuple
     grid: tuple[int, int, int]
+    threads: int
     group: int
     fp8: bool
     bf16_out: bool
@@ -667,9 +669,10 @@ class PreparedCall(NamedTuple):
 
 
 def prepared_call(q, k_cache, v_cache, block_tables, context_lens, query_lens, softmax_scale, out, k_scale, v_scale,
-                  kv_format, max_context_len, stream, kernel_name: str) -> PreparedCall | None:
+                  kv_format, max_context_len, stream, kernel_name: str, cta_warps: int = WARPS) -> PreparedCall | None:
     """``paged_prefill_mma``'s checks and arguments (shared with ``fp8lab.numba_kernels.prefill_wgmma``, named
-    ``kernel_name`` in its errors); None where there is nothing to compute (no query token or head)."""
+    ``kernel_name`` in its errors) for CTAs of ``cta_warps`` warps of ``tokens_per_warp`` query tokens; None where
+    there is nothing to compute (no query token or head)."""
     call = check_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, out, k_scale, v_scale,
                          max_context_len, None, kv_format, padding_rows=True)
     k_cache, v_cache = as_kernel_array("k_cache", k_cache), as_kernel_array("v_cache", v_cache)
@@ -702,16 +705,18 @@ def prepared_call(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
               _as_int32(call.query_lens))
     device = [on_device(x, stream) for x in arrays]
     out_device = on_device(call.out, stream)
-    grid = (max(1, -(-longest // tokens_per_cta(group))), num_kv_heads, call.block_tables.shape[0])
+    cta_tokens = cta_warps * tokens_per_warp(group)
+    grid = (max(1, -(-longest // cta_tokens)), num_kv_heads, call.block_tables.shape[0])
     args = (*device, np.float32(float(softmax_scale) * LOG2E), num_kv_heads, call.block_size, out_device)
-    return PreparedCall(args, grid, group, fp8, np.dtype(call.out.dtype) == np.uint16, call.out, out_device)
+    return PreparedCall(args, grid, cta_warps * WARP_SIZE, group, fp8, np.dtype(call.out.dtype) == np.uint16, call.out,
+                        out_device)
 
 
 def launch_prepared(kernel, call: PreparedCall, shared_bytes: int, stream) -> None:
-    """Launch ``kernel`` (``THREADS`` threads a CTA) on a prepared call with ``shared_bytes`` of dynamic shared memory;
-    copy ``out`` back where it is a NumPy array on a GPU."""
+    """Launch ``kernel`` on a prepared call with ``shared_bytes`` of dynamic shared memory; copy ``out`` back where it
+    is a NumPy array on a GPU."""
     _allow_shared_memory(kernel, call.args, shared_bytes)
-    pdl.launch(kernel, call.grid, THREADS, stream, *call.args, shared_bytes=shared_bytes)
+    pdl.launch(kernel, call.grid, call.threads, stream, *call.args, shared_bytes=shared_bytes)
     if call.out_device is not call.out:  # a NumPy out on a GPU
         call.out_device.copy_to_host(call.out, stream=stream)
 

@@ -2,9 +2,10 @@
 
 Computes ``fp8lab.reference.attention.prefill`` per sequence over ``fp8lab.reference.kv_cache.gather`` (FP8 cache,
 head size 128, ``G`` query heads per kv head with ``G`` dividing 16, no ALiBi) in the float32 order of
-``fp8lab.simulators.prefill_mma.paged_prefill(..., shared_values=True)``, with the arguments of
-``fp8lab.numba_kernels.prefill_mma.paged_prefill_mma``. Launch: grid ``(query blocks, num_kv_heads, num_seqs)`` x 128
-threads (one warpgroup), ``SHARED_BYTES`` of dynamic shared memory, one launch; sm_90 (Hopper) only. Checked
+``fp8lab.simulators.prefill_mma.paged_prefill(..., shared_values=4 warpgroups)``, with the arguments of
+``fp8lab.numba_kernels.prefill_mma.paged_prefill_mma``. Launch: grid ``(query blocks, num_kv_heads, num_seqs)`` x
+``128 warpgroups`` threads (one or two warpgroups), ``SHARED_BYTES`` of dynamic shared memory, one launch; sm_90
+(Hopper) only. Checked
 (``tests/numba_kernels/test_prefill_wgmma_kernel.py``): bit for bit the simulator in the CUDA simulator (whose
 ``wgmma`` twin is the mma model per k16 step), the oracle within the tensor-core decode's error bound on a GPU.
 
@@ -13,9 +14,11 @@ converted four times; 272 of the 849 SASS instructions of its unmasked tile are 
 bound by instruction issue (``bench/RESULTS.md``, twenty-ninth session). Here the CTA's 128 threads convert each
 code once, into F16 in shared memory in ``wgmma``'s B layout, and the tensor cores read both products' B from there.
 
-The CTA is ``prefill_mma``'s: 64 mma rows (``16 / G`` query tokens times the ``G`` heads per warp), the same grid,
-walk, ``cp.async`` copies of the codes and ring of block-table entries (``prefill_mma.walk_functions``), the same
-queries in the same A registers. Per tile of 64 keys:
+With one warpgroup the CTA is ``prefill_mma``'s: 64 mma rows (``16 / G`` query tokens times the ``G`` heads per
+warp), the same grid, walk, ``cp.async`` copies of the codes and ring of block-table entries
+(``prefill_mma.walk_functions``), the same queries in the same A registers. With two (``warpgroups=2``) a CTA owns
+twice the tokens, 128 rows share each decoded tile, each warpgroup issues its own ``wgmma`` from the same buffers,
+warps 0 to 3 copy, and one CTA fits an SM. Per tile of 64 keys:
 
 1. Wait for the tile's codes, barrier; the copies of the tile two ahead go out.
 2. **Decode** (every thread, ``decode_keys`` and ``decode_values``): the keys into the K buffer, 64 rows of 128 F16
@@ -39,11 +42,11 @@ queries in the same A registers. Per tile of 64 keys:
    ``mathops.divide_by_at_least_one``, since ``div.rn``'s subroutine call would make ptxas serialize every
    ``wgmma`` (C7509).
 
-One ``wgmma`` computes the four warps' rows from one copy of the values, so what the warp kernel keeps per warp is
-per CTA here: the values of keys up to the CTA's end enter every warp's ``P V`` (with weight 0 past a row's
+One ``wgmma`` computes four warps' rows from the CTA's one copy of the values, so what the warp kernel keeps per
+warp is per CTA here: the values of keys up to the CTA's end enter every warp's ``P V`` (with weight 0 past a row's
 position), and every chunk of the CTA's tiles is multiplied. A NaN value code of a key before the CTA's end thus
-reaches every query of the CTA before it (up to ``4 TOKENS - 1`` keys back; the warp kernel's reach is ``TOKENS -
-1``): the simulator's ``shared_values``. The V scales stay per warp, so a NaN V scale reaches no earlier warp.
+reaches every query of the CTA before it (up to ``4 warpgroups TOKENS - 1`` keys back; the warp kernel's reach is
+``TOKENS - 1``): the simulator's ``shared_values`` (the CTA's warps). The V scales stay per warp, so a NaN V scale reaches no earlier warp.
 
 Every wait is ``wgmma.wait_group 0``: with ``wait_group 1`` (the scores waited for while ``P V`` ran on) ptxas
 could not tell which group had finished and serialized every ``wgmma`` (C7514). Two CTAs fit an SM (registers and
@@ -84,7 +87,8 @@ from .prefill_mma import (
 from .splitkv_mma import power_of_two_below
 from .warp import FULL_MASK, WARP_SIZE, store_shared_u32x4, store_u32x4
 
-THREADS = WARPS * WARP_SIZE
+WARPGROUP_THREADS = WARPS * WARP_SIZE
+"""128: a warpgroup, 64 rows; a CTA has one or two (``warpgroups``)."""
 SROW, STAGE_WORDS, RING_BYTES = stage_layout(bf16_cache=False)
 """The code stages and the ring of block-table entries: ``prefill_mma``'s FP8 layout, from word 0."""
 K_BUFFER_BYTES = 2 * KEYS * wgmma.ROW_BYTES
@@ -99,17 +103,23 @@ K_WORDS_PER_ROW = HEAD_DIM // 4
 """A key row's code words: word ``8 t + s`` holds head elements ``32 t + 4 s .. + 3``, k-step ``s``'s for lane ``t``."""
 
 
-def prefill_kernel_function(group: int, bf16_out: bool = False):
-    """The Python source of the kernel for ``group`` query heads per kv head, float32 or (``bf16_out``) BF16 output.
-    Arguments: ``prefill_mma.prefill_kernel_function``'s (an FP8 cache)."""
+def prefill_kernel_function(group: int, bf16_out: bool = False, warpgroups: int = 1):
+    """The Python source of the kernel for ``group`` query heads per kv head, float32 or (``bf16_out``) BF16 output,
+    and CTAs of ``warpgroups`` warpgroups (1 or 2: 64 or 128 rows share each decoded tile; two CTAs of one fit an SM,
+    one of two). Arguments: ``prefill_mma.prefill_kernel_function``'s (an FP8 cache)."""
+    if warpgroups not in (1, 2):
+        raise ValueError(f"warpgroups: expected 1 or 2, got {warpgroups!r}")
     G, D = group, HEAD_DIM
     TOKENS = tokens_per_warp(G)
+    CTA_WARPS = WARPS * warpgroups
+    KEY_ITEMS = 4 // warpgroups  # a thread's (key, k-step) pairs of a tile: 512 / threads
+    VALUE_BLOCKS = 2 // warpgroups  # its (8 keys, 4 elements) blocks: 256 / threads
     STEPS = D // 16  # k-steps of the scores
     QUERY_WORDS, ACC_SIZE, SCORE_SIZE = 4 * STEPS, D // 2, KEYS // 2
     WEIGHT_WORDS = 4 * CHUNKS
     LANE_KEYS = 4 * CHUNKS
     V_OFFSET, SCALE_OFFSET = KEYS * SROW, 2 * KEYS * SROW
-    query_registers, row_limits, start_walk, copy_next_tile = walk_functions(G, bf16_cache=False)
+    query_registers, row_limits, start_walk, copy_next_tile = walk_functions(G, bf16_cache=False, warps=CTA_WARPS)
     wait_for_tile = wait_group_function(STAGES - 2)
     scores_mma = wgmma.mma_async_function(KEYS, operand="f16")
     values_mma = wgmma.mma_async_function(D, operand="f16")
@@ -118,12 +128,12 @@ def prefill_kernel_function(group: int, bf16_out: bool = False):
 
     @cuda.jit(device=True, inline=True)
     def decode_keys(smem, kbase, kbuffer, warp, lane):
-        """This thread's 4 of the tile's 512 (key, k-step) pairs: the key's code words ``s, 8 + s, 16 + s, 24 + s``
+        """This thread's ``KEY_ITEMS`` of the tile's 512 (key, k-step) pairs: the key's code words ``s, 8 + s, 16 + s, 24 + s``
         (k-step ``s``'s four for lanes ``t = 0 .. 3``) converted into the 16 positions ``16 s ..`` of its row in the K
         buffer (byte ``kbuffer``), two 128-bit stores. A quarter-warp covers 8 keys of one k-step: the loads hit 32
         distinct banks (rows of 36 words), the stores 8 distinct swizzle pieces."""
-        for item in range(4):
-            pair = warp * uint32(4) + uint32(item)  # 0 .. 15
+        for item in range(KEY_ITEMS):
+            pair = warp * uint32(KEY_ITEMS) + uint32(item)  # 0 .. 15
             key = (lane & uint32(7)) + uint32(8) * (pair & uint32(7))
             step = (lane >> uint32(3)) + uint32(4) * (pair >> uint32(3))
             row = kbase + key * uint32(SROW) + step
@@ -173,10 +183,11 @@ def prefill_kernel_function(group: int, bf16_out: bool = False):
 
     @cuda.jit(device=True, inline=True)
     def decode_values(smem, vbase, vbuffer, warp, lane, keys_left):
-        """This thread's 2 of the tile's 256 (8 keys, 4 head elements) blocks: keys ``16 warp ..`` and ``16 warp + 8
-        ..`` (``decode_value_block``)."""
-        decode_value_block(smem, vbase, vbuffer, uint32(16) * warp, lane, keys_left)
-        decode_value_block(smem, vbase, vbuffer, uint32(16) * warp + uint32(8), lane, keys_left)
+        """This thread's ``VALUE_BLOCKS`` of the tile's 256 (8 keys, 4 head elements) blocks (``decode_value_block``):
+        keys ``16 warp ..`` and ``16 warp + 8 ..`` with one warpgroup, ``8 warp ..`` with two."""
+        decode_value_block(smem, vbase, vbuffer, uint32(8 * VALUE_BLOCKS) * warp, lane, keys_left)
+        if VALUE_BLOCKS == 2:
+            decode_value_block(smem, vbase, vbuffer, uint32(16) * warp + uint32(8), lane, keys_left)
 
     @cuda.jit(device=True, inline=True)
     def score_index(c, r, u):
@@ -332,7 +343,7 @@ def prefill_kernel_function(group: int, bf16_out: bool = False):
         warp, lane = thread // WARP_SIZE, thread % WARP_SIZE
         g, t = lane >> 2, lane & 3
         query_len = query_lens[seq]
-        cta_i0 = query_block * WARPS * TOKENS
+        cta_i0 = query_block * CTA_WARPS * TOKENS
         if cta_i0 >= query_len:  # no query of this sequence here (the whole CTA leaves; no barrier yet)
             return
         i0 = cta_i0 + warp * TOKENS
@@ -340,7 +351,7 @@ def prefill_kernel_function(group: int, bf16_out: bool = False):
         for s in range(seq):
             first_row += query_lens[s]
         start = context_lens[seq] - query_len  # position of query 0
-        cta_end = uint32(start + min(cta_i0 + WARPS * TOKENS, query_len))  # keys the CTA loads
+        cta_end = uint32(start + min(cta_i0 + CTA_WARPS * TOKENS, query_len))  # keys the CTA loads
         warp_end = uint32(start + min(i0 + TOKENS, query_len) if i0 < query_len else 0)  # keys this warp counts
         limit = cuda.local.array(2, types.int32)  # rows g, g + 8: the last key each counts (-1: none)
         row_limits(i0, g, start, query_len, limit)
@@ -423,36 +434,42 @@ def prefill_kernel_function(group: int, bf16_out: bool = False):
     return prefill_kernel
 
 
+def launch_bounds(warpgroups: int) -> tuple[int, int]:
+    """``(threads, CTAs per SM)`` of a variant: the shared memory holds two CTAs, the registers 256 threads."""
+    return WARPGROUP_THREADS * warpgroups, 2 // warpgroups
+
+
 @functools.lru_cache(maxsize=None)
-def _prefill_kernel(group: int, bf16_out: bool = False):
-    """The compiled kernel of one variant, compiled once per process (at most two CTAs of 128 threads per SM: the
-    shared memory's bound)."""
-    options = {} if SIMULATOR else {"launch_bounds": (THREADS, 2)}
-    return cuda.jit(prefill_kernel_function(group, bf16_out), **options)
+def _prefill_kernel(group: int, bf16_out: bool = False, warpgroups: int = 1):
+    """The compiled kernel of one variant, compiled once per process."""
+    options = {} if SIMULATOR else {"launch_bounds": launch_bounds(warpgroups)}
+    return cuda.jit(prefill_kernel_function(group, bf16_out, warpgroups), **options)
 
 
 def paged_prefill_wgmma(q, k_cache, v_cache, block_tables, context_lens, query_lens, softmax_scale, out, k_scale=None,
-                        v_scale=None, *, kv_format=None, max_context_len=None, stream=0):
+                        v_scale=None, *, kv_format=None, max_context_len=None, warpgroups=1, stream=0):
     """Causal prefill attention of ``q`` over a paged FP8 cache with ``wgmma``, into ``out``; returns ``out``.
 
     Arguments, checks and contract as ``fp8lab.numba_kernels.prefill_mma.paged_prefill_mma`` over an FP8 cache (a
-    BF16 cache is a ``ValueError``: ``paged_prefill_mma`` takes it); the float32 order is
-    ``fp8lab.simulators.prefill_mma.paged_prefill(..., shared_values=True)``. Needs a compute-capability-9.0 GPU (or
-    the CUDA simulator).
+    BF16 cache is a ``ValueError``: ``paged_prefill_mma`` takes it); ``warpgroups`` (1 or 2) per CTA. The float32
+    order is ``fp8lab.simulators.prefill_mma.paged_prefill(..., shared_values=4 * warpgroups)``. Needs a
+    compute-capability-9.0 GPU (or the CUDA simulator).
     """
+    if warpgroups not in (1, 2):
+        raise ValueError(f"warpgroups: expected 1 or 2, got {warpgroups!r}")
     call = prepared_call(q, k_cache, v_cache, block_tables, context_lens, query_lens, softmax_scale, out, k_scale,
-                         v_scale, kv_format, max_context_len, stream, "paged_prefill_wgmma")
+                         v_scale, kv_format, max_context_len, stream, "paged_prefill_wgmma", WARPS * warpgroups)
     if call is not None and not call.fp8:
         raise ValueError("k_cache: paged_prefill_wgmma takes an FP8 cache (uint8 E4M3 codes); a BF16 cache runs on "
                          "prefill_mma.paged_prefill_mma")
     if call is not None:
-        launch_prepared(_prefill_kernel(call.group, call.bf16_out), call, SHARED_BYTES, stream)
+        launch_prepared(_prefill_kernel(call.group, call.bf16_out, warpgroups), call, SHARED_BYTES, stream)
     return out
 
 
 def kernel_variants():
-    """``(name, python function, numba signature)`` of the variants the sm_90a PTX check compiles: Qwen3-8B's group
-    of 4 with float32 out, Qwen3-0.6B's group of 2 with BF16 out."""
+    """``(name, python function, numba signature, warpgroups)`` of the variants the sm_90a PTX check compiles:
+    Qwen3-8B's group of 4 with float32 out (one and two warpgroups), Qwen3-0.6B's group of 2 with BF16 out."""
     f32 = types.float32
     words = types.Array(types.uint32, 1, "C")
     f32_1d, f32_3d = types.Array(f32, 1, "C"), types.Array(f32, 3, "C")
@@ -463,6 +480,6 @@ def kernel_variants():
         return types.void(f32_3d, words, words, f32_1d, f32_1d, types.Array(types.int32, 2, "C"), i32_1d, i32_1d, f32,
                           types.int64, types.int64, out)
 
-    return [(f"prefill_wgmma[group={g}{', out=bf16' if b else ''}]", prefill_kernel_function(g, b), signature(b))
-            for g, b in ((4, False), (2, True))]
+    return [(f"prefill_wgmma[group={g}{', out=bf16' if b else ''}, warpgroups={w}]", prefill_kernel_function(g, b, w),
+             signature(b), w) for g, b, w in ((4, False, 1), (4, False, 2), (2, True, 1))]
 

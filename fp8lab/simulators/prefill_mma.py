@@ -1,7 +1,7 @@
 """How tensor-core flash prefill attention over an FP8 or BF16 cache computes, modelled in vectorized NumPy.
 
 Models ``fp8lab.numba_kernels.prefill_mma`` (grid ``(query blocks, num_kv_heads, num_seqs)`` of 4-warp CTAs) bit
-for bit, and with ``shared_values=True`` the warpgroup kernel ``fp8lab.numba_kernels.prefill_wgmma`` (the same grid
+for bit, and with ``shared_values`` (4 or 8 warps) the warpgroup kernel ``fp8lab.numba_kernels.prefill_wgmma`` (the same grid
 and order, its ``P V`` one ``wgmma`` for the CTA's four warps). Checked (``tests/simulators/test_prefill_mma.py``): against ``fp8lab.reference.attention.prefill`` over
 ``fp8lab.reference.kv_cache.gather`` within ``fp8lab.simulators.splitkv_mma.error_bound`` per query (each query is a
 decode over its causal prefix, with the same roundings), and exactly against ``fp8lab.simulators.splitkv_mma``'s tile
@@ -206,7 +206,7 @@ def chunk_values(weights: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, softmax_scale: float, k_scale,
-                  v_scale, shared_values: bool = False) -> np.ndarray:
+                  v_scale, shared_values: int = 0) -> np.ndarray:
     """Causal prefill attention as the tensor-core kernel computes it: float32 ``[num_query_tokens, num_heads, D]``,
     whose rows past ``sum(query_lens)`` (padding, which no sequence owns and the kernel leaves unwritten) are 0.
 
@@ -216,13 +216,14 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
     advances one tile per step, all at once; a warp past its last tile sees no key (``corr = 1``, ``p = 0``: its
     state stays as it is, as if it had stopped).
 
-    ``shared_values``: the warpgroup kernel's ``P V`` (``fp8lab.numba_kernels.prefill_wgmma``), one ``wgmma`` for the
-    CTA's four warps over one copy of the values: a warp's values are those of its CTA, loaded up to the CTA's end
+    ``shared_values``: 0 for ``prefill_mma``'s order; 4 or 8 for the warpgroup kernel's
+    (``fp8lab.numba_kernels.prefill_wgmma`` with one or two warpgroups), whose CTAs of that many warps multiply one
+    copy of the values, a ``wgmma`` per warpgroup: a warp's values are those of its CTA, loaded up to the CTA's end
     (``cta_end``, its last warp's ``end``), and every chunk of each of the CTA's tiles is multiplied (no chunk
     skipped). The scores, the V scales (zero past the warp's own ``end``) and so ``pow`` and the weights are the
     warp's as without it. So a NaN value code of a key before ``cta_end`` reaches every row of the CTA whose walk
-    multiplies it with weight 0 (up to ``4 TOKENS - 1`` keys after a query's position, where the warp kernel's
-    reach is ``TOKENS - 1``).
+    multiplies it with weight 0 (up to ``shared_values TOKENS - 1`` keys after a query's position, where the warp
+    kernel's reach is ``TOKENS - 1``).
     """
     q32, tables, context, queries, kv_format = _checked(q, k_cache, v_cache, block_tables, context_lens, query_lens,
                                                         k_scale, v_scale)
@@ -245,8 +246,12 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_lens, s
     real = row_token < queries[seq][:, None]
     position = np.where(real, start[:, None] + row_token, -1)  # -1: nothing counts for a row past the queries
     end = start + np.minimum(i0 + tokens, queries[seq])  # keys loaded: up to the last row's position
-    cta_i0 = i0 - i0 % (WARPS * tokens)
-    cta_end = start + np.minimum(cta_i0 + WARPS * tokens, queries[seq])  # the warp's CTA's end (its last warp's)
+    if shared_values not in (0, 4, 8):
+        raise ValueError(f"shared_values: expected 0 (the warp kernel) or the 4 or 8 warps of a warpgroup kernel's "
+                         f"CTA, got {shared_values!r}")
+    cta_tokens = (shared_values or WARPS) * tokens
+    cta_i0 = i0 - i0 % cta_tokens
+    cta_end = start + np.minimum(cta_i0 + cta_tokens, queries[seq])  # the warp's CTA's end (its last warp's)
     value_end = cta_end if shared_values else end
 
     # queries: [W, kv, 16, D], the operand format's q * scale_log2, rows past the queries 0

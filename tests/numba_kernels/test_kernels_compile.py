@@ -183,7 +183,8 @@ from fp8lab.numba_kernels import prefill_wgmma as P
 from helpers.ptx import Variant
 
 def variants():
-    return [Variant(name, f, sig, launch_bounds=(P.THREADS, 2), arch_specific=True) for name, f, sig in P.kernel_variants()]
+    return [Variant(name, f, sig, launch_bounds=P.launch_bounds(w), arch_specific=True, info={"warpgroups": w})
+            for name, f, sig, w in P.kernel_variants()]
 '''
 
 ATTENTION_INPUT = r'''
@@ -512,14 +513,16 @@ def test_fp8_weight_kernels_compile_to_sm90_ptx(compiled):
 
 
 def test_prefill_wgmma_compiles_to_sm90a_ptx(compiled):
-    """fp8lab.numba_kernels.prefill_wgmma for sm_90a (Qwen3-8B's group of 4 with float32 out, Qwen3-0.6B's 2 with BF16
-    out): per tile 8 ``m64n64k16`` F16 ``wgmma`` for the scores and 4 ``m64n128k16`` for ``P V``, every wait a
+    """fp8lab.numba_kernels.prefill_wgmma for sm_90a (Qwen3-8B's group of 4 with float32 out, in CTAs of one and two
+    warpgroups, Qwen3-0.6B's 2 with BF16 out): per tile 8 ``m64n64k16`` F16 ``wgmma`` for the scores and 4 ``m64n128k16`` for ``P V``, every wait a
     ``wait_group 0``; the codes decoded by ``cvt.rn.f16x2.e4m3x2`` and stored 16 bytes at a time; no division
     instruction (``div.rn``'s subroutine serializes ``wgmma``: C7509) and no ptxas warning that it serialized them
     (registers printed); no float64 but the division's, no local memory, no spills; the PDL rules."""
     def check(c):
         ptx = c.ptx
-        assert ".target sm_90a" in ptx and ".maxntid 128" in ptx and ".minnctapersm 2" in ptx
+        warpgroups = c.info["warpgroups"]
+        assert ".target sm_90a" in ptx and f".maxntid {128 * warpgroups}" in ptx
+        assert f".minnctapersm {2 // warpgroups}" in ptx
         assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16") == 8
         assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16") == 4
         assert "wgmma.wait_group.sync.aligned 0;" in ptx and "wgmma.wait_group.sync.aligned 1;" not in ptx

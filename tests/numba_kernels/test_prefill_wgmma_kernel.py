@@ -1,16 +1,16 @@
 """fp8lab.numba_kernels.prefill_wgmma (flash prefill with ``wgmma``, K/V decoded once a CTA) against
-fp8lab.simulators.prefill_mma (``shared_values=True``) and fp8lab.reference.attention.
+fp8lab.simulators.prefill_mma (``shared_values``: the CTA's 4 or 8 warps) and fp8lab.reference.attention.
 
 In the CUDA simulator (the ``wgmma`` twin pools a warp's registers into the mma model per k16 step, reading shared
 memory at the wait): outputs bit for bit the simulator for GQA groups of 1, 2, 4 and 16, block sizes 16 and 32, pure
 and chunked prefill (a cached prefix: unmasked tiles), query counts that end inside a warp and inside a CTA, a
-sequence without new tokens, a walk over more than 32 key tiles, NaN-poisoned unused cache slots and ``out``; BF16
+sequence without new tokens, CTAs of one and of two warpgroups, a walk over more than 32 key tiles, NaN-poisoned unused cache slots and ``out``; BF16
 output bit for bit ``layers.bf16_round`` of the float32 output; a NaN value code inside the CTA reaches the CTA's
 earlier queries (the documented ``shared_values`` reach) while a NaN V scale stays out of the earlier warps; the
 simulator with ``shared_values`` differs from the warp kernel's only there; a BF16 cache is refused.
 
-On a GPU (``gpu``): Qwen3-8B heads (32 query, 8 kv) over a 1,000-token prompt and 4 x 512 tokens, Qwen3-0.6B heads
-(16, 8) over 2,048 tokens after a 100-token prefix, on fresh random data, ``out`` poisoned: every query within
+On a GPU (``gpu``): Qwen3-8B heads (32 query, 8 kv) over a 1,000-token prompt (one and two warpgroups) and 4 x 512
+tokens, Qwen3-0.6B heads (16, 8) over 2,048 tokens after a 100-token prefix, on fresh random data, ``out`` poisoned: every query within
 ``fp8lab.simulators.splitkv_mma.error_bound`` of the reference over its causal prefix; BF16 output bit for bit the
 float32 output rounded.
 """
@@ -28,16 +28,17 @@ from fp8lab.numba_kernels.bits import SIMULATOR
 from fp8lab.simulators import prefill_mma as model
 
 
-def run_kernel(data, q, query_lens, out=None):
+def run_kernel(data, q, query_lens, out=None, warpgroups=1):
     if out is None:
         out = np.full(q.shape, np.nan, np.float32)  # poisoned: every element must be written
     returned = prefill_wgmma.paged_prefill_wgmma(q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens,
-                                                 query_lens, data.softmax_scale, out, data.k_scale, data.v_scale)
+                                                 query_lens, data.softmax_scale, out, data.k_scale, data.v_scale,
+                                                 warpgroups=warpgroups)
     assert returned is out
     return out
 
 
-def simulated(data, q, query_lens, shared_values=True):
+def simulated(data, q, query_lens, shared_values=4):
     return model.paged_prefill(q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens, query_lens,
                                data.softmax_scale, data.k_scale, data.v_scale, shared_values=shared_values)
 
@@ -47,19 +48,21 @@ def same_bits(a, b) -> bool:
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
-@pytest.mark.parametrize("context_lens, query_lens, group, num_kv_heads, block_size", [
-    ([21], [21], 4, 2, 16),  # pure prefill: 2 CTAs of 16 tokens, the second with 5 (one warp with one query); 2 kv heads
-    ([50, 9, 21], [19, 0, 21], 2, 1, 32),  # chunked prefill after 31 cached tokens; a sequence without new tokens
-    ([23], [23], 1, 1, 16),  # 16 tokens per warp
-    ([19, 6], [3, 2], 16, 1, 16),  # one token per warp, rows g + 8 are heads 8..15
-    ([90], [20], 4, 1, 16),  # after a 70-token prefix: the first tile unmasked for every warp, then the diagonal's
+@pytest.mark.parametrize("context_lens, query_lens, group, num_kv_heads, block_size, warpgroups", [
+    ([21], [21], 4, 2, 16, 1),  # pure prefill: 2 CTAs of 16 tokens, the second with 5 (one warp with one query); 2 kv heads
+    ([50, 9, 21], [19, 0, 21], 2, 1, 32, 1),  # chunked prefill after 31 cached tokens; a sequence without new tokens
+    ([23], [23], 1, 1, 16, 1),  # 16 tokens per warp
+    ([19, 6], [3, 2], 16, 1, 16, 1),  # one token per warp, rows g + 8 are heads 8..15
+    ([90], [20], 4, 1, 16, 1),  # after a 70-token prefix: the first tile unmasked for every warp, then the diagonal's
+    ([45], [45], 4, 1, 16, 2),  # two warpgroups: CTAs of 32 tokens, the second with 13 (its second warpgroup idle)
+    ([120, 9], [50, 0], 2, 1, 32, 2),  # two warpgroups after a 70-token prefix; a sequence without new tokens
 ])
-def test_bit_for_bit_the_simulator(context_lens, query_lens, group, num_kv_heads, block_size):
+def test_bit_for_bit_the_simulator(context_lens, query_lens, group, num_kv_heads, block_size, warpgroups):
     rng = np.random.default_rng(sum(context_lens) * group + block_size)
     data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, num_kv_heads, block_size)
-    out = run_kernel(data, q, query_lens)
+    out = run_kernel(data, q, query_lens, warpgroups=warpgroups)
     assert not np.isnan(out).any(), "an output was not written (still NaN)"
-    assert same_bits(out, simulated(data, q, query_lens))
+    assert same_bits(out, simulated(data, q, query_lens, 4 * warpgroups))
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
@@ -94,28 +97,32 @@ def test_a_nan_value_reaches_the_cta_a_nan_scale_only_its_warps(poisoned):
     finite_before = 0 if poisoned == "code" else 8
     assert np.isnan(out).any(axis=(1, 2)).tolist() == [i >= finite_before for i in range(30)]
     assert same_bits(out, simulated(data, q, query_lens))
-    assert same_bits(out, simulated(data, q, query_lens, shared_values=False)) == (poisoned == "scale")
+    assert same_bits(out, simulated(data, q, query_lens, shared_values=0)) == (poisoned == "scale")
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the CUDA simulator's argument checks")
-def test_a_bf16_cache_is_refused():
+def test_a_bf16_cache_and_three_warpgroups_are_refused():
     rng = np.random.default_rng(1)
     data, q, query_lens = prefill_batch(rng, [9], [9], 2, 1, 16, "bf16")
     with pytest.raises(ValueError, match="paged_prefill_wgmma takes an FP8 cache"):
         run_kernel(data, q, query_lens)
+    data, q, query_lens = prefill_batch(rng, [9], [9], 2, 1, 16)
+    with pytest.raises(ValueError, match="warpgroups: expected 1 or 2, got 3"):
+        run_kernel(data, q, query_lens, warpgroups=3)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="needs a GPU")
-@pytest.mark.parametrize("heads, context_lens, query_lens", [
-    ((32, 8), [1000], [1000]), ((32, 8), [512] * 4, [512] * 4), ((16, 8), [2148], [2048]),
+@pytest.mark.parametrize("heads, context_lens, query_lens, warpgroups", [
+    ((32, 8), [1000], [1000], 1), ((32, 8), [512] * 4, [512] * 4, 1), ((16, 8), [2148], [2048], 1),
+    ((32, 8), [1000], [1000], 2),
 ])
-def test_on_the_gpu_within_the_bound_of_the_reference(heads, context_lens, query_lens):
+def test_on_the_gpu_within_the_bound_of_the_reference(heads, context_lens, query_lens, warpgroups):
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     group = heads[0] // heads[1]
     data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, heads[1], 16)
-    f32 = run_kernel(data, q, query_lens)
+    f32 = run_kernel(data, q, query_lens, warpgroups=warpgroups)
     assert_within_bound(data, q, query_lens, f32)
-    bf16 = run_kernel(data, q, query_lens, out=np.full(q.shape, 0xFFFF, np.uint16))
+    bf16 = run_kernel(data, q, query_lens, out=np.full(q.shape, 0xFFFF, np.uint16), warpgroups=warpgroups)
     rounded = ((f32.view(np.uint32) + 0x7FFF + ((f32.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16)
     assert np.array_equal(bf16, rounded)

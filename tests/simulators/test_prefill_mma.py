@@ -41,8 +41,8 @@ def test_within_the_error_bound_of_the_reference(seed, lens, group, num_kv_heads
 @settings(deadline=None, max_examples=10)
 @given(seed=st.integers(0, 2**32 - 1), lens=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 70)), min_size=1,
                                                      max_size=2),
-       group=st.sampled_from([1, 2, 4, 16]), block_size=st.sampled_from([16, 32]))
-def test_shared_values_change_no_bit_of_finite_data(seed, lens, group, block_size):
+       group=st.sampled_from([1, 2, 4, 16]), block_size=st.sampled_from([16, 32]), warps=st.sampled_from([4, 8]))
+def test_shared_values_change_no_bit_of_finite_data(seed, lens, group, block_size, warps):
     """The warpgroup kernel's order (``shared_values``: values to the CTA's end, every chunk multiplied) adds only
     products by a weight of 0 to what the warp kernel's order adds: on finite data the same bits (a zero ``acc``
     element could change its sign, which random data does not reach)."""
@@ -52,7 +52,7 @@ def test_shared_values_change_no_bit_of_finite_data(seed, lens, group, block_siz
     data, q, query_lens = prefill_batch(rng, context_lens, query_lens, group, 1, block_size)
     warp = run_model(data, q, query_lens)
     shared = prefill_mma.paged_prefill(q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens, query_lens,
-                                       data.softmax_scale, data.k_scale, data.v_scale, shared_values=True)
+                                       data.softmax_scale, data.k_scale, data.v_scale, shared_values=warps)
     assert np.isfinite(warp).all() and np.array_equal(warp.view(np.uint32), shared.view(np.uint32))
 
 
@@ -78,6 +78,14 @@ def test_a_nan_value_reaches_the_rows_that_see_it_and_its_warps_earlier_rows(cac
     nan_rows = np.isnan(out[:, group:]).any(axis=-1).any(axis=-1)  # kv head 1's query heads
     assert nan_rows.tolist() == [i >= 8 for i in range(30)]
     assert not np.isnan(out[:, :group]).any()  # kv head 0 never reads it
+
+
+def test_shared_values_is_0_4_or_8():
+    rng = np.random.default_rng(2)
+    data, q, query_lens = prefill_batch(rng, [9], [9], 2, 1, 16)
+    with pytest.raises(ValueError, match="shared_values: expected 0 .* got True"):
+        prefill_mma.paged_prefill(q, data.k_cache, data.v_cache, data.block_tables, data.seq_lens, query_lens,
+                                  data.softmax_scale, data.k_scale, data.v_scale, shared_values=True)
 
 
 def test_a_sequence_without_new_tokens_and_an_empty_batch():
