@@ -157,16 +157,17 @@ def prefill_kernel_function(group: int, bf16_out: bool = False, warpgroups: int 
                            w0, w1, w2, w3)
 
     @cuda.jit(device=True, inline=True)
-    def decode_value_block(smem, vbase, vbuffer, key0, lane, keys_left):
+    def decode_value_block(smem, vbase, vbuffer, key0, lane, keys_left, check_end):
         """Code word ``lane`` (elements ``4 lane ..``) of keys ``key0 .. key0 + 7``, zero for keys at or past
-        ``keys_left`` (the CTA's end, from the tile's first key), paired two keys at a time (``prmt``: ``low[p]``
+        ``keys_left`` (the CTA's end, from the tile's first key; ``check_end``, a constant, is False for a tile that
+        ends before it), paired two keys at a time (``prmt``: ``low[p]``
         holds keys ``2p, 2p + 1`` at elements 0 and 1 of the lane's four, ``high[p]`` at 2 and 3) and converted into
         16 bytes of 8 keys in each element's row of the V buffer (row ``32 i + lane`` holds element ``4 lane + i``).
         Straight-line code: each conversion and store is written out, so nothing is chosen at run time."""
         w = cuda.local.array(8, uint32)
         for k in range(8):
             code = smem[vbase + (key0 + uint32(k)) * uint32(SROW) + lane]
-            w[k] = code if key0 + uint32(k) < keys_left else uint32(0)
+            w[k] = code if not check_end or uint32(key0 + uint32(k)) < keys_left else uint32(0)
         low = cuda.local.array(4, uint32)
         high = cuda.local.array(4, uint32)
         for p in range(4):
@@ -182,12 +183,12 @@ def prefill_kernel_function(group: int, bf16_out: bool = False, warpgroups: int 
                         e4m3x2_high_to_f16x2(high[1]), e4m3x2_high_to_f16x2(high[2]), e4m3x2_high_to_f16x2(high[3]))
 
     @cuda.jit(device=True, inline=True)
-    def decode_values(smem, vbase, vbuffer, warp, lane, keys_left):
+    def decode_values(smem, vbase, vbuffer, warp, lane, keys_left, check_end):
         """This thread's ``VALUE_BLOCKS`` of the tile's 256 (8 keys, 4 head elements) blocks (``decode_value_block``):
         keys ``16 warp ..`` and ``16 warp + 8 ..`` with one warpgroup, ``8 warp ..`` with two."""
-        decode_value_block(smem, vbase, vbuffer, uint32(8 * VALUE_BLOCKS) * warp, lane, keys_left)
+        decode_value_block(smem, vbase, vbuffer, uint32(8 * VALUE_BLOCKS) * warp, lane, keys_left, check_end)
         if VALUE_BLOCKS == 2:
-            decode_value_block(smem, vbase, vbuffer, uint32(16) * warp + uint32(8), lane, keys_left)
+            decode_value_block(smem, vbase, vbuffer, uint32(16) * warp + uint32(8), lane, keys_left, check_end)
 
     @cuda.jit(device=True, inline=True)
     def score_index(c, r, u):
@@ -398,7 +399,11 @@ def prefill_kernel_function(group: int, bf16_out: bool = False, warpgroups: int 
             stage = next_stage
             vbuffer = vbuffers + (tile & uint32(1)) * uint32(V_BUFFER_BYTES)
             decode_keys(smem, kbase, kbuffer, uint32(warp), uint32(lane))
-            decode_values(smem, kbase + uint32(V_OFFSET), vbuffer, uint32(warp), uint32(lane), cta_end - tile0)
+            keys_left = uint32(cta_end - tile0)  # the CTA's keys from the tile's first: past them, zero values
+            if keys_left >= uint32(KEYS):  # (a CTA-wide branch; only the last tile checks its keys)
+                decode_values(smem, kbase + uint32(V_OFFSET), vbuffer, uint32(warp), uint32(lane), keys_left, False)
+            else:
+                decode_values(smem, kbase + uint32(V_OFFSET), vbuffer, uint32(warp), uint32(lane), keys_left, True)
             wgmma.proxy_fence()  # the buffers' generic-proxy stores, before wgmma's async-proxy reads ...
             cuda.syncthreads()  # ... of every thread's
             wait_for_values(acc)  # tile - 1's P V (it ran during the decode): done with acc and the weights
