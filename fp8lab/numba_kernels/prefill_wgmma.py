@@ -46,11 +46,13 @@ One ``wgmma`` computes four warps' rows from the CTA's one copy of the values, s
 warp is per CTA here: the values of keys up to the CTA's end enter every warp's ``P V`` (with weight 0 past a row's
 position), and every chunk of the CTA's tiles is multiplied. A NaN value code of a key before the CTA's end thus
 reaches every query of the CTA before it (up to ``4 warpgroups TOKENS - 1`` keys back; the warp kernel's reach is
-``TOKENS - 1``): the simulator's ``shared_values`` (the CTA's warps). The V scales stay per warp, so a NaN V scale reaches no earlier warp.
+``TOKENS - 1``): the simulator's ``shared_values`` (the CTA's warps). The V scales stay per warp, so a NaN V scale
+reaches no earlier warp.
 
 Every wait is ``wgmma.wait_group 0``: with ``wait_group 1`` (the scores waited for while ``P V`` ran on) ptxas
-could not tell which group had finished and serialized every ``wgmma`` (C7514). Two CTAs fit an SM (registers and
-shared memory); they overlap each other's phases. Dated measurements are in ``bench/RESULTS.md``.
+could not tell which group had finished and serialized every ``wgmma`` (C7514). Two CTAs of one warpgroup fit an SM
+(registers and shared memory), or one of two; they overlap each other's phases. Dated measurements are in
+``bench/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -98,9 +100,7 @@ V_BUFFER_BYTES = HEAD_DIM * wgmma.ROW_BYTES
 ``% 2``): a tile's ``P V`` reads one while the next tile is decoded into the other."""
 SHARED_BYTES = RING_BYTES + wgmma.ATOM_BYTES + K_BUFFER_BYTES + 2 * V_BUFFER_BYTES
 """The stages and ring, room to align the buffers to 1,024 bytes in the shared window, the K buffer and two V buffers:
-107,056 bytes, two CTAs per SM."""
-K_WORDS_PER_ROW = HEAD_DIM // 4
-"""A key row's code words: word ``8 t + s`` holds head elements ``32 t + 4 s .. + 3``, k-step ``s``'s for lane ``t``."""
+107,056 bytes, so two CTAs of one warpgroup fit an SM (and one of two)."""
 
 
 def prefill_kernel_function(group: int, bf16_out: bool = False, warpgroups: int = 1):
@@ -128,10 +128,11 @@ def prefill_kernel_function(group: int, bf16_out: bool = False, warpgroups: int 
 
     @cuda.jit(device=True, inline=True)
     def decode_keys(smem, kbase, kbuffer, warp, lane):
-        """This thread's ``KEY_ITEMS`` of the tile's 512 (key, k-step) pairs: the key's code words ``s, 8 + s, 16 + s, 24 + s``
-        (k-step ``s``'s four for lanes ``t = 0 .. 3``) converted into the 16 positions ``16 s ..`` of its row in the K
-        buffer (byte ``kbuffer``), two 128-bit stores. A quarter-warp covers 8 keys of one k-step: the loads hit 32
-        distinct banks (rows of 36 words), the stores 8 distinct swizzle pieces."""
+        """This thread's ``KEY_ITEMS`` of the tile's 512 (key, k-step) pairs: the key's code words ``s``, ``8 + s``,
+        ``16 + s``, ``24 + s`` (word ``8 t + s`` holds head elements ``32 t + 4 s ..``: k-step ``s``'s four for lanes
+        ``t = 0 .. 3``) converted into the 16 positions ``16 s ..`` of its row in the K buffer (byte ``kbuffer``), two
+        128-bit stores. A quarter-warp covers 8 keys of one k-step: the loads hit 32 distinct banks (rows of 36
+        words), the stores 8 distinct swizzle pieces."""
         for item in range(KEY_ITEMS):
             pair = warp * uint32(KEY_ITEMS) + uint32(item)  # 0 .. 15
             key = (lane & uint32(7)) + uint32(8) * (pair & uint32(7))

@@ -4,15 +4,16 @@ fp8lab.simulators.prefill_mma (``shared_values``: the CTA's 4 or 8 warps) and fp
 In the CUDA simulator (the ``wgmma`` twin pools a warp's registers into the mma model per k16 step, reading shared
 memory at the wait): outputs bit for bit the simulator for GQA groups of 1, 2, 4 and 16, block sizes 16 and 32, pure
 and chunked prefill (a cached prefix: unmasked tiles), query counts that end inside a warp and inside a CTA, a
-sequence without new tokens, CTAs of one and of two warpgroups, a walk over more than 32 key tiles, NaN-poisoned unused cache slots and ``out``; BF16
-output bit for bit ``layers.bf16_round`` of the float32 output; a NaN value code inside the CTA reaches the CTA's
-earlier queries (the documented ``shared_values`` reach) while a NaN V scale stays out of the earlier warps; the
-simulator with ``shared_values`` differs from the warp kernel's only there; a BF16 cache is refused.
+sequence without new tokens, CTAs of one and of two warpgroups, a walk over more than 32 key tiles, NaN-poisoned
+unused cache slots and ``out``; BF16 output bit for bit ``layers.bf16_round`` of the float32 output; a NaN value
+code inside the CTA reaches the CTA's earlier queries (the documented ``shared_values`` reach) while a NaN V scale
+stays out of the earlier warps; the simulator with ``shared_values`` differs from the warp kernel's only there; a
+BF16 cache is refused.
 
 On a GPU (``gpu``): Qwen3-8B heads (32 query, 8 kv) over a 1,000-token prompt (one and two warpgroups) and 4 x 512
-tokens, Qwen3-0.6B heads (16, 8) over 2,048 tokens after a 100-token prefix, on fresh random data, ``out`` poisoned: every query within
-``fp8lab.simulators.splitkv_mma.error_bound`` of the reference over its causal prefix; BF16 output bit for bit the
-float32 output rounded.
+tokens, Qwen3-0.6B heads (16, 8) over 2,048 tokens after a 100-token prefix, on fresh random data, ``out`` poisoned:
+every query within ``fp8lab.simulators.splitkv_mma.error_bound`` of the reference over its causal prefix; BF16
+output bit for bit the float32 output rounded.
 """
 
 import os
@@ -49,7 +50,7 @@ def same_bits(a, b) -> bool:
 
 @pytest.mark.skipif(not SIMULATOR, reason="bit for bit the simulator only in the CUDA simulator")
 @pytest.mark.parametrize("context_lens, query_lens, group, num_kv_heads, block_size, warpgroups", [
-    ([21], [21], 4, 2, 16, 1),  # pure prefill: 2 CTAs of 16 tokens, the second with 5 (one warp with one query); 2 kv heads
+    ([21], [21], 4, 2, 16, 1),  # pure prefill: CTAs of 16 tokens, the second with 5 (one warp, one query); 2 kv
     ([50, 9, 21], [19, 0, 21], 2, 1, 32, 1),  # chunked prefill after 31 cached tokens; a sequence without new tokens
     ([23], [23], 1, 1, 16, 1),  # 16 tokens per warp
     ([19, 6], [3, 2], 16, 1, 16, 1),  # one token per warp, rows g + 8 are heads 8..15
