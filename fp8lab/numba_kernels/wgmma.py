@@ -72,12 +72,6 @@ multiple of 8 up to 256 for BF16)."""
 OPERANDS = ("bf16", "f16")
 """The 16-bit formats of A and B that ``mma_async_function`` takes (both operands the same)."""
 
-
-def _check_choices(n: int, operand: str):
-    if n not in N_CHOICES:
-        raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
-    if operand not in OPERANDS:
-        raise ValueError(f"operand: expected one of {OPERANDS}, got {operand!r}")
 M_ROWS, K_STEP = 64, 16
 ROW_BYTES = 128
 """A swizzle row: 64 BF16 k of one column."""
@@ -90,6 +84,14 @@ STEP_BYTES = 2 * K_STEP
 DESCRIPTOR_TAIL = (1 << 16) | ((ATOM_BYTES >> 4) << 32) | (1 << 62)
 """The descriptor's fields but the start address: LBO 16 bytes (unused by swizzled K-major layouts), SBO
 1,024 bytes, swizzle mode 1 (128 B) in bits 62-63."""
+
+
+def _check_choices(n: int, operand: str):
+    """A ``ValueError`` for a width or an operand format the helpers do not take."""
+    if n not in N_CHOICES:
+        raise ValueError(f"n: expected one of {N_CHOICES}, got {n!r}")
+    if operand not in OPERANDS:
+        raise ValueError(f"operand: expected one of {OPERANDS}, got {operand!r}")
 
 
 @cuda.jit(device=True, inline="always")

@@ -5,7 +5,8 @@ layout), B written into shared memory in the 128-byte-swizzled K-major layout, t
 integer-valued operands every product and sum is exact, so D must equal the float64 ``A @ B`` exactly. The twin
 reads shared memory at the wait, the latest moment a GPU may (a B overwritten before the wait is what it uses), and
 refuses A registers written between a wgmma's issue and its wait. Two half-width chains (``mma_async_function(64,
-32)`` for the second) fill the accumulators of one full-width product exactly.
+32)`` for the second) fill the accumulators of one full-width product exactly. The same product in F16 operands
+(``operand="f16"``, the flash prefill's), and a format the helper does not take refused.
 """
 
 import numpy as np
@@ -18,7 +19,7 @@ from fp8lab.simulators import bit_placement as bp
 from fp8lab.simulators import mma as mma_model
 
 N = 64
-mma_async = wgmma.mma_async_function(N)
+MULTIPLY = {operand: wgmma.mma_async_function(N, operand=operand) for operand in wgmma.OPERANDS}
 wait_all = wgmma.wait_group_function(0, N)
 
 
@@ -33,30 +34,36 @@ def swizzled_b(b_kn: np.ndarray) -> np.ndarray:
     return memory
 
 
-def warpgroup_kernel(a_regs, b_bytes, later_b_bytes, out, overwrite, write_a_early):
-    thread = cuda.threadIdx.x
-    smem = cuda.shared.array(N * 128, np.uint8)
-    for i in range(thread, N * 128, 128):
-        smem[i] = b_bytes[i]
-    cuda.syncthreads()
-    acc = cuda.local.array(N // 2, float32)
-    registers = cuda.local.array(8, uint32)
-    for i in range(8):
-        registers[i] = uint32(a_regs[i // 4, thread, i % 4])
-    wgmma.fence()
-    for step in range(2):  # k 0..15, then k 16..31 (32 bytes further into each row)
-        mma_async(acc, registers, 4 * step, smem, 0, step * wgmma.STEP_BYTES, step > 0)
-    wgmma.commit_group()
-    if overwrite:  # a kernel bug: B rewritten before the wait
-        cuda.syncthreads()
+def warpgroup_kernel_function(mma_async):
+    """The test kernel over one of ``MULTIPLY``'s products: two chained k16 steps, then (as asked) B overwritten or
+    an A register rewritten before the wait, the accumulators stored."""
+
+    def warpgroup_kernel(a_regs, b_bytes, later_b_bytes, out, overwrite, write_a_early):
+        thread = cuda.threadIdx.x
+        smem = cuda.shared.array(N * 128, np.uint8)
         for i in range(thread, N * 128, 128):
-            smem[i] = later_b_bytes[i]
+            smem[i] = b_bytes[i]
         cuda.syncthreads()
-    if write_a_early:  # a kernel bug: the A registers of a wgmma in flight rewritten
-        registers[5] = uint32(0)
-    wait_all(acc)
-    for i in range(N // 2):
-        out[thread, i] = acc[i]
+        acc = cuda.local.array(N // 2, float32)
+        registers = cuda.local.array(8, uint32)
+        for i in range(8):
+            registers[i] = uint32(a_regs[i // 4, thread, i % 4])
+        wgmma.fence()
+        for step in range(2):  # k 0..15, then k 16..31 (32 bytes further into each row)
+            mma_async(acc, registers, 4 * step, smem, 0, step * wgmma.STEP_BYTES, step > 0)
+        wgmma.commit_group()
+        if overwrite:  # a kernel bug: B rewritten before the wait
+            cuda.syncthreads()
+            for i in range(thread, N * 128, 128):
+                smem[i] = later_b_bytes[i]
+            cuda.syncthreads()
+        if write_a_early:  # a kernel bug: the A registers of a wgmma in flight rewritten
+            registers[5] = uint32(0)
+        wait_all(acc)
+        for i in range(N // 2):
+            out[thread, i] = acc[i]
+
+    return warpgroup_kernel
 
 
 def check_accumulators(out, expected):
@@ -70,11 +77,11 @@ def check_accumulators(out, expected):
         np.testing.assert_array_equal(out[32 * warp: 32 * warp + 32], expected[16 * warp + rows, cols])
 
 
-def run(rng, overwrite, write_a_early=False):
+def run(rng, overwrite, write_a_early=False, operand="bf16"):
     a = rng.integers(-8, 9, size=(64, 32)).astype(np.float32)  # 64 rows (4 warps x 16), k 0..31
     b = rng.integers(-8, 9, size=(32, N)).astype(np.float32)
     later_b = rng.integers(-8, 9, size=(32, N)).astype(np.float32)
-    a_bits, b_bits, later_bits = (bp.float32_to_bf16_bits(x) for x in (a, b, later_b))
+    a_bits, b_bits, later_bits = (bp.float32_to_bits(x, operand) for x in (a, b, later_b))
     # each warp's A registers per k16 step, in mma.m16n8k16's A layout
     a_regs = np.zeros((2, 128, 4), np.uint32)
     for step in range(2):
@@ -83,8 +90,8 @@ def run(rng, overwrite, write_a_early=False):
             halves = mma_model.load_a(tile)  # [32 lanes, 8] 16-bit patterns
             a_regs[step, 32 * warp: 32 * warp + 32] = mma_model.pack_registers(halves)
     out = np.full((128, N // 2), np.nan, np.float32)
-    cuda.jit(warpgroup_kernel)[1, 128](a_regs, swizzled_b(b_bits), swizzled_b(later_bits), out, overwrite,
-                                       write_a_early)
+    kernel = cuda.jit(warpgroup_kernel_function(MULTIPLY[operand]))
+    kernel[1, 128](a_regs, swizzled_b(b_bits), swizzled_b(later_bits), out, overwrite, write_a_early)
     used_b = later_b if overwrite else b
     expected = a.astype(np.float64) @ used_b.astype(np.float64)  # exact: integer products and sums
     check_accumulators(out, expected)
@@ -93,6 +100,16 @@ def run(rng, overwrite, write_a_early=False):
 @pytest.mark.cudasim
 def test_the_twin_computes_a_at_b_in_the_fragment_and_swizzle_layouts(rng):
     run(rng, overwrite=False)
+
+
+@pytest.mark.cudasim
+def test_the_twin_computes_a_at_b_in_f16_operands(rng):
+    run(rng, overwrite=False, operand="f16")
+
+
+def test_a_format_the_helper_does_not_take_is_refused():
+    with pytest.raises(ValueError, match="operand: expected one of .* got 'e4m3'"):
+        wgmma.mma_async_function(N, operand="e4m3")
 
 
 @pytest.mark.cudasim
