@@ -220,11 +220,12 @@ def prefill_table(torch, cuda):
 
     lines = ["", "Causal prefill of one prompt (SIMT: decode of every query token over its prefix, one graph "
              "replay = expansion + split kernel (+ combine); tensor cores: the flash prefill, `prefill_mma`, one "
-             "launch, what the engine runs; warpgroup: `prefill_wgmma`, each FP8 code decoded once per CTA, bits "
-             "compared with `prefill_mma`'s):", "",
-             "| prompt | FP8 SIMT us | FP8 tensor cores us | FP8 warpgroup us | BF16 SIMT us | BF16 tensor cores us "
-             "| SDPA BF16 causal us | FP8 tensor cores / SDPA | FP8 warpgroup / SDPA | BF16 tensor cores / SDPA "
-             "| rel. err FP8 SIMT / TC / warpgroup, BF16 SIMT / TC | warpgroup bits = TC bits |",
+             "launch, what the engine runs; warpgroup: `prefill_wgmma`, each FP8 code decoded once per CTA of one or two "
+             "warpgroups, bits compared with `prefill_mma`'s):", "",
+             "| prompt | FP8 SIMT us | FP8 tensor cores us | FP8 warpgroup us (1 / 2 a CTA) | BF16 SIMT us "
+             "| BF16 tensor cores us | SDPA BF16 causal us | FP8 tensor cores / SDPA | FP8 warpgroup / SDPA (1 / 2) "
+             "| BF16 tensor cores / SDPA | rel. err FP8 SIMT / TC / warpgroup (1 / 2), BF16 SIMT / TC "
+             "| warpgroup bits = TC bits (1 / 2) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     scale = HEAD_DIM**-0.5
     for length in PREFILL_LENGTHS:
@@ -244,7 +245,7 @@ def prefill_table(torch, cuda):
         rows = prefill_rows_workspace(length, blocks)
         workspace = decode_workspace(length, NUM_HEADS, HEAD_DIM)
         out = cuda.device_array(q.shape, np.float32)
-        times, errors = {}, {}
+        times, errors, same_bits = {}, {}, {}
         for name, c in caches.items():
             paged_cache_write(k_dev, v_dev, c[0], c[1], slots, c[2], c[3])
             host = [x.copy_to_host() if x is not None else None for x in c]
@@ -270,18 +271,18 @@ def prefill_table(torch, cuda):
             times[name, "mma"] = graph_time_us(lambda i, stream, c=c: paged_prefill_mma(
                 q_dev, c[0], c[1], table_dev, lens_dev, lens_dev, scale, out, c[2], c[3], max_context_len=length,
                 stream=stream), reps=5, replays=7)
-            if name == "fp8":  # the warpgroup flash prefill, same cache
-                tensor_core_out = got
+            tensor_core_out = got
+            for warpgroups in (1, 2) if name == "fp8" else ():  # the warpgroup flash prefill, same cache
                 out.copy_to_device(np.full(q.shape, np.nan, np.float32))
                 paged_prefill_wgmma(q_dev, c[0], c[1], table_dev, lens_dev, lens_dev, scale, out, c[2], c[3],
-                                    max_context_len=length)
+                                    max_context_len=length, warpgroups=warpgroups)
                 got = out.copy_to_host()
-                assert np.all(np.isfinite(got)), "fp8 warpgroup"
-                errors["wgmma"] = float(np.linalg.norm(got[-checked:] - ref) / np.linalg.norm(ref))
-                same_bits = np.array_equal(got.view(np.uint32), tensor_core_out.view(np.uint32))
-                times["wgmma"] = graph_time_us(lambda i, stream, c=c: paged_prefill_wgmma(
+                assert np.all(np.isfinite(got)), f"fp8 warpgroup x{warpgroups}"
+                errors["wgmma", warpgroups] = float(np.linalg.norm(got[-checked:] - ref) / np.linalg.norm(ref))
+                same_bits[warpgroups] = np.array_equal(got.view(np.uint32), tensor_core_out.view(np.uint32))
+                times["wgmma", warpgroups] = graph_time_us(lambda i, stream, c=c, w=warpgroups: paged_prefill_wgmma(
                     q_dev, c[0], c[1], table_dev, lens_dev, lens_dev, scale, out, c[2], c[3], max_context_len=length,
-                    stream=stream), reps=5, replays=7)
+                    warpgroups=w, stream=stream), reps=5, replays=7)
 
             def launch(i, stream, c=c):
                 paged_prefill(q_dev, c[0], c[1], table_dev, lens_dev, lens_dev, scale, out, c[2], c[3],
@@ -293,11 +294,13 @@ def prefill_table(torch, cuda):
         v_t = torch.from_numpy(v).to("cuda", torch.bfloat16).transpose(0, 1)[None]
         sdpa = torch_time_us(lambda i: torch.nn.functional.scaled_dot_product_attention(
             q_t, k_t, v_t, is_causal=True, enable_gqa=True), iters=20)
-        lines.append(f"| {length} | {times['fp8']:.1f} | {times['fp8', 'mma']:.1f} | {times['wgmma']:.1f} "
-                     f"| {times['bf16']:.1f} | {times['bf16', 'mma']:.1f} | {sdpa:.1f} | {times['fp8', 'mma'] / sdpa:.2f} "
-                     f"| {times['wgmma'] / sdpa:.2f} | {times['bf16', 'mma'] / sdpa:.2f} "
-                     f"| {errors['fp8']:.1e} / {errors['fp8', 'mma']:.1e} / {errors['wgmma']:.1e}, "
-                     f"{errors['bf16']:.1e} / {errors['bf16', 'mma']:.1e} | {same_bits} |")
+        lines.append(f"| {length} | {times['fp8']:.1f} | {times['fp8', 'mma']:.1f} "
+                     f"| {times['wgmma', 1]:.1f} / {times['wgmma', 2]:.1f} | {times['bf16']:.1f} "
+                     f"| {times['bf16', 'mma']:.1f} | {sdpa:.1f} | {times['fp8', 'mma'] / sdpa:.2f} "
+                     f"| {times['wgmma', 1] / sdpa:.2f} / {times['wgmma', 2] / sdpa:.2f} "
+                     f"| {times['bf16', 'mma'] / sdpa:.2f} | {errors['fp8']:.1e} / {errors['fp8', 'mma']:.1e} / "
+                     f"{errors['wgmma', 1]:.1e} / {errors['wgmma', 2]:.1e}, {errors['bf16']:.1e} / "
+                     f"{errors['bf16', 'mma']:.1e} | {same_bits[1]} / {same_bits[2]} |")
         print(lines[-1], flush=True)
     return lines
 
