@@ -49,37 +49,41 @@ def swizzled(row: int, piece: int) -> int:
     return piece ^ (row % 8)
 
 
-def key_panel(ax):
-    """Atom 0 of the K buffer: keys 0..7, head positions 0..63 (k-steps 0..3)."""
-    dims = score_dims(128)
-    color = np.zeros((ROWS, PIECES))
-    for key in range(ROWS):
-        for piece in range(PIECES):
-            slot = swizzled(key, piece)
-            color[key, slot] = piece
-            step, half = piece // 2, piece % 2
-            first = int(dims[step, 8 * half])  # positions 16 s + 8 h ..: pairs for lanes t = 0 .. 3
-            ax.text(slot, key, f"p{piece}\nd{first}+", ha="center", va="center", fontsize=6.5)
-    ax.imshow(color, cmap="tab10", vmin=0, vmax=10, alpha=0.55, interpolation="nearest")
-    ax.set_xticks(range(PIECES), [f"slot {c}" for c in range(PIECES)], fontsize=7)
-    ax.set_yticks(range(ROWS), [f"key {k}" for k in range(ROWS)], fontsize=7)
-    ax.set_title("K buffer, atom 0 (positions 0..63). Piece p: k-step s = p // 2, head elements\n"
-                 "32 t + 4 s + 2 (p % 2) + {0, 1} for t = 0..3 (labelled d: t = 0's first)", fontsize=8)
-
-
-def value_panel(ax):
-    """The first 8 rows of the V buffer: head elements 0, 4, ..., 28 (rows 0..7), the tile's keys in 8 pieces."""
+def draw_pieces(ax, piece_label, piece_color, cmap, vmax, row_labels, title):
+    """One buffer's first 8 swizzle rows: logical piece ``p`` of row ``r`` drawn in its slot, coloured
+    ``piece_color(r, p)`` (``cmap`` over ``0 .. vmax``) and labelled ``piece_label(r, p)``."""
     color = np.zeros((ROWS, PIECES))
     for row in range(ROWS):
         for piece in range(PIECES):
             slot = swizzled(row, piece)
-            color[row, slot] = piece // 2  # the warp that writes it (one warpgroup: keys 16 w .. 16 w + 15)
-            ax.text(slot, row, f"k{8 * piece}+\nw{piece // 2}", ha="center", va="center", fontsize=6.5)
-    ax.imshow(color, cmap="Set2", vmin=0, vmax=8, alpha=0.7, interpolation="nearest")
+            color[row, slot] = piece_color(row, piece)
+            ax.text(slot, row, piece_label(row, piece), ha="center", va="center", fontsize=6.5)
+    ax.imshow(color, cmap=cmap, vmin=0, vmax=vmax, alpha=0.6, interpolation="nearest")
     ax.set_xticks(range(PIECES), [f"slot {c}" for c in range(PIECES)], fontsize=7)
-    ax.set_yticks(range(ROWS), [f"row {r}: d{4 * r}" for r in range(ROWS)], fontsize=7)
-    ax.set_title("V buffer, rows 0..7 (row n: head element 4 (n % 32) + n // 32). Piece q:\n"
-                 "keys 8 q .. 8 q + 7 (labelled k), written by warp q // 2 (w)", fontsize=8)
+    ax.set_yticks(range(ROWS), row_labels, fontsize=7)
+    ax.set_title(title, fontsize=8)
+
+
+def key_panel(ax):
+    """Atom 0 of the K buffer: keys 0..7, head positions 0..63 (k-steps 0..3)."""
+    dims = score_dims(128)
+
+    def label(key, piece):
+        step, half = piece // 2, piece % 2
+        return f"p{piece}\nd{int(dims[step, 8 * half])}+"  # positions 16 s + 8 h ..: pairs for lanes t = 0 .. 3
+
+    draw_pieces(ax, label, lambda key, piece: piece, "tab10", 10, [f"key {k}" for k in range(ROWS)],
+                "K buffer, atom 0 (positions 0..63). Piece p: k-step s = p // 2, head elements\n"
+                "32 t + 4 s + 2 (p % 2) + {0, 1} for t = 0..3 (labelled d: t = 0's first)")
+
+
+def value_panel(ax):
+    """The first 8 rows of the V buffer: head elements 0, 4, ..., 28 (rows 0..7), the tile's keys in 8 pieces,
+    coloured by the warp that writes them (one warpgroup: keys ``16 w .. 16 w + 15``)."""
+    draw_pieces(ax, lambda row, piece: f"k{8 * piece}+\nw{piece // 2}", lambda row, piece: piece // 2, "Set2", 8,
+                [f"row {r}: d{4 * r}" for r in range(ROWS)],
+                "V buffer, rows 0..7 (row n: head element 4 (n % 32) + n // 32). Piece q:\n"
+                "keys 8 q .. 8 q + 7 (labelled k), written by warp q // 2 (w)")
 
 
 def main(out_dir: Path) -> Path:

@@ -142,6 +142,84 @@ def stage_layout(bf16_cache: bool) -> tuple[int, int, int]:
     return row_words, stage_words, (STAGES * stage_words + TABLE_RING_WORDS) * 4
 
 
+def softmax_row_function(masked: bool, fp8: bool, score_index):
+    """``softmax_row(r, scores, vsi, tile0, warp_end, limit, t, m, lsum, corr, weights)``: one tile's online-softmax
+    step of row ``g + 8 r`` of a warp, the flash prefill's (``prefill_mma`` and ``prefill_wgmma``). The scores
+    (``-inf`` where the key does not count: past the warp's ``end`` or after the row's position; checked only where
+    ``masked``), the row max, ``corr``, ``p``, this lane's ``l`` (chunk sums, then ``(c_0 + c_1) + (c_2 + c_3)``); the
+    weights ``p * (v_scale * inv)`` (``vsi``) as F16 pairs (``fp8``; else ``p`` as BF16 pairs) into ``weights[4 c +
+    r]`` (keys ``2t, 2t + 1``) and ``weights[4 c + 2 + r]`` (``8 + 2t, 9 + 2t``). ``score_index(c, r, u)``: where the
+    kernel keeps the score of chunk ``c``'s key ``2t + (u & 1) + 8 (u >> 1)`` for row ``g + 8 r``."""
+
+    @cuda.jit(device=True, inline=True)
+    def softmax_row(r, scores, vsi, tile0, warp_end, limit, t, m, lsum, corr, weights):
+        p = cuda.local.array(4, float32)
+        chunk_sums = cuda.local.array(CHUNKS, float32)
+        tile_max = float32(-math.inf)
+        for c in range(CHUNKS):
+            for u in range(4):
+                i = score_index(c, r, u)
+                if masked:
+                    key = tile0 + TILE * c + 2 * t + (u & 1) + 8 * (u >> 1)
+                    if not (key < warp_end and key <= limit[r]):
+                        scores[i] = float32(-math.inf)
+                tile_max = max_nan(tile_max, scores[i])
+        row_max = max_nan(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 1))  # over the row's 4 lanes
+        row_max = max_nan(row_max, cuda.shfl_xor_sync(FULL_MASK, row_max, 2))
+        m_new = max_nan(m[r], row_max)
+        corr[r] = float32(1) if m_new == m[r] else mathops.exp2_flush(m[r] - m_new)
+        for c in range(CHUNKS):
+            for u in range(4):
+                if masked:
+                    key = tile0 + TILE * c + 2 * t + (u & 1) + 8 * (u >> 1)
+                    counts = key < warp_end and key <= limit[r]
+                    # selects, not branches (a branch around exp2 costs registers); no -inf - -inf computed
+                    difference = scores[score_index(c, r, u)] - m_new if counts else float32(0)
+                    p_u = mathops.exp2_flush(difference)
+                    p[u] = p_u if counts else float32(0)
+                else:
+                    p[u] = mathops.exp2_flush(scores[score_index(c, r, u)] - m_new)
+            # the A registers of chunk c's P V: (row g, keys 2t, 2t + 1), (g + 8, ...), (g, 8 + 2t, 9 + 2t), ...
+            if fp8:
+                weights[4 * c + r] = f32x2_to_f16x2(p[0] * vsi[4 * c], p[1] * vsi[4 * c + 1])
+                weights[4 * c + 2 + r] = f32x2_to_f16x2(p[2] * vsi[4 * c + 2], p[3] * vsi[4 * c + 3])
+            else:
+                weights[4 * c + r] = f32x2_to_bf16x2(p[0], p[1])
+                weights[4 * c + 2 + r] = f32x2_to_bf16x2(p[2], p[3])
+            chunk_sums[c] = (p[0] + p[1]) + (p[2] + p[3])
+        lsum[r] = cuda.fma(lsum[r], corr[r], (chunk_sums[0] + chunk_sums[1]) + (chunk_sums[2] + chunk_sums[3]))
+        m[r] = m_new
+
+    return softmax_row
+
+
+@cuda.jit(device=True, inline=True)
+def first_query_row(query_lens, seq):
+    """``q``'s row of sequence ``seq``'s query 0: the queries of the sequences before it."""
+    first_row = 0
+    for s in range(seq):
+        first_row += query_lens[s]
+    return first_row
+
+
+@cuda.jit(device=True, inline=True)
+def start_state(m, lsum, corr, v_max, pow_, acc):
+    """A warp's state before its walk: no max (``-inf``), sums 0, factors 1, no V scale (power 1), ``acc`` 0."""
+    for r in range(2):
+        m[r] = float32(-math.inf)
+        lsum[r] = float32(0)
+        corr[r] = float32(1)
+    v_max[0], pow_[0] = float32(0), float32(1)
+    for i in range(acc.shape[0]):
+        acc[i] = float32(0)
+
+
+@cuda.jit(device=True, inline=True)
+def warp_score_index(c, r, u):
+    """``prefill_mma``'s scores: ``8 c + 4 r + u`` (chunk ``c``'s two n tiles, row ``g + 8 r``)."""
+    return 8 * c + 4 * r + u
+
+
 def walk_functions(group: int, bf16_cache: bool, warps: int = WARPS):
     """The device functions a flash-prefill CTA walks its keys with, for ``group`` query heads per kv head and the cache
     format (head size ``HEAD_DIM``, the shared-memory layout of ``stage_layout``): ``(query_registers, row_limits,
@@ -404,50 +482,13 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
                     scores[8 * c + 4 + 2 * half] = c2
                     scores[8 * c + 4 + 2 * half + 1] = c3
 
+        softmax_step = softmax_row_function(masked, FP8, warp_score_index)
+
         @cuda.jit(device=True, inline=True)
         def softmax_row(r, args):
-            """One tile's online-softmax step of row ``g + 8 r``: the scores (``-inf`` where the key does not count:
-            past the warp's ``end`` or after the row's position), the row max, ``corr``, ``p``, this lane's ``l``
-            (chunk sums, then ``(c_0 + c_1) + (c_2 + c_3)``); the weights ``p * (v_scale * inv)`` (``vsi``) as F16
-            (BF16) pairs into ``weights[4 c + r]`` (keys ``2t, 2t + 1``) and ``weights[4 c + 2 + r]`` (``8 + 2t, 9 +
-            2t``)."""
+            """``softmax_row_function``'s step of row ``g + 8 r`` (``args`` as ``unrolled`` passes them)."""
             scores, vsi, tile0, warp_end, limit, t, m, lsum, corr, weights = args
-            p = cuda.local.array(4, float32)
-            chunk_sums = cuda.local.array(CHUNKS, float32)
-            tile_max = float32(-math.inf)
-            for c in range(CHUNKS):
-                for u in range(4):
-                    i = 8 * c + 4 * r + u
-                    if masked:
-                        key = tile0 + TILE * c + 2 * t + (u & 1) + 8 * (u >> 1)
-                        if not (key < warp_end and key <= limit[r]):
-                            scores[i] = float32(-math.inf)
-                    tile_max = max_nan(tile_max, scores[i])
-            row_max = max_nan(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 1))  # over the row's 4 lanes
-            row_max = max_nan(row_max, cuda.shfl_xor_sync(FULL_MASK, row_max, 2))
-            m_new = max_nan(m[r], row_max)
-            corr[r] = float32(1) if m_new == m[r] else mathops.exp2_flush(m[r] - m_new)
-            for c in range(CHUNKS):
-                for u in range(4):
-                    if masked:
-                        key = tile0 + TILE * c + 2 * t + (u & 1) + 8 * (u >> 1)
-                        counts = key < warp_end and key <= limit[r]
-                        # selects, not branches (a branch around exp2 costs registers); no -inf - -inf computed
-                        difference = scores[8 * c + 4 * r + u] - m_new if counts else float32(0)
-                        p_u = mathops.exp2_flush(difference)
-                        p[u] = p_u if counts else float32(0)
-                    else:
-                        p[u] = mathops.exp2_flush(scores[8 * c + 4 * r + u] - m_new)
-                # the A registers of chunk c's P V: (row g, keys 2t, 2t + 1), (g + 8, ...), (g, 8 + 2t, 9 + 2t), ...
-                if FP8:
-                    weights[4 * c + r] = f32x2_to_f16x2(p[0] * vsi[4 * c], p[1] * vsi[4 * c + 1])
-                    weights[4 * c + 2 + r] = f32x2_to_f16x2(p[2] * vsi[4 * c + 2], p[3] * vsi[4 * c + 3])
-                else:
-                    weights[4 * c + r] = f32x2_to_bf16x2(p[0], p[1])
-                    weights[4 * c + 2 + r] = f32x2_to_bf16x2(p[2], p[3])
-                chunk_sums[c] = (p[0] + p[1]) + (p[2] + p[3])
-            lsum[r] = cuda.fma(lsum[r], corr[r], (chunk_sums[0] + chunk_sums[1]) + (chunk_sums[2] + chunk_sums[3]))
-            m[r] = m_new
+            softmax_step(r, scores, vsi, tile0, warp_end, limit, t, m, lsum, corr, weights)
 
         @cuda.jit(device=True, inline=True)
         def chunk_values(c, args):
@@ -560,9 +601,7 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         if cta_i0 >= query_len:  # no query of this sequence here (the whole CTA leaves; no barrier yet)
             return
         i0 = cta_i0 + warp * TOKENS
-        first_row = 0  # q's row of the sequence's query 0
-        for s in range(seq):
-            first_row += query_lens[s]
+        first_row = first_query_row(query_lens, seq)
         start = context_lens[seq] - query_len  # position of query 0
         cta_end = uint32(start + min(cta_i0 + WARPS * TOKENS, query_len))  # keys the CTA loads
         warp_end = uint32(start + min(i0 + TOKENS, query_len) if i0 < query_len else 0)  # keys this warp reads
@@ -587,13 +626,7 @@ def prefill_kernel_function(head_dim: int, group: int, bf16_out: bool = False, b
         vsi = cuda.local.array(LANE_KEYS, float32)
         weights = cuda.local.array(TILE_WEIGHT_WORDS, uint32)
         acc = cuda.local.array(ACC_SIZE, float32)
-        for r in range(2):
-            m[r] = float32(-math.inf)
-            lsum[r] = float32(0)
-            corr[r] = float32(1)
-        v_max[0], pow_[0] = float32(0), float32(1)
-        for i in range(ACC_SIZE):
-            acc[i] = float32(0)
+        start_state(m, lsum, corr, v_max, pow_, acc)
 
         tile, stage = uint32(0), uint32(0)  # stage = tile % STAGES
         while tile < tiles:

@@ -58,7 +58,6 @@ could not tell which group had finished and serialized every ``wgmma`` (C7514). 
 from __future__ import annotations
 
 import functools
-import math
 
 from numba import cuda, float32, types, uint32, uint64
 
@@ -71,7 +70,6 @@ from .bits import (
     e4m3x2_high_to_f16x2,
     e4m3x2_to_f16x2,
     f32_as_u32,
-    f32x2_to_f16x2,
     max_nan,
     prmt,
 )
@@ -81,9 +79,12 @@ from .prefill_mma import (
     HIGH_BYTES_OF_TWO,
     LOW_BYTES_OF_TWO,
     STAGES,
+    first_query_row,
     launch_prepared,
     prepared_call,
+    softmax_row_function,
     stage_layout,
+    start_state,
     walk_functions,
 )
 from .splitkv_mma import power_of_two_below
@@ -201,41 +202,7 @@ def prefill_kernel_function(group: int, bf16_out: bool = False, warpgroups: int 
         """The warp's online softmax of one tile, ``masked``: with the per-key checks of the walk's last tiles (keys
         past the warp's end, the causal mask per row, rows past the queries), or without."""
 
-        @cuda.jit(device=True, inline=True)
-        def softmax_row(r, scores, vsi, tile0, warp_end, limit, t, m, lsum, corr, weights):
-            """``prefill_mma``'s step of row ``g + 8 r`` over the scores in the ``m64n64`` accumulator's order."""
-            p = cuda.local.array(4, float32)
-            chunk_sums = cuda.local.array(CHUNKS, float32)
-            tile_max = float32(-math.inf)
-            for c in range(CHUNKS):
-                for u in range(4):
-                    i = score_index(c, r, u)
-                    if masked:
-                        key = tile0 + TILE * c + 2 * t + (u & 1) + 8 * (u >> 1)
-                        if not (key < warp_end and key <= limit[r]):
-                            scores[i] = float32(-math.inf)
-                    tile_max = max_nan(tile_max, scores[i])
-            row_max = max_nan(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 1))  # over the row's 4 lanes
-            row_max = max_nan(row_max, cuda.shfl_xor_sync(FULL_MASK, row_max, 2))
-            m_new = max_nan(m[r], row_max)
-            corr[r] = float32(1) if m_new == m[r] else mathops.exp2_flush(m[r] - m_new)
-            for c in range(CHUNKS):
-                for u in range(4):
-                    i = score_index(c, r, u)
-                    if masked:
-                        key = tile0 + TILE * c + 2 * t + (u & 1) + 8 * (u >> 1)
-                        counts = key < warp_end and key <= limit[r]
-                        difference = scores[i] - m_new if counts else float32(0)  # selects: no -inf - -inf
-                        p_u = mathops.exp2_flush(difference)
-                        p[u] = p_u if counts else float32(0)
-                    else:
-                        p[u] = mathops.exp2_flush(scores[i] - m_new)
-                # the A registers of chunk c's P V: (row g, keys 2t, 2t + 1), (g + 8, ...), (g, 8 + 2t, 9 + 2t), ...
-                weights[4 * c + r] = f32x2_to_f16x2(p[0] * vsi[4 * c], p[1] * vsi[4 * c + 1])
-                weights[4 * c + 2 + r] = f32x2_to_f16x2(p[2] * vsi[4 * c + 2], p[3] * vsi[4 * c + 3])
-                chunk_sums[c] = (p[0] + p[1]) + (p[2] + p[3])
-            lsum[r] = cuda.fma(lsum[r], corr[r], (chunk_sums[0] + chunk_sums[1]) + (chunk_sums[2] + chunk_sums[3]))
-            m[r] = m_new
+        softmax_row = softmax_row_function(masked, True, score_index)  # the warp kernel's step, in this order
 
         @cuda.jit(device=True, inline=True)
         def value_scales(smemf, kbase, tile0, warp_end, t, v_max, pow_, vsi):
@@ -349,9 +316,7 @@ def prefill_kernel_function(group: int, bf16_out: bool = False, warpgroups: int 
         if cta_i0 >= query_len:  # no query of this sequence here (the whole CTA leaves; no barrier yet)
             return
         i0 = cta_i0 + warp * TOKENS
-        first_row = 0  # q's row of the sequence's query 0
-        for s in range(seq):
-            first_row += query_lens[s]
+        first_row = first_query_row(query_lens, seq)
         start = context_lens[seq] - query_len  # position of query 0
         cta_end = uint32(start + min(cta_i0 + CTA_WARPS * TOKENS, query_len))  # keys the CTA loads
         warp_end = uint32(start + min(i0 + TOKENS, query_len) if i0 < query_len else 0)  # keys this warp counts
@@ -380,13 +345,7 @@ def prefill_kernel_function(group: int, bf16_out: bool = False, warpgroups: int 
         vsi = cuda.local.array(LANE_KEYS, float32)
         weights = cuda.local.array(WEIGHT_WORDS, uint32)
         acc = cuda.local.array(ACC_SIZE, float32)
-        for r in range(2):
-            m[r] = float32(-math.inf)
-            lsum[r] = float32(0)
-            corr[r] = float32(1)
-        v_max[0], pow_[0] = float32(0), float32(1)
-        for i in range(ACC_SIZE):
-            acc[i] = float32(0)
+        start_state(m, lsum, corr, v_max, pow_, acc)
 
         tile, stage = uint32(0), uint32(0)  # stage = tile % STAGES
         while tile < tiles:
