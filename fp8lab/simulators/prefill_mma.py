@@ -1,8 +1,9 @@
 """How tensor-core flash prefill attention over an FP8 or BF16 cache computes, modelled in vectorized NumPy.
 
 Models ``fp8lab.numba_kernels.prefill_mma`` (grid ``(query blocks, num_kv_heads, num_seqs)`` of 4-warp CTAs) bit
-for bit, and with ``shared_values`` (4 or 8 warps) the warpgroup kernel ``fp8lab.numba_kernels.prefill_wgmma`` (the same grid
-and order, its ``P V`` one ``wgmma`` for the CTA's four warps). Checked (``tests/simulators/test_prefill_mma.py``): against ``fp8lab.reference.attention.prefill`` over
+for bit, and with ``shared_values`` (4 or 8 warps) the warpgroup kernel ``fp8lab.numba_kernels.prefill_wgmma`` (the
+same grid and order, its ``P V`` one ``wgmma`` per warpgroup over the CTA's shared values). Checked
+(``tests/simulators/test_prefill_mma.py``): against ``fp8lab.reference.attention.prefill`` over
 ``fp8lab.reference.kv_cache.gather`` within ``fp8lab.simulators.splitkv_mma.error_bound`` per query (each query is a
 decode over its causal prefix, with the same roundings), and exactly against ``fp8lab.simulators.splitkv_mma``'s tile
 functions, which it reuses.
