@@ -9,7 +9,8 @@ split kernel and the combine per call, timed by CUDA-graph replay (``timing.grap
 600 MB pool of random K/V (``attention_plan.cache_pool``, a fresh block draw per replayed launch). Every run draws
 the same data (seeded), so two trees that compute the same bits print the same hashes; a row whose output is not
 finite says so. One line per case: ``LABEL | heads | batch | context | splits | us | finite | hash``. ``--quick``:
-the 8B heads at 1,024, 4,096, 16,384 tokens and batch 8 over 2,048 only.
+the 8B heads at 1,024, 4,096, 16,384 tokens and batch 8 over 2,048 only. ``--wider``: each case also at 1.5 times the
+``"auto"`` count (a third CTA per SM where the rule fills two), a second line.
 """
 
 from __future__ import annotations
@@ -29,10 +30,38 @@ QUICK_CASES = ((1, 1024), (1, 4096), (1, 16384), (8, 2048))
 HEAD_SHAPES = ((32, 8), (16, 8))
 
 
+def timed(kernel, q, k_words, v_words, k_scales, v_scales, tables, lens, scale_log2, num_kv_heads, splits, workspace,
+          out, graph_time_us):
+    """``(us, "finite" or "NOT FINITE", hash)`` of the split kernel and the combine at ``splits`` shards: the output
+    (NaN-poisoned first) of one launch over ``tables[0]``, then the graph-replayed time over all the tables."""
+    from numba import cuda
+
+    from fp8lab.numba_kernels import splitkv, splitkv_mma
+
+    batch = q.shape[0]
+    flat = workspace.reshape(workspace.size)
+
+    def launch(i, stream):
+        kernel[(batch, num_kv_heads, splits), splitkv_mma.THREADS, stream](
+            q, k_words, v_words, k_scales, v_scales, tables[i % COPIES], lens, scale_log2, num_kv_heads,
+            BLOCK_SIZE, splits, workspace, out)
+        if splits > 1:
+            splitkv._combine_kernel[(batch, q.shape[1]), HEAD_DIM, stream](flat, workspace.shape[2], splits, out)
+
+    out.copy_to_device(np.full(out.shape, np.nan, np.float32))  # poisoned: a row the kernel skips shows
+    launch(0, 0)
+    cuda.synchronize()
+    got = out.copy_to_host()
+    digest = hashlib.sha1(got.tobytes()).hexdigest()[:12]
+    us = graph_time_us(launch, reps=20, replays=9)
+    return us, "finite" if np.all(np.isfinite(got)) else "NOT FINITE", digest
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("label")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--wider", action="store_true")
     args = parser.parse_args(argv)
     import torch
     from numba import cuda
@@ -59,25 +88,12 @@ def main(argv=None) -> int:
             lens = cuda.to_device(lens_host)
             out = cuda.device_array((batch, num_heads, HEAD_DIM), np.float32)
             workspace = splitkv.decode_workspace(batch, num_heads, HEAD_DIM, 64)
-            flat = workspace.reshape(workspace.size)
-            splits = plan.choose_num_splits(batch, num_kv_heads, context, sms)
-
-            def launch(i, stream):
-                kernel[(batch, num_kv_heads, splits), splitkv_mma.THREADS, stream](
-                    q, k_words, v_words, k_scales, v_scales, tables[i % COPIES], lens, scale_log2, num_kv_heads,
-                    BLOCK_SIZE, splits, workspace, out)
-                if splits > 1:
-                    splitkv._combine_kernel[(batch, num_heads), HEAD_DIM, stream](flat, workspace.shape[2], splits, out)
-
-            out.copy_to_device(np.full(out.shape, np.nan, np.float32))  # poisoned: a row the kernel skips shows
-            launch(0, 0)
-            cuda.synchronize()
-            got = out.copy_to_host()
-            digest = hashlib.sha1(got.tobytes()).hexdigest()[:12]
-            us = graph_time_us(launch, reps=20, replays=9)
-            finite = "finite" if np.all(np.isfinite(got)) else "NOT FINITE"
-            print(f"{args.label} | {num_heads}/{num_kv_heads} | {batch} | {context} | {splits} | {us:.2f} | {finite} | "
-                  f"{digest}", flush=True)
+            auto = plan.choose_num_splits(batch, num_kv_heads, context, sms)
+            for splits in sorted({auto, auto * 3 // 2 if args.wider else auto}):
+                us, finite, digest = timed(kernel, q, k_words, v_words, k_scales, v_scales, tables, lens, scale_log2,
+                                           num_kv_heads, splits, workspace, out, graph_time_us)
+                print(f"{args.label} | {num_heads}/{num_kv_heads} | {batch} | {context} | {splits} | {us:.2f} | "
+                      f"{finite} | {digest}", flush=True)
     return 0
 
 
