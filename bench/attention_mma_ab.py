@@ -30,11 +30,12 @@ QUICK_CASES = ((1, 1024), (1, 4096), (1, 16384), (8, 2048))
 HEAD_SHAPES = ((32, 8), (16, 8))
 
 
-def timed(kernel, q, k_words, v_words, k_scales, v_scales, tables, lens, scale_log2, num_kv_heads, splits, workspace,
-          out, graph_time_us):
-    """``(us, "finite" or "NOT FINITE", hash)`` of the split kernel and the combine at ``splits`` shards: the output
-    (NaN-poisoned first) of one launch over ``tables[0]``, then the graph-replayed time over all the tables."""
+def timed(kernel, q, cache, tables, lens, scale_log2, num_kv_heads, splits, workspace, out):
+    """``(us, "finite" or "NOT FINITE", hash)`` of the split kernel and the combine at ``splits`` shards over ``cache``
+    (``k_words, v_words, k_scales, v_scales``): the output (NaN-poisoned first) of one launch over ``tables[0]``, then
+    the graph-replayed time over all the tables."""
     from numba import cuda
+    from timing import graph_time_us
 
     from fp8lab.numba_kernels import splitkv, splitkv_mma
 
@@ -43,8 +44,7 @@ def timed(kernel, q, k_words, v_words, k_scales, v_scales, tables, lens, scale_l
 
     def launch(i, stream):
         kernel[(batch, num_kv_heads, splits), splitkv_mma.THREADS, stream](
-            q, k_words, v_words, k_scales, v_scales, tables[i % COPIES], lens, scale_log2, num_kv_heads,
-            BLOCK_SIZE, splits, workspace, out)
+            q, *cache, tables[i % COPIES], lens, scale_log2, num_kv_heads, BLOCK_SIZE, splits, workspace, out)
         if splits > 1:
             splitkv._combine_kernel[(batch, q.shape[1]), HEAD_DIM, stream](flat, workspace.shape[2], splits, out)
 
@@ -65,7 +65,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
     from numba import cuda
-    from timing import graph_time_us
 
     # the tree first on the path: this one, or the baseline's
     from fp8lab.numba_kernels import splitkv, splitkv_mma
@@ -90,8 +89,8 @@ def main(argv=None) -> int:
             workspace = splitkv.decode_workspace(batch, num_heads, HEAD_DIM, 64)
             auto = plan.choose_num_splits(batch, num_kv_heads, context, sms)
             for splits in sorted({auto, auto * 3 // 2 if args.wider else auto}):
-                us, finite, digest = timed(kernel, q, k_words, v_words, k_scales, v_scales, tables, lens, scale_log2,
-                                           num_kv_heads, splits, workspace, out, graph_time_us)
+                us, finite, digest = timed(kernel, q, (k_words, v_words, k_scales, v_scales), tables, lens, scale_log2,
+                                           num_kv_heads, splits, workspace, out)
                 print(f"{args.label} | {num_heads}/{num_kv_heads} | {batch} | {context} | {splits} | {us:.2f} | "
                       f"{finite} | {digest}", flush=True)
     return 0
