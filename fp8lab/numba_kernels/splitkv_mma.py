@@ -18,7 +18,8 @@ next two tiles in flight during its current tile's arithmetic (one for groups of
 need the registers; a warp alone waits for each tile's loads: 1.3 us a tile, and one tile ahead left the kernel at
 about a quarter of the copy bandwidth at 16,384 tokens); the block
 table is read 32 tiles at a time, one entry per lane, and passed round by ``shfl``. At the end the warps' states
-meet in shared memory and the CTA merges them in warp order (``splitkv.merge_weight``, the merge of the shards).
+meet in shared memory (rows padded so that a warp's stores meet 32 banks: ``stash_offset``) and the CTA merges them in
+warp order (``splitkv.merge_weight``, the merge of the shards).
 
 Measured (``bench/attention_mma.py``, ``bench/RESULTS.md``, H200): against the SIMT kernel, both with their best
 split counts, 1.0 times its time at batch 1 and 512 tokens, 1.2 at batches 4 to 16, 1.3 at 16,384 tokens and
@@ -103,6 +104,24 @@ from .warp import FULL_MASK, WARP_SIZE, load_u32x4, load_u32x4_coherent
 THREADS = WARPS * WARP_SIZE
 EXPONENT_BITS = uint32(0x7F800000)
 INVERSE_EXPONENT_BITS = uint32(254 << 23)
+
+
+@cuda.jit(device=True, inline=True)
+def stash_offset(warp, row, d, group, head_dim):
+    """Where element ``d`` of query row ``row`` of warp ``warp``'s partial sits in the split kernel's shared ``stash``:
+    rows of ``head_dim`` elements with one unused word after every 32 (``stash_size`` per CTA).
+
+    Why the padding: a warp stores its partial with lane ``(g, t)`` writing element ``(D/8)(2t + e) + s`` of row ``g``
+    (``e``, ``s`` the same in every lane), ``32 t + 16 e + s`` at ``D = 128``. Unpadded, every lane of such a store
+    meets one bank (rows and ``32 t`` both a multiple of 32 words apart); padded, lane ``(g, t)`` meets bank ``4 g + t``
+    plus a constant, 32 different ones. The merge reads 32 consecutive elements, consecutive words still
+    (``tests/numba_kernels/test_splitkv_mma_kernel.py`` checks both through ``stash_offset.py_func``)."""
+    return (warp * group + row) * (head_dim + head_dim // 32) + d + d // 32
+
+
+def stash_size(group: int, head_dim: int) -> int:
+    """The words of the split kernel's ``stash`` (``stash_offset``): ``WARPS * group`` padded rows."""
+    return WARPS * group * (head_dim + head_dim // 32)
 
 
 @cuda.jit(device=True, inline=True)
@@ -302,6 +321,7 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
     ROWS = 2 if WIDE else 1  # accumulator rows g (and g + 8) a lane works on
     AHEAD = 1 if WIDE else 2  # tiles a warp has loading while it computes one (a wide group has no registers for 2)
     QUERY_WORDS, ACC_SIZE = 4 * STEPS, 4 * NTILES  # local array sizes must be plain constants
+    STASH_SIZE = stash_size(G, D)  # the warps' partials in shared memory, padded (stash_offset)
     KEY_WORDS, VALUE_WORDS = 2 * K_WORDS, 4 * V_WORDS
     store = output_store(bf16_out)
     # a CTA that writes the new token reads it back: the coherent load (the non-coherent path may hold a stale line)
@@ -315,13 +335,18 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
                                                      tiles_of.attend_tile)
 
     @cuda.jit(device=True, inline=True)
+    def stash_index(warp, row, d):
+        """``stash_offset`` for this kernel's group and head size."""
+        return stash_offset(warp, row, d, G, D)
+
+    @cuda.jit(device=True, inline=True)
     def stash_word(w, args):
         """Row ``r``'s elements of n tiles ``4 w .. 4 w + 3`` of this warp's ``acc`` into the CTA's shared ``stash``."""
         stash, warp, row, t, r, acc = args
         for k in range(4):
             for e in range(2):
                 s = 4 * w + k
-                stash[warp, row, (D // 8) * (2 * t + e) + s] = acc[4 * s + 2 * r + e]
+                stash[stash_index(warp, row, (D // 8) * (2 * t + e) + s)] = acc[4 * s + 2 * r + e]
 
     @cuda.jit(device=True, inline=True)
     def finish_row(r, args):
@@ -420,26 +445,30 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
 
             attend_tile(qa, kw, vw, k_scale, v_scale, valid, m, lsum, corr, p, scores,
                         weights, acc)
+            # The moves of the tile after the next read registers whose loads went out at this step's start. ptxas
+            # would schedule them into this tile's arithmetic, where the warp then waits for those loads; OR-ing in
+            # `late` (0: `end` is below 2^31) ties them to this tile's last result, after the arithmetic.
+            late = f32_as_u32(acc[ACC_SIZE - 3]) & (uint32(end) >> uint32(31))
             for i in range(KEY_WORDS):  # the next tile becomes this one, the one after the next (register moves)
                 kw[i] = next_kw[i]
                 if AHEAD == 2:
-                    next_kw[i] = after_kw[i]
+                    next_kw[i] = after_kw[i] | late
             for i in range(VALUE_WORDS):
                 vw[i] = next_vw[i]
                 if AHEAD == 2:
-                    next_vw[i] = after_vw[i]
+                    next_vw[i] = after_vw[i] | late
             for u in range(4):
                 k_scale[u] = next_k_scale[u]
                 v_scale[u] = next_v_scale[u]
                 valid[u] = next_valid[u]
                 if AHEAD == 2:
-                    next_k_scale[u] = after_k_scale[u]
-                    next_v_scale[u] = after_v_scale[u]
-                    next_valid[u] = after_valid[u]
+                    next_k_scale[u] = u32_as_f32(f32_as_u32(after_k_scale[u]) | late)
+                    next_v_scale[u] = u32_as_f32(f32_as_u32(after_v_scale[u]) | late)
+                    next_valid[u] = after_valid[u] | types.int32(late)
 
         stash_m = cuda.shared.array((WARPS, G), float32)
         stash_l = cuda.shared.array((WARPS, G), float32)
-        stash = cuda.shared.array((WARPS, G, D), float32)
+        stash = cuda.shared.array(STASH_SIZE, float32)
         finish_rows((stash_m, stash_l, stash, warp, g, t, m, lsum, acc))
         cuda.syncthreads()
 
@@ -454,7 +483,7 @@ def split_kernel_function(head_dim: int, group: int, bf16_out: bool = False, wit
             for w in range(WARPS):
                 weight = merge_weight(stash_m[w, row], m_star)
                 l_sum = cuda.fma(weight, stash_l[w, row], l_sum)
-                acc_sum = cuda.fma(weight, stash[w, row, d], acc_sum)
+                acc_sum = cuda.fma(weight, stash[stash_index(w, row, d)], acc_sum)
             head = head0 + row
             if num_splits == 1:
                 store(out, seq, head, d, normalized(acc_sum, l_sum))

@@ -132,6 +132,31 @@ def test_a_bf16_cache_and_a_small_workspace_are_refused():
                                      np.zeros(data.q.shape, np.float32))
 
 
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+def test_the_warps_partials_meet_32_banks_and_fit_48_kb(group):
+    """``stash_offset``: each slot once, inside ``stash_size``; a warp's store of its partial (lane ``(g, t)``,
+    element ``(D/8)(2t + e) + s`` of row ``g + 8 r``) in 32 different banks when 32 lanes store, and the merge's 32
+    consecutive elements in consecutive words; with the largest group's queries, within 48 KB of static shared
+    memory (the with-input kernel's ``q_rows`` and ``stage`` beside it)."""
+    offset, d_model = splitkv_mma.stash_offset.py_func, model.HEAD_DIMS[0]
+    slots = [offset(w, row, d, group, d_model) for w in range(splitkv_mma.WARPS) for row in range(group)
+             for d in range(d_model)]
+    assert len(set(slots)) == len(slots) and max(slots) < splitkv_mma.stash_size(group, d_model)
+    for w in range(splitkv_mma.WARPS):
+        for r in range(2):
+            for e in range(2):
+                for s in range(d_model // 8):
+                    banks = [offset(w, g + 8 * r, (d_model // 8) * (2 * t + e) + s, group, d_model) % 32
+                             for g in range(8) for t in range(4) if g + 8 * r < group]
+                    assert len(set(banks)) == len(banks)
+        for row in range(group):
+            for first in range(0, d_model, 32):
+                words = [offset(w, row, first + i, group, d_model) for i in range(32)]
+                assert words == list(range(words[0], words[0] + 32))
+    shared_bytes = 4 * (splitkv_mma.stash_size(group, d_model) + 2 * splitkv_mma.WARPS * group + group * d_model + d_model)
+    assert shared_bytes <= 48 * 1024
+
+
 # ---------------------------------------------------------------------------- with the attention input
 
 
