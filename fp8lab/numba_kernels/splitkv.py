@@ -511,20 +511,23 @@ def split_kernel_function(cache_format: str, head_dim: int, heads: int, tokens_i
 
 MAX_SPLITS = 256
 """The most shards a call may ask for (it bounds the workspace; the combine itself has no limit)."""
-COMBINE_SHARDS_PER_PASS = 16
-"""Shards whose partials a combine thread holds in registers at once (one round trip to the L2 for up to 16)."""
+COMBINE_SHARDS_PER_PASS = 32
+"""Shards whose partials a combine thread holds in registers at once: one round trip to the L2 for up to 32 (the
+tensor-core decode's split rule picks at most 32)."""
 
 
 @cuda.jit(device=True, inline=True)
 def load_partials(parts, first_row, row_words, d, head_dim, first, num_splits, m, l, acc):
-    """Shards ``first ... first + 16`` (those below ``num_splits``) of one (sequence, head): their ``m``, ``l``
-    and element ``d`` of their ``acc`` into ``m``, ``l``, ``acc`` (registers), all loads issued together."""
+    """Shards ``first ... first + 32`` (those below ``num_splits``) of one (sequence, head): their ``m``, ``l``
+    and element ``d`` of their ``acc`` into ``m``, ``l``, ``acc`` (registers), all loads issued together.
+    ``first_row``, ``row_words``, ``d`` and ``head_dim`` are uint64: unsigned indices need no negative-index
+    wraparound, which took about 40 instructions a shard in signed 64-bit."""
     for i in range(COMBINE_SHARDS_PER_PASS):
         if first + i < num_splits:
-            at = (first_row + first + i) * row_words
+            at = (first_row + uint64(first + i)) * row_words
             acc[i] = parts[at + d]
             m[i] = parts[at + head_dim]
-            l[i] = parts[at + head_dim + 1]
+            l[i] = parts[at + head_dim + uint64(1)]
 
 
 def combine_kernel_function(bf16_out: bool = False):
@@ -539,20 +542,20 @@ def combine_kernel_function(bf16_out: bool = False):
         ``out``: float32, or with ``bf16_out`` uint16 BF16 bits (``store_bf16``).
 
         The work is a few hundred instructions per thread, so the time is latency: every thread loads
-        the ``m``, ``l`` and its ``acc`` element of 16 shards at once (one round trip to the L2 for the
+        the ``m``, ``l`` and its ``acc`` element of 32 shards at once (one round trip to the L2 for the
         usual split counts), takes ``m* = max m`` over all shards in registers, computes every weight
         ``exp2(m_s - m*)`` itself (no shared memory and no barrier: the same few exponentials in each
         thread cost less than a barrier's wait), then runs the ``l`` and ``acc`` fma chains in shard
-        order. More than 16 shards take further passes of 16 (their ``m`` first, for ``m*``).
+        order. More than 32 shards take further passes of 32 (their ``m`` first, for ``m*``).
         """
         pdl.prologue()  # griddepcontrol: wait for the previous kernel, then let the next one launch
         seq = cuda.blockIdx.x
         head = cuda.blockIdx.y
-        d = cuda.threadIdx.x
+        d = uint64(cuda.threadIdx.x)
         num_heads = out.shape[1]
-        head_dim = out.shape[2]
-        row_words = head_dim + 2
-        first_row = (seq * num_heads + head) * max_splits
+        head_dim = uint64(out.shape[2])
+        row_words = head_dim + uint64(2)
+        first_row = (uint64(seq) * uint64(num_heads) + uint64(head)) * uint64(max_splits)
         m = cuda.local.array(COMBINE_SHARDS_PER_PASS, float32)
         l = cuda.local.array(COMBINE_SHARDS_PER_PASS, float32)
         acc = cuda.local.array(COMBINE_SHARDS_PER_PASS, float32)
@@ -561,8 +564,8 @@ def combine_kernel_function(bf16_out: bool = False):
         for i in range(1, COMBINE_SHARDS_PER_PASS):
             if i < num_splits:
                 m_star = mathops.nan_max(m_star, m[i])
-        for s in range(COMBINE_SHARDS_PER_PASS, num_splits):  # more than 16 shards: the rest of the max
-            m_star = mathops.nan_max(m_star, parts[(first_row + s) * row_words + head_dim])
+        for s in range(COMBINE_SHARDS_PER_PASS, num_splits):  # more than 32 shards: the rest of the max
+            m_star = mathops.nan_max(m_star, parts[(first_row + uint64(s)) * row_words + head_dim])
         l_sum = float32(0)
         acc_sum = float32(0)
         for first in range(0, num_splits, COMBINE_SHARDS_PER_PASS):

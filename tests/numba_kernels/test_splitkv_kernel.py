@@ -173,10 +173,10 @@ def test_auto_splits_are_bit_exact(rng):
 
 
 @pytest.mark.cudasim
-@pytest.mark.parametrize("num_splits", [2, 5, 16, 17, 40])
+@pytest.mark.parametrize("num_splits", [2, 5, 16, 17, 32, 33, 70])
 def test_combine_kernel_is_the_simulators_combine(rng, num_splits):
     """The combine kernel alone on random partials, bit for bit ``fp8lab.simulators.splitkv.combine_partials``:
-    up to 40 shards (more than the 16 a thread holds at once), empty shards (the neutral element) among them,
+    up to 70 shards (more than twice the 32 a thread holds at once), empty shards (the neutral element) among them,
     a sequence whose shards are all empty (a zero row), in a workspace with more shard rows than the call uses
     (NaN-poisoned: a combine that read them would fail)."""
     num_seqs, num_heads, head_dim, max_splits = 3, 2, 32, num_splits + 3
