@@ -10,7 +10,9 @@ split kernel and the combine per call, timed by CUDA-graph replay (``timing.grap
 the same data (seeded), so two trees that compute the same bits print the same hashes; a row whose output is not
 finite says so. One line per case: ``LABEL | heads | batch | context | splits | us | finite | hash``. ``--quick``:
 the 8B heads at 1,024, 4,096, 16,384 tokens and batch 8 over 2,048 only. ``--wider``: each case also at 1.5 times the
-``"auto"`` count (a third CTA per SM where the rule fills two), a second line.
+``"auto"`` count (a third CTA per SM where the rule fills two), a second line. ``--sdpa``: after each batch-1 case,
+torch's BF16 ``scaled_dot_product_attention`` over the same shape (``attention_mma.sdpa_time_us``) and our time over
+it, issue 16's "no slower than SDPA at 16k" in the same run: ``LABEL | heads | 1 | context | sdpa | us | ratio``.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def main(argv=None) -> int:
     parser.add_argument("label")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--wider", action="store_true")
+    parser.add_argument("--sdpa", action="store_true")
     args = parser.parse_args(argv)
     import torch
     from numba import cuda
@@ -93,6 +96,12 @@ def main(argv=None) -> int:
                                            num_kv_heads, splits, workspace, out)
                 print(f"{args.label} | {num_heads}/{num_kv_heads} | {batch} | {context} | {splits} | {us:.2f} | "
                       f"{finite} | {digest}", flush=True)
+            if args.sdpa and batch == 1:
+                from attention_mma import sdpa_time_us
+
+                sdpa_us = sdpa_time_us(torch, num_heads, num_kv_heads, context)
+                print(f"{args.label} | {num_heads}/{num_kv_heads} | 1 | {context} | sdpa | {sdpa_us:.2f} | "
+                      f"ours / sdpa {us / sdpa_us:.3f}", flush=True)
     return 0
 
 
