@@ -472,6 +472,10 @@ class _Cluster:
 
 _cluster_launch: dict | None = None  # {"dims": (cx, cy, cz), "clusters": {index: _Cluster}} inside clusters()
 _cluster_lock = threading.Lock()
+# Each CTA's cluster and rank, by its block manager, bound when the CTA starts. A thread finds its cluster here, never
+# through ``_cluster_launch``: a thread a failed launch left running (aborted threads are not joined, as numba-cuda
+# does) would otherwise find the next launch's cluster of the same index and arrive at its barrier.
+_cluster_of_manager: "weakref.WeakKeyDictionary[object, tuple[_Cluster, int]]" = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -496,8 +500,8 @@ def clusters(dims: tuple[int, int, int]):
 
 
 def in_cluster_launch() -> bool:
-    """Whether a launch inside ``clusters()`` is running."""
-    return _cluster_launch is not None
+    """Whether the calling simulated thread runs in a CTA of a cluster launch."""
+    return _cluster_entry() is not None
 
 
 def _cluster_of(block_idx) -> tuple[_Cluster, int]:
@@ -510,10 +514,18 @@ def _cluster_of(block_idx) -> tuple[_Cluster, int]:
     return cluster, rank
 
 
+def _cluster_entry() -> tuple[_Cluster, int] | None:
+    """The calling simulated thread's cluster and its CTA's rank; None outside a CTA started in a cluster."""
+    manager = getattr(threading.current_thread(), "_manager", None)
+    with _cluster_lock:
+        return None if manager is None else _cluster_of_manager.get(manager)
+
+
 def _current_cluster() -> tuple[_Cluster, int]:
-    if _cluster_launch is None:
+    entry = _cluster_entry()
+    if entry is None:
         raise RuntimeError("cluster functions can only be called in a kernel launched by cluster.launch")
-    return _cluster_of(_current_thread().blockIdx)
+    return entry
 
 
 def _start_in_cluster(manager, grid_point, args) -> None:
@@ -521,7 +533,7 @@ def _start_in_cluster(manager, grid_point, args) -> None:
     and raise the first error. (The simulator's launch loop starts the CTAs one after the other.)"""
     from numba.cuda.simulator.kernel import Dim3
 
-    cluster, _ = _cluster_of(Dim3(*grid_point))
+    cluster, rank = _cluster_of(Dim3(*grid_point))
 
     def run():
         try:
@@ -534,6 +546,7 @@ def _start_in_cluster(manager, grid_point, args) -> None:
 
     runner = threading.Thread(target=run, daemon=True)
     with _cluster_lock:
+        _cluster_of_manager[manager] = (cluster, rank)
         cluster.managers.append(manager)
         cluster.runners.append(runner)
         complete = len(cluster.runners) == cluster.size
@@ -561,6 +574,8 @@ def cluster_sync() -> None:
     thread = _current_thread()
     cluster, _ = _current_cluster()
     with cluster.condition:
+        if getattr(thread, "abort", False) or cluster.failed:  # an aborted thread must not count as an arrival
+            raise RuntimeError("cluster_sync: aborted because another simulated thread failed")
         generation = cluster.generation
         cluster.arrived += 1
         if len(cluster.managers) == cluster.size and cluster.arrived == cluster.threads():
@@ -614,14 +629,15 @@ def allocate_shared(shared, shape, dtype, site: tuple):
 
     dtype = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)
     count = shared._dynshared_size // dtype.itemsize
-    if _cluster_launch is None or not hasattr(threading.current_thread(), "blockIdx"):  # numba-cuda's rule
+    entry = _cluster_entry()
+    if entry is None:  # numba-cuda's rule
         if shape == 0:  # dynamic shared memory: one buffer, every such array a view of it
             return np.frombuffer(shared._dynshared.data, dtype=dtype, count=count)
         array = shared._allocations.get(site)
         if array is None:
             array = shared._allocations[site] = np.empty(shape, dtype)
         return array
-    cluster, rank = _current_cluster()
+    cluster, rank = entry
     with _cluster_lock:
         allocations = cluster.shared[rank]
         if shape == 0:  # this CTA's dynamic buffer; remote_shared finds the view of a dtype by ("dynamic", dtype)

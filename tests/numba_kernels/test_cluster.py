@@ -7,6 +7,8 @@ is undefined on a GPU (a thread that leaves before a cluster barrier; a remote r
 must be an error in the simulator.
 """
 
+import threading
+
 import numpy as np
 import pytest
 from numba import cuda, float32, uint32
@@ -141,6 +143,54 @@ def test_the_simulator_reports_cluster_misuse(kernel, message):
     out = np.zeros((2, THREADS), np.float32)
     with pytest.raises(RuntimeError, match=message):
         cluster.launch(kernel, 2, THREADS, 2, 0, out)
+
+
+# A thread that a failed launch leaves running (the simulator aborts a failed CTA's threads without joining them) and
+# that reaches a cluster barrier only while the next launch runs. Simulator-only: the kernels call Python here.
+_PARKED = threading.Event()
+_PARKED_THREAD = {}
+
+
+@cuda.jit
+def leaves_early_with_a_parked_thread(out):
+    if cluster.rank() == 1 and cuda.threadIdx.x == 0:
+        return  # the deadlock that fails this launch
+    if cluster.rank() == 0 and cuda.threadIdx.x == 0:
+        _PARKED_THREAD["thread"] = threading.current_thread()
+        _PARKED.wait(60)  # outlives the launch
+    cluster.sync()
+    out[cuda.blockIdx.x, cuda.threadIdx.x] = float32(1)
+
+
+@cuda.jit
+def exchange_after_releasing_the_parked_thread(values, out):
+    """``exchange_dynamic``, except that thread 0 of rank 0 first lets the parked thread reach its cluster barrier."""
+    stage = cuda.shared.array(0, float32)
+    t = cuda.threadIdx.x
+    rank = cluster.rank()
+    stage[t] = values[rank, t]
+    if rank == 0 and t == 0:
+        _PARKED.set()
+        _PARKED_THREAD["thread"].join(60)
+    cluster.sync()
+    out[cuda.blockIdx.x, t] = cluster.load_f32(stage, t, uint32((rank + 1) % values.shape[0]))
+    cluster.sync()
+
+
+@pytest.mark.cudasim
+def test_a_thread_left_by_a_failed_launch_never_arrives_at_the_next_launchs_barrier(rng):
+    if not SIMULATOR:
+        pytest.skip("the simulator's emulation (NUMBA_ENABLE_CUDASIM=1)")
+    _PARKED.clear()
+    with pytest.raises(RuntimeError, match="exited without arriving"):
+        cluster.launch(leaves_early_with_a_parked_thread, 2, THREADS, 2, 0, np.zeros((2, THREADS), np.float32))
+    assert _PARKED_THREAD["thread"].is_alive()
+    values = rng.standard_normal((2, THREADS)).astype(np.float32)
+    out = np.full((2, THREADS), np.nan, np.float32)
+    cluster.launch(exchange_after_releasing_the_parked_thread, 2, THREADS, 2, 0, values, out,
+                   shared_bytes=4 * THREADS)
+    np.testing.assert_array_equal(out, values[[1, 0]])
+    assert not _PARKED_THREAD["thread"].is_alive()
 
 
 @pytest.mark.parametrize("grid, cluster_dims, message", [(6, 4, "does not divide"), (32, 32, "not 1 to 16"),
