@@ -21,7 +21,9 @@ And thread-block clusters (``fp8lab.numba_kernels.cluster``), which the simulato
 ``clusters(dims)`` a launch runs the CTAs of each cluster at once, each with shared memory of its own, and
 ``cluster_rank``, ``cluster_sync`` and ``remote_shared`` give a CTA its rank, the cluster barrier and another CTA's
 shared array. A thread of the cluster that exits without reaching a cluster barrier the others wait at is a
-``RuntimeError`` (a deadlock on the GPU).
+``RuntimeError``: ``cluster.sync`` needs every thread of the cluster. (The hardware's barrier waits only for threads
+that have not exited, but its ``.aligned`` form, which ``cluster.sync`` uses, is undefined when a warp's threads do
+not all execute it.)
 
 How a collective works here: each lane named in ``mask`` deposits its value in a rendezvous
 keyed by ``(warp, mask, n)``, where ``n`` counts that lane's earlier collectives with the same
@@ -592,7 +594,7 @@ def cluster_sync() -> None:
                 raise RuntimeError("cluster_sync: aborted because another simulated thread failed")
             waited = time.monotonic() - started
             if waited > 1.0 and len(cluster.managers) == cluster.size and _exited_thread_in(cluster):
-                raise RuntimeError("cluster_sync: a thread of the cluster exited without arriving (a deadlock on the GPU)")
+                raise RuntimeError("cluster_sync: a thread of the cluster exited without arriving (it needs them all)")
             if waited > TIMEOUT_S:
                 raise RuntimeError(f"cluster_sync: threads of the cluster did not arrive within {TIMEOUT_S} s")
 

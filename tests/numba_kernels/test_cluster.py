@@ -118,7 +118,7 @@ def leaves_early(out):
     stage = cuda.shared.array(THREADS, float32)
     stage[cuda.threadIdx.x] = float32(1)
     if cluster.rank() == 1 and cuda.threadIdx.x == 0:
-        return  # never reaches the barrier the others wait at: a deadlock on a GPU
+        return  # skips the barrier the others wait at (undefined on a GPU: a lane skips an .aligned barrier)
     cluster.sync()
     out[cuda.blockIdx.x, cuda.threadIdx.x] = cluster.load_f32(stage, cuda.threadIdx.x, uint32(0))
 
@@ -154,7 +154,7 @@ _PARKED_THREAD = {}
 @cuda.jit
 def leaves_early_with_a_parked_thread(out):
     if cluster.rank() == 1 and cuda.threadIdx.x == 0:
-        return  # the deadlock that fails this launch
+        return  # skips the cluster barrier: the error that fails this launch
     if cluster.rank() == 0 and cuda.threadIdx.x == 0:
         _PARKED_THREAD["thread"] = threading.current_thread()
         _PARKED.wait(60)  # outlives the launch
