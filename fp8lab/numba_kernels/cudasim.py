@@ -61,6 +61,7 @@ from .warp import FULL_MASK, WARP_SIZE
 TIMEOUT_S = 300.0  # generous: a loaded 2-core CI machine can stall simulated threads for many seconds
 _POLL_S = 0.01  # how often a lane waiting in a collective checks for a deadlock (it is woken when the collective completes)
 MANAGER_POLL_S = 0.0005  # how often the block manager looks at its threads (see _run_block)
+ABORT_JOIN_S = 10.0  # how long a failed block waits for its aborted threads to end (see _join_aborted)
 
 
 _NOT_YET = object()
@@ -353,9 +354,10 @@ def _run_block(self, grid_point, *args):
 def _run_block_loop(self, grid_point, args):
     """numba-cuda 0.30's ``BlockManager.run``, step for step: start every thread of the block; whenever every
     live thread waits at ``syncthreads``, release them all (one by one, as ``_check_missing_lanes`` expects);
-    on a thread's exception, abort the others and raise it. The one change: where a look at the threads
-    finds nothing to do, the manager sleeps ``MANAGER_POLL_S`` before the next look, instead of spinning
-    and taking the GIL from the threads it waits for."""
+    on a thread's exception, abort the others and raise it. Two changes: where a look at the threads finds
+    nothing to do, the manager sleeps ``MANAGER_POLL_S`` before the next look, instead of spinning and taking
+    the GIL from the threads it waits for; and a failed block waits for its aborted threads to end
+    (``_join_aborted``) before it raises."""
     from numba.cuda.simulator.kernel import BlockThread
 
     threads, livethreads, blockedthreads = set(), set(), set()
@@ -373,10 +375,11 @@ def _run_block_loop(self, grid_point, args):
             if t.syncthreads_blocked:
                 blockedthreads.add(t)
             elif t.exception:
-                for t_other in threads:  # abort every other thread; not joined (as numba-cuda does)
+                for t_other in threads:  # abort every other thread
                     t_other.abort = True
                     t_other.syncthreads_blocked = False
                     t_other.syncthreads_event.set()
+                _join_aborted(threads)
                 raise t.exception[0].with_traceback(t.exception[1])
         released = livethreads == blockedthreads
         if released:
@@ -390,6 +393,15 @@ def _run_block_loop(self, grid_point, args):
     for t in threads:  # an exception set just before its thread finished
         if t.exception:
             raise t.exception[0].with_traceback(t.exception[1])
+
+
+def _join_aborted(threads) -> None:
+    """Wait, ``ABORT_JOIN_S`` at most in all, for a failed block's aborted threads to end. Each raises at its next
+    barrier or collective, or finishes its kernel. (numba-cuda does not wait: a thread it left running went on
+    writing into the next launch's state, e.g. the accesses a later ``racecheck`` session counts.)"""
+    deadline = time.monotonic() + ABORT_JOIN_S
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _block_manager_is_numba_cudas(kernel) -> bool:

@@ -145,7 +145,7 @@ def test_the_simulator_reports_cluster_misuse(kernel, message):
         cluster.launch(kernel, 2, THREADS, 2, 0, out)
 
 
-# A thread that a failed launch leaves running (the simulator aborts a failed CTA's threads without joining them) and
+# A thread that a failed launch leaves running (a failed CTA waits ABORT_JOIN_S at most for its aborted threads) and
 # that reaches a cluster barrier only while the next launch runs. Simulator-only: the kernels call Python here.
 _PARKED = threading.Event()
 _PARKED_THREAD = {}
@@ -178,9 +178,12 @@ def exchange_after_releasing_the_parked_thread(values, out):
 
 
 @pytest.mark.cudasim
-def test_a_thread_left_by_a_failed_launch_never_arrives_at_the_next_launchs_barrier(rng):
+def test_a_thread_left_by_a_failed_launch_never_arrives_at_the_next_launchs_barrier(rng, monkeypatch):
     if not SIMULATOR:
         pytest.skip("the simulator's emulation (NUMBA_ENABLE_CUDASIM=1)")
+    from fp8lab.numba_kernels import cudasim
+
+    monkeypatch.setattr(cudasim, "ABORT_JOIN_S", 0.1)  # the parked thread outlives its launch
     _PARKED.clear()
     with pytest.raises(RuntimeError, match="exited without arriving"):
         cluster.launch(leaves_early_with_a_parked_thread, 2, THREADS, 2, 0, np.zeros((2, THREADS), np.float32))

@@ -4,6 +4,9 @@ Each intrinsic is checked against what CUDA specifies, computed here with NumPy;
 would hang or be undefined on a GPU must raise a clear error in the simulator.
 """
 
+import threading
+import time
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -316,6 +319,30 @@ def test_the_block_manager_polls_and_keeps_the_simulators_semantics():
     assert np.array_equal(out, np.tile(2 * x, (3, 1)))
     with pytest.raises(IndexError, match=r"tid=\[37, 0, 0\] ctaid=\[0, 0, 0\]"):
         fails_in_one_lane[1, 64](np.zeros(64, np.int64))
+
+
+_SLOW_LANES = []  # the threads of slow_lane_beside_a_failing_one (the simulator runs the kernel as Python)
+
+
+@cuda.jit
+def slow_lane_beside_a_failing_one(out):
+    if cuda.threadIdx.x == 1:
+        _SLOW_LANES.append(threading.current_thread())
+        time.sleep(0.3)  # still running when lane 0 fails
+        _SLOW_LANES.append("finished")
+    if cuda.threadIdx.x == 0:
+        out[1000] = 1  # out of bounds
+
+
+def test_a_failed_block_ends_its_threads_before_it_raises():
+    """Regression: the block manager raised a thread's exception with the block's other threads still running
+    (numba-cuda does not wait for them): they went on writing into the next launch's state (a later racecheck
+    session counted their accesses)."""
+    _SLOW_LANES.clear()
+    out = np.zeros(64, np.int64)
+    with pytest.raises(IndexError, match=r"tid=\[0, 0, 0\]"):
+        slow_lane_beside_a_failing_one[1, 32](out)
+    assert _SLOW_LANES[1:] == ["finished"] and not _SLOW_LANES[0].is_alive()
 
 
 def test_finished_blocks_are_not_kept_alive():
