@@ -487,8 +487,8 @@ class _Cluster:
 _cluster_launch: dict | None = None  # {"dims": (cx, cy, cz), "clusters": {index: _Cluster}} inside clusters()
 _cluster_lock = threading.Lock()
 # Each CTA's cluster and rank, by its block manager, bound when the CTA starts. A thread finds its cluster here, never
-# through ``_cluster_launch``: a thread a failed launch left running (aborted threads are not joined, as numba-cuda
-# does) would otherwise find the next launch's cluster of the same index and arrive at its barrier.
+# through ``_cluster_launch``: a thread a failed launch left running (a failed block waits ``ABORT_JOIN_S`` at most for
+# its aborted threads) would otherwise find the next launch's cluster of the same index and arrive at its barrier.
 _cluster_of_manager: "weakref.WeakKeyDictionary[object, tuple[_Cluster, int]]" = weakref.WeakKeyDictionary()
 
 
