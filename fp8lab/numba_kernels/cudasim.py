@@ -582,14 +582,18 @@ def _exited_thread_in(cluster: _Cluster) -> bool:
     return any(_exited(t) for manager in list(cluster.managers) for t in _block_threads(manager).values())
 
 
+def _raise_if_aborted(thread, cluster: _Cluster) -> None:
+    if getattr(thread, "abort", False) or cluster.failed:
+        raise RuntimeError("cluster_sync: aborted because another simulated thread failed")
+
+
 def cluster_sync() -> None:
     """The cluster barrier (``barrier.cluster.arrive.release`` then ``wait.acquire``): returns once every thread of
     every CTA of the cluster has arrived."""
     thread = _current_thread()
     cluster, _ = _current_cluster()
     with cluster.condition:
-        if getattr(thread, "abort", False) or cluster.failed:  # an aborted thread must not count as an arrival
-            raise RuntimeError("cluster_sync: aborted because another simulated thread failed")
+        _raise_if_aborted(thread, cluster)  # an aborted thread must not count as an arrival
         generation = cluster.generation
         cluster.arrived += 1
         if len(cluster.managers) == cluster.size and cluster.arrived == cluster.threads():
@@ -602,8 +606,7 @@ def cluster_sync() -> None:
             cluster.condition.wait(_POLL_S)
             if cluster.generation != generation:
                 break
-            if getattr(thread, "abort", False) or cluster.failed:
-                raise RuntimeError("cluster_sync: aborted because another simulated thread failed")
+            _raise_if_aborted(thread, cluster)
             waited = time.monotonic() - started
             if waited > 1.0 and len(cluster.managers) == cluster.size and _exited_thread_in(cluster):
                 raise RuntimeError("cluster_sync: a thread of the cluster exited without arriving (it needs them all)")
